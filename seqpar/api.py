@@ -1,0 +1,204 @@
+"""The public entry points: ``attention``, ``shard``, ``unshard``, ``positions``.
+
+Every call is validated once here (``_validate_inputs``), before any collective, with errors of the form
+"X must Y, got Z (rank r of W)"; then the method module runs. Inputs are the rank's local shards
+``(batch, seq_local, heads, head_dim)`` in the method's token layout (``shard`` puts them there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import methods
+from .config import AttentionConfig
+from .errors import rank_suffix
+from .groups import SeqParallelGroups
+from .kernels import available_kernels
+from .layouts import LAYOUTS
+from .types import AttnOutput
+
+__all__ = ["attention", "positions", "shard", "unshard"]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = None, method: str = "ring",
+              layout: str = "zigzag", causal: bool = True, softmax_scale: float | None = None,
+              kernel: str = "auto", return_lse: bool = False, window_size: tuple[int, int] = (-1, -1),
+              cu_seqlens: torch.Tensor | Sequence[int] | None = None, seq_len: int | None = None,
+              deterministic: bool = False, grad_dtype: torch.dtype = torch.float32, dropout_p: float = 0.0,
+              alibi_slopes: torch.Tensor | None = None, softcap: float = 0.0,
+              **options: Any) -> torch.Tensor | AttnOutput:
+    """Sequence-parallel softmax attention over the ranks of ``mesh``.
+
+    Args:
+        q: local queries ``(B, L, H, D)``, this rank's tokens in the method's layout.
+        k, v: local keys and values ``(B, L, Hkv, D)``; ``H % Hkv == 0`` (GQA/MQA, never replicated).
+        mesh: a DeviceMesh (2D with dims "ulysses", "ring" for ``usp``), a ProcessGroup, or None for the
+            default group.
+        method: one of ``seqpar.methods.available()``.
+        layout: "contiguous", "zigzag" or "stripe" (each method accepts a subset).
+        causal: causal masking in global token positions.
+        softmax_scale: default ``D ** -0.5``.
+        kernel: "auto" or a name from ``seqpar.kernels.available_kernels()``; a named kernel that cannot
+            serve the input raises with the reasons.
+        return_lse: also return the fp32 natural-log lse ``(B, H, L)`` (differentiable).
+        window_size: sliding window ``(left, right)`` in global positions, -1 = unbounded.
+        cu_seqlens: global document boundaries (int32, 0 first, total last): packed documents never
+            attend across boundaries. A CUDA tensor costs one host read per call; pass a CPU tensor or a list.
+        seq_len: the valid global length when the shards carry end padding (``shard(..., pad=True)``).
+        deterministic: bitwise-reproducible results (deterministic kernels, fixed reduction orders).
+        grad_dtype: dtype of gradient partials on the wire (fp32 default; bf16 halves the bytes).
+        dropout_p, alibi_slopes, softcap: not supported yet; non-default values raise.
+        **options: method-specific options (``seqpar.methods.get(method).OPTIONS``).
+
+    Returns:
+        ``out (B, L, H, D)`` in q's dtype, or ``AttnOutput(out, lse)`` with ``return_lse``.
+    """
+    module = methods.get(method)
+    cfg = _config(module, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
+                  window_size=window_size, cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic,
+                  grad_dtype=grad_dtype, dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap,
+                  options=options)
+    groups = SeqParallelGroups.resolve(mesh, module.MESH_DIMS)
+    _validate_inputs(q, k, v, cfg, groups, module)
+    res = module.attention(q, k, v, cfg, groups)
+    return res if return_lse else res.out
+
+
+def _config(module, *, layout, causal, softmax_scale, kernel, window_size, cu_seqlens, seq_len, deterministic,
+            grad_dtype, dropout_p, alibi_slopes, softcap, options) -> AttentionConfig:
+    name = module.NAME
+    unsupported = {"dropout_p": (dropout_p, dropout_p != 0.0), "alibi_slopes": (alibi_slopes, alibi_slopes is not None),
+                   "softcap": (softcap, softcap != 0.0)}
+    for arg, (value, given) in unsupported.items():
+        if given:
+            raise NotImplementedError(f"{arg} is not supported yet (it needs position-keyed handling in every "
+                                      f"schedule); got {arg}={value!r}{rank_suffix()}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}{rank_suffix()}")
+    if layout not in module.LAYOUTS:
+        raise ValueError(f"layout must be one of {list(module.LAYOUTS)} for method={name!r}, got {layout!r}"
+                         f"{rank_suffix()}")
+    if kernel not in available_kernels():
+        raise ValueError(f"kernel must be one of {available_kernels()}, got {kernel!r}{rank_suffix()}")
+    unknown = sorted(set(options) - set(module.OPTIONS))
+    if unknown:
+        raise TypeError(f"method={name!r} takes options {sorted(module.OPTIONS) or 'none'}, got {unknown}"
+                        f"{rank_suffix()}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}{rank_suffix()}")
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    need = {"window": window != (-1, -1), "varlen": cu_seqlens is not None, "padding": seq_len is not None}
+    for feature, used in need.items():
+        if used and feature not in module.FEATURES:
+            raise NotImplementedError(f"method={name!r} does not support {feature} yet{rank_suffix()}")
+    return AttentionConfig(method=name, layout=layout, causal=causal, window_size=window,
+                           softmax_scale=softmax_scale, kernel=kernel, cu_seqlens=_host_cu(cu_seqlens),
+                           seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
+                           options=AttentionConfig.pack_options(options))
+
+
+def _host_cu(cu: torch.Tensor | Sequence[int] | None) -> tuple[int, ...] | None:
+    if cu is None:
+        return None
+    if isinstance(cu, torch.Tensor):
+        if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must be a 1D int32 tensor, got {cu.dtype} of shape {tuple(cu.shape)}"
+                            f"{rank_suffix()}")
+        return tuple(int(x) for x in cu.tolist())
+    return tuple(int(x) for x in cu)
+
+
+def _validate_inputs(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups, module) -> None:
+    """Every check that needs only local facts; raises the same error on every rank given the same input."""
+    rs = rank_suffix()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}{rs}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4D (batch, seq_local, heads, head_dim), got shape "
+                             f"{tuple(t.shape)}{rs}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must have a floating dtype, got {t.dtype}{rs}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}{rs}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}{rs}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}{rs}")
+    (B, L, H, D), (Bk, Lk, Hkv, Dk) = q.shape, k.shape
+    if B != Bk:
+        raise ValueError(f"q and k must have the same batch size, got {B} and {Bk}{rs}")
+    if D != Dk:
+        raise ValueError(f"q and k must have the same head_dim, got {D} and {Dk}{rs}")
+    if L != Lk:
+        raise ValueError(f"q and k must have the same local sequence length (self-attention), got {L} and {Lk}"
+                         f"{rs}")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"heads ({H}) must be a multiple of kv heads ({Hkv}) for GQA/MQA, got H={H}, Hkv={Hkv}{rs}")
+    if L == 0 or B == 0:
+        raise ValueError(f"q must have at least one token and one batch row, got shape {tuple(q.shape)}{rs}")
+    layout, _ = module.placement(cfg.layout, groups)
+    total = L * groups.world
+    if total % layout.divisor:
+        per = layout.divisor // groups.world if layout.divisor % groups.world == 0 else None
+        hint = f"a multiple of {per}" if per else f"such that {groups.world} * seq_local is a multiple of " \
+                                                  f"{layout.divisor}"
+        raise ValueError(f"local sequence length must be {hint} for the {cfg.layout} layout of method="
+                         f"{cfg.method!r} over {groups.world} ranks, got {L}{rs}")
+    valid = cfg.valid_len
+    if valid is not None and not 0 < valid <= total:
+        raise ValueError(f"seq_len / cu_seqlens[-1] must be in [1, {total}] (the global length), got {valid}{rs}")
+    if cfg.cu_seqlens is not None and cfg.seq_len is None and cfg.cu_seqlens[-1] != total:
+        raise ValueError(f"cu_seqlens must end at the global length {total} (or pass seq_len for padded shards), "
+                         f"got {cfg.cu_seqlens[-1]}{rs}")
+
+
+def _placement(mesh: Any, method: str, layout: str):
+    module = methods.get(method)
+    groups = SeqParallelGroups.resolve(mesh, module.MESH_DIMS)
+    if layout not in module.LAYOUTS:
+        raise ValueError(f"layout must be one of {list(module.LAYOUTS)} for method={method!r}, got {layout!r}"
+                         f"{rank_suffix()}")
+    lay, index = module.placement(layout, groups)
+    return lay, index, groups
+
+
+def shard(x: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: str = "zigzag", dim: int = 1,
+          pad: bool = False) -> torch.Tensor:
+    """This rank's tokens of the global tensor ``x`` (a copy), in the method's layout.
+
+    A length the layout cannot split raises, saying the length needed; with ``pad=True`` the end is
+    zero-padded to it instead, and ``attention`` must then get ``seq_len=<the true length>``.
+    """
+    lay, index, _ = _placement(mesh, method, layout)
+    n = x.shape[dim]
+    if n % lay.divisor:
+        if not pad:
+            lay.check_len(n)
+        extra = -n % lay.divisor
+        shape = list(x.shape)
+        shape[dim] = extra
+        x = torch.cat([x, x.new_zeros(shape)], dim)
+    return lay.shard(x, index, dim)
+
+
+def unshard(x: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: str = "zigzag",
+            dim: int = 1, seq_len: int | None = None) -> torch.Tensor:
+    """The global tensor from every rank's shard (a collective: call it on every rank).
+
+    ``seq_len`` drops end padding added by ``shard(..., pad=True)``.
+    """
+    lay, _, groups = _placement(mesh, method, layout)
+    full = lay.unshard(groups.all_gather(x), dim)
+    return full if seq_len is None else full.narrow(dim, 0, seq_len)
+
+
+def positions(seq_len: int, *, mesh: Any = None, method: str = "ring", layout: str = "zigzag",
+              device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions of this rank's tokens, int64 ``(L,)``, in local order (for RoPE)."""
+    lay, index, _ = _placement(mesh, method, layout)
+    lay.check_len(seq_len)
+    return lay.positions(index, seq_len, device)

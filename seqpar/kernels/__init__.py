@@ -1,0 +1,18 @@
+"""Local attention on ONE rank: ``(q, k, v, mask) -> AttnOutput``. Never imports torch.distributed.
+
+Kernels: ``reference`` (pure torch, any device), ``cudnn``, ``flash`` (FA2), ``efficient`` (PyTorch's fused
+kernels; ``sdpa`` names the family), ``flex`` (FlexAttention) and ``flash_attn`` (the package, if
+installed). ``select(name, KernelCall.of(q, k, mask))`` picks one or raises with every reason;
+``kernel="auto"`` ranks cudnn > flash_attn > flash > flex > efficient > reference on CUDA and uses the
+reference on CPU. ``merge`` holds MERGE and the fp32 accumulator.
+"""
+
+from __future__ import annotations
+
+from . import flash_attn, flex, reference, sdpa  # noqa: F401  (registers the kernels)
+from .base import KERNELS, Kernel, KernelCall, available_kernels, mask_kind, select
+from .merge import Accumulator, merge_
+from .reference import attention_reference
+
+__all__ = ["KERNELS", "Accumulator", "Kernel", "KernelCall", "attention_reference", "available_kernels",
+           "mask_kind", "merge_", "select"]

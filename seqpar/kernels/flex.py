@@ -1,0 +1,144 @@
+"""FlexAttention: any band or varlen mask as a compiled block-sparse kernel (CUDA).
+
+The mask becomes a ``mask_mod`` over call-local indices; block masks are cached per (mask, shape, device).
+Flex keeps its lse in base 2 internally; the public lse output is converted in ``_natural_lse`` (the one
+place that knows the convention of the running torch version).
+
+Backward from the FINAL (out, lse): Flex's lse is differentiable, so the block gradient is autograd of the
+recomputed block ``(o_b, l_b)`` with upstream ``w dO`` on ``o_b`` and ``w (rowsum(dO o_b) - Delta)`` on
+``l_b``, where ``w = exp(l_b - lse)`` is the block's merge weight: exactly the chain rule through MERGE.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..masks import Band, Mask
+from ..types import AttnOutput
+from .base import Kernel, KernelCall, register
+
+__all__ = ["FlexKernel"]
+
+
+@functools.lru_cache(maxsize=1)
+def _lse_request() -> dict:
+    """``return_aux=AuxRequest(lse=True)`` where this torch has it, else the older ``return_lse=True``."""
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:
+        return {"return_lse": True}
+    return {"return_aux": AuxRequest(lse=True)}
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(device: torch.device):
+    """The compiled kernel on CUDA; the eager (unfused) one elsewhere, used only by the CPU tests."""
+    if device.type == "cuda":
+        return _compiled()
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+def _natural_lse(lse: torch.Tensor) -> torch.Tensor:
+    """Flex's public lse output is already natural log (torch >= 2.5; probed in reference/KERNELS.md)."""
+    return lse.float()
+
+
+def _mask_mod(mask: Mask, m: int, n: int, device: torch.device):
+    if isinstance(mask, Band):
+        lo, hi = mask.lo, mask.hi
+
+        def band_mod(b, h, qi, ki):
+            d = ki - qi
+            ok = d == d
+            if lo is not None:
+                ok = ok & (d >= lo)
+            if hi is not None:
+                ok = ok & (d <= hi)
+            return ok
+        return band_mod
+    left, right = mask.window
+    q_seg = torch.empty(m, dtype=torch.int32)
+    k_seg = torch.full((n,), -1, dtype=torch.int32)
+    q_diag = torch.empty(m, dtype=torch.int32)        # the key index (segment-local) of each query's diagonal
+    k_idx = torch.empty(n, dtype=torch.int32)
+    for s in range(len(mask.cu_q) - 1):
+        qa, qb, ka, kb = mask.cu_q[s], mask.cu_q[s + 1], mask.cu_k[s], mask.cu_k[s + 1]
+        q_seg[qa:qb], k_seg[ka:kb] = s, s
+        q_diag[qa:qb] = torch.arange(qb - qa, dtype=torch.int32) + ((kb - ka) - (qb - qa))
+        k_idx[ka:kb] = torch.arange(kb - ka, dtype=torch.int32)
+    q_seg, k_seg, q_diag, k_idx = (t.to(device) for t in (q_seg, k_seg, q_diag, k_idx))
+
+    def varlen_mod(b, h, qi, ki):
+        d = k_idx[ki] - q_diag[qi]
+        ok = q_seg[qi] == k_seg[ki]
+        if left >= 0:
+            ok = ok & (d >= -left)
+        if right >= 0:
+            ok = ok & (d <= right)
+        return ok
+    return varlen_mod
+
+
+@functools.lru_cache(maxsize=64)
+def _block_mask(mask: Mask, m: int, n: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(_mask_mod(mask, m, n, device), None, None, m, n, device=device)
+
+
+class FlexKernel(Kernel):
+    """``torch.nn.attention.flex_attention`` with a block mask built from the call's mask."""
+
+    name = "flex"
+    auto_rank = {"cuda": 50}
+
+    def not_supported_reasons(self, call: KernelCall) -> list[str]:
+        r = []
+        try:
+            import torch.nn.attention.flex_attention
+        except ImportError as e:
+            r.append(f"flex_attention is not importable in this torch ({e})")
+        if call.device != "cuda":
+            r.append(f"runs on CUDA only (compiled flex on CPU is inference-only), got {call.device!r}")
+        if call.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            r.append(f"dtype must be fp16, bf16 or fp32, got {call.dtype}")
+        if call.head_dim < 16 or call.head_dim & (call.head_dim - 1) or call.head_dim > 256:
+            r.append(f"head_dim must be a power of two in [16, 256], got {call.head_dim}")
+        return r
+
+    def _run(self, q, k, v, mask: Mask, scale: float) -> AttnOutput:
+        bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
+        o, lse = _flex(q.device)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale,
+                             enable_gqa=q.shape[2] != k.shape[2], **_lse_request())
+        return AttnOutput(o.transpose(1, 2), _natural_lse(lse if torch.is_tensor(lse) else lse.lse))
+
+    def forward(self, q, k, v, mask: Mask, scale: float) -> AttnOutput:
+        with torch.no_grad():
+            o, lse = self._run(q, k, v, mask, scale)
+        return AttnOutput(o, lse.masked_fill(~torch.isfinite(lse), float("-inf")))
+
+    def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, deterministic=False):
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        with torch.enable_grad():
+            o_b, l_b = self._run(qg, kg, vg, mask, scale)
+            l_b = l_b.masked_fill(~torch.isfinite(l_b.detach()), float("-inf"))
+            w = torch.exp(l_b.detach() - lse.float()).nan_to_num_(0.0)      # the block's merge weight
+            if delta is None:
+                delta = (do.float() * out.float()).sum(-1).transpose(1, 2)
+            d_ob = (do.float() * o_b.detach().float()).sum(-1).transpose(1, 2)
+            g_o = do.float() * w.transpose(1, 2).unsqueeze(-1)
+            g_l = w * (d_ob - delta)
+            return torch.autograd.grad((o_b, l_b), (qg, kg, vg), (g_o.to(o_b.dtype), g_l.to(l_b.dtype)))
+
+
+register(FlexKernel())

@@ -1,0 +1,79 @@
+"""MERGE: combine partial attention results over disjoint key sets, in fp32, in place (ALGORITHMS.md §1.3).
+
+Two partials of the same query rows, each normalised over its own keys, ``(o_a, l_a)`` and ``(o_b, l_b)``::
+
+    l = logaddexp(l_a, l_b)                 # = max + log1p(exp(-|l_a - l_b|)): never overflows
+    o = exp(l_a - l) * o_a + exp(l_b - l) * o_b
+
+Only exponentials of non-positive numbers are taken. A row that neither part saw (both -inf) stays
+(0, -inf): the weights ``exp(-inf - -inf)`` are NaN and are replaced by 0, so fully masked queries give
+zeros, never NaN. The accumulator starts as (0, -inf); the merge order is fixed by each schedule, so
+results are bitwise reproducible for a given kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Accumulator", "merge_", "merge_weights"]
+
+
+def merge_weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(w_a, w_b, lse)`` with ``lse = logaddexp(lse_a, lse_b)`` and ``w = exp(lse_x - lse)`` (0, not NaN)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).nan_to_num_(0.0)
+    w_b = torch.exp(lse_b - lse).nan_to_num_(0.0)
+    return w_a, w_b, lse
+
+
+def merge_(acc_out_BSHD: torch.Tensor, acc_lse_BHS: torch.Tensor, out_BSHD: torch.Tensor,
+           lse_BHS: torch.Tensor) -> None:
+    """Merge the partial ``(out, lse)`` into the fp32 accumulator views ``(acc_out, acc_lse)``, in place.
+
+    Args:
+        acc_out_BSHD: fp32 (or fp64) accumulator rows ``(B, S, H, D)``, a view into the full accumulator.
+        acc_lse_BHS: the matching lse rows ``(B, H, S)``.
+        out_BSHD: the partial output of the same rows, any float dtype.
+        lse_BHS: its lse, fp32.
+    """
+    w_a, w_b, lse = merge_weights(acc_lse_BHS, lse_BHS.to(acc_lse_BHS.dtype))
+    acc_out_BSHD.mul_(w_a.transpose(1, 2).unsqueeze(-1))
+    acc_out_BSHD.addcmul_(out_BSHD, w_b.transpose(1, 2).unsqueeze(-1).to(acc_out_BSHD.dtype))
+    acc_lse_BHS.copy_(lse)
+
+
+class Accumulator:
+    """The running ``(out, lse)`` of one rank's query rows: fp32 (fp64 for fp64 inputs).
+
+    ``add(rows, out, lse)`` merges a partial for ``rows``; the first partial that covers every row is
+    copied instead of merged (no pass over a zero accumulator). ``result(dtype)`` ends the pass.
+    """
+
+    def __init__(self, like_BSHD: torch.Tensor):
+        self._like = like_BSHD
+        self.acc_dtype = torch.float64 if like_BSHD.dtype == torch.float64 else torch.float32
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def _init(self) -> None:
+        B, S, H, _ = self._like.shape
+        self.out = torch.zeros(self._like.shape, dtype=self.acc_dtype, device=self._like.device)
+        self.lse = torch.full((B, H, S), float("-inf"), dtype=self.acc_dtype, device=self._like.device)
+
+    def add(self, rows: slice, out_BSHD: torch.Tensor, lse_BHS: torch.Tensor) -> None:
+        full = rows.start == 0 and rows.stop == self._like.shape[1]
+        if self.out is None and full:
+            self.out = out_BSHD.to(self.acc_dtype)     # a kernel's fresh output: ours to update in place
+            self.lse = lse_BHS.to(self.acc_dtype)
+            return
+        if self.out is None:
+            self._init()
+        assert self.lse is not None
+        merge_(self.out[:, rows], self.lse[:, :, rows], out_BSHD, lse_BHS)
+
+    def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out in dtype, lse in fp32 or fp64)``; rows no partial reached are (0, -inf)."""
+        if self.out is None:
+            self._init()
+        assert self.out is not None and self.lse is not None
+        return self.out.to(dtype), self.lse

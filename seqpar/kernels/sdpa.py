@@ -1,0 +1,252 @@
+"""PyTorch's built-in fused attention kernels, called through their aten entry points (CUDA only).
+
+What each gives from Python (reference/KERNELS.md, probed on H100/H200, torch 2.11):
+
+=========  =================================================  ===========================================
+kernel     serves                                             notes
+=========  =================================================  ===========================================
+cudnn      full and causal bands (lo unbounded), GQA native   fastest at head dim 128 (~1.7x FA2 on H200);
+                                                              causal is top-left only: a band
+                                                              ``Band(None, hi > 0)`` runs as full keys
+                                                              ``[0, hi)`` + top-left causal keys ``[hi, n)``,
+                                                              merged in fp32
+flash      every band (bottom-right windows), varlen, GQA     FA2; lse ``(B, H, S)``; varlen lse ``(H, T)``
+efficient  full and causal bands, fp32 too; KV replicated     memory-efficient kernel; lse padded to 32
+           locally for GQA
+=========  =================================================  ===========================================
+
+Rows that see no key come back from FA2 with lse = +inf; adapters turn that into -inf (our contract) and
+turn -inf back into +inf before a backward call (exp(s - (+inf)) = 0 where exp(s - (-inf)) would be inf).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from ..masks import Band, Mask, Varlen, bottom_right_window
+from ..types import AttnOutput
+from .base import Kernel, KernelCall, band_of, register
+from .merge import merge_
+
+__all__ = ["CudnnKernel", "EfficientKernel", "FlashKernel"]
+
+aten = torch.ops.aten
+_HALF = (torch.float16, torch.bfloat16)
+_INF = float("inf")
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    """``(B, S, H, D)`` <-> ``(B, H, S, D)`` view."""
+    return x.transpose(1, 2)
+
+
+def _gpu_reasons(call: KernelCall, dtypes: tuple[torch.dtype, ...], max_dim: int) -> list[str]:
+    r = []
+    if call.device != "cuda":
+        r.append(f"runs on CUDA only, got device {call.device!r}")
+    if call.dtype not in dtypes:
+        r.append(f"dtype must be one of {[str(d) for d in dtypes]}, got {call.dtype}")
+    if call.head_dim > max_dim or call.head_dim % 8:
+        r.append(f"head_dim must be a multiple of 8 up to {max_dim}, got {call.head_dim}")
+    if call.needs_delta:
+        r.append("backward recomputes Delta from out; it cannot take a precomputed Delta")
+    return r
+
+
+def _causal_parts(band: Band, n: int) -> list[tuple[slice, bool]]:
+    """A band with ``lo`` unbounded as (key slice, top-left causal?) calls: full keys [0, hi) + causal rest."""
+    if band.is_full:
+        return [(slice(0, n), False)]
+    assert band.lo is None and band.hi is not None and band.hi >= 0
+    if band.hi == 0:
+        return [(slice(0, n), True)]
+    return [(slice(0, band.hi), False), (slice(band.hi, n), True)]
+
+
+def _merge_parts(parts: list[AttnOutput]) -> AttnOutput:
+    if len(parts) == 1:
+        return parts[0]
+    out, lse = parts[0].out.float(), parts[0].lse.clone()
+    for p in parts[1:]:
+        merge_(out, lse, p.out, p.lse)
+    return AttnOutput(out, lse)
+
+
+def _split_backward(fn, do, q, k, v, out, lse, band: Band):
+    """Backward of a split band: dq sums over parts, dk/dv concatenate along keys."""
+    grads = [fn(do, q, k[:, ks], v[:, ks], out, lse, causal) for ks, causal in _causal_parts(band, k.shape[1])]
+    if len(grads) == 1:
+        return grads[0]
+    return (sum(g[0].float() for g in grads), torch.cat([g[1] for g in grads], 1), torch.cat([g[2] for g in grads], 1))
+
+
+@contextlib.contextmanager
+def _deterministic(on: bool):
+    """FA2's backward reads PyTorch's global deterministic flag; set it for one call only."""
+    if not on or torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+class CudnnKernel(Kernel):
+    """cuDNN attention (``aten._scaled_dot_product_cudnn_attention``): full and causal blocks, GQA native."""
+
+    name = "cudnn"
+    auto_rank = {"cuda": 90}
+
+    def not_supported_reasons(self, call: KernelCall) -> list[str]:
+        r = _gpu_reasons(call, _HALF, 128)
+        if call.mask in ("band", "varlen"):
+            r.append(f"no {call.mask} masks from Python (top-left causal only); use flash or flex")
+        if call.deterministic:
+            r.append("its backward is not deterministic")
+        if call.device == "cuda" and not torch.backends.cudnn.is_available():
+            r.append("this PyTorch build has no cuDNN")
+        return r
+
+    @staticmethod
+    def _fwd(q, k, v, causal: bool, scale: float) -> AttnOutput:
+        res = aten._scaled_dot_product_cudnn_attention(_t(q), _t(k), _t(v), None, True, 0.0, causal, False,
+                                                       scale=scale)
+        return AttnOutput(_t(res[0]), res[1].squeeze(-1))
+
+    @staticmethod
+    def _bwd(do, q, k, v, out, lse, causal: bool, *, scale: float):
+        lse4 = lse.contiguous().unsqueeze(-1)
+        seed = torch.empty(0, dtype=torch.int64, device=q.device)        # dropout is 0: never read
+        g = aten._scaled_dot_product_cudnn_attention_backward(
+            _t(do), _t(q), _t(k), _t(v), _t(out), lse4, seed, seed, None, None, None,
+            q.shape[1], k.shape[1], 0.0, causal, scale=scale)
+        return _t(g[0]), _t(g[1]), _t(g[2])
+
+    def forward(self, q, k, v, mask: Mask, scale: float) -> AttnOutput:
+        band = band_of(mask)
+        return _merge_parts([self._fwd(q, k[:, ks], v[:, ks], causal, scale)
+                             for ks, causal in _causal_parts(band, k.shape[1])])
+
+    def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, deterministic=False):
+        return _split_backward(lambda *a: self._bwd(*a, scale=scale), do, q, k, v, out, lse, band_of(mask))
+
+
+@functools.lru_cache(maxsize=256)
+def _cu_tensor(cu: tuple[int, ...], batch: int, stride: int, device: torch.device) -> torch.Tensor:
+    """Varlen offsets for ``batch`` packed copies of one row layout (``stride`` rows each), int32."""
+    full = [c + b * stride for b in range(batch) for c in (cu if b == 0 else cu[1:])]
+    return torch.tensor(full, dtype=torch.int32, device=device)
+
+
+def _rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(2, dtype=torch.int64, device=device), torch.empty(0, device=device)
+
+
+class FlashKernel(Kernel):
+    """FlashAttention-2 inside PyTorch (``aten._flash_attention_forward``): bands, varlen, GQA native."""
+
+    name = "flash"
+    auto_rank = {"cuda": 70}
+
+    def not_supported_reasons(self, call: KernelCall) -> list[str]:
+        return _gpu_reasons(call, _HALF, 256)
+
+    @staticmethod
+    def _window(mask: Mask, m: int, n: int) -> tuple[bool, int | None, int | None]:
+        left, right = mask.window if isinstance(mask, Varlen) else bottom_right_window(mask, m, n)
+        if (left, right) == (-1, 0):
+            return True, None, None
+        return False, (None if left < 0 else left), (None if right < 0 else right)
+
+    @staticmethod
+    def _packed(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+    def forward(self, q, k, v, mask: Mask, scale: float) -> AttnOutput:
+        B, m, H, _ = q.shape
+        n = k.shape[1]
+        causal, wl, wr = self._window(mask, m, n)
+        if isinstance(mask, Band):
+            o, lse, *_ = aten._flash_attention_forward(q, k, v, None, None, m, n, 0.0, causal, False, scale=scale,
+                                                        window_size_left=wl, window_size_right=wr)
+            return AttnOutput(o, lse)
+        cq, ck = _cu_tensor(mask.cu_q, B, m, q.device), _cu_tensor(mask.cu_k, B, n, q.device)
+        o, lse, *_ = aten._flash_attention_forward(self._packed(q), self._packed(k), self._packed(v), cq, ck,
+                                                    mask.max_q, mask.max_k, 0.0, causal, False, scale=scale,
+                                                    window_size_left=wl, window_size_right=wr)
+        lse = lse.reshape(H, B, m).permute(1, 0, 2)
+        return AttnOutput(o.reshape(B, m, H, -1), lse.masked_fill(lse == _INF, -_INF))
+
+    def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, deterministic=False):
+        B, m, H, _ = q.shape
+        n = k.shape[1]
+        causal, wl, wr = self._window(mask, m, n)
+        rng, unused = _rng(q.device)
+        lse_k = lse.masked_fill(lse == -_INF, _INF)
+        with _deterministic(deterministic):
+            if isinstance(mask, Band):
+                return aten._flash_attention_backward(do, q, k, v, out, lse_k.contiguous(), None, None, m, n, 0.0,
+                                                      causal, rng, unused, scale=scale, window_size_left=wl,
+                                                      window_size_right=wr)
+            cq, ck = _cu_tensor(mask.cu_q, B, m, q.device), _cu_tensor(mask.cu_k, B, n, q.device)
+            g = aten._flash_attention_backward(
+                self._packed(do), self._packed(q), self._packed(k), self._packed(v), self._packed(out),
+                lse_k.permute(1, 0, 2).reshape(H, B * m).contiguous(), cq, ck, mask.max_q, mask.max_k, 0.0,
+                causal, rng, unused, scale=scale, window_size_left=wl, window_size_right=wr)
+        return g[0].reshape(q.shape), g[1].reshape(k.shape), g[2].reshape(v.shape)
+
+
+class EfficientKernel(Kernel):
+    """Memory-efficient attention (``aten._efficient_attention_forward``): fp32 on GPU, full/causal blocks."""
+
+    name = "efficient"
+    auto_rank = {"cuda": 20}
+
+    def not_supported_reasons(self, call: KernelCall) -> list[str]:
+        r = _gpu_reasons(call, (*_HALF, torch.float32), 128)
+        if call.mask in ("band", "varlen"):
+            r.append(f"no {call.mask} masks through this entry point; use flash or flex")
+        if call.deterministic:
+            r.append("its backward is not deterministic")
+        return r
+
+    @staticmethod
+    def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+        return x if x.shape[2] == heads else x.repeat_interleave(heads // x.shape[2], dim=2)
+
+    def _fwd(self, q, k, v, causal: bool, scale: float) -> AttnOutput:
+        H = q.shape[2]
+        o, lse, *_ = aten._efficient_attention_forward(q, self._expand(k, H), self._expand(v, H), None, None, None,
+                                                        None, None, 0.0, 1 if causal else 0, True, scale=scale)
+        return AttnOutput(o, lse[:, :, : q.shape[1]])
+
+    def _bwd(self, do, q, k, v, out, lse, causal: bool, scale: float):
+        B, m, H, _ = q.shape
+        g = k.shape[2]
+        lse_pad = lse.new_full((B, H, -(-m // 32) * 32), _INF)
+        lse_pad[:, :, :m] = lse
+        seed = torch.zeros((), dtype=torch.int64, device=q.device)
+        dq, dk, dv, _ = aten._efficient_attention_backward(
+            do, q, self._expand(k, H), self._expand(v, H), None, out, None, None, m, k.shape[1], lse_pad, 0.0,
+            seed, seed, 1 if causal else 0, False, scale=scale)
+        if g != H:
+            dk = dk.unflatten(2, (g, H // g)).sum(3)
+            dv = dv.unflatten(2, (g, H // g)).sum(3)
+        return dq, dk, dv
+
+    def forward(self, q, k, v, mask: Mask, scale: float) -> AttnOutput:
+        return _merge_parts([self._fwd(q, k[:, ks], v[:, ks], causal, scale)
+                             for ks, causal in _causal_parts(band_of(mask), k.shape[1])])
+
+    def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, deterministic=False):
+        return _split_backward(lambda *a: self._bwd(*a, scale), do, q, k, v, out, lse, band_of(mask))
+
+
+register(CudnnKernel())
+register(FlashKernel())
+register(EfficientKernel())

@@ -1,0 +1,292 @@
+"""The block planner: which query rows see which key rows, as few kernel calls as possible.
+
+Every method asks the same question at every step: "my queries (these global positions) against that key
+block (those global positions), under this rule (causal, window, documents, padding): what must I compute?"
+The answer is a tuple of ``Task``s, each one kernel call ``(q rows, k rows, mask)`` with the mask in the
+call's own coordinates (``seqpar.masks``). Blocks that see nothing are skipped, never computed and masked.
+
+Positions come as ``Segments``: runs of local rows whose global positions advance by a common ``stride``
+(1 for contiguous and zigzag layouts, W for stripe). Documents cut runs, so a run never spans two
+documents; padding is document -1, which sees nothing and is seen by nothing.
+
+Note [Block planning]
+    1. For every (query run, key run) pair, the visible set is a band ``lo <= j - i <= hi`` in run-local
+       coordinates (same document only): positions are affine in the local index with the same stride,
+       and every rule (causal, window) bounds ``key_pos - query_pos``.
+    2. Try to cover all non-empty pairs with ONE call: the bounding rows x columns with a single band,
+       verified against every pair inside, empty ones included. Zigzag's diagonal step (front and back
+       chunks, both in global order) and its off-diagonal steps each become one call this way.
+    3. Otherwise one call per query run, its key runs grouped greedily left to right by the same test.
+    4. Trim each call to the bounding box of what it shows. A trimmed band always has
+       ``lo <= n - m <= hi`` (n key rows, m query rows), so it is a flash-attn bottom-right window, and a
+       band with ``lo`` unbounded is "full" plus a top-left causal square that cuDNN serves.
+    Rows of a call that see nothing are trimmed away; rows no call covers keep (out, lse) = (0, -inf).
+    ``tests/test_blocks.py`` checks all of this against a dense mask for random layouts and rules.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..masks import Band, Varlen, bottom_right_window
+
+__all__ = ["Rule", "Run", "Segments", "Task", "group_varlen", "plan", "visible_dense"]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -((-a) // b)
+
+
+@dataclass(frozen=True)
+class Run:
+    """``length`` local rows from ``local``; global positions ``glob + stride * i``; document ``doc``."""
+
+    local: int
+    glob: int
+    length: int
+    doc: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.local + self.length
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A rank's rows (or a gathered buffer's) as consecutive runs sharing one global ``stride``."""
+
+    runs: tuple[Run, ...]
+    stride: int = 1
+
+    def __post_init__(self) -> None:
+        at = self.runs[0].local if self.runs else 0
+        for r in self.runs:
+            if r.local != at or r.length <= 0:
+                raise ValueError(f"runs must be consecutive and non-empty, got {self.runs}")
+            at = r.end
+
+    @property
+    def length(self) -> int:
+        return sum(r.length for r in self.runs)
+
+    def positions(self) -> list[int]:
+        """Global position of every row, in local order (for tests and RoPE)."""
+        return [r.glob + self.stride * i for r in self.runs for i in range(r.length)]
+
+    def shifted(self, offset: int) -> Segments:
+        """The same runs placed ``offset`` rows later (a block inside a larger buffer)."""
+        return Segments(tuple(Run(r.local + offset, r.glob, r.length, r.doc) for r in self.runs), self.stride)
+
+    @staticmethod
+    def concat(parts: Sequence[Segments]) -> Segments:
+        """Buffers laid end to end (e.g. an all-gather in rank order)."""
+        runs, at = [], 0
+        for p in parts:
+            if p.stride != parts[0].stride:
+                raise ValueError("segments to concatenate must share a stride")
+            runs.extend(Run(r.local - (p.runs[0].local if p.runs else 0) + at, r.glob, r.length, r.doc)
+                        for r in p.runs)
+            at += p.length
+        return Segments(tuple(runs), parts[0].stride if parts else 1)
+
+    def cut(self, doc_bounds: Sequence[int] | None = None, valid_len: int | None = None) -> Segments:
+        """Split runs at document boundaries (global ``cu_seqlens``) and mark positions past the end as pad.
+
+        Document d covers global positions ``doc_bounds[d]:doc_bounds[d+1]``; positions at or past the last
+        bound (or ``valid_len`` when there are no documents) are padding, doc -1.
+        """
+        if doc_bounds is None and valid_len is None:
+            return self
+        bounds = list(doc_bounds) if doc_bounds is not None else [0, valid_len]
+        if valid_len is not None and bounds[-1] != valid_len:
+            raise ValueError(f"documents must end at the valid length {valid_len}, got {bounds[-1]}")
+        out: list[Run] = []
+        s = self.stride
+        for r in self.runs:
+            a = 0
+            while a < r.length:
+                pos = r.glob + s * a
+                if pos >= bounds[-1]:
+                    doc, nxt = -1, r.length                  # positions only grow along a run
+                else:
+                    doc = bisect.bisect_right(bounds, pos) - 1
+                    nxt = min(r.length, _ceil_div(bounds[doc + 1] - r.glob, s))
+                out.append(Run(r.local + a, pos, nxt - a, doc))
+                a = nxt
+        return Segments(tuple(out), s)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Global visibility: causal (key pos <= query pos) and a flash-attn window ``(left, right)``, -1 = none.
+
+    With ``causal`` the right window is 0 whatever is given (flash-attn's convention).
+    """
+
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+
+    def delta_bounds(self) -> tuple[int | None, int | None]:
+        """Bounds on ``key_pos - query_pos`` (None = unbounded)."""
+        left, right = self.window
+        lo = None if left < 0 else -left
+        hi = 0 if self.causal else (None if right < 0 else right)
+        return lo, hi
+
+
+@dataclass(frozen=True)
+class Task:
+    """One kernel call: query rows ``q_start:q_stop`` against key rows ``k_start:k_stop`` under ``mask``."""
+
+    q_start: int
+    q_stop: int
+    k_start: int
+    k_stop: int
+    mask: Band | Varlen
+
+    @property
+    def q(self) -> slice:
+        return slice(self.q_start, self.q_stop)
+
+    @property
+    def k(self) -> slice:
+        return slice(self.k_start, self.k_stop)
+
+    @property
+    def rows(self) -> int:
+        return self.q_stop - self.q_start
+
+    @property
+    def cols(self) -> int:
+        return self.k_stop - self.k_start
+
+
+_Eff = tuple[int, int] | None   # an effective (clipped) band on a block, or None when it shows nothing
+
+
+def _clip(lo: int | None, hi: int | None, m: int, n: int) -> _Eff:
+    lo_e = -(m - 1) if lo is None else max(lo, -(m - 1))
+    hi_e = n - 1 if hi is None else min(hi, n - 1)
+    return None if lo_e > hi_e else (lo_e, hi_e)
+
+
+def _pair_band(qr: Run, kr: Run, stride: int, lo_g: int | None, hi_g: int | None) -> _Eff:
+    if qr.doc != kr.doc or qr.doc < 0:
+        return None
+    d0 = kr.glob - qr.glob                      # key_pos - query_pos = d0 + stride * (j - i)
+    lo = None if lo_g is None else _ceil_div(lo_g - d0, stride)
+    hi = None if hi_g is None else (hi_g - d0) // stride
+    return _clip(lo, hi, qr.length, kr.length)
+
+
+class _Grid:
+    """The (query run x key run) matrix of effective bands."""
+
+    def __init__(self, q: Segments, k: Segments, rule: Rule):
+        if q.stride != k.stride:
+            raise ValueError(f"query and key segments must share a stride, got {q.stride} and {k.stride}")
+        lo_g, hi_g = rule.delta_bounds()
+        self.q, self.k = q.runs, k.runs
+        self.bands = [[_pair_band(qr, kr, q.stride, lo_g, hi_g) for kr in k.runs] for qr in q.runs]
+
+    def merged(self, i0: int, i1: int, j0: int, j1: int) -> tuple[int, int] | None:
+        """The single call band covering runs i0..i1 x j0..j1 exactly, or None if there is none."""
+        q0, k0 = self.q[i0].local, self.k[j0].local
+        cands = [(b[0] + s, b[1] + s) for i in range(i0, i1 + 1) for j in range(j0, j1 + 1)
+                 if (b := self.bands[i][j]) is not None
+                 for s in [(self.k[j].local - k0) - (self.q[i].local - q0)]]
+        if not cands:
+            return None
+        lo, hi = min(c[0] for c in cands), max(c[1] for c in cands)
+        for i in range(i0, i1 + 1):
+            for j in range(j0, j1 + 1):
+                s = (self.k[j].local - k0) - (self.q[i].local - q0)
+                if _clip(lo - s, hi - s, self.q[i].length, self.k[j].length) != self.bands[i][j]:
+                    return None
+        return lo, hi
+
+    def task(self, i0: int, i1: int, j0: int, j1: int, band: tuple[int, int]) -> Task:
+        """Trim the call to the bounding box of what it shows and canonicalise its band."""
+        q0, k0 = self.q[i0].local, self.k[j0].local
+        m, n = self.q[i1].end - q0, self.k[j1].end - k0
+        lo, hi = band
+        r0, r1 = max(0, -hi), min(m - 1, n - 1 - lo)
+        c0, c1 = max(0, lo), min(n - 1, m - 1 + hi)
+        lo, hi = lo + r0 - c0, hi + r0 - c0
+        m, n = r1 - r0 + 1, c1 - c0 + 1
+        mask = Band(None if lo <= -(m - 1) else lo, None if hi >= n - 1 else hi)
+        return Task(q0 + r0, q0 + r1 + 1, k0 + c0, k0 + c1 + 1, mask)
+
+
+def plan(q: Segments, k: Segments, rule: Rule) -> tuple[Task, ...]:
+    """The kernel calls that compute queries ``q`` against keys ``k`` under ``rule`` (Note [Block planning])."""
+    g = _Grid(q, k, rule)
+    rows = [i for i in range(len(g.q)) if any(b is not None for b in g.bands[i])]
+    cols = [j for j in range(len(g.k)) if any(g.bands[i][j] is not None for i in rows)]
+    if not rows:
+        return ()
+    whole = g.merged(rows[0], rows[-1], cols[0], cols[-1])
+    if whole is not None:
+        return (g.task(rows[0], rows[-1], cols[0], cols[-1], whole),)
+    tasks = []
+    for i in rows:
+        mine = [j for j in cols if g.bands[i][j] is not None]
+        start = 0
+        while start < len(mine):
+            end = start
+            while end + 1 < len(mine) and g.merged(i, i, mine[start], mine[end + 1]) is not None:
+                end += 1
+            band = g.merged(i, i, mine[start], mine[end])
+            assert band is not None  # a single non-empty pair always merges with itself
+            tasks.append(g.task(i, i, mine[start], mine[end], band))
+            start = end + 1
+    return tuple(tasks)
+
+
+def group_varlen(tasks: Sequence[Task]) -> tuple[Task, ...]:
+    """Pack tasks into flash-attn varlen calls: same bottom-right window, disjoint increasing rows and keys.
+
+    Returns Band tasks unchanged where a group would hold a single task. Used by kernels with a varlen
+    path when a step has many small per-document tasks (one launch instead of one per document).
+    """
+    groups: list[tuple[tuple[int, int], list[Task]]] = []
+    for t in sorted(tasks, key=lambda t: (t.q_start, t.k_start)):
+        assert isinstance(t.mask, Band)
+        w = bottom_right_window(t.mask, t.rows, t.cols)
+        for gw, members in groups:
+            last = members[-1]
+            if gw == w and t.q_start >= last.q_stop and t.k_start >= last.k_stop:
+                members.append(t)
+                break
+        else:
+            groups.append((w, [t]))
+    out = []
+    for w, members in groups:
+        if len(members) == 1:
+            out.append(members[0])
+            continue
+        cu_q, cu_k = [0], [0]
+        q0, k0 = members[0].q_start, members[0].k_start
+        for t in members:
+            if t.q_start - q0 > cu_q[-1]:          # query rows between tasks: a segment with no keys
+                cu_q.append(t.q_start - q0)
+                cu_k.append(cu_k[-1])
+            if t.k_start - k0 > cu_k[-1]:          # key rows between tasks: a segment with no queries
+                cu_q.append(cu_q[-1])
+                cu_k.append(t.k_start - k0)
+            cu_q.append(t.q_stop - q0)
+            cu_k.append(t.k_stop - k0)
+        out.append(Task(q0, members[-1].q_stop, k0, members[-1].k_stop, Varlen(tuple(cu_q), tuple(cu_k), w)))
+    return tuple(out)
+
+
+def visible_dense(q_pos: Sequence[int], k_pos: Sequence[int], rule: Rule,
+                  q_doc: Sequence[int] | None = None, k_doc: Sequence[int] | None = None) -> list[list[bool]]:
+    """The truth the planner must reproduce, as nested lists (tests only; O(Sq * Sk))."""
+    lo, hi = rule.delta_bounds()
+    qd = q_doc or [0] * len(q_pos)
+    kd = k_doc or [0] * len(k_pos)
+    return [[qd[i] == kd[j] and qd[i] >= 0 and (lo is None or kp - qp >= lo) and (hi is None or kp - qp <= hi)
+             for j, kp in enumerate(k_pos)] for i, qp in enumerate(q_pos)]

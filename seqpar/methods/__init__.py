@@ -1,0 +1,38 @@
+"""One module per method, the same anatomy in each; a method never imports another.
+
+Every method module defines:
+
+    NAME       the ``method=`` string
+    LAYOUTS    layouts it accepts (first = default when the caller's layout does not apply)
+    MESH_DIMS  1 (a group or 1D mesh) or 2 (a ("ulysses", "ring") mesh)
+    OPTIONS    method-specific keyword options and their defaults (anything else is an error)
+    FEATURES   the subset of {"window", "varlen", "padding", "lse_grad"} it serves (others raise)
+    placement(layout, groups) -> (Layout, index)   where the tokens live, for shard/unshard/positions
+    _forward / _backward, the autograd Function, then attention(q, k, v, cfg, groups) -> AttnOutput
+
+Code two methods share (the pass-KV ring loop) lives in private ``_``-modules here. To add a method, copy
+the anatomy of ``ring.py``, register its module below, and add it to the oracle tests and the demo.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["available", "get"]
+
+_MODULES = {
+    "ring": "seqpar.methods.ring",
+}
+
+
+def available() -> list[str]:
+    """Names ``seqpar.attention(method=...)`` accepts."""
+    return list(_MODULES)
+
+
+def get(name: str) -> ModuleType:
+    """The module implementing ``name``; ValueError listing the valid names otherwise."""
+    if name not in _MODULES:
+        raise ValueError(f"method must be one of {available()}, got {name!r}")
+    return importlib.import_module(_MODULES[name])

@@ -1,0 +1,206 @@
+"""Oracle test cases: describe a call, run it on every rank, compare with the dense oracle.
+
+    case = Case(method="ring", layout="zigzag", causal=True, seq_len=64, heads=4, kv_heads=2)
+    results = pool.run(run_case, case)          # on every rank: shard, attention, backward
+    report = check_case(case, results)          # in the parent: unshard, oracle, tolerances
+    assert report.ok, report
+
+Workers return their local out, lse, dq, dk, dv and the global positions of their rows, so the parent
+reassembles the global tensors without knowing the method's layout. Tolerances are in ``tolerances.py``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from .oracle import dense_attention
+from .tolerances import FIELDS, Verdict, judge
+
+__all__ = ["Case", "Report", "check_case", "make_inputs", "run_case"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One distributed attention call with seeded global inputs."""
+
+    method: str = "ring"
+    layout: str = "zigzag"
+    causal: bool = True
+    batch: int = 1
+    seq_len: int = 64
+    """Global length of the (padded) tensors."""
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    dtype: str = "float32"
+    window: tuple[int, int] = (-1, -1)
+    cu_seqlens: tuple[int, ...] | None = None
+    valid_len: int | None = None
+    """Valid global length (``seq_len=`` of attention) when the end is padding."""
+    kernel: str = "reference"
+    options: tuple[tuple[str, Any], ...] = ()
+    ulysses: int | None = None
+    """Ulysses degree for 2D methods (mesh built with ``make_mesh``)."""
+    placement: str = "contiguous"
+    scale: float | None = None
+    lse_grad: bool = False
+    """Backpropagate through lse as well as out."""
+    deterministic: bool = False
+    device: str = "cpu"
+    seed: int = 0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def label(self) -> str:
+        parts = [self.method, self.layout, "causal" if self.causal else "full", f"H{self.heads}/{self.kv_heads}",
+                 self.dtype, f"S{self.seq_len}", f"B{self.batch}"]
+        if self.window != (-1, -1):
+            parts.append(f"win{self.window}")
+        if self.cu_seqlens is not None:
+            parts.append(f"docs{len(self.cu_seqlens) - 1}")
+        if self.valid_len is not None:
+            parts.append(f"valid{self.valid_len}")
+        if self.ulysses is not None:
+            parts.append(f"U{self.ulysses}{self.placement[0]}")
+        parts += [f"{k}={v}" for k, v in self.options]
+        return " ".join(parts)
+
+    def with_(self, **kw: Any) -> Case:
+        return replace(self, **kw)
+
+
+def make_inputs(case: Case) -> tuple[torch.Tensor, ...]:
+    """Global ``q, k, v, do, dlse`` (fp32 draws cast to the case dtype), identical on every rank."""
+    g = torch.Generator().manual_seed(case.seed)
+    B, S, H, Hkv, D = case.batch, case.seq_len, case.heads, case.kv_heads, case.head_dim
+    draw = [torch.randn(B, S, h, D, generator=g) for h in (H, Hkv, Hkv, H)]
+    dlse = torch.randn(B, H, S, generator=g)
+    return (*[t.to(case.torch_dtype) for t in draw], dlse)
+
+
+_MESHES: dict[tuple[int, str], Any] = {}
+
+
+def _mesh(case: Case):
+    if case.ulysses is None:
+        return None
+    import seqpar
+
+    key = (case.ulysses, case.placement)
+    if key not in _MESHES:                        # mesh creation is collective: cache per worker
+        _MESHES[key] = seqpar.make_mesh(ulysses=case.ulysses, placement=case.placement,
+                                        device_type="cuda" if case.device == "cuda" else "cpu")
+    return _MESHES[key]
+
+
+def run_case(case: Case) -> dict[str, Any]:
+    """Worker side: shard the global inputs, run forward and backward, return local results (CPU)."""
+    import seqpar
+
+    dev = torch.device(case.device if case.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+    mesh = _mesh(case)
+    q, k, v, do, dlse = (t.to(dev) for t in make_inputs(case))
+    where = {"mesh": mesh, "method": case.method, "layout": case.layout}
+    ql, kl, vl = (seqpar.shard(t, **where).requires_grad_() for t in (q, k, v))
+    dol = seqpar.shard(do, **where)
+    dlsel = seqpar.shard(dlse, dim=2, **where)
+    t0 = time.perf_counter()
+    res = seqpar.attention(ql, kl, vl, causal=case.causal, window_size=case.window, cu_seqlens=case.cu_seqlens,
+                           seq_len=case.valid_len, kernel=case.kernel, softmax_scale=case.scale, return_lse=True,
+                           deterministic=case.deterministic, **where, **dict(case.options))
+    t1 = time.perf_counter()
+    loss = (res.out.float() * dol.float()).sum()
+    if case.lse_grad:
+        loss = loss + (torch.where(torch.isfinite(res.lse), res.lse, 0.0) * dlsel).sum()
+    loss.backward()
+    t2 = time.perf_counter()
+    out = {"out": res.out, "lse": res.lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+    local = {k_: t.detach().cpu() for k_, t in out.items()}
+    local["positions"] = seqpar.positions(case.seq_len, **where).cpu()
+    local["times"] = (t1 - t0, t2 - t1)
+    return local
+
+
+def _unshard(parts: list[torch.Tensor], positions: list[torch.Tensor], seq_len: int, dim: int) -> torch.Tensor:
+    shape = list(parts[0].shape)
+    shape[dim] = seq_len
+    full = parts[0].new_zeros(shape)
+    for p, pos in zip(parts, positions):
+        full.index_copy_(dim, pos, p)
+    return full
+
+
+@dataclass
+class Report:
+    """Errors of one case against the oracle, per field, and the verdict."""
+
+    case: Case
+    verdicts: dict[str, Verdict] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    times: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems and all(v.ok for v in self.verdicts.values())
+
+    def max_error(self, fields: tuple[str, ...]) -> float:
+        return max((self.verdicts[f].error for f in fields if f in self.verdicts), default=0.0)
+
+    def __str__(self) -> str:
+        lines = [f"{'PASS' if self.ok else 'FAIL'} {self.case.label()}"]
+        lines += [f"  {name}: {v}" for name, v in self.verdicts.items()]
+        lines += [f"  problem: {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def check_case(case: Case, results: list[dict[str, Any]]) -> Report:
+    """Parent side: reassemble the global results and judge them against the dense oracle."""
+    report = Report(case, times=max(r["times"] for r in results))
+    pos = [r["positions"] for r in results]
+    q, k, v, do, dlse = make_inputs(case)
+    got = {f: _unshard([r[f] for r in results], pos, case.seq_len, 2 if f == "lse" else 1) for f in FIELDS}
+    want_dtype = {"out": q.dtype, "dq": q.dtype, "dk": k.dtype, "dv": v.dtype}
+    for f, dt in want_dtype.items():
+        if got[f].dtype != dt:
+            report.problems.append(f"{f} has dtype {got[f].dtype}, want the input dtype {dt}")
+    lse_dt = torch.float64 if case.dtype == "float64" else torch.float32
+    if got["lse"].dtype != lse_dt:
+        report.problems.append(f"lse has dtype {got['lse'].dtype}, want {lse_dt}")
+    kw = {"causal": case.causal, "window": case.window, "cu_seqlens": case.cu_seqlens,
+          "valid_len": case.valid_len, "scale": case.scale}
+    do_eff = do
+    truth = dense_attention(q, k, v, do_eff, dtype=torch.float64, **kw)
+    if case.lse_grad:
+        truth = _with_lse_grad(q, k, v, do, dlse, kw)
+    base = None
+    if case.dtype in ("bfloat16", "float16"):
+        base = dense_attention(q, k, v, do, dtype=case.torch_dtype, upcast_softmax=False, **kw)
+    for f in FIELDS:
+        report.verdicts[f] = judge(f, got[f], truth[f], None if base is None else base[f], case.dtype)
+    return report
+
+
+def _with_lse_grad(q, k, v, do, dlse, kw) -> dict[str, torch.Tensor]:
+    """fp64 oracle for a loss that also uses lse (finite entries only)."""
+    from .oracle import dense_mask
+
+    _, S, H, D = q.shape
+    G = H // k.shape[2]
+    scale = D ** -0.5 if kw["scale"] is None else kw["scale"]
+    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", qd, kd.repeat_interleave(G, 2)) * scale
+    vis = dense_mask(S, causal=kw["causal"], window=kw["window"], cu_seqlens=kw["cu_seqlens"],
+                     valid_len=kw["valid_len"])
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vd.repeat_interleave(G, 2))
+    loss = (out * do.double()).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse.double()).sum()
+    dq, dk, dv = torch.autograd.grad(loss, (qd, kd, vd))
+    return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}

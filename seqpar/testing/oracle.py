@@ -1,0 +1,68 @@
+"""The oracle: dense attention on the whole (gathered) sequence in one process, with an explicit mask.
+
+``dense_attention`` builds the full ``(S, S)`` visibility from global positions (causal, window, documents,
+padding) - deliberately independent of the block planner - and differentiates with autograd. It runs in
+any dtype: fp64 is the truth; the input dtype gives the "single-device computation" whose error sets the
+tolerance for low-precision runs (``tolerances.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["dense_attention", "dense_mask"]
+
+
+def dense_mask(seq_len: int, *, causal: bool, window: tuple[int, int] = (-1, -1),
+               cu_seqlens: Sequence[int] | None = None, valid_len: int | None = None,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean ``(S, S)``: query p sees key t."""
+    p = torch.arange(seq_len, device=device)
+    d = p[None, :] - p[:, None]                      # key - query
+    vis = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device)
+    left, right = window
+    if causal:
+        vis &= d <= 0
+    elif right >= 0:
+        vis &= d <= right
+    if left >= 0:
+        vis &= d >= -left
+    end = valid_len if valid_len is not None else (cu_seqlens[-1] if cu_seqlens is not None else seq_len)
+    doc = torch.full((seq_len,), -1, dtype=torch.long, device=device)
+    bounds = list(cu_seqlens) if cu_seqlens is not None else [0, end]
+    for i in range(len(bounds) - 1):
+        doc[bounds[i]:bounds[i + 1]] = i
+    doc[end:] = -1
+    vis &= (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
+    return vis
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor | None = None, *,
+                    causal: bool, window: tuple[int, int] = (-1, -1), cu_seqlens: Sequence[int] | None = None,
+                    valid_len: int | None = None, scale: float | None = None, dtype: torch.dtype = torch.float64,
+                    upcast_softmax: bool = True) -> dict[str, torch.Tensor]:
+    """Dense attention on global ``(B, S, H, D)`` tensors, computed in ``dtype``.
+
+    Returns ``out``, ``lse`` (``(B, H, S)``, -inf for rows that see nothing) and, with ``do``, ``dq``,
+    ``dk``, ``dv`` (by autograd). ``upcast_softmax=False`` keeps the softmax in ``dtype`` too (the naive
+    single-device low-precision computation).
+    """
+    _, S, H, D = q.shape
+    G = H // k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    qd, kd, vd = (t.detach().to(dtype).requires_grad_(do is not None) for t in (q, k, v))
+    kr, vr = kd.repeat_interleave(G, dim=2), vd.repeat_interleave(G, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", qd, kr) * scale
+    vis = dense_mask(S, causal=causal, window=window, cu_seqlens=cu_seqlens, valid_len=valid_len, device=q.device)
+    s = s.masked_fill(~vis, float("-inf"))
+    sm = s.float() if upcast_softmax and dtype in (torch.float16, torch.bfloat16) else s
+    lse = torch.logsumexp(sm, dim=-1)
+    p = torch.exp(sm - lse.unsqueeze(-1)).nan_to_num(0.0).to(dtype)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vr)
+    res = {"out": out.detach(), "lse": lse.detach().float() if dtype != torch.float64 else lse.detach()}
+    if do is not None:
+        dq, dk, dv = torch.autograd.grad(out, (qd, kd, vd), do.to(dtype))
+        res.update(dq=dq, dk=dk, dv=dv)
+    return res

@@ -1,0 +1,67 @@
+"""How close is close enough: the flash-attn rule, not hand-tuned numbers.
+
+Error is the normalised max error ``max |got - truth| / max |truth|`` against the fp64 oracle.
+
+* fp64 inputs: at most 1e-10.
+* fp32 inputs: at most 1e-5 (our kernels accumulate in fp32; the oracle is fp64).
+* bf16 / fp16 inputs: at most twice the error of a single-device computation in the same dtype (the dense
+  computation with every op in that dtype), plus a floor of 1e-6 - flash-attn's test rule.
+
+lse must have -inf exactly where the oracle does (rows that see nothing) and is compared on finite
+entries; out and the gradients must be finite everywhere (fully masked rows give zeros, not NaN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FIELDS", "Verdict", "judge", "rel_error"]
+
+FIELDS = ("out", "lse", "dq", "dk", "dv")
+_ABS = {"float64": 1e-10, "float32": 1e-5}
+_FLOOR = 1e-6
+
+
+def rel_error(got: torch.Tensor, truth: torch.Tensor) -> float:
+    """``max |got - truth| / max |truth|`` over finite truth entries (absolute when truth is all zero)."""
+    finite = torch.isfinite(truth)
+    g, t = got.double()[finite], truth.double()[finite]
+    if t.numel() == 0:
+        return 0.0
+    scale = t.abs().max().item()
+    return (g - t).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+@dataclass
+class Verdict:
+    error: float
+    limit: float
+    baseline: float | None = None
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.note and self.error <= self.limit
+
+    def __str__(self) -> str:
+        base = f" (single-device {self.baseline:.2e})" if self.baseline is not None else ""
+        return f"error {self.error:.2e} limit {self.limit:.2e}{base}{' ' + self.note if self.note else ''}"
+
+
+def judge(name: str, got: torch.Tensor, truth: torch.Tensor, baseline: torch.Tensor | None, dtype: str) -> Verdict:
+    """The verdict for one field; ``baseline`` is the same-dtype single-device result (low precision)."""
+    note = ""
+    if name == "lse":
+        if not torch.equal(torch.isneginf(got), torch.isneginf(truth)):
+            note = "lse is -inf on different rows than the oracle"
+        if torch.isnan(got).any() or torch.isposinf(got).any():
+            note = "lse has NaN or +inf"
+    elif not torch.isfinite(got).all():
+        note = f"{name} has NaN or inf"
+    err = rel_error(got, truth)
+    if baseline is None:
+        return Verdict(err, _ABS.get(dtype, 1e-5), None, note)
+    base_err = rel_error(baseline, truth)
+    return Verdict(err, 2.0 * base_err + _FLOOR, base_err, note)

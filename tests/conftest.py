@@ -1,0 +1,52 @@
+"""Shared fixtures: process pools reused per world size (at most two alive at once, 2-core CI)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from seqpar.testing import ProcessPool
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+class _Pools:
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self.pools: dict[int, ProcessPool] = {}
+
+    def __call__(self, world: int) -> ProcessPool:
+        if world not in self.pools:
+            while len(self.pools) >= self.keep:
+                oldest = next(iter(self.pools))
+                self.pools.pop(oldest).close()
+            self.pools[world] = ProcessPool(world, timeout=600)
+        else:                                    # most recently used last
+            self.pools[world] = self.pools.pop(world)
+        return self.pools[world]
+
+    def close(self) -> None:
+        for p in self.pools.values():
+            p.close()
+        self.pools.clear()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """``pools(W)`` -> a live ProcessPool of W gloo ranks."""
+    p = _Pools()
+    yield p
+    p.close()
+
+
+def run_cases(pool: ProcessPool, cases) -> list:
+    """Run each case on the pool and judge it; returns the reports (callers assert)."""
+    from seqpar.testing import check_case, run_case
+
+    return [check_case(c, pool.run(run_case, c)) for c in cases]
+
+
+def assert_all_ok(reports) -> None:
+    bad = [str(r) for r in reports if not r.ok]
+    assert not bad, f"{len(bad)} of {len(reports)} cases failed:\n" + "\n".join(bad)

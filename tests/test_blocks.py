@@ -1,0 +1,108 @@
+"""The block planner against a dense mask: every visible pair computed exactly once, nothing else."""
+
+import random
+
+import pytest
+
+from seqpar.layouts import Contiguous, Nested, Rule, Segments, Stripe, Zigzag, group_varlen, plan
+from seqpar.layouts.blocks import visible_dense
+from seqpar.masks import Band, Varlen, bottom_right_window
+
+
+def _band_cells(task):
+    m, n = task.rows, task.cols
+    lo, hi = task.mask.lo, task.mask.hi
+    return {(task.q_start + i, task.k_start + j) for i in range(m) for j in range(n)
+            if (lo is None or j - i >= lo) and (hi is None or j - i <= hi)}
+
+
+def _varlen_cells(task):
+    cells = set()
+    cu_q, cu_k, (left, right) = task.mask.cu_q, task.mask.cu_k, task.mask.window
+    for s in range(len(cu_q) - 1):
+        m, n = cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s]
+        for i in range(m):
+            for j in range(n):
+                d = j - i - (n - m)
+                if (left < 0 or d >= -left) and (right < 0 or d <= right):
+                    cells.add((task.q_start + cu_q[s] + i, task.k_start + cu_k[s] + j))
+    return cells
+
+
+def _check(qseg: Segments, kseg: Segments, rule: Rule):
+    truth = visible_dense(qseg.positions(), kseg.positions(), rule,
+                          [r.doc for r in qseg.runs for _ in range(r.length)],
+                          [r.doc for r in kseg.runs for _ in range(r.length)])
+    want = {(i, j) for i, row in enumerate(truth) for j, v in enumerate(row) if v}
+    tasks = plan(qseg, kseg, rule)
+    got: list = []
+    for t in tasks:
+        assert isinstance(t.mask, Band)
+        bottom_right_window(t.mask, t.rows, t.cols)   # every trimmed band is a flash-attn window
+        cells = _band_cells(t)
+        assert cells, f"task {t} computes nothing"
+        got.extend(cells)
+    assert len(got) == len(set(got)), "a (query, key) pair is computed twice"
+    assert set(got) == want
+    grouped = group_varlen(tasks)
+    got2 = [c for t in grouped for c in (_varlen_cells(t) if isinstance(t.mask, Varlen) else _band_cells(t))]
+    assert len(got2) == len(set(got2)) and set(got2) == want
+    return tasks
+
+
+@pytest.mark.parametrize("layout_cls", [Contiguous, Zigzag, Stripe])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+def test_plan_layouts(layout_cls, world, causal):
+    lay = layout_cls(world)
+    seq = lay.divisor * 3
+    for r in range(world):
+        for j in range(world):
+            tasks = _check(lay.segments(r, seq), lay.segments(j, seq), Rule(causal))
+            assert len(tasks) <= 1, "a plain layout step must be one kernel call"
+
+
+def test_zigzag_rule():
+    """Note [Zigzag load balance]: diagonal causal, j < i front keys only, j > i back queries only."""
+    lay, seq = Zigzag(4), 32
+    h = 4
+    for i in range(4):
+        for j in range(4):
+            (t,) = plan(lay.segments(i, seq), lay.segments(j, seq), Rule(True))
+            if i == j:
+                assert (t.q, t.k, t.mask) == (slice(0, 2 * h), slice(0, 2 * h), Band(None, 0))
+            elif j < i:
+                assert (t.q, t.k, t.mask) == (slice(0, 2 * h), slice(0, h), Band())
+            else:
+                assert (t.q, t.k, t.mask) == (slice(h, 2 * h), slice(0, 2 * h), Band())
+
+
+def test_random_documents_windows_and_padding():
+    rng = random.Random(0)
+    for _ in range(300):
+        world = rng.choice([1, 2, 3, 4, 5])
+        lay = rng.choice([Contiguous, Zigzag, Stripe])(world)
+        seq = lay.divisor * rng.randint(1, 4)
+        valid = rng.randint(1, seq)
+        cuts = sorted(rng.sample(range(1, valid), min(rng.randint(0, 5), valid - 1))) if valid > 1 else []
+        bounds = [0, *cuts, valid]
+        left = rng.choice([-1, 0, 1, 3, 7])
+        right = rng.choice([-1, 0, 2, 5])
+        rule = Rule(rng.random() < 0.5, (left, right))
+        r, j = rng.randrange(world), rng.randrange(world)
+        _check(lay.segments(r, seq).cut(bounds), lay.segments(j, seq).cut(bounds), rule)
+
+
+def test_gathered_buffer_and_nested():
+    lay = Zigzag(3)
+    seq = 24
+    gathered = Segments.concat([lay.segments(r, seq) for r in range(3)])
+    for r in range(3):
+        _check(lay.segments(r, seq), gathered, Rule(True))
+    nested = Nested(6, outer=Zigzag(3), inner=2)
+    assert sorted(p for r in range(6) for p in nested.segments(r, 24).positions()) == list(range(24))
+
+
+def test_cut_marks_padding():
+    seg = Contiguous(2).segments(1, 8).cut([0, 3, 6])
+    assert [(r.glob, r.length, r.doc) for r in seg.runs] == [(4, 2, 1), (6, 2, -1)]
