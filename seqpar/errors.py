@@ -23,7 +23,10 @@ class UnsupportedInputError(NotImplementedError):
 
 
 def rank_suffix() -> str:
-    """" (rank r of W)" when torch.distributed is initialised, else "" - appended to every error message."""
+    """" (rank r of W)" when torch.distributed is initialised, else "" - appended to every error message.
+
+    A read-only query, imported lazily so that importing errors (from any layer) never pulls in distributed.
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

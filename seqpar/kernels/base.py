@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import UnsupportedInputError
+from ..errors import UnsupportedInputError, rank_suffix
 from ..masks import Band, Mask, Varlen
 from ..types import AttnOutput
 
@@ -109,7 +109,7 @@ def _candidates(name: str, device: str) -> list[Kernel]:
     if name in FAMILIES:
         return [KERNELS[n] for n in FAMILIES[name]]
     if name not in KERNELS:
-        raise ValueError(f"kernel must be one of {available_kernels()}, got {name!r}")
+        raise ValueError(f"kernel must be one of {available_kernels()}, got {name!r}{rank_suffix()}")
     return [KERNELS[name]]
 
 
@@ -129,7 +129,7 @@ def select(name: str, call: KernelCall) -> Kernel:
         reasons[kernel.name] = why
     if not reasons:
         reasons[name] = [f"no kernel is ranked for device {call.device!r}"]
-    raise UnsupportedInputError(f"kernel={name!r} cannot serve {call}:", reasons)
+    raise UnsupportedInputError(f"kernel={name!r} cannot serve {call}{rank_suffix()}:", reasons)
 
 
 def band_of(mask: Mask) -> Band:

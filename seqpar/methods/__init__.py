@@ -19,6 +19,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from ..errors import rank_suffix
+
 __all__ = ["available", "get"]
 
 _MODULES = {
@@ -34,5 +36,5 @@ def available() -> list[str]:
 def get(name: str) -> ModuleType:
     """The module implementing ``name``; ValueError listing the valid names otherwise."""
     if name not in _MODULES:
-        raise ValueError(f"method must be one of {available()}, got {name!r}")
+        raise ValueError(f"method must be one of {available()}, got {name!r}{rank_suffix()}")
     return importlib.import_module(_MODULES[name])

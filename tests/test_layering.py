@@ -1,0 +1,78 @@
+"""The one-way import rule, enforced by an AST scan (docs/DESIGN.md, "Layers")."""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "seqpar"
+
+# package -> packages it must not import (directly or by relative import)
+FORBIDDEN = {
+    "kernels": {"methods", "comm", "api", "modules", "integrations", "bench", "planner", "groups", "torch.distributed"},
+    "comm": {"methods", "kernels", "api", "modules", "integrations", "bench", "planner"},
+    "layouts": {"methods", "kernels", "comm", "api", "modules", "integrations", "bench", "planner", "groups",
+                "torch.distributed"},
+    "methods": {"api", "modules", "integrations", "bench"},
+}
+BASE = {"types", "errors", "masks", "config"}
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """Absolute module names imported by ``path`` (relative imports resolved inside seqpar)."""
+    rel = path.relative_to(ROOT.parent).with_suffix("")
+    pkg = list(rel.parts[:-1])
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg[: len(pkg) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+                names.add(mod)
+                names |= {f"{mod}.{a.name}" for a in node.names}
+            else:
+                names.add(node.module or "")
+    return names
+
+
+def _layer(name: str) -> str | None:
+    parts = name.split(".")
+    if parts[0] == "seqpar" and len(parts) > 1:
+        return parts[1]
+    if name.startswith("torch.distributed"):
+        return "torch.distributed"
+    return None
+
+
+def test_imports_run_one_way():
+    bad = []
+    for path in ROOT.rglob("*.py"):
+        layer = path.relative_to(ROOT).parts[0]
+        forbidden = FORBIDDEN.get(layer)
+        if forbidden is None:
+            continue
+        for name in _imports(path):
+            target = _layer(name)
+            if target in forbidden:
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_methods_never_import_each_other():
+    methods = {p.stem for p in (ROOT / "methods").glob("*.py") if not p.stem.startswith("_")}
+    bad = []
+    for path in (ROOT / "methods").glob("*.py"):
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[:2] == ["seqpar", "methods"] and len(parts) > 2 and parts[2] in methods and parts[2] != path.stem:
+                bad.append(f"methods/{path.name} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_base_modules_import_nothing_above_them():
+    for stem in BASE:
+        for name in _imports(ROOT / f"{stem}.py"):
+            target = _layer(name)
+            lazy = (target, stem) == ("torch.distributed", "errors")
+            allowed = target is None or target in BASE | {"layouts"} or lazy
+            assert allowed, f"{stem}.py imports {name}"
