@@ -53,18 +53,19 @@ def _natural_lse(lse: torch.Tensor) -> torch.Tensor:
     return lse.float()
 
 
+_BIG = 1 << 30
+
+
 def _mask_mod(mask: Mask, m: int, n: int, device: torch.device):
+    """The mask as a ``mask_mod`` whose parameters are tensors, so dynamo compiles one kernel per mask family
+    (band, varlen) rather than one per mask."""
     if isinstance(mask, Band):
-        lo, hi = mask.lo, mask.hi
+        bounds = torch.tensor([-_BIG if mask.lo is None else mask.lo, _BIG if mask.hi is None else mask.hi],
+                              device=device)
 
         def band_mod(b, h, qi, ki):
             d = ki - qi
-            ok = d == d
-            if lo is not None:
-                ok = ok & (d >= lo)
-            if hi is not None:
-                ok = ok & (d <= hi)
-            return ok
+            return (d >= bounds[0]) & (d <= bounds[1])
         return band_mod
     left, right = mask.window
     q_seg = torch.empty(m, dtype=torch.int32)
@@ -77,15 +78,11 @@ def _mask_mod(mask: Mask, m: int, n: int, device: torch.device):
         q_diag[qa:qb] = torch.arange(qb - qa, dtype=torch.int32) + ((kb - ka) - (qb - qa))
         k_idx[ka:kb] = torch.arange(kb - ka, dtype=torch.int32)
     q_seg, k_seg, q_diag, k_idx = (t.to(device) for t in (q_seg, k_seg, q_diag, k_idx))
+    win = torch.tensor([_BIG if left < 0 else left, _BIG if right < 0 else right], device=device)
 
     def varlen_mod(b, h, qi, ki):
         d = k_idx[ki] - q_diag[qi]
-        ok = q_seg[qi] == k_seg[ki]
-        if left >= 0:
-            ok = ok & (d >= -left)
-        if right >= 0:
-            ok = ok & (d <= right)
-        return ok
+        return (q_seg[qi] == k_seg[ki]) & (d >= -win[0]) & (d <= win[1])
     return varlen_mod
 
 

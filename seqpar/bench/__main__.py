@@ -1,0 +1,261 @@
+"""``torchrun --nproc-per-node N -m seqpar.bench --preset table [--peers] [--scaling]``
+
+For each preset, in one run: the single-GPU cuDNN kernel on the full sequence divided by N (the limit),
+every seqpar method, and (``--peers``) ring-flash-attn, yunchang and PyTorch's context parallel through
+``.peers/``. Timing: warm-up, CUDA events, median of several, the slowest rank; peak GPU memory per rank;
+with ``--profile`` the exposed communication of each seqpar method from a profiler trace. Records are
+appended as JSON lines as they are measured (a killed run keeps what it measured), then a table and a
+PNG plot are written next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import methods
+from .presets import PRESETS, TABLE, MethodSpec, Preset, method_specs
+from .report import console_table, load, plot, readme_table
+from .runners import limit_runner, ours_runner, peer_runners
+from .timing import exposed_comm_ms, peak_mem_gib, reset_peak, time_ms
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m seqpar.bench", description=__doc__)
+    ap.add_argument("--preset", action="append", default=[],
+                    help=f"preset name, 'table' (the performance table) or 'all'; known: {', '.join(PRESETS)}")
+    ap.add_argument("--peers", action="store_true", help="also time the peers (needs .peers/ on PYTHONPATH)")
+    ap.add_argument("--methods", default="", help="comma-separated labels or method names to keep (default all)")
+    ap.add_argument("--modes", default="", help="restrict modes, e.g. fwd+bwd")
+    ap.add_argument("--scaling", action="store_true", help="strong (128K) and weak (32K/GPU) scaling on 1, 2, N GPUs")
+    ap.add_argument("--profile", action="store_true", help="measure exposed communication of seqpar methods")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--budget-s", type=float, default=0.0, help="stop starting new configurations after this")
+    ap.add_argument("--out", default="benchmarks/results", help="directory for the JSONL, table and plot")
+    ap.add_argument("--tag", default="", help="file name tag")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    return ap.parse_args(argv)
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)) if args.device == "cuda" else None)
+        if args.device == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.t0 = time.monotonic()
+        self.meta = self._meta()
+        out = Path(args.out)
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M")
+        name = f"{platform.node()}-{self.world}x{self.meta['gpu'].replace(' ', '_')}-{stamp}{args.tag}"
+        self.path = out / f"{name}.jsonl"
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        self.done = 0
+        self.limits: dict[tuple, float] = {}
+
+    def _meta(self) -> dict:
+        cuda = self.device.type == "cuda"
+        nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+        cmd = f"torchrun --nproc-per-node {self.world} -m seqpar.bench " + shlex.join(sys.argv[1:])
+        return {"host": platform.node(), "gpu": torch.cuda.get_device_name(self.device) if cuda else "cpu",
+                "torch": torch.__version__, "nccl": nccl, "cudnn": torch.backends.cudnn.version() if cuda else None,
+                "command": cmd, "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[{time.monotonic() - self.t0:6.0f}s] {msg}", file=sys.stderr, flush=True)
+
+    def over_budget(self) -> bool:
+        return bool(self.args.budget_s) and time.monotonic() - self.t0 > self.args.budget_s
+
+    def write(self, rec: dict) -> None:
+        if self.rank == 0:
+            with self.path.open("a") as f:
+                f.write(json.dumps({**rec, **self.meta}) + "\n")
+
+    def _agree(self, ok: bool, group=None) -> bool:
+        """Whether every rank of ``group`` succeeded (so all take the same branch, never a hang)."""
+        t = torch.tensor([1 if ok else 0], device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        return bool(t.item())
+
+    def modes(self, preset: Preset) -> list[str]:
+        want = [m for m in self.args.modes.split(",") if m]
+        return [m for m in preset.modes if not want or m in want]
+
+    # ------------------------------------------------------------------------------------------- limit
+    def limit(self, preset: Preset, seq_len: int | None = None) -> dict[str, float]:
+        """Single-GPU cuDNN time on the full sequence (rank 0 computes, the others wait)."""
+        s = preset.seq_len if seq_len is None else seq_len
+        key = (preset.name, s)
+        if key in self.limits:
+            return self.limits[key]
+        measure_at = preset.limit_from or s
+        res: dict[str, float] = {}
+        runner = limit_runner(preset, self.device, measure_at) if self.rank == 0 else None
+        for mode in self.modes(preset):
+            fn = runner[mode] if runner else (lambda: None)
+            t = time_ms(fn, self.device, warmup=1, iters=3)
+            res[mode] = t * (preset.flops(mode, s) / preset.flops(mode, measure_at))
+            self.write({"preset": preset.name, "method": "limit:cudnn-1gpu", "mode": mode, "world_size": 1,
+                        "seq_len": s, "time_ms": res[mode], "measured_at": measure_at})
+        del runner
+        self._free()
+        self.limits[key] = res
+        return res
+
+    def _free(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------------------------------- one config
+    def time_config(self, preset: Preset, label: str, build, limit: dict[str, float], *, profile: bool,
+                    world: int | None = None, group=None, extra: dict | None = None) -> None:
+        world = world or self.world
+        runner, err = None, None
+        try:
+            runner = build()
+        except Exception as e:      # a peer that cannot run this preset: recorded, not fatal
+            err = f"{type(e).__name__}: {e}"
+        if not self._agree(err is None, group):
+            err = err or "failed on another rank"
+            for mode in self.modes(preset):
+                self._record(preset, label, mode, world, None, limit, err=err, extra=extra)
+            return
+        for mode in self.modes(preset):
+            reset_peak(self.device)
+            try:
+                t = time_ms(runner[mode], self.device, warmup=self.args.warmup, iters=self.args.iters, group=group)
+                err = None
+            except Exception as e:
+                t, err = None, f"{type(e).__name__}: {str(e)[:300]}"
+            if not self._agree(err is None, group):
+                self._record(preset, label, mode, world, None, limit, err=err or "failed on another rank",
+                             extra=extra)
+                continue
+            rec_extra = dict(extra or {})
+            rec_extra["peak_mem_gib"] = peak_mem_gib(self.device, group)
+            if profile and self.args.profile and mode == "fwd+bwd":
+                comm, exposed = exposed_comm_ms(runner[mode], self.device)
+                rec_extra.update(comm_ms=comm, exposed_comm_ms=exposed)
+            self._record(preset, label, mode, world, t, limit, extra=rec_extra)
+        if "__exit__" in runner:
+            runner["__exit__"]()
+        del runner
+        self._free()
+
+    def _record(self, preset, label, mode, world, t, limit, *, err=None, extra=None) -> None:
+        self.done += 1
+        rec = {"preset": preset.name, "method": label, "mode": mode, "world_size": world,
+               "time_ms": t, "limit_ms": limit[mode] / world, "heads": preset.heads, "kv_heads": preset.kv_heads,
+               "seq_len": preset.seq_len, "head_dim": preset.head_dim, "causal": preset.causal,
+               "dtype": preset.dtype, "target": preset.targets.get(mode), "min_mem_gib": preset.min_mem_gib(world)}
+        rec.update(extra or {})
+        if t is not None:
+            rec["efficiency"] = rec["limit_ms"] / t
+        if err:
+            rec["error"] = err
+        self.write(rec)
+        eff = f"eff {rec['efficiency']:.3f}" if t is not None else f"FAILED {err}"
+        self.log(f"#{self.done} {preset.name} {label} {mode}: "
+                 f"{'' if t is None else f'{t:.2f} ms '}{eff}")
+
+    # ------------------------------------------------------------------------------------------- runs
+    def run_preset(self, preset: Preset) -> None:
+        self.log(f"preset {preset.name}: S={preset.seq_len} H={preset.heads}/{preset.kv_heads} "
+                 f"causal={preset.causal} on {self.world} ranks")
+        limit = self.limit(preset)
+        keep = [m for m in self.args.methods.split(",") if m]
+        for spec in method_specs(preset, self.world, methods.available()):
+            if keep and spec.label not in keep and spec.method not in keep:
+                continue
+            if self.over_budget():
+                self.log("budget reached: skipping the rest")
+                return
+            self.time_config(preset, spec.label, lambda s=spec: ours_runner(s, preset, self.device), limit,
+                             profile=True)
+        if self.args.peers and self.device.type == "cuda":
+            for label, factory in peer_runners(preset, self.device).items():
+                if self.over_budget():
+                    return
+                self.time_config(preset, label, factory, limit, profile=False)
+
+    def run_scaling(self) -> None:
+        """Strong: global 128K on 1, 2, N GPUs; weak: 32K per GPU. ring/zigzag and allgather/zigzag."""
+        sizes = sorted({1, 2, self.world})
+        groups = {n: (dist.new_group(list(range(n))) if n < self.world else None) for n in sizes}
+        base = PRESETS["gqa-causal-128k"] if self.device.type == "cuda" else PRESETS["tiny-causal"]
+        per_gpu = base.seq_len // 4
+        specs = [MethodSpec("ring", "zigzag")] + \
+            ([MethodSpec("allgather", "zigzag")] if "allgather" in methods.available() else [])
+        for kind in ("strong", "weak"):
+            for n in sizes:
+                seq = base.seq_len if kind == "strong" else per_gpu * n
+                preset = Preset(name=f"{kind}-{base.name}", heads=base.heads, kv_heads=base.kv_heads, seq_len=seq,
+                                causal=True, head_dim=base.head_dim, dtype=base.dtype)
+                limit = self.limit(preset)
+                if self.rank >= n:
+                    continue
+                for spec in specs:
+                    if self.over_budget():
+                        return
+                    g = groups[n]
+                    self.time_config(preset, spec.label,
+                                     lambda s=spec, g=g, p=preset: ours_runner(s, p, self.device, g),
+                                     limit, profile=False, world=n, group=g, extra={"scaling": kind})
+            dist.barrier()
+
+
+def _select(names: list[str]) -> list[Preset]:
+    out: list[str] = []
+    for n in names or ["table"]:
+        out += list(TABLE) if n == "table" else (list(PRESETS) if n == "all" else [n])
+    unknown = [n for n in out if n not in PRESETS]
+    if unknown:
+        raise SystemExit(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}, table, all")
+    return [PRESETS[n] for n in out]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    presets = _select(args.preset)
+    if "RANK" not in os.environ:
+        raise SystemExit("launch with torchrun: torchrun --nproc-per-node N -m seqpar.bench ...")
+    bench = Bench(args)
+    for preset in presets:
+        if bench.over_budget():
+            break
+        bench.run_preset(preset)
+    if args.scaling and not bench.over_budget():
+        bench.run_scaling()
+    dist.barrier()
+    if bench.rank == 0:
+        rows = load([bench.path])
+        table = console_table(rows)
+        print(table)
+        print()
+        print(readme_table(rows))
+        bench.path.with_suffix(".md").write_text(table + "\n\n" + readme_table(rows) + "\n")
+        msg = plot(rows, bench.path.with_suffix(".png"))
+        print(msg or f"plot: {bench.path.with_suffix('.png')}")
+        print(f"records: {bench.path}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

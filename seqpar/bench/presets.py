@@ -1,0 +1,119 @@
+"""Benchmark presets: the performance issue's table, long-context runs, and CPU smoke sizes.
+
+Each preset is a frozen config; ``targets`` and ``best_peer`` are the efficiency goals and the best peer
+figures measured before seqpar existed (reference/PEERS.md §12), kept beside the preset so reports can
+show them. Efficiency = single-GPU cuDNN time on the full sequence / N / our time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["PRESETS", "MethodSpec", "Preset", "method_specs"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preset:
+    name: str
+    """Preset name, e.g. "mha-causal-128k"."""
+    heads: int
+    """Query heads."""
+    kv_heads: int
+    """Key/value heads (GQA when fewer than heads)."""
+    seq_len: int
+    """Global sequence length."""
+    causal: bool
+    head_dim: int = 128
+    batch: int = 1
+    dtype: str = "bfloat16"
+    modes: tuple[str, ...] = ("fwd", "fwd+bwd")
+    targets: dict[str, float] = field(default_factory=dict)
+    """Target efficiency per mode (4 GPUs)."""
+    best_peer: dict[str, float] = field(default_factory=dict)
+    """Best peer efficiency per mode before seqpar (PEERS.md §12, 4x H200)."""
+    limit_from: int | None = None
+    """Measure the single-GPU limit at this length and scale by FLOPs (sequences too long to time on one GPU)."""
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def flops(self, mode: str, seq_len: int | None = None) -> float:
+        s = self.seq_len if seq_len is None else seq_len
+        f = 4.0 * self.batch * s * s * self.heads * self.head_dim * (0.5 if self.causal else 1.0)
+        return f * (1.0 if mode == "fwd" else 3.5)
+
+    def min_mem_gib(self, world: int) -> float:
+        """q, k, v, out, dout and their gradients, plus lse, per GPU: the floor of fwd+bwd memory."""
+        el = 2 if self.dtype in ("bfloat16", "float16") else 4
+        local = self.batch * self.seq_len // world
+        q_like = 4 * local * self.heads * self.head_dim * el          # q, out, dout, dq
+        kv_like = 4 * local * self.kv_heads * self.head_dim * el      # k, v, dk, dv
+        return (q_like + kv_like + local * self.heads * 4) / 2**30
+
+
+def _p(name, heads, kv, seq, causal, tf, tb, pf, pb, **kw) -> Preset:
+    return Preset(name=name, heads=heads, kv_heads=kv, seq_len=seq, causal=causal,
+                  targets={"fwd": tf, "fwd+bwd": tb}, best_peer={"fwd": pf, "fwd+bwd": pb}, **kw)
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in [
+    _p("mha-causal-128k", 32, 32, 131072, True, 0.97, 0.96, 0.94, 0.92),
+    _p("mha-causal-16k", 32, 32, 16384, True, 0.70, 0.75, 0.36, 0.41),
+    _p("gqa-causal-128k", 32, 8, 131072, True, 0.985, 0.96, 0.979, 0.945),
+    _p("gqa-causal-16k", 32, 8, 16384, True, 0.70, 0.75, 0.34, 0.51),
+    _p("mha-full-64k", 32, 32, 65536, False, 0.96, 0.96, 0.85, 0.88),
+    _p("mha-full-16k", 32, 32, 16384, False, 0.75, 0.80, 0.46, 0.63),
+    Preset(name="gqa-causal-1m", heads=32, kv_heads=8, seq_len=1 << 20, causal=True, modes=("fwd+bwd",),
+           targets={"fwd+bwd": 0.99}, best_peer={"fwd+bwd": 0.99}, limit_from=262144),
+    Preset(name="gqa-causal-4m", heads=32, kv_heads=8, seq_len=1 << 22, causal=True, modes=("fwd+bwd",),
+           targets={"fwd+bwd": 0.97}, limit_from=262144),
+    # CPU smoke sizes (gloo): exercise the whole pipeline in seconds
+    Preset(name="tiny-causal", heads=4, kv_heads=2, seq_len=512, causal=True, head_dim=32, dtype="float32"),
+    Preset(name="tiny-full", heads=4, kv_heads=4, seq_len=512, causal=False, head_dim=32, dtype="float32"),
+]}
+
+#: the presets `--preset table` runs: the performance issue's table
+TABLE = ("mha-causal-128k", "mha-causal-16k", "gqa-causal-128k", "gqa-causal-16k", "mha-full-64k", "mha-full-16k")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One seqpar configuration to time: method, layout, options, Ulysses degree (usp)."""
+
+    method: str
+    layout: str
+    options: tuple[tuple[str, object], ...] = ()
+    ulysses: int | None = None
+
+    @property
+    def label(self) -> str:
+        parts = [self.method]
+        if self.ulysses is not None:
+            parts.append(f"u{self.ulysses}")
+        if self.method != "ulysses":
+            parts.append(self.layout)
+        parts += [f"{k}{v}" for k, v in self.options]
+        return "/".join(parts)
+
+
+def method_specs(preset: Preset, world: int, available: list[str]) -> list[MethodSpec]:
+    """The seqpar configurations worth timing for ``preset`` on ``world`` ranks."""
+    balanced = ("zigzag", "stripe") if preset.causal else ("contiguous",)
+    specs = [MethodSpec("ring", lay) for lay in (("contiguous", *balanced) if preset.causal else balanced)]
+    if "allgather" in available:
+        specs.append(MethodSpec("allgather", "zigzag" if preset.causal else "contiguous"))
+        stride = max(1, preset.kv_heads // 4)
+        if stride < preset.kv_heads:
+            specs.append(MethodSpec("allgather", "zigzag" if preset.causal else "contiguous",
+                                    (("heads_k_stride", stride),)))
+    if "ulysses" in available and preset.heads % world == 0:
+        specs.append(MethodSpec("ulysses", "contiguous"))
+    if "usp" in available and world >= 4 and world % 2 == 0:
+        specs.append(MethodSpec("usp", "zigzag" if preset.causal else "contiguous", (), 2))
+    if "tokenring" in available:
+        specs.append(MethodSpec("tokenring", "zigzag" if preset.causal else "contiguous"))
+    if "tasp" in available and world > 2:
+        specs.append(MethodSpec("tasp", "zigzag" if preset.causal else "contiguous"))
+    if "double_ring" in available and world >= 4 and world % 2 == 0:
+        specs.append(MethodSpec("double_ring", "zigzag", (("node_size", 2),)))
+    return specs

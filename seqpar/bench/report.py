@@ -1,0 +1,136 @@
+"""Reports from benchmark records (JSON lines): the console table, the README table, and the plots.
+
+    python -m seqpar.bench.report benchmarks/results/<run>.jsonl [--readme] [--plot out.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+__all__ = ["best_rows", "console_table", "load", "plot", "readme_table"]
+
+
+def load(paths: Iterable[str | Path]) -> list[dict]:
+    rows = []
+    for p in paths:
+        for line in Path(p).read_text().splitlines():
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def _ok(r: dict) -> bool:
+    return r.get("time_ms") is not None and not r.get("error")
+
+
+def console_table(rows: list[dict]) -> str:
+    """Every record: preset, mode, method, time, efficiency, memory, exposed communication."""
+    head = f"{'preset':18} {'mode':8} {'W':>2} {'method':36} {'ms':>10} {'eff':>6} {'GiB':>6} {'exp.comm ms':>11}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.get("method", "").startswith("limit"):
+            continue
+        if not _ok(r):
+            lines.append(f"{r['preset']:18} {r['mode']:8} {r['world_size']:>2} {r['method']:36} "
+                         f"{'failed: ' + str(r.get('error'))[:60]}")
+            continue
+        exp = r.get("exposed_comm_ms")
+        lines.append(f"{r['preset']:18} {r['mode']:8} {r['world_size']:>2} {r['method']:36} {r['time_ms']:10.2f} "
+                     f"{r['efficiency']:6.3f} {r['peak_mem_gib']:6.2f} {'' if exp is None else f'{exp:11.2f}'}")
+    return "\n".join(lines)
+
+
+def best_rows(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """Per (preset, mode, world): the best seqpar record and the best peer record."""
+    best: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        if not _ok(r) or r["method"].startswith("limit") or r.get("scaling"):
+            continue
+        key = (r["preset"], r["mode"], r["world_size"])
+        side = "peer" if r["method"].startswith("peer:") else "ours"
+        if side not in best[key] or r["time_ms"] < best[key][side]["time_ms"]:
+            best[key][side] = r
+    return best
+
+
+def readme_table(rows: list[dict]) -> str:
+    """Markdown: per preset and mode, the limit, seqpar's best, the best peer in the same run, the target."""
+    out = ["| preset | mode | GPUs | limit ms | seqpar best | eff | peak GiB (min) | best peer, same run | peer eff "
+           "| target |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (preset, mode, world), b in best_rows(rows).items():
+        ours, peer = b.get("ours"), b.get("peer")
+        if ours is None:
+            continue
+        tgt = ours.get("target")
+        peer_cells = (f"{peer['time_ms']:.2f} ms ({peer['method'][5:]}) | {peer['efficiency']:.3f}" if peer
+                      else "not run | -")
+        out.append(f"| {preset} | {mode} | {world} | {ours['limit_ms']:.2f} | {ours['time_ms']:.2f} ms "
+                   f"({ours['method']}) | **{ours['efficiency']:.3f}** | {ours['peak_mem_gib']:.1f} "
+                   f"({ours.get('min_mem_gib', 0):.1f}) | {peer_cells} | {'-' if tgt is None else f'{tgt:.3f}'} |")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: str | Path) -> str | None:
+    """Efficiency per preset and method (bars, fwd+bwd and fwd), and the scaling curves. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install seqpar[bench])"
+    table = [r for r in rows if _ok(r) and not r.get("scaling") and not r["method"].startswith("limit")]
+    presets = sorted({r["preset"] for r in table})
+    scaling = [r for r in rows if _ok(r) and r.get("scaling")]
+    n = len(presets) + (1 if scaling else 0)
+    fig, axes = plt.subplots(n, 1, figsize=(12, 3.2 * n), squeeze=False)
+    for ax, preset in zip(axes[:, 0], presets):
+        sel = [r for r in table if r["preset"] == preset]
+        labels = sorted({r["method"] for r in sel}, key=lambda m: (m.startswith("peer:"), m))
+        for off, mode in ((-0.2, "fwd"), (0.2, "fwd+bwd")):
+            eff = {r["method"]: r["efficiency"] for r in sel if r["mode"] == mode}
+            xs = [i + off for i, m in enumerate(labels) if m in eff]
+            ax.bar(xs, [eff[m] for m in labels if m in eff], width=0.4, label=mode,
+                   color=["tab:gray" if m.startswith("peer:") else ("tab:blue" if mode == "fwd" else "tab:green")
+                          for m in labels if m in eff])
+        ax.set_xticks(range(len(labels)), [m.replace("peer:", "peer\n") for m in labels], rotation=60,
+                      fontsize=6, ha="right")
+        ax.axhline(1.0, color="k", lw=0.5)
+        ax.set_ylabel("efficiency")
+        ax.set_title(f"{preset}: single-GPU cuDNN time / N / time (blue fwd, green fwd+bwd, gray peers)", fontsize=8)
+    if scaling:
+        ax = axes[-1, 0]
+        for key in sorted({(r["scaling"], r["method"], r["mode"]) for r in scaling}):
+            pts = sorted((r["world_size"], r["efficiency"]) for r in scaling
+                         if (r["scaling"], r["method"], r["mode"]) == key)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=" ".join(key))
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("efficiency")
+        ax.set_title("scaling: strong (global 128K) and weak (32K per GPU)", fontsize=8)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m seqpar.bench.report")
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--readme", action="store_true", help="print the README table (markdown)")
+    ap.add_argument("--plot", help="write the efficiency / scaling plot to this PNG")
+    args = ap.parse_args(argv)
+    rows = load(args.files)
+    print(readme_table(rows) if args.readme else console_table(rows))
+    if args.plot:
+        msg = plot(rows, args.plot)
+        if msg:
+            print(msg)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""Timing as the device method says: warm-up, device events, median of several, the slowest rank.
+
+``time_ms(fn)`` runs ``fn`` ``warmup`` times, then ``iters`` times between CUDA events (host clock on CPU),
+each iteration preceded by a barrier so ranks start together, and returns the median of the slowest rank.
+``exposed_comm_ms(fn)`` profiles one call and measures how much of the communication kernels' time no
+compute kernel overlapped.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["exposed_comm_ms", "peak_mem_gib", "reset_peak", "time_ms"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, iters: int = 5,
+            group: dist.ProcessGroup | None = None) -> float:
+    """Median milliseconds per call of ``fn``; across ranks, the slowest rank's median."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        if dist.is_initialized():
+            dist.barrier(group=group)
+        _sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    med = statistics.median(times)
+    if dist.is_initialized():
+        t = torch.tensor([med], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        med = float(t.item())
+    return med
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_mem_gib(device: torch.device, group: dist.ProcessGroup | None = None) -> float:
+    """Peak allocated GiB since the last ``reset_peak``; the largest over ranks."""
+    if device.type != "cuda":
+        return 0.0
+    t = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t.item())
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, b - a)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def exposed_comm_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """``(communication kernel time, the part of it no compute kernel overlapped)`` for one call, in ms.
+
+    From a profiler trace of this rank's GPU kernels: NCCL kernels are communication, every other kernel is
+    compute; time is the union of their intervals.
+    """
+    if device.type != "cuda":
+        return 0.0, 0.0
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    comm, comp = [], []
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA or ev.time_range.elapsed_us() <= 0:
+            continue
+        span = (ev.time_range.start / 1e3, ev.time_range.end / 1e3)
+        (comm if "nccl" in ev.name.lower() else comp).append(span)
+    c, k = _union(comm), _union(comp)
+    return _length(c), _length(c) - _intersect(c, k)
