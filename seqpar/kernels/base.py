@@ -45,12 +45,13 @@ class KernelCall:
     mask: str          # "full" | "causal" (Band with lo unbounded) | "band" | "varlen"
     deterministic: bool = False
     needs_delta: bool = False   # the caller sends Delta = rowsum(dO * O) instead of O (pass-Q backward)
+    single: bool = False        # a 1 x 1 block (one query, one key)
 
     @staticmethod
     def of(q: torch.Tensor, k: torch.Tensor, mask: Mask, deterministic: bool = False,
            needs_delta: bool = False) -> KernelCall:
         return KernelCall(q.device.type, q.dtype, q.shape[-1], q.shape[2], k.shape[2], mask_kind(mask),
-                          deterministic, needs_delta)
+                          deterministic, needs_delta, q.shape[1] == 1 and k.shape[1] == 1)
 
 
 def mask_kind(mask: Mask) -> str:

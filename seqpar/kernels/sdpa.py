@@ -11,7 +11,7 @@ cudnn      full and causal bands (lo unbounded), GQA native   fastest at head di
                                                               ``[0, hi)`` + top-left causal keys ``[hi, n)``,
                                                               merged in fp32
 flash      every band (bottom-right windows), varlen, GQA     FA2; lse ``(B, H, S)``; varlen lse ``(H, T)``
-efficient  full and causal bands, fp32 too; KV replicated     memory-efficient kernel; lse padded to 32
+efficient  full and causal bands, fp32 only; KV replicated   memory-efficient kernel; lse padded to 32
            locally for GQA
 =========  =================================================  ===========================================
 
@@ -108,6 +108,8 @@ class CudnnKernel(Kernel):
             r.append(f"no {call.mask} masks from Python (top-left causal only); use flash or flex")
         if call.deterministic:
             r.append("its backward is not deterministic")
+        if call.single:
+            r.append("cuDNN rejects a 1 x 1 block (s_q = s_kv = 1) in backward")
         if call.device == "cuda" and not torch.backends.cudnn.is_available():
             r.append("this PyTorch build has no cuDNN")
         return r
@@ -202,13 +204,18 @@ class FlashKernel(Kernel):
 
 
 class EfficientKernel(Kernel):
-    """Memory-efficient attention (``aten._efficient_attention_forward``): fp32 on GPU, full/causal blocks."""
+    """Memory-efficient attention (``aten._scaled_dot_product_efficient_attention``): the fp32 path on GPU.
+
+    Full and causal blocks; GQA by replicating KV heads locally (a copy, fp32 correctness runs only).
+    Half precision is refused: through these entry points it gave non-finite dq and an illegal memory access
+    on H100 (torch 2.11) in our conformance test, and cudnn / flash serve half precision faster anyway.
+    """
 
     name = "efficient"
     auto_rank = {"cuda": 20}
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
-        r = _gpu_reasons(call, (*_HALF, torch.float32), 128)
+        r = _gpu_reasons(call, (torch.float32,), 128)
         if call.mask in ("band", "varlen"):
             r.append(f"no {call.mask} masks through this entry point; use flash or flex")
         if call.deterministic:
@@ -221,19 +228,21 @@ class EfficientKernel(Kernel):
 
     def _fwd(self, q, k, v, causal: bool, scale: float) -> AttnOutput:
         H = q.shape[2]
-        o, lse, *_ = aten._efficient_attention_forward(q, self._expand(k, H), self._expand(v, H), None, None, None,
-                                                        None, None, 0.0, 1 if causal else 0, True, scale=scale)
-        return AttnOutput(o, lse[:, :, : q.shape[1]])
+        o, lse, *_ = aten._scaled_dot_product_efficient_attention(_t(q), _t(self._expand(k, H)),
+                                                                   _t(self._expand(v, H)), None, True, 0.0, causal,
+                                                                   scale=scale)
+        return AttnOutput(_t(o), lse[:, :, : q.shape[1]])
 
     def _bwd(self, do, q, k, v, out, lse, causal: bool, scale: float):
         B, m, H, _ = q.shape
         g = k.shape[2]
-        lse_pad = lse.new_full((B, H, -(-m // 32) * 32), _INF)
+        lse_pad = lse.new_zeros((B, H, -(-m // 32) * 32))       # the forward's padded layout; pad rows unused
         lse_pad[:, :, :m] = lse
         seed = torch.zeros((), dtype=torch.int64, device=q.device)
-        dq, dk, dv, _ = aten._efficient_attention_backward(
-            do, q, self._expand(k, H), self._expand(v, H), None, out, None, None, m, k.shape[1], lse_pad, 0.0,
-            seed, seed, 1 if causal else 0, False, scale=scale)
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            _t(do), _t(q), _t(self._expand(k, H)), _t(self._expand(v, H)), None, _t(out), lse_pad, seed, seed,
+            0.0, [True, True, True, False], causal, scale=scale)
+        dq, dk, dv = _t(dq), _t(dk), _t(dv)
         if g != H:
             dk = dk.unflatten(2, (g, H // g)).sum(3)
             dv = dv.unflatten(2, (g, H // g)).sum(3)

@@ -255,9 +255,10 @@ def group_varlen(tasks: Sequence[Task]) -> tuple[Task, ...]:
     for t in sorted(tasks, key=lambda t: (t.q_start, t.k_start)):
         assert isinstance(t.mask, Band)
         w = bottom_right_window(t.mask, t.rows, t.cols)
+        fits = [w, (-1, 0)] if w == (-1, -1) and t.rows == 1 else [w]    # one query seeing all = causal
         for gw, members in groups:
             last = members[-1]
-            if gw == w and t.q_start >= last.q_stop and t.k_start >= last.k_stop:
+            if gw in fits and t.q_start >= last.q_stop and t.k_start >= last.k_stop:
                 members.append(t)
                 break
         else:
