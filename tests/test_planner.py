@@ -250,8 +250,10 @@ def test_plan_ranks_caches_and_explains():
         plan(seq_len=16384, heads=32, world=4, methods=["nope"])
 
 
-def test_choose_is_pure_and_filters():
-    a = choose((1, 4096, 32, 128), 8, True, (-1, -1), 4, 1, "zigzag")
+def test_choose_is_pure_and_filters(caplog):
+    with caplog.at_level("INFO", logger="seqpar.planner"):
+        a = choose((1, 4096, 32, 128), 8, True, (-1, -1), 4, 1, "zigzag")
+    assert f"method='auto' -> {a[0]}" in caplog.text                         # logged once per signature
     b = choose((1, 4096, 32, 128), 8, True, (-1, -1), 4, 1, "zigzag")
     assert a == b and a[0] in seqpar.methods.available()
     assert choose((1, 4096, 32, 128), 8, True, (-1, -1), 4, 1, "stripe")[0] == "ring"
