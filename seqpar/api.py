@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from . import methods
+from . import methods, planner
 from .config import AttentionConfig
 from .errors import rank_suffix
 from .groups import SeqParallelGroups
@@ -37,7 +37,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
         k, v: local keys and values ``(B, L, Hkv, D)``; ``H % Hkv == 0`` (GQA/MQA, never replicated).
         mesh: a DeviceMesh (2D with dims "ulysses", "ring" for ``usp``), a ProcessGroup, or None for the
             default group.
-        method: one of ``seqpar.methods.available()``.
+        method: one of ``seqpar.methods.available()``, or "auto": the planner's choice among the available
+            methods that accept ``layout`` and the mesh (``seqpar.planner.choose``, the same on every rank,
+            logged on "seqpar.planner"); with "auto" the only option is ``profile=`` (a
+            ``seqpar.planner.Profile``, built-in name or JSON path; default: the device's built-in one).
         layout: "contiguous", "zigzag" or "stripe" (each method accepts a subset).
         causal: causal masking in global token positions.
         softmax_scale: default ``D ** -0.5``.
@@ -56,6 +59,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
     Returns:
         ``out (B, L, H, D)`` in q's dtype, or ``AttnOutput(out, lse)`` with ``return_lse``.
     """
+    if method == "auto":
+        method, options = _auto(q, k, v, mesh, layout, causal, window_size, cu_seqlens, seq_len, kernel,
+                                grad_dtype, options)
     module = methods.get(method)
     cfg = _config(module, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
                   window_size=window_size, cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic,
@@ -65,6 +71,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
     _validate_inputs(q, k, v, cfg, groups, module)
     res = module.attention(q, k, v, cfg, groups)
     return res if return_lse else res.out
+
+
+def _auto(q, k, v, mesh, layout, causal, window_size, cu_seqlens, seq_len, kernel, grad_dtype, options):
+    """``method="auto"``: (method, options) from the planner (Note [Auto is deterministic] in planner.search)."""
+    extra = sorted(set(options) - {"profile"})
+    if extra:
+        raise TypeError(f"method='auto' takes only the option 'profile' (it picks the method's options), got "
+                        f"{extra}{rank_suffix()}")
+    _check_tensors(q, k, v)
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    AttentionConfig(window_size=window)                        # validates the window before planning with it
+    dims = 2 if getattr(mesh, "ndim", 1) == 2 else 1
+    groups = SeqParallelGroups.resolve(mesh, dims)
+    used = {"window": window != (-1, -1), "varlen": cu_seqlens is not None, "padding": seq_len is not None}
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    name, chosen, _ = planner.choose(
+        tuple(q.shape), k.shape[2], bool(causal), window, groups.world, dims, layout, options.get("profile"),
+        ulysses=groups.ulysses_size if dims == 2 else None, dtype=q.dtype, device=q.device.type,
+        mode="fwd+bwd" if grad else "fwd", features=[f for f, on in used.items() if on], kernel=kernel,
+        grad_dtype=grad_dtype)
+    return name, chosen
 
 
 def _config(module, *, layout, causal, softmax_scale, kernel, window_size, cu_seqlens, seq_len, deterministic,
@@ -114,14 +141,7 @@ def _host_cu(cu: torch.Tensor | Sequence[int] | None) -> tuple[int, ...] | None:
 def _validate_inputs(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups, module) -> None:
     """Every check that needs only local facts; raises the same error on every rank given the same input."""
     rs = rank_suffix()
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}{rs}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4D (batch, seq_local, heads, head_dim), got shape "
-                             f"{tuple(t.shape)}{rs}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must have a floating dtype, got {t.dtype}{rs}")
+    _check_tensors(q, k, v)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}{rs}")
     if not (q.device == k.device == v.device):
@@ -156,7 +176,21 @@ def _validate_inputs(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups, m
                          f"got {cfg.cu_seqlens[-1]}{rs}")
 
 
+def _check_tensors(q, k, v) -> None:
+    rs = rank_suffix()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}{rs}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4D (batch, seq_local, heads, head_dim), got shape "
+                             f"{tuple(t.shape)}{rs}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must have a floating dtype, got {t.dtype}{rs}")
+
+
 def _placement(mesh: Any, method: str, layout: str):
+    if method == "auto":            # auto keeps the layout: every 1D method places tokens as the ring does
+        method = "usp" if getattr(mesh, "ndim", 1) == 2 else "ring"
     module = methods.get(method)
     groups = SeqParallelGroups.resolve(mesh, module.MESH_DIMS)
     if layout not in module.LAYOUTS:

@@ -1,0 +1,199 @@
+"""Predicted vs measured: check the cost model against benchmark results.
+
+    python -m seqpar.planner.validate benchmarks/results/h200x4.jsonl [--out validation.md] [--strict]
+
+Reads the JSON lines ``python -m seqpar.bench`` writes (one record per preset, method, mode and world
+size: ``preset, method, mode, world_size, time_ms, heads, kv_heads, seq_len, causal, head_dim, gpu,
+peak_mem_gib, ...``), predicts every seqpar row with the profile that matches its GPU (or ``--profile``)
+and prints the table with the relative error. Two checks (the planner issue's acceptance criteria):
+
+- every prediction within ``--tol`` (15%) of the measurement;
+- for each (preset, mode, world size), the method the planner would pick among those measured runs
+  within ``--auto-tol`` (5%) of the fastest measured one (and a measured ``method="auto"`` row, if the
+  file has one, likewise).
+
+Peer rows (``"peer:..."``) are listed as not modelled. Method names follow the benchmark: "ring/zigzag",
+"usp/u2r2/zigzag", "allgather/zigzag[/stride4]", "ulysses", "tokenring/zigzag", "tasp/direct[/zigzag]",
+"double_ring/n2[/zigzag]".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .cost import Candidate, Machine, Problem, predict
+from .profile import Profile, load_profile
+from .search import DTYPE_BYTES
+from .topology import Network, get_topology
+
+__all__ = ["Row", "check", "main", "parse_method", "profile_for"]
+
+_LAYOUTS = ("contiguous", "zigzag", "stripe")
+
+
+def parse_method(name: str, world: int, causal: bool = True) -> Candidate:
+    """A benchmark method name ("usp/u2r2/zigzag", "tasp/direct", ...) as a Candidate."""
+    method, *parts = name.split("/")
+    layout, ulysses, opts = None, 1, {}
+    for part in parts:
+        if part in _LAYOUTS:
+            layout = part
+        elif m := re.fullmatch(r"u(\d+)r(\d+)", part):
+            ulysses = int(m.group(1))
+            if ulysses * int(m.group(2)) != world:
+                raise ValueError(f"{name!r}: ulysses x ring must equal world_size {world}")
+        elif part in ("direct", "cycles"):
+            opts["schedule"] = part
+        elif m := re.fullmatch(r"(?:n|node)(\d+)", part):
+            opts["node_size"] = int(m.group(1))
+        elif m := re.fullmatch(r"(?:stride|s|hks)(\d+)", part):
+            opts["heads_k_stride"] = int(m.group(1))
+        else:
+            raise ValueError(f"cannot read {part!r} in method name {name!r}")
+    if method == "ulysses":
+        layout = "contiguous"
+    if method == "tasp":
+        opts.setdefault("schedule", "direct")
+    if method == "double_ring" and "node_size" not in opts:
+        raise ValueError(f"{name!r}: a double_ring name must give its node size (double_ring/n4/zigzag)")
+    return Candidate(method, layout or "zigzag", ulysses, tuple(sorted(opts.items())))
+
+
+def profile_for(record: dict[str, Any], override: Profile | None = None) -> Profile:
+    """``override``, else the built-in profile for the record's GPU (H100 or H200)."""
+    if override is not None:
+        return override
+    gpu = str(record.get("gpu", ""))
+    for tag, name in (("H200", "h200-nvswitch"), ("H100", "h100-nvswitch")):
+        if tag in gpu:
+            return load_profile(name)
+    raise ValueError(f"no built-in profile for gpu {gpu!r}; pass --profile (a calibrated JSON)")
+
+
+@dataclass(frozen=True)
+class Row:
+    preset: str
+    mode: str
+    world: int
+    method: str
+    measured_ms: float
+    predicted_ms: float | None
+    error: float | None
+    measured_gib: float | None
+    predicted_gib: float | None
+    note: str = ""
+
+
+def _predict(rec: dict[str, Any], prof: Profile | None, kernel: str | None) -> Row:
+    method, W, mode = str(rec["method"]), int(rec["world_size"]), str(rec["mode"])
+    base = dict(preset=str(rec.get("preset", "")), mode=mode, world=W, method=method,
+                measured_ms=float(rec["time_ms"]), measured_gib=rec.get("peak_mem_gib"))
+    if method.startswith("peer:") or method == "auto":
+        return Row(**base, predicted_ms=None, error=None, predicted_gib=None,
+                   note="auto: checked below" if method == "auto" else "peer: not modelled")
+    profile = profile_for(rec, prof)
+    causal = bool(rec.get("causal", True))
+    p = Problem(seq_len=int(rec["seq_len"]), heads=int(rec["heads"]), kv_heads=int(rec.get("kv_heads", rec["heads"])),
+                head_dim=int(rec.get("head_dim", 128)), batch=int(rec.get("batch", 1)), world=W, causal=causal,
+                dtype_bytes=DTYPE_BYTES[str(rec.get("dtype", "bfloat16"))])
+    topo = get_topology(None if W <= profile.gpus_per_node else "nvswitch", profile)
+    kern = kernel or rec.get("kernel") or profile.default_kernel
+    machine = Machine(profile, Network(topo, profile), kern)
+    pred = predict(p, parse_method(method, W, causal), machine)
+    t = pred.time_ms(mode)
+    return Row(**base, predicted_ms=t, error=t / base["measured_ms"] - 1, predicted_gib=pred.peak_mem(mode) / 2**30)
+
+
+def check(records: Sequence[dict[str, Any]], profile: Profile | None = None, kernel: str | None = None,
+          tol: float = 0.15, auto_tol: float = 0.05) -> tuple[list[Row], list[dict[str, Any]], bool]:
+    """(rows, auto checks, all passed) for benchmark records."""
+    rows = [_predict(r, profile, kernel) for r in records]
+    modelled = [r for r in rows if r.error is not None]
+    ok = all(abs(r.error) <= tol for r in modelled if r.error is not None)
+    autos = []
+    keys = sorted({(r.preset, r.mode, r.world) for r in modelled})
+    for key in keys:
+        group = [r for r in modelled if (r.preset, r.mode, r.world) == key]
+        best = min(group, key=lambda r: r.measured_ms)
+        pick = min(group, key=lambda r: (r.predicted_ms, r.method))
+        entry = {"preset": key[0], "mode": key[1], "world": key[2], "pick": pick.method,
+                 "pick_ms": pick.measured_ms, "best": best.method, "best_ms": best.measured_ms,
+                 "ratio": pick.measured_ms / best.measured_ms}
+        measured_auto = [r for r in rows if r.method == "auto" and (r.preset, r.mode, r.world) == key]
+        if measured_auto:
+            entry["auto_ms"] = measured_auto[0].measured_ms
+            entry["auto_ratio"] = measured_auto[0].measured_ms / best.measured_ms
+        entry["ok"] = entry["ratio"] <= 1 + auto_tol and entry.get("auto_ratio", 1.0) <= 1 + auto_tol
+        ok = ok and entry["ok"]
+        autos.append(entry)
+    return rows, autos, ok
+
+
+def render(rows: Sequence[Row], autos: Sequence[dict[str, Any]], tol: float, auto_tol: float) -> str:
+    """Markdown: the per-row table, the auto checks and a summary per world size."""
+    out = ["| preset | mode | W | method | measured ms | predicted ms | error | mem GiB meas/pred |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r.error is None:
+            out.append(f"| {r.preset} | {r.mode} | {r.world} | {r.method} | {r.measured_ms:.3f} | - | {r.note} | - |")
+            continue
+        flag = "" if abs(r.error) <= tol else " **over**"
+        mem = f"{r.measured_gib:.2f}" if r.measured_gib is not None else "-"
+        out.append(f"| {r.preset} | {r.mode} | {r.world} | {r.method} | {r.measured_ms:.3f} | {r.predicted_ms:.3f} "
+                   f"| {r.error:+.1%}{flag} | {mem} / {r.predicted_gib:.2f} |")
+    out += ["", "| preset | mode | W | planner's pick | its measured ms | best measured | ratio | auto row |",
+            "|---|---|---|---|---|---|---|---|"]
+    for a in autos:
+        auto = f"{a['auto_ms']:.3f} ({a['auto_ratio']:.3f})" if "auto_ms" in a else "-"
+        out.append(f"| {a['preset']} | {a['mode']} | {a['world']} | {a['pick']} | {a['pick_ms']:.3f} | {a['best']} "
+                   f"{a['best_ms']:.3f} | {a['ratio']:.3f}{'' if a['ok'] else ' **over**'} | {auto} |")
+    out.append("")
+    for W in sorted({r.world for r in rows if r.error is not None}):
+        mine = [r for r in rows if r.world == W and r.error is not None]
+        inside = sum(abs(r.error) <= tol for r in mine if r.error is not None)
+        worst = max(abs(r.error) for r in mine if r.error is not None)
+        picks = [a for a in autos if a["world"] == W]
+        good = sum(a["ok"] for a in picks)
+        out.append(f"W={W}: {inside}/{len(mine)} predictions within {tol:.0%} (worst {worst:.1%}); "
+                   f"auto within {auto_tol:.0%} of the best on {good}/{len(picks)} cases")
+    return "\n".join(out)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    lines = Path(path).read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m seqpar.planner.validate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", help="benchmark JSON lines files")
+    ap.add_argument("--profile", default=None, help="profile for every row (default: built-in by GPU name)")
+    ap.add_argument("--kernel", default=None, help="kernel to model (default: the record's, else the profile's)")
+    ap.add_argument("--tol", type=float, default=0.15)
+    ap.add_argument("--auto-tol", type=float, default=0.05)
+    ap.add_argument("--out", default=None, help="write the markdown table here")
+    ap.add_argument("--json", default=None, help="write rows and checks as JSON here")
+    ap.add_argument("--strict", action="store_true", help="exit 1 when a check fails")
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    records = [r for path in args.results for r in read_jsonl(path)]
+    prof = load_profile(args.profile) if args.profile else None
+    rows, autos, ok = check(records, prof, args.kernel, args.tol, args.auto_tol)
+    text = render(rows, autos, args.tol, args.auto_tol)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": [asdict(r) for r in rows], "auto": autos, "ok": ok},
+                                              indent=1) + "\n")
+    print("PASS" if ok else "FAIL: see the rows marked **over**")
+    return 0 if ok or not args.strict else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
