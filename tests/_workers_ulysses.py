@@ -230,11 +230,14 @@ class TinyBlock(torch.nn.Module):
 
 
 class _DenseCausal(torch.nn.Module):
-    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
-        from seqpar.kernels import attention_reference
-        from seqpar.masks import Band
+    """Plain causal softmax attention on the whole sequence (autograd end to end)."""
 
-        return attention_reference(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], Band(None, 0)).out
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = qkv.unbind(2)
+        S, D = q.shape[1], q.shape[-1]
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
 
 
 def tiny_model_check(spec: tuple[str, str, int | None, str]) -> dict[str, float]:
