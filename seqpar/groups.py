@@ -106,7 +106,10 @@ def _from_mesh(mesh, dims: int) -> SeqParallelGroups:
 
 def make_mesh(*, ulysses: int = 1, ring: int | None = None, placement: str = "contiguous",
               device_type: str | None = None):
-    """A 2D DeviceMesh with dims ``("ulysses", "ring")`` over the default group.
+    """A 2D DeviceMesh with dims ``("ulysses", "ring")`` over the default group (a collective call).
+
+    Nothing is stored: pass the returned mesh to ``seqpar.attention`` / ``SequenceParallelAttention`` /
+    ``seqpar.shard``. Either placement shards correctly (the SP index comes from mesh coordinates).
 
     Args:
         ulysses: the Ulysses degree U.

@@ -43,6 +43,8 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
+from ..errors import rank_suffix
+
 __all__ = ["HeadSlots", "Pending", "heads_to_seq", "post_grads_heads_to_seq", "post_heads_to_seq",
            "post_qkv_seq_to_heads", "post_seq_to_heads", "qkv_seq_to_heads", "seq_to_heads"]
 
@@ -60,7 +62,8 @@ class HeadSlots:
     def __post_init__(self) -> None:
         if not self.is_valid(self.heads, self.kv_heads, self.degree):
             raise ValueError(f"no head slots for heads={self.heads}, kv_heads={self.kv_heads} over "
-                             f"{self.degree} ranks (valid degrees: {self.valid_degrees(self.heads, self.kv_heads)})")
+                             f"{self.degree} ranks (valid degrees: {self.valid_degrees(self.heads, self.kv_heads)})"
+                             f"{rank_suffix()}")
 
     @staticmethod
     def is_valid(heads: int, kv_heads: int, degree: int) -> bool:
@@ -107,6 +110,12 @@ class Pending(Generic[T]):
 
 def _size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
+
+
+def _check_split(x: torch.Tensor, dim: int, U: int, what: str) -> None:
+    if x.shape[dim] % U:
+        raise ValueError(f"{what} (dim {dim} of shape {tuple(x.shape)}) must be divisible by the group size {U}, "
+                         f"got {x.shape[dim]}{rank_suffix()}")
 
 
 def _post(send: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[Any, torch.Tensor]:
@@ -199,6 +208,7 @@ def post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None, *, seq_d
     U = _size(group)
     if U == 1:
         return Pending.done(x)
+    _check_split(x, head_dim, U, "heads")
     send = x.unflatten(head_dim, (U, x.shape[head_dim] // U)).movedim(head_dim, 0).contiguous()
     work, recv = _post(send, group)             # recv[u'] = source u''s rows; seq dim sits at seq_dim + 1
 
@@ -214,6 +224,7 @@ def post_heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None, *, seq_d
     U = _size(group)
     if U == 1:
         return Pending.done(x)
+    _check_split(x, seq_dim, U, "sequence length")
     send = x.unflatten(seq_dim, (U, x.shape[seq_dim] // U)).movedim(seq_dim, 0).contiguous()
     work, recv = _post(send, group)             # recv[u'] = my rows of source u''s heads
 

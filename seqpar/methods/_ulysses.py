@@ -68,7 +68,8 @@ class Engine(Protocol):
 
     def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  lse: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)`` in the accumulation dtype (fp32; fp64 for fp64 inputs)."""
+        """``(dq, dk, dv)``: partial sums in the accumulation dtype (fp32; fp64 for fp64 inputs), complete
+        ones in it or in the input dtype (the all-to-all casts to its wire dtype while packing)."""
         ...
 
 
@@ -108,7 +109,7 @@ class LocalEngine:
         tasks = runner.prepare(self.tasks, q, k)
         S = q.shape[1]
         if len(tasks) == 1 and tasks[0].rows == S and tasks[0].cols == S:     # the common case: no copies
-            return tuple(g.to(acc) for g in runner.backward(do, q, k, v, out, lse, tasks[0], delta))
+            return runner.backward(do, q, k, v, out, lse, tasks[0], delta)
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
         for t in tasks:
             gq, gk, gv = runner.backward(do, q, k, v, out, lse, t, delta)
