@@ -6,9 +6,10 @@ Entry points (start reading at ``seqpar/api.py``):
     seqpar.shard / seqpar.unshard / seqpar.positions                         where tokens live
     seqpar.make_mesh(ulysses=U, ring=R)                                      a 2D mesh for USP
     seqpar.plan(seq_len=..., heads=..., world=...)                           which method to use, and why
+    seqpar.SequenceParallelAttention(mesh, method=..., layout=...)           the same as an nn.Module
     seqpar.flash_api                                                         ring-flash-attn style names
 
-Layers (imports run one way): api, flash_api -> methods -> {kernels, comm, layouts, groups} -> types,
+Layers (imports run one way): api, flash_api, modules -> methods -> {kernels, comm, layouts, groups} -> types,
 errors, masks, config. ``docs/DESIGN.md`` is the map.
 """
 
@@ -29,14 +30,21 @@ from .flash_api import (
     zigzag_ring_flash_attn_qkvpacked_func,
 )
 from .groups import SeqParallelGroups, make_mesh
+from .modules import (
+    SequenceParallelAttention,
+    SequenceParallelAttentionKVPacked,
+    SequenceParallelAttentionQKVPacked,
+)
 from .planner import plan
 from .types import AttnOutput
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionConfig", "AttnOutput", "SeqParallelGroups", "UnsupportedInputError", "attention", "make_mesh",
-    "plan", "positions", "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
+    "AttentionConfig", "AttnOutput", "SeqParallelGroups", "SequenceParallelAttention",
+    "SequenceParallelAttentionKVPacked", "SequenceParallelAttentionQKVPacked", "UnsupportedInputError",
+    "attention", "make_mesh", "plan",
+    "positions", "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
     "shard", "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
     "unshard", "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
     "zigzag_ring_flash_attn_qkvpacked_func",

@@ -106,7 +106,10 @@ def _from_mesh(mesh, dims: int) -> SeqParallelGroups:
 
 def make_mesh(*, ulysses: int = 1, ring: int | None = None, placement: str = "contiguous",
               device_type: str | None = None):
-    """A 2D DeviceMesh with dims ``("ulysses", "ring")`` over the default group.
+    """A 2D DeviceMesh with dims ``("ulysses", "ring")`` over the default group (a collective call).
+
+    Nothing is stored: pass the returned mesh to ``seqpar.attention`` / ``SequenceParallelAttention`` /
+    ``seqpar.shard``. Either placement shards correctly (the SP index comes from mesh coordinates).
 
     Args:
         ulysses: the Ulysses degree U.
@@ -115,13 +118,20 @@ def make_mesh(*, ulysses: int = 1, ring: int | None = None, placement: str = "co
             node); "strided" puts the ring groups on consecutive ranks.
         device_type: "cuda" or "cpu" (default: cuda if available).
     """
+    if placement not in ("contiguous", "strided"):
+        raise ValueError(f"placement must be 'contiguous' or 'strided', got {placement!r}{rank_suffix()}")
+    for name, degree in (("ulysses", ulysses), ("ring", ring)):
+        if degree is not None and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
+            raise ValueError(f"{name} must be a positive int, got {degree!r}{rank_suffix()}")
     world = dist.get_world_size()
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    if ring is None and world % ulysses:
+        raise ValueError(f"ulysses must divide the world size {world} (valid: {divisors}), got {ulysses}"
+                         f"{rank_suffix()}")
     ring = world // ulysses if ring is None else ring
-    if ulysses < 1 or ring < 1 or ulysses * ring != world:
+    if ulysses * ring != world:
         raise ValueError(f"ulysses * ring must equal the world size {world}, got {ulysses} * {ring}{rank_suffix()}")
     dev = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    if placement == "contiguous":
+    if placement == "contiguous":     # global rank = rho * U + u
         return init_device_mesh(dev, (ring, ulysses), mesh_dim_names=(RING, ULYSSES))
-    if placement == "strided":
-        return init_device_mesh(dev, (ulysses, ring), mesh_dim_names=(ULYSSES, RING))
-    raise ValueError(f"placement must be 'contiguous' or 'strided', got {placement!r}")
+    return init_device_mesh(dev, (ulysses, ring), mesh_dim_names=(ULYSSES, RING))   # global rank = u * R + rho

@@ -60,7 +60,8 @@ class Bench:
         self.meta = self._meta()
         out = Path(args.out)
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M")
-        name = f"{platform.node()}-{self.world}x{self.meta['gpu'].replace(' ', '_')}-{stamp}" + (f"-{args.tag}" if args.tag else "")
+        gpu = self.meta["gpu"].replace(" ", "_")
+        name = f"{platform.node()}-{self.world}x{gpu}-{stamp}" + (f"-{args.tag}" if args.tag else "")
         self.path = out / f"{name}.jsonl"
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)

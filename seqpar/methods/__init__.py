@@ -25,6 +25,8 @@ __all__ = ["available", "get"]
 
 _MODULES = {
     "ring": "seqpar.methods.ring",
+    "ulysses": "seqpar.methods.ulysses",
+    "usp": "seqpar.methods.usp",
 }
 
 

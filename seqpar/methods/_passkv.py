@@ -70,10 +70,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, sched
 
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, ring: Ring, sched: Schedule, runner: TaskRunner, grad_dtype: torch.dtype,
-             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             delta: torch.Tensor | None = None, result_dtype: torch.dtype | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ring backward (ALGORITHMS.md §3.2): dK/dV travel one step behind their KV, accumulated in fp32.
 
     ``delta`` (B, H, L) replaces ``rowsum(dO * O)`` when the caller has one (gradient through lse).
+    ``result_dtype`` is the dtype of the returned gradients (default: the inputs'); USP asks for fp32 when
+    it still has to sum replicated KV heads' partials.
     """
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -105,4 +108,5 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     home = ring.send_recv(dkv, dkv_in, hops=1 - n)     # block (r - n + 1)'s total goes to its owner
     home.commit()
     home.wait()
-    return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
+    return (dq.to(result_dtype or q.dtype), dkv_in[0].to(result_dtype or k.dtype),
+            dkv_in[1].to(result_dtype or v.dtype))

@@ -1,0 +1,298 @@
+"""All-to-all between sequence-sharded and head-sharded tensors (Ulysses, ALGORITHMS.md §5), with autograd.
+
+Pure communication: tensors are cut, moved and reassembled; no attention is computed here. Two families:
+
+* ``post_*`` functions post one ``all_to_all_single`` (asynchronous) and return a ``Pending`` whose
+  ``wait()`` completes it and unpacks the result; methods call them inside their own autograd Functions.
+* ``qkv_seq_to_heads``, ``seq_to_heads`` and ``heads_to_seq`` are the same moves as differentiable
+  functions (autograd Functions whose backward is the adjoint move), for callers composing their own layers.
+
+Note [Ulysses all-to-all]
+    U ranks of a group hold consecutive sequence pieces: rank u holds rows ``[u L, (u+1) L)`` of the group's
+    sequence (S = U L rows), all heads. Head-sharded, rank u holds all S rows for head slot u. One
+    collective moves everything: the send buffer is ``(U, B, L, Hs, D)`` where slot ``u`` (dim 0) is what
+    destination u gets - its heads of my rows; the receive buffer has the same shape, slot ``u'`` holding
+    source u''s rows of my heads, so concatenating slots along the sequence gives the full sequence::
+
+        seq-sharded  (B, L, H, D) on rank u'   --a2a-->   head-sharded (B, U*L, H/U, D) on rank u
+        send[u]  = x[:, :, u*H/U:(u+1)*H/U]               x_h[:, u'*L:(u'+1)*L] = recv[u']
+
+    q, k and v travel in ONE buffer, per destination ``[q heads | k heads | v heads]`` (``Hs = H/U +
+    2 Hkv_slot``), and the gradients return the same way. The adjoint of a permutation is its inverse, so
+    the backward of each move is the opposite move.
+
+Note [GQA head slots]
+    Destination u runs query heads ``[u H/U, (u+1) H/U)``; with ``G = H / Hkv`` they use KV heads
+    ``h // G``. Each destination gets exactly those KV heads (ALGORITHMS.md §5.2):
+
+    * U divides Hkv: slot u = KV heads ``[u Hkv/U, (u+1) Hkv/U)``; no replication.
+    * Hkv divides U: slot u = the single KV head ``u // (U/Hkv)``; each head goes to ``U/Hkv`` consecutive
+      destinations, replicated on the wire only (the send buffer is written from a broadcast view, never a
+      replicated copy). The backward receives ``U/Hkv`` partial dK/dV per head and sums them (the adjoint of
+      replication), in the accumulation dtype.
+
+    Any other (H, Hkv, U) is rejected by the methods before any collective (``HeadSlots.valid_degrees``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..errors import rank_suffix
+
+__all__ = ["HeadSlots", "Pending", "heads_to_seq", "post_grads_heads_to_seq", "post_heads_to_seq",
+           "post_qkv_seq_to_heads", "post_seq_to_heads", "qkv_seq_to_heads", "seq_to_heads"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class HeadSlots:
+    """How H query heads and Hkv KV heads split over U ranks (Note [GQA head slots])."""
+
+    heads: int
+    kv_heads: int
+    degree: int
+
+    def __post_init__(self) -> None:
+        if not self.is_valid(self.heads, self.kv_heads, self.degree):
+            raise ValueError(f"no head slots for heads={self.heads}, kv_heads={self.kv_heads} over "
+                             f"{self.degree} ranks (valid degrees: {self.valid_degrees(self.heads, self.kv_heads)})"
+                             f"{rank_suffix()}")
+
+    @staticmethod
+    def is_valid(heads: int, kv_heads: int, degree: int) -> bool:
+        return (degree >= 1 and heads % degree == 0 and heads % kv_heads == 0
+                and (kv_heads % degree == 0 or degree % kv_heads == 0))
+
+    @staticmethod
+    def valid_degrees(heads: int, kv_heads: int) -> list[int]:
+        """Every degree U the slot scheme serves: U divides H, and U divides Hkv or Hkv divides U."""
+        return [d for d in range(1, heads + 1) if HeadSlots.is_valid(heads, kv_heads, d)]
+
+    @property
+    def q_per_rank(self) -> int:
+        return self.heads // self.degree
+
+    @property
+    def kv_per_rank(self) -> int:
+        """KV heads in one destination's slot."""
+        return max(self.kv_heads // self.degree, 1)
+
+    @property
+    def replicas(self) -> int:
+        """Destinations each KV head goes to (1 unless Hkv < U)."""
+        return max(self.degree // self.kv_heads, 1)
+
+
+class Pending(Generic[T]):
+    """A posted all-to-all. ``wait()`` completes it (a stream dependency on NCCL, a blocking wait on gloo)
+    and returns the unpacked result; the buffers stay referenced until then."""
+
+    def __init__(self, work: Any, finish: Callable[[], T], keep: tuple[torch.Tensor, ...] = ()):
+        self._work, self._finish, self._keep = work, finish, keep
+
+    def wait(self) -> T:
+        if self._work is not None:
+            self._work.wait()
+        self._work, self._keep = None, ()
+        return self._finish()
+
+    @staticmethod
+    def done(value: T) -> Pending[T]:
+        return Pending(None, lambda: value)
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def _check_split(x: torch.Tensor, dim: int, U: int, what: str) -> None:
+    if x.shape[dim] % U:
+        raise ValueError(f"{what} (dim {dim} of shape {tuple(x.shape)}) must be divisible by the group size {U}, "
+                         f"got {x.shape[dim]}{rank_suffix()}")
+
+
+def _post(send: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[Any, torch.Tensor]:
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return work, recv
+
+
+def post_qkv_seq_to_heads(q_BLHD: torch.Tensor, k_BLKD: torch.Tensor, v_BLKD: torch.Tensor,
+                          group: dist.ProcessGroup | None) -> Pending[tuple[torch.Tensor, ...]]:
+    """Post the packed q/k/v move to head-sharded (Note [Ulysses all-to-all], Note [GQA head slots]).
+
+    Args:
+        q_BLHD: ``(B, L, H, D)`` this rank's rows, all query heads.
+        k_BLKD, v_BLKD: ``(B, L, Hkv, D)``, same dtype and device.
+        group: the Ulysses group (U ranks, in sequence-piece order).
+
+    Returns:
+        Pending ``(q (B, U L, H/U, D), k (B, U L, Hkv_slot, D), v (same))``, each contiguous.
+    """
+    U = _size(group)
+    B, L, H, D = q_BLHD.shape
+    Hkv = k_BLKD.shape[2]
+    if U == 1:
+        return Pending.done((q_BLHD, k_BLKD, v_BLKD))
+    slots = HeadSlots(H, Hkv, U)
+    hq, hk, rep = slots.q_per_rank, slots.kv_per_rank, slots.replicas
+    send_UBLHD = q_BLHD.new_empty(U, B, L, hq + 2 * hk, D)
+    send_UBLHD[..., :hq, :].copy_(q_BLHD.unflatten(2, (U, hq)).movedim(2, 0))
+    for i, t_BLKD in enumerate((k_BLKD, v_BLKD)):
+        lo = hq + i * hk
+        dst = send_UBLHD[..., lo:lo + hk, :].unflatten(0, (Hkv // hk, rep))      # (Hkv/hk, rep, B, L, hk, D)
+        dst.copy_(t_BLKD.unflatten(2, (Hkv // hk, hk)).movedim(2, 0).unsqueeze(1))   # broadcast over replicas
+    work, recv_UBLHD = _post(send_UBLHD, group)
+
+    def finish() -> tuple[torch.Tensor, ...]:
+        def rows(lo: int, hi: int) -> torch.Tensor:      # (U, B, L, h, D) -> (B, U L, h, D), source-major rows
+            return recv_UBLHD[..., lo:hi, :].movedim(0, 1).reshape(B, U * L, hi - lo, D)
+        return rows(0, hq), rows(hq, hq + hk), rows(hq + hk, hq + 2 * hk)
+
+    return Pending(work, finish, (send_UBLHD, recv_UBLHD))
+
+
+def post_grads_heads_to_seq(dq_BSHD: torch.Tensor, dk_BSKD: torch.Tensor, dv_BSKD: torch.Tensor, kv_heads: int,
+                            group: dist.ProcessGroup | None, wire_dtype: torch.dtype
+                            ) -> Pending[tuple[torch.Tensor, ...]]:
+    """Post the adjoint of ``post_qkv_seq_to_heads``: head-sharded gradients back to sequence-sharded.
+
+    Args:
+        dq_BSHD: ``(B, U L, H/U, D)``; dk_BSKD, dv_BSKD: ``(B, U L, Hkv_slot, D)``.
+        kv_heads: the global KV head count Hkv.
+        group: the Ulysses group.
+        wire_dtype: dtype of the send buffer.
+
+    Returns:
+        Pending ``(dq (B, L, H, D), dk (B, L, Hkv, D), dv)``: dq in ``wire_dtype``; dk/dv in ``wire_dtype``
+        without replication, else replica sums in fp32 (fp64 for an fp64 wire).
+    """
+    U = _size(group)
+    if U == 1:
+        return Pending.done((dq_BSHD, dk_BSKD, dv_BSKD))
+    B, S, hq, D = dq_BSHD.shape
+    hk, L = dk_BSKD.shape[2], S // U
+    rep = U * hk // kv_heads
+    send_UBLHD = dq_BSHD.new_empty(U, B, L, hq + 2 * hk, D, dtype=wire_dtype)
+    for lo, t_BShD in ((0, dq_BSHD), (hq, dk_BSKD), (hq + hk, dv_BSKD)):
+        send_UBLHD[..., lo:lo + t_BShD.shape[2], :].copy_(t_BShD.unflatten(1, (U, L)).movedim(1, 0))
+    work, recv_UBLHD = _post(send_UBLHD, group)
+    acc = torch.float64 if wire_dtype == torch.float64 else torch.float32
+
+    def finish() -> tuple[torch.Tensor, ...]:
+        dq = recv_UBLHD[..., :hq, :].movedim(0, 2).reshape(B, L, U * hq, D)
+        out = [dq]
+        for lo in (hq, hq + hk):
+            part = recv_UBLHD[..., lo:lo + hk, :].unflatten(0, (kv_heads // hk, rep))   # (Hkv/hk, rep, B, L, hk, D)
+            part = part.sum(1, dtype=acc) if rep > 1 else part.squeeze(1)         # adjoint of replication
+            out.append(part.movedim(0, 2).reshape(B, L, kv_heads, D))
+        return tuple(out)
+
+    return Pending(work, finish, (send_UBLHD, recv_UBLHD))
+
+
+def post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None, *, seq_dim: int = 1,
+                      head_dim: int = 2) -> Pending[torch.Tensor]:
+    """Post one tensor's move from sequence-sharded to head-sharded (Note [Ulysses all-to-all]).
+
+    ``x`` has L rows at ``seq_dim`` and H heads at ``head_dim`` (e.g. dO ``(B, L, H, D)`` with the defaults,
+    dlse ``(B, H, L)`` with ``seq_dim=2, head_dim=1``); the result has ``U L`` rows and ``H/U`` heads there.
+    """
+    U = _size(group)
+    if U == 1:
+        return Pending.done(x)
+    _check_split(x, head_dim, U, "heads")
+    send = x.unflatten(head_dim, (U, x.shape[head_dim] // U)).movedim(head_dim, 0).contiguous()
+    work, recv = _post(send, group)             # recv[u'] = source u''s rows; seq dim sits at seq_dim + 1
+
+    def finish() -> torch.Tensor:
+        return recv.movedim(0, seq_dim).flatten(seq_dim, seq_dim + 1)
+
+    return Pending(work, finish, (send, recv))
+
+
+def post_heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None, *, seq_dim: int = 1,
+                      head_dim: int = 2) -> Pending[torch.Tensor]:
+    """Post the inverse of ``post_seq_to_heads``: ``U L`` rows and ``H/U`` heads -> L rows and H heads."""
+    U = _size(group)
+    if U == 1:
+        return Pending.done(x)
+    _check_split(x, seq_dim, U, "sequence length")
+    send = x.unflatten(seq_dim, (U, x.shape[seq_dim] // U)).movedim(seq_dim, 0).contiguous()
+    work, recv = _post(send, group)             # recv[u'] = my rows of source u''s heads
+
+    def finish() -> torch.Tensor:
+        return recv.movedim(0, head_dim).flatten(head_dim, head_dim + 1)
+
+    return Pending(work, finish, (send, recv))
+
+
+class _QKVSeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, grad_dtype):
+        ctx.group, ctx.grad_dtype, ctx.kv_heads = group, grad_dtype, k.shape[2]
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        return post_qkv_seq_to_heads(q, k, v, group).wait()
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        U = _size(ctx.group)
+        rep = HeadSlots(dq.shape[2] * U, ctx.kv_heads, U).replicas
+        acc = torch.float64 if ctx.dtypes[0] == torch.float64 else torch.float32
+        wire = ctx.dtypes[0] if rep == 1 else (acc if ctx.grad_dtype == torch.float32 else ctx.grad_dtype)
+        grads = post_grads_heads_to_seq(dq, dk, dv, ctx.kv_heads, ctx.group, wire).wait()
+        return (*(g.to(dt) for g, dt in zip(grads, ctx.dtypes)), None, None)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, seq_dim, head_dim):
+        ctx.args = (group, seq_dim, head_dim)
+        return post_seq_to_heads(x, group, seq_dim=seq_dim, head_dim=head_dim).wait()
+
+    @staticmethod
+    def backward(ctx, g):
+        group, seq_dim, head_dim = ctx.args
+        return post_heads_to_seq(g, group, seq_dim=seq_dim, head_dim=head_dim).wait(), None, None, None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, seq_dim, head_dim):
+        ctx.args = (group, seq_dim, head_dim)
+        return post_heads_to_seq(x, group, seq_dim=seq_dim, head_dim=head_dim).wait()
+
+    @staticmethod
+    def backward(ctx, g):
+        group, seq_dim, head_dim = ctx.args
+        return post_seq_to_heads(g, group, seq_dim=seq_dim, head_dim=head_dim).wait(), None, None, None
+
+
+def qkv_seq_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None = None,
+                     *, grad_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Differentiable packed move of ``q (B, L, H, D)``, ``k, v (B, L, Hkv, D)`` to head-sharded.
+
+    Returns ``(B, U L, H/U, D)`` and ``(B, U L, Hkv_slot, D)`` (Note [GQA head slots]). The backward moves the
+    gradients back in one collective; replicated KV heads' partials travel in ``grad_dtype`` and are summed.
+    Raises ValueError when (H, Hkv, U) has no head slots.
+    """
+    return _QKVSeqToHeads.apply(q, k, v, group, grad_dtype)
+
+
+def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None = None, *, seq_dim: int = 1,
+                 head_dim: int = 2) -> torch.Tensor:
+    """Differentiable ``post_seq_to_heads``: L rows x H heads -> U L rows x H/U heads."""
+    return _SeqToHeads.apply(x, group, seq_dim, head_dim)
+
+
+def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None = None, *, seq_dim: int = 1,
+                 head_dim: int = 2) -> torch.Tensor:
+    """Differentiable ``post_heads_to_seq``: U L rows x H/U heads -> L rows x H heads."""
+    return _HeadsToSeq.apply(x, group, seq_dim, head_dim)
