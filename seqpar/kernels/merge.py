@@ -45,8 +45,9 @@ def merge_(acc_out_BSHD: torch.Tensor, acc_lse_BHS: torch.Tensor, out_BSHD: torc
 class Accumulator:
     """The running ``(out, lse)`` of one rank's query rows: fp32 (fp64 for fp64 inputs).
 
-    ``add(rows, out, lse)`` merges a partial for ``rows``; the first partial that covers every row is
-    copied instead of merged (no pass over a zero accumulator). ``result(dtype)`` ends the pass.
+    ``add(rows, out, lse)`` merges a partial for ``rows``. The first partial that covers every row is kept as
+    it is (no pass over a zero accumulator); it is widened to fp32 only when a second partial arrives, so a
+    single-block call returns the kernel's output untouched. ``result(dtype)`` ends the pass.
     """
 
     def __init__(self, like_BSHD: torch.Tensor):
@@ -63,12 +64,13 @@ class Accumulator:
     def add(self, rows: slice, out_BSHD: torch.Tensor, lse_BHS: torch.Tensor) -> None:
         full = rows.start == 0 and rows.stop == self._like.shape[1]
         if self.out is None and full:
-            self.out = out_BSHD.to(self.acc_dtype)     # a kernel's fresh output: ours to update in place
-            self.lse = lse_BHS.to(self.acc_dtype)
+            self.out, self.lse = out_BSHD, lse_BHS      # a kernel's fresh output: ours to keep
             return
         if self.out is None:
             self._init()
-        assert self.lse is not None
+        assert self.out is not None and self.lse is not None
+        if self.out.dtype != self.acc_dtype or self.lse.dtype != self.acc_dtype:
+            self.out, self.lse = self.out.to(self.acc_dtype), self.lse.to(self.acc_dtype)
         merge_(self.out[:, rows], self.lse[:, :, rows], out_BSHD, lse_BHS)
 
     def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,4 +78,4 @@ class Accumulator:
         if self.out is None:
             self._init()
         assert self.out is not None and self.lse is not None
-        return self.out.to(dtype), self.lse
+        return self.out.to(dtype), self.lse.to(self.acc_dtype)

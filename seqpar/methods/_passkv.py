@@ -52,16 +52,19 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, sched
             runner: TaskRunner) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring forward: ``(out (B, L, H, D) in q.dtype, lse (B, H, L) fp32)``."""
     acc = Accumulator(q)
+    if sched.n_steps == 1:                     # one rank, or a window that needs no other rank's keys
+        for t in runner.prepare(sched.steps[0], q, k):
+            acc.add(t.q, *runner.forward(q, k, v, t))
+        return acc.result(q.dtype)
     kv = torch.stack((k, v))
-    nxt = torch.empty_like(kv) if sched.n_steps > 1 else kv
+    nxt = torch.empty_like(kv)
     for s in range(sched.n_steps):
         more = s + 1 < sched.n_steps
         if more:
             ex = ring.send_recv(kv, nxt)
             ex.commit()
         for t in runner.prepare(sched.steps[s], q, kv[0]):
-            o, lse = runner.forward(q, kv[0], kv[1], t)
-            acc.add(t.q, o, lse)
+            acc.add(t.q, *runner.forward(q, kv[0], kv[1], t))
         if more:
             ex.wait()
             kv, nxt = nxt, kv
@@ -79,10 +82,13 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     it still has to sum replicated KV heads' partials.
     """
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     n = sched.n_steps
+    dtypes = (result_dtype or q.dtype, result_dtype or k.dtype, result_dtype or v.dtype)
+    if n == 1:
+        return _local_backward(do, q, k, v, out, lse, sched.steps[0], runner, delta, acc, dtypes)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.stack((k, v))
-    nxt = torch.empty_like(kv) if n > 1 else kv
+    nxt = torch.empty_like(kv)
     wire = acc if grad_dtype == torch.float32 else grad_dtype
     dkv = torch.zeros(kv.shape, dtype=wire, device=q.device)
     dkv_in = torch.empty_like(dkv)
@@ -92,14 +98,17 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if more:
             ex = ring.send_recv(kv, nxt)
             ex.commit()
-        if dex is not None:
-            dex.wait()                              # the running dK/dV of the block now held, from rank - 1
-            dkv, dkv_in = dkv_in, dkv
-        for t in runner.prepare(sched.steps[s], q, kv[0]):
-            gq, gk, gv = runner.backward(do, q, kv[0], kv[1], out, lse, t, delta)
+        tasks = runner.prepare(sched.steps[s], q, kv[0])
+        grads = [runner.backward(do, q, kv[0], kv[1], out, lse, t, delta) for t in tasks]
+        for t, (gq, _, _) in zip(tasks, grads):
             dq[:, t.q] += gq
+        if dex is not None:                 # computed first, so the dK/dV hop hid behind this step's kernels
+            dex.wait()                      # the running dK/dV of the block now held, from rank - 1
+            dkv, dkv_in = dkv_in, dkv
+        for t, (_, gk, gv) in zip(tasks, grads):
             dkv[0][:, t.k] += gk
             dkv[1][:, t.k] += gv
+        del grads
         if more:
             dex = ring.send_recv(dkv, dkv_in)
             dex.commit()
@@ -108,5 +117,19 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     home = ring.send_recv(dkv, dkv_in, hops=1 - n)     # block (r - n + 1)'s total goes to its owner
     home.commit()
     home.wait()
-    return (dq.to(result_dtype or q.dtype), dkv_in[0].to(result_dtype or k.dtype),
-            dkv_in[1].to(result_dtype or v.dtype))
+    return dq.to(dtypes[0]), dkv_in[0].to(dtypes[1]), dkv_in[1].to(dtypes[2])
+
+
+def _local_backward(do, q, k, v, out, lse, tasks, runner, delta, acc, dtypes):
+    """Backward of a single-step schedule: no ring; one task covering everything skips the fp32 sums."""
+    tasks = runner.prepare(tasks, q, k)
+    if len(tasks) == 1 and tasks[0].rows == q.shape[1] and tasks[0].cols == k.shape[1]:
+        g = runner.backward(do, q, k, v, out, lse, tasks[0], delta)
+        return tuple(x.to(d) for x, d in zip(g, dtypes))
+    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
+    for t in tasks:
+        gq, gk, gv = runner.backward(do, q, k, v, out, lse, t, delta)
+        dq[:, t.q] += gq
+        dk[:, t.k] += gk
+        dv[:, t.k] += gv
+    return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
