@@ -3,6 +3,7 @@
 Entry points (start reading at ``seqpar/api.py``):
 
     seqpar.attention(q, k, v, mesh=..., method=..., layout=..., causal=...)   one attention layer over ranks
+    seqpar.linear_attention(q, k, v, mesh=..., method="lasp2", decay=...)     linear attention over ranks (LASP-2)
     seqpar.shard / seqpar.unshard / seqpar.positions                         where tokens live
     seqpar.make_mesh(ulysses=U, ring=R)                                      a 2D mesh for USP
     seqpar.flash_api                                                         ring-flash-attn style names
@@ -28,6 +29,7 @@ from .flash_api import (
     zigzag_ring_flash_attn_qkvpacked_func,
 )
 from .groups import SeqParallelGroups, make_mesh
+from .linear_api import linear_attention, linear_methods
 from .types import AttnOutput
 
 __version__ = "0.1.0"
@@ -39,3 +41,4 @@ __all__ = [
     "unshard", "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
     "zigzag_ring_flash_attn_qkvpacked_func",
 ]
+__all__ += ["linear_attention", "linear_methods"]
