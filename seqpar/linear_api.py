@@ -86,8 +86,8 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh:
     module = _method(method)
     groups = SeqParallelGroups.resolve(mesh, module.MESH_DIMS)
     if decay is not None and gates is not None:
-        raise ValueError(f"at most one of decay and gates may be given, got both (shapes {tuple(decay.shape)} and "
-                         f"{tuple(gates.shape)}){rank_suffix()}")
+        raise ValueError(f"decay and gates must not both be given, got decay {tuple(decay.shape)} and gates "
+                         f"{tuple(gates.shape)}{rank_suffix()}")
     g = decay if gates is None else gates
     cfg = _config(module, layout=layout, causal=causal, chunk_size=chunk_size, kernel=kernel, cu_seqlens=cu_seqlens,
                   seq_len=seq_len, grad_dtype=grad_dtype, output_final_state=output_final_state,
@@ -118,16 +118,17 @@ def _config(module: ModuleType, *, layout, causal, chunk_size, kernel, cu_seqlen
             "initial_state": initial_state is not None, "final_state": bool(output_final_state)}
     for feature, used in need.items():
         if used and feature not in module.FEATURES:
-            raise NotImplementedError(f"method={name!r} does not support {feature}; use method='lasp2'{rs}")
+            raise NotImplementedError(f"{feature} must be used with method='lasp2' ({name} does not support it), "
+                                      f"got method={name!r}{rs}")
     if not causal:
         for what, given in (("decay/gates", g is not None), ("initial_state", initial_state is not None),
                             ("output_final_state", bool(output_final_state))):
             if given:
-                raise NotImplementedError(f"{what} needs causal=True (a decayed or stateful non-causal linear "
-                                          f"attention is not defined), got causal=False{rs}")
+                raise NotImplementedError(f"{what} must be used with causal=True (a decayed or stateful non-causal "
+                                          f"linear attention is not defined), got causal=False{rs}")
     if initial_state is not None and cu_seqlens is not None:
-        raise NotImplementedError(f"initial_state with cu_seqlens (one state per document) is not supported; got "
-                                  f"both{rs}")
+        raise NotImplementedError(f"initial_state must be None with cu_seqlens (one state per document is not "
+                                  f"supported), got both{rs}")
     return LinearConfig(method=name, layout=layout, causal=causal, chunk_size=chunk_size, kernel=kernel,
                         cu_seqlens=_host_cu(cu_seqlens), seq_len=seq_len, grad_dtype=grad_dtype,
                         output_final_state=bool(output_final_state), has_initial_state=initial_state is not None)

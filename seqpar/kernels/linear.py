@@ -283,9 +283,28 @@ class RecurrentKernel(LinearKernel):
         return _recurrent_core(q, k, v, g, h0)
 
 
+_FLA_MIN = (0, 3)     # fla-core releases take [B, T, H, K] inputs only (no head_first argument)
+
+
+def _version(dist_name: str) -> tuple[int, ...] | None:
+    from importlib import metadata
+
+    try:
+        text = metadata.version(dist_name)
+    except metadata.PackageNotFoundError:
+        return None
+    return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in text.split(".")[:2])
+
+
 @functools.lru_cache(maxsize=1)
 def _fla():
     """``((chunk_simple_gla, chunk_gla), None)`` or ``(None, reason)``; imported on first use only."""
+    found = _version("fla-core") or _version("flash-linear-attention")
+    if found is None:
+        return None, "fla-core is not installed (pip install fla-core)"
+    if found < _FLA_MIN:
+        return None, (f"fla-core {'.'.join(map(str, found))} is older than {'.'.join(map(str, _FLA_MIN))} "
+                      f"(the [B, T, H, K] layout)")
     try:
         simple = importlib.import_module("fla.ops.simple_gla").chunk_simple_gla
         gla = importlib.import_module("fla.ops.gla").chunk_gla

@@ -72,9 +72,9 @@ def _prefix(plan: LinearPlan, rank: int, every: torch.Tensor, to_end: bool):
     entering = {}
     for slot in plan.slots[:stop]:
         if slot.owner == rank:
-            entering[slot.piece] = S
+            entering[slot.piece] = S.clone()
         row = every[plan.row(slot)]
-        S = row[..., -1:] * S + row[..., :-1]                     # Diag(P) S + M, sequential fp32
+        S.mul_(row[..., -1:]).add_(row[..., :-1])                 # Diag(P) S + M in place, sequential fp32
     return [entering[s.piece] for s in own], (S if to_end else None)
 
 
@@ -82,15 +82,15 @@ def _suffix(plan: LinearPlan, rank: int, dM: torch.Tensor, P: torch.Tensor, seed
     """Gradients of the states leaving own slots (local order), from the slots after each."""
     own = plan.own(rank)
     first = min(plan.order(s) for s in own)
-    D = torch.zeros_like(dM[0]) if seed is None else seed
+    D = torch.zeros_like(dM[0]) if seed is None else seed.clone()
     leaving = {}
     for i in range(len(plan.slots) - 1, first - 1, -1):
         slot = plan.slots[i]
         if slot.owner == rank:
-            leaving[slot.piece] = D
+            leaving[slot.piece] = D.clone()
         if i > first:
             r = plan.row(slot)
-            D = dM[r] + P[r].unsqueeze(-1) * D
+            D.mul_(P[r].unsqueeze(-1)).add_(dM[r])                # dM + Diag(P) D in place, sequential fp32
     return [leaving[s.piece] for s in own]
 
 
