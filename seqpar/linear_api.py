@@ -25,7 +25,7 @@ from .kernels.linear import FEATURE_MAPS, LinearCall, apply_feature_map, availab
 from .layouts import LAYOUTS
 from .methods._linear import LinearConfig
 
-__all__ = ["linear_attention", "linear_methods"]
+__all__ = ["get_linear_method", "linear_attention", "linear_methods"]
 
 _METHODS = {"lasp2": "seqpar.methods.lasp2", "lasp1": "seqpar.methods.lasp1"}
 
@@ -35,7 +35,8 @@ def linear_methods() -> list[str]:
     return list(_METHODS)
 
 
-def _method(name: str) -> ModuleType:
+def get_linear_method(name: str) -> ModuleType:
+    """The module implementing linear method ``name``; ValueError listing the valid names otherwise."""
     if name not in _METHODS:
         raise ValueError(f"method must be one of {linear_methods()}, got {name!r}{rank_suffix()}")
     return importlib.import_module(_METHODS[name])
@@ -83,7 +84,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh:
     Returns:
         ``o (B, L, H, V)`` in q's dtype, or ``(o, final_state)`` with ``output_final_state``.
     """
-    module = _method(method)
+    module = get_linear_method(method)
     groups = SeqParallelGroups.resolve(mesh, module.MESH_DIMS)
     if decay is not None and gates is not None:
         raise ValueError(f"decay and gates must not both be given, got decay {tuple(decay.shape)} and gates "
