@@ -3,6 +3,7 @@
 Entry points (start reading at ``seqpar/api.py``):
 
     seqpar.attention(q, k, v, mesh=..., method=..., layout=..., causal=...)   one attention layer over ranks
+    seqpar.linear_attention(q, k, v, mesh=..., method="lasp2", decay=...)     linear attention over ranks (LASP-2)
     seqpar.shard / seqpar.unshard / seqpar.positions                         where tokens live
     seqpar.make_mesh(ulysses=U, ring=R)                                      a 2D mesh for USP
     seqpar.plan(seq_len=..., heads=..., world=...)                           which method to use, and why
@@ -30,6 +31,7 @@ from .flash_api import (
     zigzag_ring_flash_attn_qkvpacked_func,
 )
 from .groups import SeqParallelGroups, make_mesh
+from .linear_api import linear_attention, linear_methods
 from .modules import (
     SequenceParallelAttention,
     SequenceParallelAttentionKVPacked,
@@ -43,7 +45,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AttentionConfig", "AttnOutput", "SeqParallelGroups", "SequenceParallelAttention",
     "SequenceParallelAttentionKVPacked", "SequenceParallelAttentionQKVPacked", "UnsupportedInputError",
-    "attention", "make_mesh", "plan",
+    "attention", "linear_attention", "linear_methods", "make_mesh", "plan",
     "positions", "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
     "shard", "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
     "unshard", "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
