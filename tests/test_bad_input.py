@@ -31,6 +31,7 @@ CASES = [
     ("bad window", {"window_size": (-3, 0)}, OK, {}, "ValueError", ["window_size", "(-3, 0)"]),
     ("cu_seqlens end", {"cu_seqlens": [0, 3, 5]}, OK, {}, "ValueError", ["cu_seqlens must end", "got 5"]),
     ("2D mesh for ring", {"mesh_2d": 2}, OK, {}, "ValueError", ["1D mesh", "2D mesh"]),
+    ("head_chunks", {"head_chunks": 3}, OK, {}, "ValueError", ["head_chunks", "kv heads (2)", "got 3"]),
 ]
 
 

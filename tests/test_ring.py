@@ -45,3 +45,11 @@ def test_error_does_not_grow_with_world_size(pools, layout):
     for f in ("out", "dq", "dk", "dv"):
         e2, e8 = r2.verdicts[f].error, r8.verdicts[f].error
         assert e8 <= 1.25 * e2 + 1e-4, f"{f}: error {e8:.2e} at W=8 vs {e2:.2e} at W=2"
+
+
+def test_head_chunks_bound_memory_and_match(pools):
+    """``head_chunks`` runs the ring per KV-head group; results are the same function."""
+    grid = (("zigzag", 2, False), ("stripe", 4, True), ("contiguous", 4, False))
+    cases = [Case(layout=lay, seq_len=32, heads=8, kv_heads=4, head_dim=8, options=(("head_chunks", c),),
+                  lse_grad=lse) for lay, c, lse in grid]
+    assert_all_ok(run_cases(pools(4), cases))

@@ -151,8 +151,8 @@ class Bench:
             rec_extra = dict(extra or {})
             rec_extra["peak_mem_gib"] = peak_mem_gib(self.device, group)
             if profile and self.args.profile and mode == "fwd+bwd":
-                comm, exposed = exposed_comm_ms(runner[mode], self.device)
-                rec_extra.update(comm_ms=comm, exposed_comm_ms=exposed)
+                comm, exposed, kernels = exposed_comm_ms(runner[mode], self.device)
+                rec_extra.update(comm_ms=comm, exposed_comm_ms=exposed, kernel_ms=kernels)
             self._record(preset, label, mode, world, t, limit, extra=rec_extra)
         if "__exit__" in runner:
             runner["__exit__"]()

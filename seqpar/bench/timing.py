@@ -95,14 +95,15 @@ def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> 
     return total
 
 
-def exposed_comm_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
-    """``(communication kernel time, the part of it no compute kernel overlapped)`` for one call, in ms.
+def exposed_comm_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, float, dict[str, float]]:
+    """``(communication kernel time, the part no compute kernel overlapped, ms per kernel class)`` of one call.
 
     From a profiler trace of this rank's GPU kernels: NCCL kernels are communication, every other kernel is
-    compute; time is the union of their intervals.
+    compute; time is the union of their intervals. The breakdown sums kernel time by class (attention,
+    nccl, elementwise/merge, copy, other) to show where a method spends its time.
     """
     if device.type != "cuda":
-        return 0.0, 0.0
+        return 0.0, 0.0, {}
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -111,10 +112,26 @@ def exposed_comm_ms(fn: Callable[[], object], device: torch.device) -> tuple[flo
         fn()
         torch.cuda.synchronize(device)
     comm, comp = [], []
+    classes: dict[str, float] = {}
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA or ev.time_range.elapsed_us() <= 0:
             continue
         span = (ev.time_range.start / 1e3, ev.time_range.end / 1e3)
         (comm if "nccl" in ev.name.lower() else comp).append(span)
+        cls = _kernel_class(ev.name)
+        classes[cls] = classes.get(cls, 0.0) + (span[1] - span[0])
     c, k = _union(comm), _union(comp)
-    return _length(c), _length(c) - _intersect(c, k)
+    return _length(c), _length(c) - _intersect(c, k), {n: round(t, 3) for n, t in sorted(classes.items())}
+
+
+def _kernel_class(name: str) -> str:
+    n = name.lower()
+    if "nccl" in n:
+        return "nccl"
+    if any(w in n for w in ("flash", "fmha", "cudnn", "sdpa", "attention", "cutlass", "sm90", "triton_tem")):
+        return "attention"
+    if "copy" in n or "memcpy" in n or "cat" in n:
+        return "copy"
+    if "elementwise" in n or "reduce" in n or "triton_poi" in n or "triton_red" in n:
+        return "elementwise"
+    return "other"

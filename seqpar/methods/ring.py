@@ -6,6 +6,9 @@ see of the visiting block (Note [Zigzag load balance], Note [Block planning]) an
 Backward sends dK/dV one step behind their KV and accumulates them in fp32 (``grad_dtype`` on the wire).
 
 GQA/MQA: K and V travel with their own Hkv heads; kernels map query heads to KV heads. Never replicated.
+``head_chunks=c`` runs the ring c times, each on Hkv/c KV heads and their query heads, so every fp32
+buffer (output accumulator, dq, travelling dK/dV) shrinks c-fold: how 1M-token sequences stay near the
+minimum memory. Transfers per step shrink c-fold too, so use it only where steps stay compute-bound.
 Windows and documents: the planner skips blocks nobody sees and ends the ring early when a window is
 shorter than the ring (Note [Ring truncation] in ``_passkv``).
 """
@@ -16,6 +19,7 @@ import torch
 
 from ..comm.ring import Ring
 from ..config import AttentionConfig
+from ..errors import rank_suffix
 from ..groups import SeqParallelGroups
 from ..kernels.executor import TaskRunner
 from ..layouts import Layout, make_layout
@@ -25,7 +29,7 @@ from . import _passkv
 NAME = "ring"
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 MESH_DIMS = 1
-OPTIONS: dict[str, object] = {}
+OPTIONS: dict[str, object] = {"head_chunks": 1}
 FEATURES = frozenset({"window", "varlen", "padding", "lse_grad"})
 
 
@@ -43,9 +47,25 @@ def _setup(q: torch.Tensor, cfg: AttentionConfig, groups: SeqParallelGroups, nee
     return Ring(groups.group), sched, runner
 
 
+def _head_groups(q: torch.Tensor, k: torch.Tensor, cfg: AttentionConfig) -> list[tuple[slice, slice]]:
+    """(query heads, KV heads) of each pass; query heads h use KV head h // G, so groups stay aligned."""
+    c = cfg.option("head_chunks", 1)
+    hq, hk = q.shape[2] // c, k.shape[2] // c
+    return [(slice(i * hq, (i + 1) * hq), slice(i * hk, (i + 1) * hk)) for i in range(c)]
+
+
 def _forward(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups):
     ring, sched, runner = _setup(q, cfg, groups)
-    return _passkv.forward(q, k, v, ring, sched, runner)
+    parts = _head_groups(q, k, cfg)
+    if len(parts) == 1:
+        return _passkv.forward(q, k, v, ring, sched, runner)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float64 if q.dtype == torch.float64
+                      else torch.float32, device=q.device)
+    for hq, hk in parts:
+        o, l = _passkv.forward(q[:, :, hq], k[:, :, hk], v[:, :, hk], ring, sched, runner)
+        out[:, :, hq], lse[:, hq] = o, l
+    return out, lse
 
 
 def _backward(do, q, k, v, out, lse, dlse, cfg: AttentionConfig, groups: SeqParallelGroups):
@@ -54,7 +74,22 @@ def _backward(do, q, k, v, out, lse, dlse, cfg: AttentionConfig, groups: SeqPara
         acc = lse.dtype
         delta = (do.to(acc) * out.to(acc)).sum(-1).transpose(1, 2) - dlse.to(acc)
     ring, sched, runner = _setup(q, cfg, groups, needs_delta=delta is not None)
-    return _passkv.backward(do, q, k, v, out, lse, ring, sched, runner, cfg.grad_dtype, delta)
+    parts = _head_groups(q, k, cfg)
+    if len(parts) == 1:
+        return _passkv.backward(do, q, k, v, out, lse, ring, sched, runner, cfg.grad_dtype, delta)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for hq, hk in parts:
+        g = _passkv.backward(do[:, :, hq], q[:, :, hq], k[:, :, hk], v[:, :, hk], out[:, :, hq], lse[:, hq], ring,
+                             sched, runner, cfg.grad_dtype, None if delta is None else delta[:, hq])
+        dq[:, :, hq], dk[:, :, hk], dv[:, :, hk] = g
+    return dq, dk, dv
+
+
+def check(k: torch.Tensor, cfg: AttentionConfig) -> None:
+    c = cfg.option("head_chunks", 1)
+    if not isinstance(c, int) or c < 1 or k.shape[2] % c:
+        raise ValueError(f"head_chunks must be a positive int dividing kv heads ({k.shape[2]}), got {c!r}"
+                         f"{rank_suffix()}")
 
 
 class _RingAttention(torch.autograd.Function):
@@ -78,4 +113,5 @@ class _RingAttention(torch.autograd.Function):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
               groups: SeqParallelGroups) -> AttnOutput:
     """Ring attention on local shards ``(B, L, H, D)``; differentiable in q, k, v (and through lse)."""
+    check(k, cfg)
     return AttnOutput(*_RingAttention.apply(q, k, v, cfg, groups))
