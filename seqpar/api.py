@@ -24,7 +24,7 @@ __all__ = ["attention", "positions", "shard", "unshard"]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = None, method: str = "ring",
-              layout: str = "zigzag", causal: bool = True, softmax_scale: float | None = None,
+              layout: str | None = None, causal: bool = True, softmax_scale: float | None = None,
               kernel: str = "auto", return_lse: bool = False, window_size: tuple[int, int] = (-1, -1),
               cu_seqlens: torch.Tensor | Sequence[int] | None = None, seq_len: int | None = None,
               deterministic: bool = False, grad_dtype: torch.dtype = torch.float32, dropout_p: float = 0.0,
@@ -41,7 +41,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
             methods that accept ``layout`` and the mesh (``seqpar.planner.choose``, the same on every rank,
             logged on "seqpar.planner"); with "auto" the only option is ``profile=`` (a
             ``seqpar.planner.Profile``, built-in name or JSON path; default: the device's built-in one).
-        layout: "contiguous", "zigzag" or "stripe" (each method accepts a subset).
+        layout: "contiguous", "zigzag" or "stripe" (each method accepts a subset); None means zigzag where
+            the method has it (ring, usp, ...), else the method's only layout (ulysses: contiguous).
         causal: causal masking in global token positions.
         softmax_scale: default ``D ** -0.5``.
         kernel: "auto" or a name from ``seqpar.kernels.available_kernels()``; a named kernel that cannot
@@ -60,9 +61,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
         ``out (B, L, H, D)`` in q's dtype, or ``AttnOutput(out, lse)`` with ``return_lse``.
     """
     if method == "auto":
+        layout = layout or "zigzag"
         method, options = _auto(q, k, v, mesh, layout, causal, window_size, cu_seqlens, seq_len, kernel,
                                 grad_dtype, options)
     module = methods.get(method)
+    layout = layout or default_layout(module)
     cfg = _config(module, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
                   window_size=window_size, cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic,
                   grad_dtype=grad_dtype, dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap,
@@ -188,10 +191,16 @@ def _check_tensors(q, k, v) -> None:
             raise TypeError(f"{name} must have a floating dtype, got {t.dtype}{rs}")
 
 
-def _placement(mesh: Any, method: str, layout: str):
+def default_layout(module) -> str:
+    """``layout=None``: zigzag (causally balanced) where the method has it, else its first layout."""
+    return "zigzag" if "zigzag" in module.LAYOUTS else module.LAYOUTS[0]
+
+
+def _placement(mesh: Any, method: str, layout: str | None):
     if method == "auto":            # auto keeps the layout: every 1D method places tokens as the ring does
         method = "usp" if getattr(mesh, "ndim", 1) == 2 else "ring"
     module = methods.get(method)
+    layout = layout or default_layout(module)
     groups = SeqParallelGroups.resolve(mesh, module.MESH_DIMS)
     if layout not in module.LAYOUTS:
         raise ValueError(f"layout must be one of {list(module.LAYOUTS)} for method={method!r}, got {layout!r}"
@@ -200,7 +209,7 @@ def _placement(mesh: Any, method: str, layout: str):
     return lay, index, groups
 
 
-def shard(x: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: str = "zigzag", dim: int = 1,
+def shard(x: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: str | None = None, dim: int = 1,
           pad: bool = False) -> torch.Tensor:
     """This rank's tokens of the global tensor ``x`` (a copy), in the method's layout.
 
@@ -219,7 +228,7 @@ def shard(x: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: st
     return lay.shard(x, index, dim)
 
 
-def unshard(x: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: str = "zigzag",
+def unshard(x: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: str | None = None,
             dim: int = 1, seq_len: int | None = None) -> torch.Tensor:
     """The global tensor from every rank's shard (a collective: call it on every rank).
 
@@ -230,7 +239,7 @@ def unshard(x: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: 
     return full if seq_len is None else full.narrow(dim, 0, seq_len)
 
 
-def positions(seq_len: int, *, mesh: Any = None, method: str = "ring", layout: str = "zigzag",
+def positions(seq_len: int, *, mesh: Any = None, method: str = "ring", layout: str | None = None,
               device: torch.device | str | None = None) -> torch.Tensor:
     """Global positions of this rank's tokens, int64 ``(L,)``, in local order (for RoPE)."""
     lay, index, _ = _placement(mesh, method, layout)

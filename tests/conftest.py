@@ -21,7 +21,7 @@ class _Pools:
             while len(self.pools) >= self.keep:
                 oldest = next(iter(self.pools))
                 self.pools.pop(oldest).close()
-            self.pools[world] = ProcessPool(world, timeout=600)
+            self.pools[world] = ProcessPool(world, timeout=900, pg_timeout=300)
         else:                                    # most recently used last
             self.pools[world] = self.pools.pop(world)
         return self.pools[world]
