@@ -4,6 +4,8 @@ Entry points (start reading at ``seqpar/api.py``):
 
     seqpar.attention(q, k, v, mesh=..., method=..., layout=..., causal=...)   one attention layer over ranks
     seqpar.shard / seqpar.unshard / seqpar.positions                         where tokens live
+    seqpar.shard_info(seq_len, cu_seqlens=...)                               packed documents: RoPE positions,
+                                                                             local segments, pad mask
     seqpar.make_mesh(ulysses=U, ring=R)                                      a 2D mesh for USP
     seqpar.flash_api                                                         ring-flash-attn style names
 
@@ -13,19 +15,32 @@ errors, masks, config. ``docs/DESIGN.md`` is the map.
 
 from __future__ import annotations
 
-from .api import attention, positions, shard, unshard
+from .api import ShardInfo, attention, positions, shard, shard_info, unshard
 from .config import AttentionConfig
 from .errors import UnsupportedInputError
 from .flash_api import (
+    llama3_flash_attn_prepare_cu_seqlens,
+    llama3_flash_attn_varlen_func,
+    llama3_flash_attn_varlen_kvpacked_func,
+    llama3_flash_attn_varlen_qkvpacked_func,
     ring_flash_attn_func,
     ring_flash_attn_kvpacked_func,
     ring_flash_attn_qkvpacked_func,
+    ring_flash_attn_varlen_func,
+    ring_flash_attn_varlen_kvpacked_func,
+    ring_flash_attn_varlen_qkvpacked_func,
     stripe_flash_attn_func,
     stripe_flash_attn_kvpacked_func,
     stripe_flash_attn_qkvpacked_func,
+    stripe_flash_attn_varlen_func,
+    stripe_flash_attn_varlen_kvpacked_func,
+    stripe_flash_attn_varlen_qkvpacked_func,
     zigzag_ring_flash_attn_func,
     zigzag_ring_flash_attn_kvpacked_func,
     zigzag_ring_flash_attn_qkvpacked_func,
+    zigzag_ring_flash_attn_varlen_func,
+    zigzag_ring_flash_attn_varlen_kvpacked_func,
+    zigzag_ring_flash_attn_varlen_qkvpacked_func,
 )
 from .groups import SeqParallelGroups, make_mesh
 from .types import AttnOutput
@@ -33,9 +48,15 @@ from .types import AttnOutput
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionConfig", "AttnOutput", "SeqParallelGroups", "UnsupportedInputError", "attention", "make_mesh",
-    "positions", "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
-    "shard", "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
-    "unshard", "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
-    "zigzag_ring_flash_attn_qkvpacked_func",
+    "AttentionConfig", "AttnOutput", "SeqParallelGroups", "ShardInfo", "UnsupportedInputError", "attention",
+    "llama3_flash_attn_prepare_cu_seqlens", "llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_func",
+    "llama3_flash_attn_varlen_qkvpacked_func", "make_mesh", "positions", "ring_flash_attn_func",
+    "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func", "ring_flash_attn_varlen_func",
+    "ring_flash_attn_varlen_kvpacked_func", "ring_flash_attn_varlen_qkvpacked_func", "shard", "shard_info",
+    "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
+    "stripe_flash_attn_varlen_func", "stripe_flash_attn_varlen_kvpacked_func",
+    "stripe_flash_attn_varlen_qkvpacked_func", "unshard", "zigzag_ring_flash_attn_func",
+    "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
+    "zigzag_ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_kvpacked_func",
+    "zigzag_ring_flash_attn_varlen_qkvpacked_func",
 ]
