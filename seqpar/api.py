@@ -179,7 +179,10 @@ def shard(x: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: st
     n = x.shape[dim]
     if n % lay.divisor:
         if not pad:
-            lay.check_len(n)
+            try:
+                lay.check_len(n)
+            except ValueError as e:
+                raise ValueError(f"{e}{rank_suffix()}") from None
         extra = -n % lay.divisor
         shape = list(x.shape)
         shape[dim] = extra
