@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from _cross import METHODS, method_cases
 from conftest import assert_all_ok, run_cases
 
 import seqpar
@@ -22,33 +23,6 @@ from seqpar.layouts.varlen import shard_info
 from seqpar.testing import Case, dense_attention, dense_mask
 
 WORLDS = [2, 3, 4, 8]
-LAYOUTS = {"ring": ("contiguous", "zigzag", "stripe"), "allgather": ("contiguous", "zigzag"),
-           "ulysses": ("contiguous", "zigzag", "stripe"), "usp": ("contiguous", "zigzag", "stripe")}
-
-
-def _method(name: str):
-    """A ``method`` parameter, skipped until that method is merged (ulysses / usp are written in parallel)."""
-    return pytest.param(name, id=name, marks=pytest.mark.skipif(
-        name not in seqpar.methods.available(), reason=f"method {name!r} is not merged yet"))
-
-
-METHODS = [_method(m) for m in LAYOUTS]
-
-
-def method_cases(method: str, world: int, base: Case) -> list[Case]:
-    """``base`` for every layout ``method`` accepts, with head counts and mesh it can run at ``world``."""
-    if method not in seqpar.methods.available():
-        return []
-    module = seqpar.methods.get(method)
-    shape = {}
-    if method == "ulysses":
-        shape = {"heads": 2 * world, "kv_heads": world}
-    elif method == "usp":
-        if world % 2:
-            return []
-        shape = {"heads": 4, "kv_heads": 2, "ulysses": 2}
-    return [base.with_(method=method, layout=lay, **shape) for lay in LAYOUTS[method] if lay in module.LAYOUTS]
-
 
 def _random_docs(rng: random.Random, valid: int, ones: int = 2) -> tuple[int, ...]:
     cuts = set(rng.sample(range(1, valid), min(valid - 1, rng.randint(2, 5))))
