@@ -38,6 +38,7 @@ uneven all-to-all) is a follow-up. Documents, windows and end padding all come f
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -163,7 +164,9 @@ def _forward(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups):
     gp, runner, stride, G = _setup(q, k, cfg, groups)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, L, H, D = q.shape
-    out = torch.zeros(B, L, H, D, dtype=acc, device=q.device)
+    tasks = runner.prepare(gp.tasks, q[:, :, : stride * G], k[:, :, :stride])   # the same for every chunk
+    direct = _disjoint(tasks)           # every row in at most one call: write results, no fp32 merge buffer
+    out = torch.zeros(B, L, H, D, dtype=q.dtype if direct else acc, device=q.device)
     lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
     gathered = _Gathered(k, v, stride, AllGather(groups.group), gp)
     handle = gathered.post(0)
@@ -174,10 +177,21 @@ def _forward(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups):
         kc, vc = gathered.kv(c)
         qh = slice(c * stride * G, (c + 1) * stride * G)
         qc = q[:, :, qh]
-        for t in runner.prepare(gp.tasks, qc, kc):
+        for t in tasks:
             o, l = runner.forward(qc, kc, vc, t)
-            merge_(out[:, t.q, qh], lse[:, qh, t.q], o, l)     # exact copy into (0, -inf); merges if shared
+            if direct:
+                out[:, t.q, qh] = o
+                lse[:, qh, t.q] = l
+            else:
+                merge_(out[:, t.q, qh], lse[:, qh, t.q], o, l)
     return out.to(q.dtype), lse
+
+
+@functools.lru_cache(maxsize=256)
+def _disjoint(tasks: tuple[Task, ...]) -> bool:
+    """No query row is in two calls (always so for a global-order plan unless varlen packing interleaves)."""
+    spans = sorted((t.q_start, t.q_stop) for t in tasks)
+    return all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
 
 def _backward(do, q, k, v, out, lse, dlse, cfg: AttentionConfig, groups: SeqParallelGroups):
@@ -190,6 +204,7 @@ def _backward(do, q, k, v, out, lse, dlse, cfg: AttentionConfig, groups: SeqPara
     gathered = _Gathered(k, v, stride, ag, gp)
     grads = _DKV(k, stride, ag.world, gathered.rounds, gp.order, cfg.grad_dtype)
     dq = torch.zeros(q.shape, dtype=grads.acc_dtype, device=q.device)
+    tasks = runner.prepare(gp.tasks, q[:, :, : stride * G], k[:, :, :stride])
     handle = gathered.post(0)
     for c in range(gathered.rounds):
         handle.wait()
@@ -199,7 +214,7 @@ def _backward(do, q, k, v, out, lse, dlse, cfg: AttentionConfig, groups: SeqPara
         qh = slice(c * stride * G, (c + 1) * stride * G)
         qc, doc_, oc = q[:, :, qh], do[:, :, qh], out[:, :, qh]
         dkv = grads.start(c)
-        for t in runner.prepare(gp.tasks, qc, kc):
+        for t in tasks:
             gq, gk, gv = runner.backward(doc_, qc, kc, vc, oc, lse[:, qh], t,
                                          None if delta is None else delta[:, qh])
             dq[:, t.q, qh] += gq
