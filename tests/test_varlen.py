@@ -1,7 +1,8 @@
 """Packed documents (global ``cu_seqlens``), end padding and ``shard_info``, for every method and layout.
 
 Documents of random length (length 1 included), a document spanning three ranks, one document per rank,
-documents with windows, padding that holds garbage: out, lse, dq, dk, dv against the dense oracle with an
+documents with windows, padding that holds garbage, a rank that holds only padding (PEERS.md §7 defect 5:
+NaN when every token of a rank is masked): out, lse, dq, dk, dv against the dense oracle with an
 explicit mask. A leak test perturbs one token and checks that nothing outside its document and window moves.
 PEERS.md §1 defect 7 (documents must divide by W / 2W) and §7 defect 2 (lengths silently rounded down):
 lengths here are arbitrary, and a length the layout cannot split is padded or refused with the length needed.
@@ -48,6 +49,7 @@ def doc_cases(world: int) -> list[Case]:
         base.with_(causal=False, cu_seqlens=(0, 1, min(L + 2, valid - 1), valid), valid_len=valid,   # + padding
                    lse_grad=True),
         base.with_(valid_len=valid, window=(L, -1)),                                          # padding only
+        base.with_(causal=False, valid_len=S - L - 1, kv_heads=4),   # the last contiguous rank is all padding
     ]
 
 
@@ -162,6 +164,29 @@ def test_shard_info_docstring_example():
     assert r0.documents.tolist() == [0, 0, 0, 1, -1, -1]
     assert r0.cu_seqlens.tolist() == [0, 3, 4, 6] and r0.max_seqlen == 3
     assert r1.cu_seqlens.tolist() == [0, 6] and r1.positions_in_document.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("layout_cls", [Contiguous, Zigzag])
+def test_blocks_without_document_overlap_are_skipped(layout_cls):
+    """One document per rank: no ring step after the first has work (the ring ends at once), and the
+    all-gather plan reads only the rank's own document."""
+    from seqpar.layouts import Rule
+    from seqpar.methods import _passkv
+    from seqpar.methods.allgather import gather_plan
+
+    world, S = 4, 32
+    lay = layout_cls(world)
+    own = [lay.segments(r, S).positions() for r in range(world)]
+    for causal in (True, False):
+        if layout_cls is Contiguous:
+            cu = tuple(range(0, S + 1, S // world))
+            sched = _passkv.schedule(lay, 0, S, Rule(causal), cu, None)
+            assert sched.n_steps == 1, sched
+        else:                                    # zigzag: each rank's two chunks, as two documents
+            cu = tuple(range(0, S + 1, S // world // 2))
+        for r in range(world):
+            for t in gather_plan(lay, r, S, Rule(causal), cu, None).tasks:
+                assert set(range(t.k_start, t.k_stop)) <= set(own[r]), (r, t)
 
 
 def _padded_user_path(method: str, layout: str, S: int, cu: tuple[int, ...]) -> dict:

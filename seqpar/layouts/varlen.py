@@ -40,6 +40,7 @@ class ShardInfo:
         pad_mask: bool, True on padding rows (exclude them from the loss).
         cu_seqlens: int32 ``(n + 1,)`` local segments: rows ``cu[i]:cu[i+1]`` are one document's consecutive
             tokens (or a run of padding), flash-attn's varlen convention for this rank's rows.
+        max_seqlen: the longest local segment (flash-attn's ``max_seqlen`` for ``cu_seqlens``), a host int.
         seq_len: the valid global length (the last document boundary).
         padded_len: the global length of the sharded tensors (``shard(..., pad=True)`` pads to it).
     """
@@ -49,13 +50,9 @@ class ShardInfo:
     documents: torch.Tensor
     pad_mask: torch.Tensor
     cu_seqlens: torch.Tensor
+    max_seqlen: int
     seq_len: int
     padded_len: int
-
-    @property
-    def max_seqlen(self) -> int:
-        """The longest local segment (flash-attn's ``max_seqlen`` for ``cu_seqlens``)."""
-        return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max()) if self.cu_seqlens.numel() > 1 else 0
 
 
 def padded_len(layout: Layout, seq_len: int) -> int:
@@ -107,7 +104,7 @@ def shard_info(layout: Layout, rank: int, seq_len: int, cu_seqlens: Sequence[int
     t = {"dtype": torch.long, "device": device}
     docs_t = torch.tensor(docs, **t)
     return ShardInfo(torch.tensor(pos, **t), torch.tensor(in_doc, **t), docs_t, docs_t < 0,
-                     torch.tensor(cu, dtype=torch.int32, device=device), seq_len, total)
+                     torch.tensor(cu, dtype=torch.int32, device=device), max(r.length for r in runs), seq_len, total)
 
 
 def contiguous_gather_segments(bounds: Sequence[int], causal: bool, rank: int, world: int
