@@ -5,6 +5,8 @@ Entry points (start reading at ``seqpar/api.py``):
     seqpar.attention(q, k, v, mesh=..., method=..., layout=..., causal=...)   one attention layer over ranks
     seqpar.linear_attention(q, k, v, mesh=..., method="lasp2", decay=...)     linear attention over ranks (LASP-2)
     seqpar.shard / seqpar.unshard / seqpar.positions                         where tokens live
+    seqpar.shard_info(seq_len, cu_seqlens=...)                               packed documents: RoPE positions,
+                                                                             local segments, pad mask
     seqpar.make_mesh(ulysses=U, ring=R)                                      a 2D mesh for USP
     seqpar.plan(seq_len=..., heads=..., world=...)                           which method to use, and why
     seqpar.SequenceParallelAttention(mesh, method=..., layout=...)           the same as an nn.Module
@@ -16,19 +18,32 @@ errors, masks, config. ``docs/DESIGN.md`` is the map.
 
 from __future__ import annotations
 
-from .api import attention, positions, shard, unshard
+from .api import ShardInfo, attention, positions, shard, shard_info, unshard
 from .config import AttentionConfig
 from .errors import UnsupportedInputError
 from .flash_api import (
+    llama3_flash_attn_prepare_cu_seqlens,
+    llama3_flash_attn_varlen_func,
+    llama3_flash_attn_varlen_kvpacked_func,
+    llama3_flash_attn_varlen_qkvpacked_func,
     ring_flash_attn_func,
     ring_flash_attn_kvpacked_func,
     ring_flash_attn_qkvpacked_func,
+    ring_flash_attn_varlen_func,
+    ring_flash_attn_varlen_kvpacked_func,
+    ring_flash_attn_varlen_qkvpacked_func,
     stripe_flash_attn_func,
     stripe_flash_attn_kvpacked_func,
     stripe_flash_attn_qkvpacked_func,
+    stripe_flash_attn_varlen_func,
+    stripe_flash_attn_varlen_kvpacked_func,
+    stripe_flash_attn_varlen_qkvpacked_func,
     zigzag_ring_flash_attn_func,
     zigzag_ring_flash_attn_kvpacked_func,
     zigzag_ring_flash_attn_qkvpacked_func,
+    zigzag_ring_flash_attn_varlen_func,
+    zigzag_ring_flash_attn_varlen_kvpacked_func,
+    zigzag_ring_flash_attn_varlen_qkvpacked_func,
 )
 from .groups import SeqParallelGroups, make_mesh
 from .linear_api import linear_attention, linear_methods
@@ -44,10 +59,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionConfig", "AttnOutput", "SeqParallelGroups", "SequenceParallelAttention",
-    "SequenceParallelAttentionKVPacked", "SequenceParallelAttentionQKVPacked", "UnsupportedInputError",
-    "attention", "linear_attention", "linear_methods", "make_mesh", "plan",
-    "positions", "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
-    "shard", "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
-    "unshard", "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
-    "zigzag_ring_flash_attn_qkvpacked_func",
+    "SequenceParallelAttentionKVPacked", "SequenceParallelAttentionQKVPacked", "ShardInfo", "UnsupportedInputError",
+    "attention", "linear_attention", "linear_methods", "llama3_flash_attn_prepare_cu_seqlens",
+    "llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_func",
+    "llama3_flash_attn_varlen_qkvpacked_func", "make_mesh", "plan", "positions", "ring_flash_attn_func",
+    "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func", "ring_flash_attn_varlen_func",
+    "ring_flash_attn_varlen_kvpacked_func", "ring_flash_attn_varlen_qkvpacked_func", "shard", "shard_info",
+    "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
+    "stripe_flash_attn_varlen_func", "stripe_flash_attn_varlen_kvpacked_func",
+    "stripe_flash_attn_varlen_qkvpacked_func", "unshard", "zigzag_ring_flash_attn_func",
+    "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
+    "zigzag_ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_kvpacked_func",
+    "zigzag_ring_flash_attn_varlen_qkvpacked_func",
 ]

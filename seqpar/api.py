@@ -1,4 +1,4 @@
-"""The public entry points: ``attention``, ``shard``, ``unshard``, ``positions``.
+"""The public entry points: ``attention``, ``shard``, ``unshard``, ``positions``, ``shard_info``.
 
 Every call is validated once here (``_validate_inputs``), before any collective, with errors of the form
 "X must Y, got Z (rank r of W)"; then the method module runs. Inputs are the rank's local shards
@@ -18,9 +18,11 @@ from .errors import rank_suffix
 from .groups import SeqParallelGroups
 from .kernels import available_kernels
 from .layouts import LAYOUTS
+from .layouts.varlen import ShardInfo
+from .layouts.varlen import shard_info as _shard_info
 from .types import AttnOutput
 
-__all__ = ["attention", "positions", "shard", "unshard"]
+__all__ = ["ShardInfo", "attention", "positions", "shard", "shard_info", "unshard"]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = None, method: str = "ring",
@@ -220,7 +222,10 @@ def shard(x: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: st
     n = x.shape[dim]
     if n % lay.divisor:
         if not pad:
-            lay.check_len(n)
+            try:
+                lay.check_len(n)
+            except ValueError as e:
+                raise ValueError(f"{e}{rank_suffix()}") from None
         extra = -n % lay.divisor
         shape = list(x.shape)
         shape[dim] = extra
@@ -245,3 +250,35 @@ def positions(seq_len: int, *, mesh: Any = None, method: str = "ring", layout: s
     lay, index, _ = _placement(mesh, method, layout)
     lay.check_len(seq_len)
     return lay.positions(index, seq_len, device)
+
+
+def shard_info(seq_len: int, *, mesh: Any = None, method: str = "ring", layout: str = "zigzag",
+               cu_seqlens: torch.Tensor | Sequence[int] | None = None,
+               device: torch.device | str | None = None) -> ShardInfo:
+    """This rank's global positions, positions inside documents (RoPE), local segments and pad mask.
+
+    A separate function rather than ``shard(..., return_info=True)``: the facts depend on the batch's
+    structure (length, documents, placement), not on any one tensor, so they are computed once per batch
+    and can be had before the tensors exist (position ids feed the embedding); ``shard`` stays a
+    tensor-in, tensor-out function called once per tensor.
+
+    Args:
+        seq_len: the valid global length; when the layout cannot split it, the shards are padded at the end
+            to ``info.padded_len`` (``shard(x, pad=True)``) and ``attention`` needs ``seq_len=seq_len``.
+        mesh, method, layout: as for ``shard``.
+        cu_seqlens: global document boundaries (0 first, ``seq_len`` last); None = one document.
+        device: where the returned tensors live.
+
+    Returns:
+        ``ShardInfo`` (``seqpar.layouts.varlen``): ``positions``, ``positions_in_document``, ``documents``,
+        ``pad_mask`` (each ``(L,)`` in local row order), the local ``cu_seqlens`` (int32) and the lengths.
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}{rank_suffix()}")
+    lay, index, _ = _placement(mesh, method, layout)
+    cu = _host_cu(cu_seqlens)
+    try:
+        return _shard_info(lay, index, seq_len, cu, device)
+    except ValueError as e:
+        raise ValueError(f"{e}{rank_suffix()}") from None
+

@@ -25,6 +25,7 @@ __all__ = ["available", "get"]
 
 _MODULES = {
     "ring": "seqpar.methods.ring",
+    "allgather": "seqpar.methods.allgather",
     "ulysses": "seqpar.methods.ulysses",
     "usp": "seqpar.methods.usp",
 }

@@ -1,0 +1,75 @@
+"""All-gather and reduce-scatter of packed buffers along dim 0, with the wait visible: ``post -> wait()``.
+
+    ag = AllGather(group)
+    h = ag.gather(kv_send_LX, kv_all_WLX)     # post: rank j's rows land at rows [j L, (j+1) L) of kv_all
+    ... compute on something else ...          # overlaps the transfer
+    h.wait()                                   # kv_all is complete
+    h = ag.reduce_scatter(dkv_all_WLX, dkv_LX) # post: the sum over ranks of rows [r L, (r+1) L) lands here
+    h.wait()
+
+Buffers are preallocated by the caller and contiguous; dim 0 is the rank-major dimension (rank order, the
+group's own ranks, never global ones). ``wait()`` on NCCL orders the current stream after the collective
+without synchronising the host; on gloo it blocks. The wire dtype is whatever the caller's buffer has:
+methods keep gradient partials in ``cfg.grad_dtype`` (fp32 by default) on the wire.
+
+Pure communication: nothing here computes attention or reorders tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["AllGather", "Handle"]
+
+# torch >= 2.12 renames the tensor-in/tensor-out collectives; older releases only have the first names.
+_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Handle:
+    """An in-flight collective; ``wait()`` completes it (idempotent)."""
+
+    def __init__(self, work=None):
+        self._work = work
+
+    def wait(self) -> None:
+        """Order the current stream after the collective (NCCL) or block until it is done (gloo)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+class AllGather:
+    """All-gather / reduce-scatter over ``group`` (None = the default group), rank-major along dim 0."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def _check(self, small: torch.Tensor, big: torch.Tensor, what: str) -> None:
+        if small.dtype != big.dtype or small.device != big.device:
+            raise ValueError(f"{what} buffers must share dtype and device, got {small.dtype}/{small.device} and "
+                             f"{big.dtype}/{big.device}")
+        if big.shape[0] != self.world * small.shape[0] or big.shape[1:] != small.shape[1:]:
+            raise ValueError(f"{what} needs a buffer of shape ({self.world} * {small.shape[0]}, "
+                             f"{', '.join(map(str, small.shape[1:]))}), got {tuple(big.shape)}")
+        if not (small.is_contiguous() and big.is_contiguous()):
+            raise ValueError(f"{what} buffers must be contiguous")
+
+    def gather(self, send: torch.Tensor, recv: torch.Tensor) -> Handle:
+        """Post: every rank's ``send (L, ...)`` into ``recv (W L, ...)`` at rows ``[j L, (j+1) L)``."""
+        self._check(send, recv, "all-gather")
+        if self.world == 1:
+            recv.copy_(send)
+            return Handle()
+        return Handle(_GATHER(recv, send, group=self.group, async_op=True))
+
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> Handle:
+        """Post: ``recv (L, ...)`` = the sum over ranks of their ``send (W L, ...)`` rows ``[r L, (r+1) L)``."""
+        self._check(recv, send, "reduce-scatter")
+        if self.world == 1:
+            recv.copy_(send)
+            return Handle()
+        return Handle(_REDUCE_SCATTER(recv, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
