@@ -150,7 +150,7 @@ class Bench:
                 continue
             rec_extra = dict(extra or {})
             rec_extra["peak_mem_gib"] = peak_mem_gib(self.device, group)
-            if profile and self.args.profile and mode == "fwd+bwd":
+            if profile and self.args.profile:
                 comm, exposed, kernels = exposed_comm_ms(runner[mode], self.device)
                 rec_extra.update(comm_ms=comm, exposed_comm_ms=exposed, kernel_ms=kernels)
             self._record(preset, label, mode, world, t, limit, extra=rec_extra)
