@@ -98,6 +98,11 @@ class MethodSpec:
 
 def method_specs(preset: Preset, world: int, available: list[str]) -> list[MethodSpec]:
     """The seqpar configurations worth timing for ``preset`` on ``world`` ranks."""
+    if preset.seq_len >= 1 << 20:          # long context: only the memory-bounded variants (one KV head a pass)
+        specs = [MethodSpec("ring", "zigzag", (("head_chunks", preset.kv_heads),))]
+        if "allgather" in available:
+            specs.append(MethodSpec("allgather", "zigzag", (("heads_k_stride", 1),)))
+        return specs
     balanced = ("zigzag", "stripe") if preset.causal else ("contiguous",)
     specs = [MethodSpec("ring", lay) for lay in (("contiguous", *balanced) if preset.causal else balanced)]
     if "allgather" in available:
