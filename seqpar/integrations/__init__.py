@@ -1,0 +1,1 @@
+"""Integrations with the frameworks users train in (``huggingface``: transformers' AttentionInterface)."""
