@@ -23,6 +23,7 @@ __all__ = ["available", "get"]
 
 _MODULES = {
     "ring": "seqpar.methods.ring",
+    "tokenring": "seqpar.methods.tokenring",
 }
 
 
