@@ -24,6 +24,7 @@ __all__ = ["available", "get"]
 _MODULES = {
     "ring": "seqpar.methods.ring",
     "tokenring": "seqpar.methods.tokenring",
+    "tasp": "seqpar.methods.tasp",
 }
 
 
