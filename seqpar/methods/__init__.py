@@ -25,6 +25,7 @@ _MODULES = {
     "ring": "seqpar.methods.ring",
     "tokenring": "seqpar.methods.tokenring",
     "tasp": "seqpar.methods.tasp",
+    "double_ring": "seqpar.methods.double_ring",
 }
 
 
