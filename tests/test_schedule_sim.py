@@ -112,24 +112,33 @@ def _tasp_cases():
                 yield world, kind, base, rule_name
 
 
+def _match(out_hops, in_hop, what):
+    """The sender's half of a hop, and the check that both ends agree on the link's message order."""
+    mine = [h for h in out_hops if h.dst == in_hop.dst]
+    found = [h for h in mine if h.piece == in_hop.piece]
+    assert len(found) == 1, f"{what}: {len(found)} sends for one receive"
+    return found[0], [h.piece for h in mine]
+
+
 @pytest.mark.parametrize("world,kind,base,rule_name", list(_tasp_cases()))
 def test_tasp_schedule(world, kind, base, rule_name):
     layout = Subchunked(world, base=base(world), parts=max(world - 1, 1))
     S, rule, bounds, valid, segs, pos, truth = _setup(layout, rule_name)
-    tp = _tasp.schedule(layout, S, rule, bounds, valid, kind)
     W, L = world, segs[0].length
+    tp = [_tasp.schedule(layout, r, S, rule, bounds, valid, kind) for r in range(W)]
     own = [[(r, i) for i in range(L)] for r in range(W)]
-    got = [(pos[r][i], pos[r][j]) for r in range(W) for t in tp.early[r] + tp.late[r] for i, j in _cells(t)]
+    got = [(pos[r][i], pos[r][j]) for r in range(W) for t in tp[r].early + tp[r].late for i, j in _cells(t)]
     bufs = {}
     for t in range(1, W):
         for r in range(W):
-            rd = tp.rounds[t - 1][r]
+            rd = tp[r].rounds[t - 1]
             buf = [None] * rd.rows
             links = Counter()
             for h in rd.kv_in:
-                assert h in tp.rounds[t - 1][h.src].kv_out, "a receive without its send"
-                src = own[h.src] if h.from_own else bufs[t - 1, h.src]
-                buf[h.dst_rows[0]:h.dst_rows[1]] = src[h.src_rows[0]:h.src_rows[1]]
+                sent, order = _match(tp[h.src].rounds[t - 1].kv_out, h, "kv")
+                assert order == [x.piece for x in rd.kv_in if x.src == h.src], "link order differs"
+                src = own[h.src] if sent.from_own else bufs[t - 1, h.src]
+                buf[h.dst_rows[0]:h.dst_rows[1]] = src[sent.src_rows[0]:sent.src_rows[1]]
                 links[h.src, h.piece.sub] += 1
             assert len({s for s, _ in links}) == len(links), "a link carries two sub-chunks in one round"
             for p, (a, b) in zip(rd.held, rd.held_rows):
@@ -139,31 +148,38 @@ def test_tasp_schedule(world, kind, base, rule_name):
                 got += [(pos[r][i], pos[buf[j][0]][buf[j][1]]) for i, j in _cells(task)]
             if kind == "cycles":             # every link of the mesh is busy in every round
                 assert sorted({h.src for h in rd.kv_in}) == [p for p in range(W) if p != r]
+            if base is Zigzag and rule_name in ("causal", "full"):
+                assert len(rd.tasks) <= 2, "TASP's M/P split: at most two kernel calls per round"
+        sends = sum(len(tp[r].rounds[t - 1].kv_out) for r in range(W))
+        assert sends == sum(len(tp[r].rounds[t - 1].kv_in) for r in range(W))
     _assert_exactly_once(got, truth)
     # gradients: every (round, holder, piece) contribution reaches the piece's origin exactly once
-    home, want = Counter(), Counter()
-    run: dict = {}
+    run, want, home = {}, Counter(), Counter()
     for t in range(1, W):
         for r in range(W):
-            rd = tp.rounds[t - 1][r]
+            rd = tp[r].rounds[t - 1]
             for p, (a, b) in zip(rd.held, rd.held_rows):
                 hit = any(x.k_start < b and a < x.k_stop for x in rd.tasks)
-                run[t, r, p] = {(t, r)} if hit else set()
-                if hit:
-                    want[p, t, r] += 1
-        for r in range(W):
-            for h in tp.rounds[t - 2][r].grad_in if t >= 2 else ():
+                run[t, r, p] = Counter({(t, r): 1}) if hit else Counter()
+                want[p, t, r] += hit
+        for r in range(W):                   # relays of round t-1 partials, added after round t's compute
+            for h in tp[r].rounds[t - 2].grad_in if t >= 2 else ():
                 if not h.home:
-                    assert h in tp.rounds[t - 2][h.src].grad_out
-                    run[t, r, h.piece] |= run[t - 1, h.src, h.piece]
+                    sent, _ = _match(tp[h.src].rounds[t - 2].grad_out, h, "relay")
+                    assert h.dst_rows == tp[r].rounds[t - 1].held_rows[tp[r].rounds[t - 1].held.index(h.piece)]
+                    run[t, r, h.piece] += run[t - 1, h.src, h.piece]
     for t in range(1, W):
         for r in range(W):
-            for h in tp.rounds[t - 1][r].grad_in:
+            for h in tp[r].rounds[t - 1].grad_in:
                 if h.home:
+                    sent, order = _match(tp[h.src].rounds[t - 1].grad_out, h, "home")
+                    assert order == [x.piece for x in tp[r].rounds[t - 1].grad_in if x.src == h.src]
                     assert h.dst == r == h.piece.origin and h.dst_rows == h.piece.rows
-                    for tok in run[t, h.src, h.piece]:
-                        home[(h.piece, *tok)] += 1
-    assert home == want
+                    for tok, n in run[t, h.src, h.piece].items():
+                        home[(h.piece, *tok)] += n
+    assert home == +want
+    outs = sum(len(tp[r].rounds[t - 1].grad_out) for r in range(W) for t in range(1, W))
+    assert outs == sum(len(tp[r].rounds[t - 1].grad_in) for r in range(W) for t in range(1, W))
 
 
 # ---------------------------------------------------------------------------------------------- double ring

@@ -14,17 +14,19 @@ Note [TASP rounds]
     * "direct": the staggered all-to-all, origin o sends its own sub-chunk ``c(o, p, t)`` straight to p
       (§8.4); any W, no forwarding, so a round's sends never wait on the previous round's receives.
 
-    Received pieces are laid out in the round buffer in global-position order, so the block planner
-    covers zigzag causal rounds with at most two kernel calls - (all queries x front pieces of lower
-    ranks) and (back queries x everything of higher ranks plus those fronts) - exactly TASP's M/P split,
-    derived from positions rather than tables. In "direct" rounds a piece no query of the receiver sees
-    (causal: the back pieces of lower ranks) is not sent at all.
+    Received pieces are laid out in the round buffer in global-position order and planned piece by piece
+    (``layouts.blocks.plan``); full calls on the same query rows over adjacent pieces are joined. For
+    zigzag causal that gives at most two kernel calls per round - all queries x the front pieces of lower
+    ranks ("M"), back queries x everything of higher ranks ("P") - exactly TASP's M/P split, derived from
+    positions rather than tables. In "direct" rounds a piece no query of the receiver sees (causal: the
+    back pieces of lower ranks) is not sent at all. Each rank plans only its own rounds: both ends of a
+    link decide what it carries from the same facts, and each end knows its own buffer rows.
 
     Backward (§8.5): dQ accumulates locally in fp32. "direct": each round's dK/dV partials go straight
     back to their origin one round later (a reverse all-to-all in the next round's exchange) and are
-    summed there in fp32. "cycles": the running dK/dV of a piece follows the piece on its cycle one round
-    behind (added by each holder after its own compute), and the last holder's successor is the origin,
-    so the final hop is home. The last return overlaps the back half of the own block (Note [Hiding the
+    summed there in fp32. "cycles": the running dK/dV of every piece follows the piece on its cycle one
+    round behind (each holder adds what arrives after its own compute), and the last holder's successor
+    is the origin, so the final hop is home. The last return overlaps the back half of the own block (Note [Hiding the
     tail] in ``_shared``).
 """
 
@@ -39,7 +41,7 @@ from ..comm import topology
 from ..comm.ring import Exchange
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator
-from ..layouts.blocks import Rule, Segments, Task, plan
+from ..layouts.blocks import Rule, Task, plan
 from ..layouts.subchunks import Subchunked, slice_rows
 from ._shared import acc_dtype, bshd, seq_major, split_own, wire_dtype
 
@@ -59,15 +61,18 @@ class Piece:
 
 @dataclass(frozen=True)
 class Hop:
-    """One message: ``piece`` from ``src`` rows ``src_rows`` (own KV if ``from_own``, else the previous
-    round's buffer; for gradients the round's dK/dV buffer) to ``dst`` rows ``dst_rows`` (the round buffer;
-    for gradients the origin's own rows if ``home``, else the next round's buffer)."""
+    """One message carrying ``piece`` from ``src`` to ``dst``.
+
+    The sender knows ``src_rows`` (in its own KV if ``from_own``, else in its previous round's buffer; for
+    gradients in its dK/dV buffer of the round); the receiver knows ``dst_rows`` (in its round buffer; for
+    gradients in its own dK/dV if ``home``, else in its next round's buffer). The other side is None.
+    """
 
     src: int
     dst: int
     piece: Piece
-    src_rows: tuple[int, int]
-    dst_rows: tuple[int, int]
+    src_rows: tuple[int, int] | None = None
+    dst_rows: tuple[int, int] | None = None
     from_own: bool = False
     home: bool = False
 
@@ -77,10 +82,11 @@ class Round:
     """One rank's part of one round t >= 1.
 
     Attributes:
-        held: the pieces in the round buffer, in buffer order (rows ``held_rows``).
+        held: the pieces in the round buffer, in buffer (global position) order, at rows ``held_rows``.
+        rows: rows of the buffer in use.
         tasks: kernel calls: query rows local, key rows in the round buffer.
-        kv_in, kv_out: the hops that fill the round buffer (posted one round earlier).
-        grad_out, grad_in: hops that carry this round's dK/dV partials (posted with the next round).
+        kv_in, kv_out: the hops that fill round buffers (posted one round earlier), received / sent by us.
+        grad_in, grad_out: hops that carry this round's dK/dV partials (posted with the next round).
     """
 
     held: tuple[Piece, ...]
@@ -95,13 +101,36 @@ class Round:
 
 @dataclass(frozen=True)
 class TaspPlan:
-    """The whole group's schedule: ``rounds[t - 1][r]`` for t = 1 .. W-1; own block tasks per rank."""
+    """One rank's schedule: ``rounds[t - 1]`` for t = 1 .. W-1, and its own block's tasks."""
 
     world: int
     kind: str
-    early: tuple[tuple[Task, ...], ...]
-    late: tuple[tuple[Task, ...], ...]
-    rounds: tuple[tuple[Round, ...], ...]
+    early: tuple[Task, ...]
+    late: tuple[Task, ...]
+    rounds: tuple[Round, ...]
+
+
+class _Geometry:
+    """Positions, pieces and per-piece plans of one (layout, length, rule): host-side, built once."""
+
+    def __init__(self, layout: Subchunked, seq_len: int, rule: Rule, doc_bounds, valid_len):
+        self.W, self.rule = layout.world, rule
+        self.segs = [layout.segments(j, seq_len).cut(doc_bounds, valid_len) for j in range(self.W)]
+        pos = [seg.positions() for seg in self.segs]
+        prow = layout.piece_rows(self.segs[0].length)
+        self.pieces = [[tuple(Piece(o, c, p, prow[c][p], pos[o][prow[c][p][0]]) for p in range(len(prow[c])))
+                        for c in range(len(prow))] for o in range(self.W)]
+        self._tasks: dict[tuple[int, Piece], tuple[Task, ...]] = {}
+
+    def tasks(self, r: int, p: Piece) -> tuple[Task, ...]:
+        """Rank r's queries against piece p alone (key rows from 0)."""
+        key = (r, p)
+        if key not in self._tasks:
+            self._tasks[key] = plan(self.segs[r], slice_rows(self.segs[p.origin], *p.rows), self.rule)
+        return self._tasks[key]
+
+    def needs(self, r: int, p: Piece) -> bool:
+        return bool(self.tasks(r, p))
 
 
 def _holdings(kind: str, W: int, t: int, r: int) -> list[tuple[int, int, int]]:
@@ -115,85 +144,72 @@ def _holdings(kind: str, W: int, t: int, r: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def _buffer(pieces: list[Piece], segs: list[Segments], rule: Rule, q: Segments):
-    """Buffer rows of the pieces (in the given order) and the planner's tasks on that buffer."""
-    rows, at = [], 0
-    for p in pieces:
-        rows.append((at, at + p.rows[1] - p.rows[0]))
-        at = rows[-1][1]
-    if not pieces:
-        return (), 0, ()
-    kseg = Segments.concat([slice_rows(segs[p.origin], *p.rows) for p in pieces])
-    return tuple(rows), at, plan(q, kseg, rule)
+def _coalesce(tasks: list[Task]) -> tuple[Task, ...]:
+    """Join full-band tasks on the same query rows whose key rows touch (one call for adjacent pieces)."""
+    out: list[Task] = []
+    for t in sorted(tasks, key=lambda t: (t.q_start, t.q_stop, t.k_start)):
+        last = out[-1] if out else None
+        if (last is not None and last.mask.is_full and t.mask.is_full and last.q == t.q
+                and last.k_stop == t.k_start):
+            out[-1] = Task(last.q_start, last.q_stop, last.k_start, t.k_stop, last.mask)
+        else:
+            out.append(t)
+    return tuple(out)
 
 
-def _touched(rows: tuple[tuple[int, int], ...], tasks: tuple[Task, ...]) -> list[bool]:
-    return [any(t.k_start < b and a < t.k_stop for t in tasks) for a, b in rows]
+def _order(hops: list[Hop], peer: str) -> tuple[Hop, ...]:
+    """Messages of one link in one order on both ends: by peer, then by the piece's first position."""
+    return tuple(sorted(hops, key=lambda h: (getattr(h, peer), h.piece.start)))
 
 
-@functools.lru_cache(maxsize=32)
-def schedule(layout: Subchunked, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
+@functools.lru_cache(maxsize=64)
+def schedule(layout: Subchunked, rank: int, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
              valid_len: int | None, kind: str) -> TaspPlan:
-    """The TASP schedule (Note [TASP rounds]); ``kind`` is "cycles" or "direct"."""
-    W = layout.world
-    segs = [layout.segments(j, seq_len).cut(doc_bounds, valid_len) for j in range(W)]
-    prow = layout.piece_rows(segs[0].length)
-    pos = [seg.positions() for seg in segs]
-    own = [split_own(segs[r], rule, back_first=False) for r in range(W)]
-    # pass 1: what every rank holds and computes in every round
-    held: dict[tuple[int, int], list[tuple[Piece, int]]] = {}
-    layout_of: dict[tuple[int, int], tuple] = {}
-    for t in range(1, W):
-        for r in range(W):
-            cand = sorted(((Piece(o, c, p, prow[c][p], pos[o][prow[c][p][0]]), sender)
-                           for o, c, sender in _holdings(kind, W, t, r) for p in range(len(prow[c]))),
-                          key=lambda x: x[0].start)
-            rows, n, tasks = _buffer([p for p, _ in cand], segs, rule, segs[r])
-            if kind == "direct":                     # send only what the receiver's queries see
-                cand = [x for x, hit in zip(cand, _touched(rows, tasks)) if hit]
-                rows, n, tasks = _buffer([p for p, _ in cand], segs, rule, segs[r])
-            held[t, r] = cand
-            layout_of[t, r] = (rows, n, tasks)
-    where = {(t, r, p): rows for (t, r), cand in held.items()
-             for (p, _), rows in zip(cand, layout_of[t, r][0])}
-    # pass 2: the hops
-    kv_out: dict[tuple[int, int], list[Hop]] = {}
-    kv_in: dict[tuple[int, int], list[Hop]] = {}
-    g_out: dict[tuple[int, int], list[Hop]] = {}
-    g_in: dict[tuple[int, int], list[Hop]] = {}
-    touched_by: set[tuple[Piece, int]] = set()           # (piece, t): its dK/dV is non-zero after round t
-    for t in range(1, W):
-        for r in range(W):
-            rows, _, tasks = layout_of[t, r]
-            for (p, sender), dst_rows, hit in zip(held[t, r], rows, _touched(rows, tasks)):
-                own_src = sender == p.origin
-                src_rows = p.rows if own_src else where[t - 1, sender, p]
-                hop = Hop(sender, r, p, src_rows, dst_rows, from_own=own_src)
-                kv_out.setdefault((t, sender), []).append(hop)
-                kv_in.setdefault((t, r), []).append(hop)
-                carried = hit or (kind == "cycles" and (p, t - 1) in touched_by)
-                if not carried:
-                    continue                          # no gradient yet: nothing to return or relay
-                touched_by.add((p, t))
-                if kind == "direct" or t == W - 1:
-                    nxt, dst, home = p.origin, p.rows, True
-                else:
-                    cyc = topology.hamiltonian_cycles(W)[p.sub]
-                    nxt = cyc[(cyc.index(r) + 1) % W]
-                    dst, home = where[t + 1, nxt, p], False
-                ghop = Hop(r, nxt, p, dst_rows, dst, home=home)
-                g_out.setdefault((t, r), []).append(ghop)
-                g_in.setdefault((t, nxt), []).append(ghop)
+    """Rank ``rank``'s TASP schedule (Note [TASP rounds]); ``kind`` is "cycles" or "direct".
 
-    def order(hops, peer):                            # same order on both ends of every link
-        return tuple(sorted(hops, key=lambda h: (getattr(h, peer), h.piece.start)))
-
-    rounds = tuple(tuple(Round(tuple(p for p, _ in held[t, r]), layout_of[t, r][0], layout_of[t, r][1],
-                               layout_of[t, r][2], order(kv_in.get((t, r), []), "src"),
-                               order(kv_out.get((t, r), []), "dst"), order(g_in.get((t, r), []), "src"),
-                               order(g_out.get((t, r), []), "dst"))
-                         for r in range(W)) for t in range(1, W))
-    return TaspPlan(W, kind, tuple(o[0] for o in own), tuple(o[1] for o in own), rounds)
+    Built from positions alone, without other ranks' buffers: both ends of a link decide what it carries
+    from the same facts (which pieces the receiver's queries see), and each end knows its own rows.
+    """
+    geo, W, r = _Geometry(layout, seq_len, rule, doc_bounds, valid_len), layout.world, rank
+    cycles = topology.hamiltonian_cycles(W) if kind == "cycles" else ()
+    succ = {g: c[(c.index(r) + 1) % W] for g, c in enumerate(cycles)}
+    pred = {g: c[(c.index(r) - 1) % W] for g, c in enumerate(cycles)}
+    held: list[list[tuple[Piece, int]]] = [[]]
+    rows_of: list[dict[Piece, tuple[int, int]]] = [{}]
+    for t in range(1, W):                             # what we hold each round, in global-position order
+        cand = sorted(((p, sender) for o, c, sender in _holdings(kind, W, t, r) for p in geo.pieces[o][c]
+                       if kind == "cycles" or geo.needs(r, p)), key=lambda x: x[0].start)
+        at, rows = 0, {}
+        for p, _ in cand:
+            rows[p] = (at, at + p.rows[1] - p.rows[0])
+            at = rows[p][1]
+        held.append(cand)
+        rows_of.append(rows)
+    rounds = []
+    for t in range(1, W):
+        tasks = _coalesce([Task(x.q_start, x.q_stop, x.k_start + rows_of[t][p][0], x.k_stop + rows_of[t][p][0],
+                                x.mask) for p, _ in held[t] for x in geo.tasks(r, p)])
+        kv_in = [Hop(sender, r, p, dst_rows=rows_of[t][p]) for p, sender in held[t]]
+        if kind == "direct":
+            kv_out = [Hop(r, d, p, src_rows=p.rows, from_own=True) for d in range(W) if d != r
+                      for p in geo.pieces[r][topology.direct_subchunk(r, d, t, W)] if geo.needs(d, p)]
+            grad_out = [Hop(r, p.origin, p, src_rows=rows_of[t][p], home=True) for p, _ in held[t]]
+            grad_in = [Hop(h, r, p, dst_rows=p.rows, home=True) for h in range(W) if h != r
+                       for p in geo.pieces[r][topology.direct_subchunk(r, h, t, W)] if geo.needs(h, p)]
+        else:
+            src = [(p, p.rows, True) for g in range(W - 1) for p in geo.pieces[r][g]] if t == 1 else \
+                  [(p, rows_of[t - 1][p], False) for p, _ in held[t - 1]]
+            kv_out = [Hop(r, succ[p.sub], p, src_rows=sr, from_own=own) for p, sr, own in src]
+            last = t == W - 1
+            grad_out = [Hop(r, succ[p.sub], p, src_rows=rows_of[t][p], home=last) for p, _ in held[t]]
+            grad_in = [Hop(pred[g], r, p, dst_rows=p.rows, home=True) for g in range(W - 1)
+                       for p in geo.pieces[r][g]] if last else \
+                      [Hop(sender, r, p, dst_rows=rows_of[t + 1][p]) for p, sender in held[t + 1]]
+        rounds.append(Round(tuple(p for p, _ in held[t]), tuple(rows_of[t][p] for p, _ in held[t]),
+                            sum(b - a for a, b in rows_of[t].values()), tasks, _order(kv_in, "src"),
+                            _order(kv_out, "dst"), _order(grad_in, "src"), _order(grad_out, "dst")))
+    early, late = split_own(geo.segs[r], rule, back_first=False)
+    return TaspPlan(W, kind, early, late, tuple(rounds))
 
 
 def _post_kv(ex: Exchange, nxt_round: Round, own: torch.Tensor, prev: torch.Tensor, nxt: torch.Tensor) -> None:
@@ -220,7 +236,7 @@ def _apply_grads(rd: Round, gin: torch.Tensor, own_dkv: torch.Tensor, nxt_dkv: t
         (own_dkv if h.home else nxt_dkv)[a:b] += gin[a:b]
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, rank: int, tp: TaspPlan,
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, tp: TaspPlan,
             runner: TaskRunner) -> tuple[torch.Tensor, torch.Tensor]:
     """TASP forward: ``(out (B, L, H, D) in q.dtype, lse (B, H, L) fp32)``."""
     acc = Accumulator(q)
@@ -229,25 +245,25 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, rank: int,
         own = torch.stack((seq_major(k), seq_major(v)), 1)          # (L, 2, B, Hkv, D): pieces are row ranges
         bufs = [torch.empty_like(own), torch.empty_like(own)]
         ex = Exchange(group)
-        _post_kv(ex, tp.rounds[0][rank], own, own, bufs[1])
+        _post_kv(ex, tp.rounds[0], own, own, bufs[1])
         ex.commit()
-    for t in runner.prepare(tp.early[rank] + tp.late[rank], q, k):
+    for t in runner.prepare(tp.early + tp.late, q, k):
         acc.add(t.q, *runner.forward(q, k, v, t))
     for t in range(1, W):
         ex.wait()
         cur = bufs[t % 2]
         if t + 1 < W:                                 # post round t+1 before computing round t
             ex = Exchange(group)
-            _post_kv(ex, tp.rounds[t][rank], own, cur, bufs[(t + 1) % 2])
+            _post_kv(ex, tp.rounds[t], own, cur, bufs[(t + 1) % 2])
             ex.commit()
         kb, vb = bshd(cur[:, 0]), bshd(cur[:, 1])
-        for task in runner.prepare(tp.rounds[t - 1][rank].tasks, q, kb):
+        for task in runner.prepare(tp.rounds[t - 1].tasks, q, kb):
             acc.add(task.q, *runner.forward(q, kb, vb, task))
     return acc.result(q.dtype)
 
 
 def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, group, rank: int, tp: TaspPlan, runner: TaskRunner, grad_dtype: torch.dtype,
+             lse: torch.Tensor, group, tp: TaspPlan, runner: TaskRunner, grad_dtype: torch.dtype,
              delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """TASP backward (ALGORITHMS.md §8.5; Note [TASP rounds]): dQ local, dK/dV partials routed home."""
     acc = acc_dtype(q.dtype)
@@ -270,13 +286,13 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         dkvs = [torch.empty(own.shape, dtype=wire, device=q.device) for _ in range(2)]
         gin = torch.empty_like(dkvs[0])
         ex = Exchange(group)
-        _post_kv(ex, tp.rounds[0][rank], own, own, bufs[1])
+        _post_kv(ex, tp.rounds[0], own, own, bufs[1])
         ex.commit()
 
     def R(t: int) -> Round:                           # this rank's part of round t (1 .. W-1)
-        return tp.rounds[t - 1][rank]
+        return tp.rounds[t - 1]
 
-    run(tp.early[rank], k, v, own_dkv)
+    run(tp.early, k, v, own_dkv)
     for t in range(1, W):
         ex.wait()                                     # round t's KV; round t-2's partials
         if t >= 3:
@@ -297,7 +313,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ex = Exchange(group)                          # the last partials go home, behind the own block's rest
         _post_grads(ex, R(W - 1), dkvs[(W - 1) % 2], gin)
         ex.commit()
-    run(tp.late[rank], k, v, own_dkv)
+    run(tp.late, k, v, own_dkv)
     if W > 1:
         ex.wait()
         _apply_grads(R(W - 1), gin, own_dkv, None)

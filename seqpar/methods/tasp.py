@@ -65,21 +65,21 @@ def resolve_schedule(cfg: AttentionConfig, world: int) -> str:
 def _setup(q: torch.Tensor, cfg: AttentionConfig, groups: SeqParallelGroups, needs_delta: bool = False):
     layout, index = placement(cfg.layout, groups)
     kind = resolve_schedule(cfg, groups.world)
-    tp = _tasp.schedule(layout, q.shape[1] * groups.world, cfg.rule, cfg.cu_seqlens, cfg.valid_len, kind)
+    tp = _tasp.schedule(layout, index, q.shape[1] * groups.world, cfg.rule, cfg.cu_seqlens, cfg.valid_len, kind)
     runner = TaskRunner(cfg.kernel, cfg.scale(q.shape[-1]), deterministic=cfg.deterministic,
                         needs_delta=needs_delta)
-    return index, tp, runner
+    return tp, runner
 
 
 def _forward(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups):
-    index, tp, runner = _setup(q, cfg, groups)
-    return _tasp.forward(q, k, v, groups.group, index, tp, runner)
+    tp, runner = _setup(q, cfg, groups)
+    return _tasp.forward(q, k, v, groups.group, tp, runner)
 
 
 def _backward(do, q, k, v, out, lse, dlse, cfg: AttentionConfig, groups: SeqParallelGroups):
     delta = None if dlse is None else delta_of(do, out, dlse, lse.dtype)
-    index, tp, runner = _setup(q, cfg, groups, needs_delta=delta is not None)
-    return _tasp.backward(do, q, k, v, out, lse, groups.group, index, tp, runner, cfg.grad_dtype, delta)
+    tp, runner = _setup(q, cfg, groups, needs_delta=delta is not None)
+    return _tasp.backward(do, q, k, v, out, lse, groups.group, tp, runner, cfg.grad_dtype, delta)
 
 
 class _TaspAttention(torch.autograd.Function):
