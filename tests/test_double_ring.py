@@ -36,6 +36,7 @@ def test_double_ring_windows_documents_padding_lse_grad(pools):
              Case(layout="zigzag", cu_seqlens=(0, 5, 13, 14, 32), **kw),
              Case(layout="zigzag", causal=False, cu_seqlens=(0, 9, 27), valid_len=27, **kw),
              Case(layout="zigzag", valid_len=29, lse_grad=True, **kw),
+             Case(layout="contiguous", causal=False, valid_len=20, **kw),   # rank 3 is all padding
              Case(layout="zigzag", batch=2, dtype="float64", scale=0.4, **kw)]
     assert_all_ok(run_cases(pools(4), cases))
 

@@ -36,6 +36,7 @@ def test_tasp_windows_documents_padding_lse_grad(pools, schedule):
              Case(layout="zigzag", cu_seqlens=(0, 5, 13, 14, 36), **kw),
              Case(layout="zigzag", causal=False, cu_seqlens=(0, 11, 29), valid_len=29, **kw),
              Case(layout="zigzag", valid_len=30, lse_grad=True, **kw),
+             Case(layout="contiguous", causal=False, valid_len=20, **kw),   # rank 2 is all padding
              Case(layout="zigzag", batch=2, dtype="float64", scale=0.4, **kw)]
     assert_all_ok(run_cases(pools(3), cases))
 

@@ -34,6 +34,7 @@ def test_tokenring_windows_documents_padding_lse_grad(pools):
              Case(layout="zigzag", cu_seqlens=(0, 5, 13, 14, 32), **kw),
              Case(layout="zigzag", causal=False, cu_seqlens=(0, 9, 27), valid_len=27, **kw),
              Case(layout="stripe", valid_len=21, **kw),
+             Case(layout="contiguous", valid_len=20, **kw),                 # rank 3 is all padding
              Case(layout="zigzag", lse_grad=True, **kw),
              Case(layout="zigzag", batch=2, dtype="float64", scale=0.4, **kw)]
     assert_all_ok(run_cases(pools(4), cases))
