@@ -149,7 +149,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, sp: P
     for t in runner.prepare(sp.early[r], q, k):
         acc.add(t.q, *runner.forward(q, k, v, t))
     if n > 1:
-        own_accumulator(acc)
+        own_accumulator(acc, q)
         B, L, H, D = q.shape
         lse_dt = acc.acc_dtype
         cur, nxt = seq_major(q), torch.empty(L, B, H, D, dtype=q.dtype, device=q.device)

@@ -91,16 +91,16 @@ def seq_major(x_BSHD: torch.Tensor) -> torch.Tensor:
     return x_BSHD.transpose(0, 1).clone(memory_format=torch.contiguous_format)
 
 
-def own_accumulator(acc: Accumulator) -> Accumulator:
-    """Make ``acc`` allocate its own buffers now.
+def own_accumulator(acc: Accumulator, like_BSHD: torch.Tensor) -> Accumulator:
+    """Make ``acc`` (over the rows of ``like_BSHD``) allocate its own buffers now.
 
     ``Accumulator.add`` adopts a first partial that covers every row without copying it; a partial that is
     a view into a receive buffer must never be adopted (the next receive would overwrite the result).
     """
     if acc.out is None:
-        B, _, H, D = acc._like.shape
-        acc.add(slice(0, 0), acc._like.new_zeros(B, 0, H, D), torch.zeros(B, H, 0, dtype=acc.acc_dtype,
-                                                                               device=acc._like.device))
+        B, _, H, D = like_BSHD.shape
+        acc.add(slice(0, 0), like_BSHD.new_zeros(B, 0, H, D),
+                torch.zeros(B, H, 0, dtype=acc.acc_dtype, device=like_BSHD.device))
     return acc
 
 
