@@ -15,19 +15,19 @@ def _grid(world: int, schedule: str) -> list[Case]:
     kw = {"method": M, "seq_len": seq, "heads": 4, "head_dim": 8, "seed": world, "options": (("schedule", schedule),)}
     cases = [Case(layout="zigzag", causal=True, kv_heads=2, dtype="float32", **kw),
              Case(layout="zigzag", causal=False, kv_heads=4, dtype="bfloat16", **kw)]
-    if schedule == "direct":
+    if schedule != "cycles":
         cases += [Case(layout="zigzag", causal=True, kv_heads=1, dtype="bfloat16", batch=2, **kw),
                   Case(layout="contiguous", causal=False, kv_heads=2, dtype="float32", **kw)]
     return cases
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("world", [1, 2, 4, 5, 6, 8, 3])     # ends with the pools the next tests use
 def test_tasp_matches_oracle(pools, world):
-    schedules = ["direct"] + ([] if world in (4, 6) else ["cycles"])
+    schedules = ["auto" if world == 2 else "direct"] + ([] if world in (4, 6) else ["cycles"])
     assert_all_ok(run_cases(pools(world), [c for s in schedules for c in _grid(world, s)]))
 
 
-@pytest.mark.parametrize("schedule", ["direct", "cycles", "auto"])
+@pytest.mark.parametrize("schedule", ["direct", "cycles"])
 def test_tasp_windows_documents_padding_lse_grad(pools, schedule):
     kw = {"method": M, "seq_len": 36, "heads": 4, "kv_heads": 2, "head_dim": 8,
           "options": (("schedule", schedule),)}
