@@ -10,6 +10,7 @@ Entry points (start reading at ``seqpar/api.py``):
     seqpar.make_mesh(ulysses=U, ring=R)                                      a 2D mesh for USP
     seqpar.plan(seq_len=..., heads=..., world=...)                           which method to use, and why
     seqpar.SequenceParallelAttention(mesh, method=..., layout=...)           the same as an nn.Module
+    seqpar.choose_pass(batch=..., q_len=..., heads=..., head_dim=...)        pass-KV (ring) or pass-Q (tokenring)
     seqpar.flash_api                                                         ring-flash-attn style names
 
 Layers (imports run one way): api, flash_api, modules -> methods -> {kernels, comm, layouts, groups} -> types,
@@ -52,15 +53,16 @@ from .modules import (
     SequenceParallelAttentionKVPacked,
     SequenceParallelAttentionQKVPacked,
 )
+from .passes import PassChoice, choose_pass
 from .planner import plan
 from .types import AttnOutput
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionConfig", "AttnOutput", "SeqParallelGroups", "SequenceParallelAttention",
+    "AttentionConfig", "AttnOutput", "PassChoice", "SeqParallelGroups", "SequenceParallelAttention",
     "SequenceParallelAttentionKVPacked", "SequenceParallelAttentionQKVPacked", "ShardInfo", "UnsupportedInputError",
-    "attention", "linear_attention", "linear_methods", "llama3_flash_attn_prepare_cu_seqlens",
+    "attention", "choose_pass", "linear_attention", "linear_methods", "llama3_flash_attn_prepare_cu_seqlens",
     "llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_func",
     "llama3_flash_attn_varlen_qkvpacked_func", "make_mesh", "plan", "positions", "ring_flash_attn_func",
     "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func", "ring_flash_attn_varlen_func",

@@ -28,6 +28,9 @@ _MODULES = {
     "allgather": "seqpar.methods.allgather",
     "ulysses": "seqpar.methods.ulysses",
     "usp": "seqpar.methods.usp",
+    "tokenring": "seqpar.methods.tokenring",
+    "tasp": "seqpar.methods.tasp",
+    "double_ring": "seqpar.methods.double_ring",
 }
 
 

@@ -1,0 +1,114 @@
+"""Helpers shared by the point-to-point schedules (tokenring, tasp, double_ring): planning and buffer views.
+
+Private: methods never import each other. Everything here is either host-side planning on ``Segments``
+(run once per schedule and cached by the callers) or a view/dtype rule.
+
+Note [Sequence-major wire buffers]
+    Tensors that travel in row ranges (TokenRing's Q bundle after the zigzag wrap, TASP's KV pieces) are
+    kept sequence-major, ``x_SBHD`` (rows first), so any row range ``x_SBHD[a:b]`` is one contiguous
+    message whatever the batch size - never a strided slice handed to send, and no copy per step. Kernels
+    see them through ``bshd(x_SBHD)``, a ``(B, S, H, D)`` view (last dim contiguous, as kernels require);
+    lse-like ``(S, B, H)`` buffers through ``bhs``.
+
+Note [Hiding the tail]
+    A schedule whose last transfer returns results (a partial output, a dQ or dK/dV partial) to their
+    owner would leave that transfer exposed. The owner's own (diagonal) block is split by query rows:
+    one part runs at step 0 (hiding the first hop), the other after the last return is posted, so the
+    final transfer overlaps compute (ALGORITHMS.md §7.2 "Hide the tail").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.merge import Accumulator
+from ..layouts.blocks import Rule, Segments, Task, plan
+from ..layouts.subchunks import slice_rows
+
+__all__ = ["acc_dtype", "bhs", "bshd", "delta_of", "hull", "own_accumulator", "row_hull", "seq_major", "shift",
+           "split_own", "wire_dtype"]
+
+Rows = tuple[int, int] | None
+
+
+def shift(tasks: tuple[Task, ...], dq: int = 0, dk: int = 0) -> tuple[Task, ...]:
+    """The same tasks with query rows moved by ``dq`` and key rows by ``dk``."""
+    return tuple(Task(t.q_start + dq, t.q_stop + dq, t.k_start + dk, t.k_stop + dk, t.mask) for t in tasks)
+
+
+def row_hull(tasks: tuple[Task, ...]) -> Rows:
+    """``(first, stop)`` of the query rows the tasks touch, or None when there are no tasks."""
+    if not tasks:
+        return None
+    return min(t.q_start for t in tasks), max(t.q_stop for t in tasks)
+
+
+def hull(a: Rows, b: Rows) -> Rows:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return min(a[0], b[0]), max(a[1], b[1])
+
+
+def split_own(seg: Segments, rule: Rule, back_first: bool) -> tuple[tuple[Task, ...], tuple[Task, ...]]:
+    """The own block (``seg`` against itself) as (early, late) tasks split at local row L // 2.
+
+    ``back_first``: rows ``L//2 : L`` run early (Note [Hiding the tail]); otherwise rows ``0 : L//2``.
+    For zigzag these are the back and front chunks: the back chunk holds 3/4 of a causal own block.
+    """
+    L = seg.length
+    mid = L // 2
+    if mid == 0:
+        return plan(seg, seg, rule), ()
+    front = plan(slice_rows(seg, 0, mid), seg, rule)
+    back = shift(plan(slice_rows(seg, mid, L), seg, rule), dq=mid)
+    return (back, front) if back_first else (front, back)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def wire_dtype(grad_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """Gradient partials on the wire: ``grad_dtype``, widened to fp64 for fp64 inputs when it is fp32."""
+    return acc_dtype(dtype) if grad_dtype == torch.float32 else grad_dtype
+
+
+def delta_of(do: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``Delta = rowsum(dO * O) - dlse`` as ``(B, H, L)`` in ``dtype`` (a gradient on lse shifts Delta)."""
+    delta = (do.to(dtype) * out.to(dtype)).sum(-1).transpose(1, 2)
+    return delta if dlse is None else delta - dlse.to(dtype)
+
+
+def seq_major(x_BSHD: torch.Tensor) -> torch.Tensor:
+    """A sequence-major COPY ``(S, B, H, D)`` (Note [Sequence-major wire buffers]).
+
+    Always a copy: with B = 1 the transpose is already "contiguous", and a view would let a receive into
+    the buffer overwrite the caller's tensor.
+    """
+    return x_BSHD.transpose(0, 1).clone(memory_format=torch.contiguous_format)
+
+
+def own_accumulator(acc: Accumulator, like_BSHD: torch.Tensor) -> Accumulator:
+    """Make ``acc`` (over the rows of ``like_BSHD``) allocate its own buffers now.
+
+    ``Accumulator.add`` adopts a first partial that covers every row without copying it; a partial that is
+    a view into a receive buffer must never be adopted (the next receive would overwrite the result).
+    """
+    if acc.out is None:
+        B, _, H, D = like_BSHD.shape
+        acc.add(slice(0, 0), like_BSHD.new_zeros(B, 0, H, D),
+                torch.zeros(B, H, 0, dtype=acc.acc_dtype, device=like_BSHD.device))
+    return acc
+
+
+def bshd(x_SBHD: torch.Tensor) -> torch.Tensor:
+    """``(S, B, H, D)`` -> ``(B, S, H, D)`` view."""
+    return x_SBHD.transpose(0, 1)
+
+
+def bhs(x_SBH: torch.Tensor) -> torch.Tensor:
+    """``(S, B, H)`` -> ``(B, H, S)`` view."""
+    return x_SBH.permute(1, 2, 0)

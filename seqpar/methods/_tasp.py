@@ -1,0 +1,321 @@
+"""The TASP engine (ALGORITHMS.md §8): KV in W-1 sub-chunks on every link of a full mesh at every round.
+
+Private: the host-side schedule (``schedule``, cached) and the forward/backward loops behind ``tasp``.
+
+Note [TASP rounds]
+    Every rank's KV is cut into W-1 sub-chunks (``layouts.subchunks.Subchunked``: zigzag sub-chunk c is
+    part c of the front chunk plus part c of the back chunk; each part is a *piece*, one message). Round
+    0 is the rank's own block; in each round t = 1 .. W-1 every rank sends one sub-chunk to every other
+    rank and receives one from each, so every link of the mesh carries ‖KV‖ / (W-1) per round:
+
+    * "cycles": the W-1 arc-disjoint Hamiltonian cycles of ``comm.topology``; sub-chunk g of every rank
+      travels on cycle g, one hop per round (store and forward), so at round t rank r holds sub-chunk g
+      of the rank t places before it on cycle g. Needs W not in {4, 6}.
+    * "direct": the staggered all-to-all, origin o sends its own sub-chunk ``c(o, p, t)`` straight to p
+      (§8.4); any W, no forwarding, so a round's sends never wait on the previous round's receives.
+
+    Received pieces are laid out in the round buffer in global-position order and planned piece by piece
+    (``layouts.blocks.plan``); full calls on the same query rows over adjacent pieces are joined. For
+    zigzag causal that gives at most two kernel calls per round - all queries x the front pieces of lower
+    ranks ("M"), back queries x everything of higher ranks ("P") - exactly TASP's M/P split, derived from
+    positions rather than tables. In "direct" rounds a piece no query of the receiver sees (causal: the
+    back pieces of lower ranks) is not sent at all. Each rank plans only its own rounds: both ends of a
+    link decide what it carries from the same facts, and each end knows its own buffer rows.
+
+    Backward (§8.5): dQ accumulates locally in fp32. "direct": each round's dK/dV partials go straight
+    back to their origin one round later (a reverse all-to-all in the next round's exchange) and are
+    summed there in fp32. "cycles": the running dK/dV of every piece follows the piece on its cycle one
+    round behind (each holder adds what arrives after its own compute), and the last holder's successor
+    is the origin, so the final hop is home. The last return overlaps the back half of the own block (Note [Hiding the
+    tail] in ``_shared``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ..comm import topology
+from ..comm.ring import Exchange
+from ..kernels.executor import TaskRunner
+from ..kernels.merge import Accumulator
+from ..layouts.blocks import Rule, Task, plan
+from ..layouts.subchunks import Subchunked, slice_rows
+from ._shared import acc_dtype, bshd, seq_major, split_own, wire_dtype
+
+__all__ = ["Hop", "Piece", "Round", "TaspPlan", "backward", "forward", "schedule"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``rows`` of ``origin``'s KV: piece ``part`` of its sub-chunk ``sub``; first global position ``start``."""
+
+    origin: int
+    sub: int
+    part: int
+    rows: tuple[int, int]
+    start: int
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One message carrying ``piece`` from ``src`` to ``dst``.
+
+    The sender knows ``src_rows`` (in its own KV if ``from_own``, else in its previous round's buffer; for
+    gradients in its dK/dV buffer of the round); the receiver knows ``dst_rows`` (in its round buffer; for
+    gradients in its own dK/dV if ``home``, else in its next round's buffer). The other side is None.
+    """
+
+    src: int
+    dst: int
+    piece: Piece
+    src_rows: tuple[int, int] | None = None
+    dst_rows: tuple[int, int] | None = None
+    from_own: bool = False
+    home: bool = False
+
+
+@dataclass(frozen=True)
+class Round:
+    """One rank's part of one round t >= 1.
+
+    Attributes:
+        held: the pieces in the round buffer, in buffer (global position) order, at rows ``held_rows``.
+        rows: rows of the buffer in use.
+        tasks: kernel calls: query rows local, key rows in the round buffer.
+        kv_in, kv_out: the hops that fill round buffers (posted one round earlier), received / sent by us.
+        grad_in, grad_out: hops that carry this round's dK/dV partials (posted with the next round).
+    """
+
+    held: tuple[Piece, ...]
+    held_rows: tuple[tuple[int, int], ...]
+    rows: int
+    tasks: tuple[Task, ...]
+    kv_in: tuple[Hop, ...]
+    kv_out: tuple[Hop, ...]
+    grad_in: tuple[Hop, ...]
+    grad_out: tuple[Hop, ...]
+
+
+@dataclass(frozen=True)
+class TaspPlan:
+    """One rank's schedule: ``rounds[t - 1]`` for t = 1 .. W-1, and its own block's tasks."""
+
+    world: int
+    kind: str
+    early: tuple[Task, ...]
+    late: tuple[Task, ...]
+    rounds: tuple[Round, ...]
+
+
+class _Geometry:
+    """Positions, pieces and per-piece plans of one (layout, length, rule): host-side, built once."""
+
+    def __init__(self, layout: Subchunked, seq_len: int, rule: Rule, doc_bounds, valid_len):
+        self.W, self.rule = layout.world, rule
+        self.segs = [layout.segments(j, seq_len).cut(doc_bounds, valid_len) for j in range(self.W)]
+        pos = [seg.positions() for seg in self.segs]
+        prow = layout.piece_rows(self.segs[0].length)
+        self.pieces = [[tuple(Piece(o, c, p, prow[c][p], pos[o][prow[c][p][0]]) for p in range(len(prow[c])))
+                        for c in range(len(prow))] for o in range(self.W)]
+        self._tasks: dict[tuple[int, Piece], tuple[Task, ...]] = {}
+
+    def tasks(self, r: int, p: Piece) -> tuple[Task, ...]:
+        """Rank r's queries against piece p alone (key rows from 0)."""
+        key = (r, p)
+        if key not in self._tasks:
+            self._tasks[key] = plan(self.segs[r], slice_rows(self.segs[p.origin], *p.rows), self.rule)
+        return self._tasks[key]
+
+    def needs(self, r: int, p: Piece) -> bool:
+        return bool(self.tasks(r, p))
+
+
+def _holdings(kind: str, W: int, t: int, r: int) -> list[tuple[int, int, int]]:
+    """``(origin, sub-chunk, sender)`` of what rank r holds in round t."""
+    if kind == "direct":
+        return [(o, topology.direct_subchunk(o, r, t, W), o) for o in range(W) if o != r]
+    out = []
+    for g, cyc in enumerate(topology.hamiltonian_cycles(W)):
+        i = cyc.index(r)
+        out.append((cyc[(i - t) % W], g, cyc[(i - 1) % W]))
+    return out
+
+
+def _coalesce(tasks: list[Task]) -> tuple[Task, ...]:
+    """Join full-band tasks on the same query rows whose key rows touch (one call for adjacent pieces)."""
+    out: list[Task] = []
+    for t in sorted(tasks, key=lambda t: (t.q_start, t.q_stop, t.k_start)):
+        last = out[-1] if out else None
+        if (last is not None and last.mask.is_full and t.mask.is_full and last.q == t.q
+                and last.k_stop == t.k_start):
+            out[-1] = Task(last.q_start, last.q_stop, last.k_start, t.k_stop, last.mask)
+        else:
+            out.append(t)
+    return tuple(out)
+
+
+def _order(hops: list[Hop], peer: str) -> tuple[Hop, ...]:
+    """Messages of one link in one order on both ends: by peer, then by the piece's first position."""
+    return tuple(sorted(hops, key=lambda h: (getattr(h, peer), h.piece.start)))
+
+
+@functools.lru_cache(maxsize=64)
+def schedule(layout: Subchunked, rank: int, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
+             valid_len: int | None, kind: str) -> TaspPlan:
+    """Rank ``rank``'s TASP schedule (Note [TASP rounds]); ``kind`` is "cycles" or "direct".
+
+    Built from positions alone, without other ranks' buffers: both ends of a link decide what it carries
+    from the same facts (which pieces the receiver's queries see), and each end knows its own rows.
+    """
+    geo, W, r = _Geometry(layout, seq_len, rule, doc_bounds, valid_len), layout.world, rank
+    cycles = topology.hamiltonian_cycles(W) if kind == "cycles" else ()
+    succ = {g: c[(c.index(r) + 1) % W] for g, c in enumerate(cycles)}
+    pred = {g: c[(c.index(r) - 1) % W] for g, c in enumerate(cycles)}
+    held: list[list[tuple[Piece, int]]] = [[]]
+    rows_of: list[dict[Piece, tuple[int, int]]] = [{}]
+    for t in range(1, W):                             # what we hold each round, in global-position order
+        cand = sorted(((p, sender) for o, c, sender in _holdings(kind, W, t, r) for p in geo.pieces[o][c]
+                       if kind == "cycles" or geo.needs(r, p)), key=lambda x: x[0].start)
+        at, rows = 0, {}
+        for p, _ in cand:
+            rows[p] = (at, at + p.rows[1] - p.rows[0])
+            at = rows[p][1]
+        held.append(cand)
+        rows_of.append(rows)
+    rounds = []
+    for t in range(1, W):
+        tasks = _coalesce([Task(x.q_start, x.q_stop, x.k_start + rows_of[t][p][0], x.k_stop + rows_of[t][p][0],
+                                x.mask) for p, _ in held[t] for x in geo.tasks(r, p)])
+        kv_in = [Hop(sender, r, p, dst_rows=rows_of[t][p]) for p, sender in held[t]]
+        if kind == "direct":
+            kv_out = [Hop(r, d, p, src_rows=p.rows, from_own=True) for d in range(W) if d != r
+                      for p in geo.pieces[r][topology.direct_subchunk(r, d, t, W)] if geo.needs(d, p)]
+            grad_out = [Hop(r, p.origin, p, src_rows=rows_of[t][p], home=True) for p, _ in held[t]]
+            grad_in = [Hop(h, r, p, dst_rows=p.rows, home=True) for h in range(W) if h != r
+                       for p in geo.pieces[r][topology.direct_subchunk(r, h, t, W)] if geo.needs(h, p)]
+        else:
+            src = [(p, p.rows, True) for g in range(W - 1) for p in geo.pieces[r][g]] if t == 1 else \
+                  [(p, rows_of[t - 1][p], False) for p, _ in held[t - 1]]
+            kv_out = [Hop(r, succ[p.sub], p, src_rows=sr, from_own=own) for p, sr, own in src]
+            last = t == W - 1
+            grad_out = [Hop(r, succ[p.sub], p, src_rows=rows_of[t][p], home=last) for p, _ in held[t]]
+            grad_in = [Hop(pred[g], r, p, dst_rows=p.rows, home=True) for g in range(W - 1)
+                       for p in geo.pieces[r][g]] if last else \
+                      [Hop(sender, r, p, dst_rows=rows_of[t + 1][p]) for p, sender in held[t + 1]]
+        rounds.append(Round(tuple(p for p, _ in held[t]), tuple(rows_of[t][p] for p, _ in held[t]),
+                            sum(b - a for a, b in rows_of[t].values()), tasks, _order(kv_in, "src"),
+                            _order(kv_out, "dst"), _order(grad_in, "src"), _order(grad_out, "dst")))
+    early, late = split_own(geo.segs[r], rule, back_first=False)
+    return TaspPlan(W, kind, early, late, tuple(rounds))
+
+
+def _post_kv(ex: Exchange, nxt_round: Round, own: torch.Tensor, prev: torch.Tensor, nxt: torch.Tensor) -> None:
+    """Queue the hops that fill the next round's buffer ``nxt`` (from own KV or the current buffer ``prev``)."""
+    for h in nxt_round.kv_out:
+        src = own if h.from_own else prev
+        ex.send(src[h.src_rows[0]:h.src_rows[1]], h.dst)
+    for h in nxt_round.kv_in:
+        ex.recv(nxt[h.dst_rows[0]:h.dst_rows[1]], h.src)
+
+
+def _post_grads(ex: Exchange, rd: Round, dkv: torch.Tensor, gin: torch.Tensor) -> None:
+    """Queue this round's dK/dV partials to their next holder or origin, and the receipt of ours."""
+    for h in rd.grad_out:
+        ex.send(dkv[h.src_rows[0]:h.src_rows[1]], h.dst)
+    for h in rd.grad_in:
+        ex.recv(gin[h.dst_rows[0]:h.dst_rows[1]], h.src)
+
+
+def _apply_grads(rd: Round, gin: torch.Tensor, own_dkv: torch.Tensor, nxt_dkv: torch.Tensor | None) -> None:
+    """Add received partials: home ones into our own dK/dV, relayed ones into the next round's running sums."""
+    for h in rd.grad_in:
+        a, b = h.dst_rows
+        (own_dkv if h.home else nxt_dkv)[a:b] += gin[a:b]
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, tp: TaspPlan,
+            runner: TaskRunner) -> tuple[torch.Tensor, torch.Tensor]:
+    """TASP forward: ``(out (B, L, H, D) in q.dtype, lse (B, H, L) fp32)``."""
+    acc = Accumulator(q)
+    W = tp.world
+    if W > 1:
+        own = torch.stack((seq_major(k), seq_major(v)), 1)          # (L, 2, B, Hkv, D): pieces are row ranges
+        bufs = [torch.empty_like(own), torch.empty_like(own)]
+        ex = Exchange(group)
+        _post_kv(ex, tp.rounds[0], own, own, bufs[1])
+        ex.commit()
+    for t in runner.prepare(tp.early + tp.late, q, k):
+        acc.add(t.q, *runner.forward(q, k, v, t))
+    for t in range(1, W):
+        ex.wait()
+        cur = bufs[t % 2]
+        if t + 1 < W:                                 # post round t+1 before computing round t
+            ex = Exchange(group)
+            _post_kv(ex, tp.rounds[t], own, cur, bufs[(t + 1) % 2])
+            ex.commit()
+        kb, vb = bshd(cur[:, 0]), bshd(cur[:, 1])
+        for task in runner.prepare(tp.rounds[t - 1].tasks, q, kb):
+            acc.add(task.q, *runner.forward(q, kb, vb, task))
+    return acc.result(q.dtype)
+
+
+def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+             lse: torch.Tensor, group, tp: TaspPlan, runner: TaskRunner, grad_dtype: torch.dtype,
+             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TASP backward (ALGORITHMS.md §8.5; Note [TASP rounds]): dQ local, dK/dV partials routed home."""
+    acc = acc_dtype(q.dtype)
+    W = tp.world
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    own_dkv = torch.zeros(k.shape[1], 2, k.shape[0], *k.shape[2:], dtype=acc, device=q.device)
+
+    def run(tasks, kb, vb, dkv):
+        dkb, dvb = bshd(dkv[:, 0]), bshd(dkv[:, 1])
+        for t in runner.prepare(tasks, q, kb):
+            gq, gk, gv = runner.backward(do, q, kb, vb, out, lse, t, delta)
+            dq[:, t.q] += gq
+            dkb[:, t.k] += gk
+            dvb[:, t.k] += gv
+
+    if W > 1:
+        own = torch.stack((seq_major(k), seq_major(v)), 1)
+        bufs = [torch.empty_like(own), torch.empty_like(own)]
+        wire = wire_dtype(grad_dtype, q.dtype)
+        dkvs = [torch.empty(own.shape, dtype=wire, device=q.device) for _ in range(2)]
+        gin = torch.empty_like(dkvs[0])
+        ex = Exchange(group)
+        _post_kv(ex, tp.rounds[0], own, own, bufs[1])
+        ex.commit()
+
+    def R(t: int) -> Round:                           # this rank's part of round t (1 .. W-1)
+        return tp.rounds[t - 1]
+
+    run(tp.early, k, v, own_dkv)
+    for t in range(1, W):
+        ex.wait()                                     # round t's KV; round t-2's partials
+        if t >= 3:
+            _apply_grads(R(t - 2), gin, own_dkv, dkvs[(t - 1) % 2])
+        ex = Exchange(group)
+        if t + 1 < W:
+            _post_kv(ex, R(t + 1), own, bufs[t % 2], bufs[(t + 1) % 2])
+        if t >= 2:
+            _post_grads(ex, R(t - 1), dkvs[(t - 1) % 2], gin)
+        ex.commit()
+        dkv = dkvs[t % 2]
+        dkv[:R(t).rows].zero_()
+        run(R(t).tasks, bshd(bufs[t % 2][:, 0]), bshd(bufs[t % 2][:, 1]), dkv)
+    if W > 1:
+        ex.wait()
+        if W >= 3:
+            _apply_grads(R(W - 2), gin, own_dkv, dkvs[(W - 1) % 2])
+        ex = Exchange(group)                          # the last partials go home, behind the own block's rest
+        _post_grads(ex, R(W - 1), dkvs[(W - 1) % 2], gin)
+        ex.commit()
+    run(tp.late, k, v, own_dkv)
+    if W > 1:
+        ex.wait()
+        _apply_grads(R(W - 1), gin, own_dkv, None)
+    dk, dv = bshd(own_dkv[:, 0]), bshd(own_dkv[:, 1])
+    return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()

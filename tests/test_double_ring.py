@@ -1,0 +1,64 @@
+"""Double ring against the dense oracle (out, lse, dq, dk, dv), node sizes 1, 2, 4, and its input checks."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_all_ok, run_cases
+
+from seqpar.testing import Case, run_case
+
+M = "double_ring"
+
+
+def _grid(world: int, node_size: int) -> list[Case]:
+    kw = {"method": M, "seq_len": 8 * world, "heads": 4, "head_dim": 8, "seed": world + node_size,
+          "options": (("node_size", node_size),)}
+    return [Case(layout="zigzag", causal=True, kv_heads=2, dtype="float32", **kw),
+            Case(layout="zigzag", causal=True, kv_heads=1, dtype="bfloat16", batch=2, **kw),
+            Case(layout="zigzag", causal=False, kv_heads=4, dtype="bfloat16", **kw),
+            Case(layout="contiguous", causal=False, kv_heads=2, dtype="float32", **kw)]
+
+
+def test_double_ring_small_groups(pools):
+    assert_all_ok(run_cases(pools(2), _grid(2, 1) + _grid(2, 2)))
+    assert_all_ok(run_cases(pools(1), _grid(1, 1)))
+
+
+@pytest.mark.parametrize("world,node_sizes", [(8, (2, 4)), (4, (1, 2, 4))])
+def test_double_ring_matches_oracle(pools, world, node_sizes):
+    assert_all_ok(run_cases(pools(world), [c for w in node_sizes for c in _grid(world, w)]))
+
+
+def test_double_ring_windows_documents_padding_lse_grad(pools):
+    kw = {"method": M, "seq_len": 32, "heads": 4, "kv_heads": 2, "head_dim": 8, "options": (("node_size", 2),)}
+    cases = [Case(layout="zigzag", window=(5, 0), **kw),
+             Case(layout="contiguous", causal=False, window=(3, 4), dtype="bfloat16", **kw),
+             Case(layout="zigzag", cu_seqlens=(0, 5, 13, 14, 32), **kw),
+             Case(layout="zigzag", causal=False, cu_seqlens=(0, 9, 27), valid_len=27, **kw),
+             Case(layout="zigzag", valid_len=29, lse_grad=True, **kw),
+             Case(layout="contiguous", causal=False, valid_len=20, **kw),   # rank 3 is all padding
+             Case(layout="zigzag", batch=2, dtype="float64", scale=0.4, **kw)]
+    assert_all_ok(run_cases(pools(4), cases))
+
+
+def expect_error(case: Case) -> tuple[str, str]:
+    """Worker side: run the case and return the error it raised (type name, message)."""
+    try:
+        run_case(case)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return type(e).__name__, str(e)
+    return "", ""
+
+
+@pytest.mark.parametrize("options,match", [
+    ((), "needs node_size"),
+    ((("node_size", 3),), "node_size must be a positive int dividing the group size 4, got 3"),
+    ((("node_size", 0),), "node_size must be a positive int dividing"),
+    ((("node_size", True),), "node_size must be a positive int dividing"),
+    ((("node_size", 2), ("inner", 2)), "method='double_ring' takes options"),
+])
+def test_double_ring_rejects_bad_node_size(pools, options, match):
+    case = Case(method=M, seq_len=32, options=options)
+    for kind, msg in pools(4).run(expect_error, case):
+        assert kind and match in msg, (kind, msg)
+        assert "(rank " in msg

@@ -1,0 +1,64 @@
+"""TASP against the dense oracle (out, lse, dq, dk, dv), both schedules, and its input checks."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_all_ok, run_cases
+
+from seqpar.testing import Case, run_case
+
+M = "tasp"
+
+
+def _grid(world: int, schedule: str) -> list[Case]:
+    seq = 2 * world * max(world - 1, 1) * (2 if world < 4 else 1)
+    kw = {"method": M, "seq_len": seq, "heads": 4, "head_dim": 8, "seed": world, "options": (("schedule", schedule),)}
+    cases = [Case(layout="zigzag", causal=True, kv_heads=2, dtype="float32", **kw),
+             Case(layout="zigzag", causal=False, kv_heads=4, dtype="bfloat16", **kw)]
+    if schedule != "cycles":
+        cases += [Case(layout="zigzag", causal=True, kv_heads=1, dtype="bfloat16", batch=2, **kw),
+                  Case(layout="contiguous", causal=False, kv_heads=2, dtype="float32", **kw)]
+    return cases
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 5, 6, 8, 3])     # ends with the pools the next tests use
+def test_tasp_matches_oracle(pools, world):
+    schedules = ["auto" if world == 2 else "direct"] + ([] if world in (4, 6) else ["cycles"])
+    assert_all_ok(run_cases(pools(world), [c for s in schedules for c in _grid(world, s)]))
+
+
+@pytest.mark.parametrize("schedule", ["direct", "cycles"])
+def test_tasp_windows_documents_padding_lse_grad(pools, schedule):
+    kw = {"method": M, "seq_len": 36, "heads": 4, "kv_heads": 2, "head_dim": 8,
+          "options": (("schedule", schedule),)}
+    cases = [Case(layout="zigzag", window=(7, 0), **kw),
+             Case(layout="contiguous", causal=False, window=(4, 5), dtype="bfloat16", **kw),
+             Case(layout="zigzag", cu_seqlens=(0, 5, 13, 14, 36), **kw),
+             Case(layout="zigzag", causal=False, cu_seqlens=(0, 11, 29), valid_len=29, **kw),
+             Case(layout="zigzag", valid_len=30, lse_grad=True, **kw),
+             Case(layout="contiguous", causal=False, valid_len=20, **kw),   # rank 2 is all padding
+             Case(layout="zigzag", batch=2, dtype="float64", scale=0.4, **kw)]
+    assert_all_ok(run_cases(pools(3), cases))
+
+
+def expect_error(case: Case) -> tuple[str, str]:
+    """Worker side: run the case and return the error it raised (type name, message)."""
+    try:
+        run_case(case)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return type(e).__name__, str(e)
+    return "", ""
+
+
+@pytest.mark.parametrize("options,layout,causal,seq,match", [
+    ((("schedule", "cycles"),), "zigzag", True, 24, "schedule='cycles' needs a group size with a Hamiltonian"),
+    ((), "contiguous", True, 24, "causal=True needs layout='zigzag'"),
+    ((("schedule", "ring"),), "zigzag", True, 24, "schedule must be one of"),
+    ((("chunks", 3),), "zigzag", True, 24, "method='tasp' takes options"),
+    ((), "zigzag", True, 16, "must be a multiple of 24 for the zigzag layout over 4 ranks with every piece cut"),
+    ((), "stripe", False, 24, "layout must be one of"),
+])
+def test_tasp_rejects_what_it_cannot_serve(pools, options, layout, causal, seq, match):
+    case = Case(method=M, layout=layout, causal=causal, seq_len=seq, options=options)
+    for kind, msg in pools(4).run(expect_error, case):
+        assert kind and match in msg, (kind, msg)
