@@ -67,10 +67,11 @@ def test_chunk_counts_and_auto_rule():
 
 def test_ulysses_world2(pools):
     """U = 2: H = 8 with kv 8, 4 (4 groups: one KV head each, replicated to both ranks) and 2; H = 16 where
-    "auto" picks 4; causal and not, fp32 and bf16."""
+    "auto" picks 4; causal and not, fp32, bf16 and fp64 (lse stays fp64)."""
     grid = [(8, 8, 2), (8, 8, 4), (8, 8, "auto"), (8, 4, 2), (8, 4, 4), (8, 2, 2), (16, 16, "auto"), (16, 2, 2)]
     cases = [Case(**U, seq_len=8, heads=h, kv_heads=kv, options=_hc(c), causal=i % 3 != 1,
                   dtype="bfloat16" if i % 2 else "float32", seed=i) for i, (h, kv, c) in enumerate(grid)]
+    cases.append(Case(**U, seq_len=8, heads=8, kv_heads=4, options=_hc(2), dtype="float64", batch=2))
     assert_all_ok(run_cases(pools(2), cases))
 
 

@@ -125,7 +125,7 @@ def resolve_head_chunks(value: object, heads: int, kv_heads: int, degree: int) -
         ValueError: the heads do not split into ``value`` groups that each keep the slot rules; the
             message names the valid counts.
     """
-    if value == "auto" and isinstance(value, str):
+    if isinstance(value, str) and value == "auto":
         return auto_head_chunks(heads, kv_heads, degree)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"head_chunks must be a positive int or 'auto', got {value!r}{rank_suffix()}")
