@@ -12,7 +12,9 @@ are summed on the way back. Valid when U divides H, and U divides Hkv or Hkv div
 raises before any collective, naming the valid degrees.
 
 Communication per rank, forward and again backward: ``(U-1)/U * B L D e * (2 H + 2 Hkv_wire)`` bytes,
-shrinking as U grows; no overlap with compute (the three phases are sequential).
+shrinking as U grows. By default the three phases are sequential; ``head_chunks=c`` (or "auto") pipelines
+c head groups so each group's transfers run behind its neighbours' kernels (Note [Head-group pipeline] in
+``_ulysses``): ``head_chunks`` must divide H and Hkv with every group keeping the slot rules above.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from . import _ulysses
 NAME = "ulysses"
 LAYOUTS = ("contiguous",)
 MESH_DIMS = 1
-OPTIONS: dict[str, object] = {}
+OPTIONS: dict[str, object] = {"head_chunks": 1}
 FEATURES = frozenset({"window", "varlen", "padding", "lse_grad"})
 
 
@@ -37,28 +39,34 @@ def placement(layout: str, groups: SeqParallelGroups) -> tuple[Layout, int]:
     return Contiguous(groups.world), groups.index
 
 
-def check(q: torch.Tensor, k: torch.Tensor, groups: SeqParallelGroups) -> None:
-    """Head-count rules, checked before any collective (the same error on every rank)."""
+def check(q: torch.Tensor, k: torch.Tensor, cfg: AttentionConfig, groups: SeqParallelGroups) -> int:
+    """Head-count rules, checked before any collective (the same error on every rank); returns the number
+    of head groups ``head_chunks`` resolves to."""
     _ulysses.check_heads(q.shape[2], k.shape[2], groups.world)
+    return _ulysses.resolve_head_chunks(cfg.option("head_chunks", 1), q.shape[2], k.shape[2], groups.world)
 
 
-def _forward(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups):
+def _forward(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups, chunks: int):
     engine = _ulysses.LocalEngine(cfg, q.shape[1] * groups.world, q.shape[-1])
-    return _ulysses.forward(q, k, v, groups.group, engine)
+    if chunks == 1:
+        return _ulysses.forward(q, k, v, groups.group, engine)
+    return _ulysses.forward_pipelined(q, k, v, groups.group, engine, chunks)
 
 
-def _backward(do, dlse, saved, kv_heads: int, cfg: AttentionConfig, groups: SeqParallelGroups):
-    q_h = saved[0]                                      # (B, S, H/U, D): the whole sequence
+def _backward(do, dlse, saved, kv_heads: int, cfg: AttentionConfig, groups: SeqParallelGroups, chunks: int):
+    q_h = saved[0]                                      # (B, S, h, D): the whole sequence
     engine = _ulysses.LocalEngine(cfg, q_h.shape[1], q_h.shape[-1])
-    return _ulysses.backward(do, dlse, saved, kv_heads, groups.group, engine, cfg.grad_dtype)
+    if chunks == 1:
+        return _ulysses.backward(do, dlse, saved, kv_heads, groups.group, engine, cfg.grad_dtype)
+    return _ulysses.backward_pipelined(do, dlse, saved, kv_heads, groups.group, engine, cfg.grad_dtype, chunks)
 
 
 class _UlyssesAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cfg, groups):
-        out, lse, saved = _forward(q, k, v, cfg, groups)
+    def forward(ctx, q, k, v, cfg, groups, chunks):
+        out, lse, saved = _forward(q, k, v, cfg, groups, chunks)
         ctx.save_for_backward(*saved)
-        ctx.cfg, ctx.groups, ctx.kv_heads = cfg, groups, k.shape[2]
+        ctx.cfg, ctx.groups, ctx.kv_heads, ctx.chunks = cfg, groups, k.shape[2], chunks
         ctx.out_meta = (out.shape, out.dtype, out.device)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -68,12 +76,12 @@ class _UlyssesAttention(torch.autograd.Function):
         if dout is None:
             shape, dtype, device = ctx.out_meta
             dout = torch.zeros(shape, dtype=dtype, device=device)
-        dq, dk, dv = _backward(dout, dlse, ctx.saved_tensors, ctx.kv_heads, ctx.cfg, ctx.groups)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _backward(dout, dlse, ctx.saved_tensors, ctx.kv_heads, ctx.cfg, ctx.groups, ctx.chunks)
+        return dq, dk, dv, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
               groups: SeqParallelGroups) -> AttnOutput:
     """Ulysses attention on local shards ``(B, L, H, D)``; differentiable in q, k, v (and through lse)."""
-    check(q, k, groups)
-    return AttnOutput(*_UlyssesAttention.apply(q, k, v, cfg, groups))
+    chunks = check(q, k, cfg, groups)
+    return AttnOutput(*_UlyssesAttention.apply(q, k, v, cfg, groups, chunks))

@@ -14,6 +14,10 @@ ring-layout shard with H/U heads, so the pass-KV ring (``_passkv``, any layout, 
 padding) runs unchanged over the ring group; the reverse all-to-all returns out and lse. Backward:
 dO (and dlse) to head-sharded, the ring backward, dq/dk/dv back with KV replica sums.
 
+``head_chunks=c`` (or "auto") pipelines c head groups through the sandwich: group i+1's all-to-all runs
+behind group i's ring, group i-1's output all-to-all too (Note [Head-group pipeline] in ``_ulysses``); the
+ring's fp32 buffers shrink c-fold as a side effect. Each group must keep the slot rules over U.
+
 Degenerate meshes take the short paths: R == 1 is plain Ulysses and never enters the ring engine (one
 local full-sequence computation, no fp32 merge); U == 1 is a plain ring (no all-to-all). GQA follows
 Ulysses' rule (U divides H; U divides Hkv or Hkv divides U); replicated KV heads also travel the ring, so
@@ -35,7 +39,7 @@ from . import _passkv, _ulysses
 NAME = "usp"
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 MESH_DIMS = 2
-OPTIONS: dict[str, object] = {}
+OPTIONS: dict[str, object] = {"head_chunks": 1}
 FEATURES = frozenset({"window", "varlen", "padding", "lse_grad"})
 
 
@@ -45,9 +49,12 @@ def placement(layout: str, groups: SeqParallelGroups) -> tuple[Layout, int]:
     return Nested(groups.world, outer=outer, inner=groups.ulysses_size), groups.index
 
 
-def check(q: torch.Tensor, k: torch.Tensor, groups: SeqParallelGroups) -> None:
-    """Head-count rules for the Ulysses axis, checked before any collective (the same error on every rank)."""
-    _ulysses.check_heads(q.shape[2], k.shape[2], groups.ulysses_size, world=groups.world)
+def check(q: torch.Tensor, k: torch.Tensor, cfg: AttentionConfig, groups: SeqParallelGroups) -> int:
+    """Head-count rules for the Ulysses axis, checked before any collective (the same error on every rank);
+    returns the number of head groups ``head_chunks`` resolves to."""
+    U = groups.ulysses_size
+    _ulysses.check_heads(q.shape[2], k.shape[2], U, world=groups.world)
+    return _ulysses.resolve_head_chunks(cfg.option("head_chunks", 1), q.shape[2], k.shape[2], U)
 
 
 class _RingEngine:
@@ -78,22 +85,26 @@ def _engine(cfg: AttentionConfig, groups: SeqParallelGroups, seq_len: int, head_
     return _RingEngine(cfg, groups, seq_len, head_dim)
 
 
-def _forward(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups):
+def _forward(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups, chunks: int):
     engine = _engine(cfg, groups, q.shape[1] * groups.world, q.shape[-1])
-    return _ulysses.forward(q, k, v, groups.ulysses, engine)
+    if chunks == 1:
+        return _ulysses.forward(q, k, v, groups.ulysses, engine)
+    return _ulysses.forward_pipelined(q, k, v, groups.ulysses, engine, chunks)
 
 
-def _backward(do, dlse, saved, kv_heads: int, cfg: AttentionConfig, groups: SeqParallelGroups):
+def _backward(do, dlse, saved, kv_heads: int, cfg: AttentionConfig, groups: SeqParallelGroups, chunks: int):
     engine = _engine(cfg, groups, do.shape[1] * groups.world, do.shape[-1])
-    return _ulysses.backward(do, dlse, saved, kv_heads, groups.ulysses, engine, cfg.grad_dtype)
+    if chunks == 1:
+        return _ulysses.backward(do, dlse, saved, kv_heads, groups.ulysses, engine, cfg.grad_dtype)
+    return _ulysses.backward_pipelined(do, dlse, saved, kv_heads, groups.ulysses, engine, cfg.grad_dtype, chunks)
 
 
 class _USPAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cfg, groups):
-        out, lse, saved = _forward(q, k, v, cfg, groups)
+    def forward(ctx, q, k, v, cfg, groups, chunks):
+        out, lse, saved = _forward(q, k, v, cfg, groups, chunks)
         ctx.save_for_backward(*saved)
-        ctx.cfg, ctx.groups, ctx.kv_heads = cfg, groups, k.shape[2]
+        ctx.cfg, ctx.groups, ctx.kv_heads, ctx.chunks = cfg, groups, k.shape[2], chunks
         ctx.out_meta = (out.shape, out.dtype, out.device)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -103,13 +114,13 @@ class _USPAttention(torch.autograd.Function):
         if dout is None:
             shape, dtype, device = ctx.out_meta
             dout = torch.zeros(shape, dtype=dtype, device=device)
-        dq, dk, dv = _backward(dout, dlse, ctx.saved_tensors, ctx.kv_heads, ctx.cfg, ctx.groups)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _backward(dout, dlse, ctx.saved_tensors, ctx.kv_heads, ctx.cfg, ctx.groups, ctx.chunks)
+        return dq, dk, dv, None, None, None
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
               groups: SeqParallelGroups) -> AttnOutput:
     """USP attention on local shards ``(B, L, H, D)`` in the ``Nested`` placement; differentiable in q, k, v
     (and through lse)."""
-    check(q, k, groups)
-    return AttnOutput(*_USPAttention.apply(q, k, v, cfg, groups))
+    chunks = check(q, k, cfg, groups)
+    return AttnOutput(*_USPAttention.apply(q, k, v, cfg, groups, chunks))

@@ -21,6 +21,8 @@ Note [Modelled as implemented]
     partial outputs travel in the input dtype. Steps of pass-Q and TASP take the busiest rank's bytes
     (lock-step), so TokenRing's "halves after the wrap" lower its total bytes but not its step time.
     Change the constants below when the code changes; ``seqpar.planner.validate`` shows the effect.
+    Ulysses and USP with ``head_chunks`` > 1 pipeline their all-to-alls over head groups (Note [Head-group
+    pipeline] in ``seqpar.methods._ulysses``): ``_head_pipeline`` models that schedule.
 
 Memory (``peak_mem_bytes``) counts what one rank holds at the peak of the pass: inputs, outputs, the
 tensors autograd saves, and each method's buffers (ALGORITHMS.md §12.2 "Memory"); kernel workspaces and
@@ -37,8 +39,8 @@ from .profile import Profile
 from .topology import Group, Network
 from .work import Block, gather_blocks, ring_steps, self_block
 
-__all__ = ["MODELS", "Candidate", "Machine", "Prediction", "Problem", "ccr", "pass_bytes", "predict",
-           "single_gpu_ms"]
+__all__ = ["MODELS", "Candidate", "Machine", "Prediction", "Problem", "auto_head_chunks", "ccr", "head_chunk_valid",
+           "pass_bytes", "predict", "single_gpu_ms"]
 
 #: pass-KV backward waits for the incoming dK/dV before the step's compute (``_passkv.backward``)
 PASSKV_EXPOSED_DKV = True
@@ -111,6 +113,8 @@ class Candidate:
             parts.append(self.layout)
         if self.method == "allgather" and self.option("heads_k_stride") is not None:
             parts.append(f"stride{self.option('heads_k_stride')}")
+        if self.method in ("ulysses", "usp") and self.option("head_chunks", 1) != 1:
+            parts.append(f"head_chunks{self.option('head_chunks')}")
         return "/".join(parts)
 
 
@@ -296,22 +300,84 @@ def kv_wire_heads(kv_heads: int, U: int) -> int:
     return kv_heads if kv_heads % U == 0 else U
 
 
-def _a2a_in(p: Problem, m: Machine, U: int, L: float, f: _Tally, b: _Tally) -> None:
-    """Ulysses' sequence <-> head all-to-alls on one rank holding L tokens, forward and backward."""
-    H, hw = p.heads, kv_wire_heads(p.kv_heads, U)
-    frac, grp = (U - 1) / U, Group(U)
-    repl = hw > p.kv_heads
+def _a2a_bytes(p: Problem, U: int, L: float, chunks: int = 1) -> tuple[float, float, float, float, float]:
+    """Per head group, bytes a rank sends in (q/k/v, out + lse, dO, dq/dk/dv) and its packing traffic."""
+    H, hw = p.heads / chunks, kv_wire_heads(p.kv_heads // chunks, U)
+    frac = (U - 1) / U
+    repl = hw > p.kv_heads // chunks
     qkv = frac * p.act(L, H + 2 * hw)
     out = frac * (p.act(L, H) + p.rowstat(L, H))
     dout = frac * p.act(L, H)
     grads = frac * (p.act(L, H) + p.act(L, 2 * hw, p.grad_bytes if repl else p.dtype_bytes))
     pack = 2 * (p.act(L, H + 2 * hw) + p.act(L, H))                       # pack + unpack, both directions
+    return qkv, out, dout, grads, pack
+
+
+def _a2a_in(p: Problem, m: Machine, U: int, L: float, f: _Tally, b: _Tally) -> None:
+    """Ulysses' sequence <-> head all-to-alls on one rank holding L tokens, forward and backward."""
+    grp = Group(U)
+    qkv, out, dout, grads, pack = _a2a_bytes(p, U, L)
     f.local(m.hbm_ms(pack))
     f.wait(m.comm_ms("a2a", qkv, grp) + m.alpha_ms, qkv)
     f.wait(m.comm_ms("a2a", out, grp) + m.alpha_ms, out)
     b.local(m.hbm_ms(pack))
     b.wait(m.comm_ms("a2a", dout, grp) + m.alpha_ms, dout)
     b.wait(m.comm_ms("a2a", grads, grp) + m.alpha_ms, grads)
+
+
+# [head-group pipeline] ------------------------------------------------------------------------------
+def head_chunk_valid(heads: int, kv_heads: int, U: int, c: int) -> bool:
+    """c head groups each keep the slot rules over U (mirrors ``_ulysses.head_chunk_counts``)."""
+    if c < 1 or heads % c or kv_heads % c:
+        return False
+    h, hk = heads // c, kv_heads // c
+    return h % U == 0 and (hk % U == 0 or U % hk == 0)
+
+
+def auto_head_chunks(heads: int, kv_heads: int, U: int) -> int:
+    """``head_chunks="auto"``, as ``seqpar.methods._ulysses.auto_head_chunks`` decides it (a test keeps the two
+    equal; the planner never imports a method's internals): the largest c <= 4 with every group free of KV
+    replication and at least 2 query heads per rank, 1 when U == 1."""
+    if U == 1:
+        return 1
+    for c in range(4, 1, -1):
+        if heads % c == 0 and kv_heads % c == 0 and (kv_heads // c) % U == 0 and heads // (c * U) >= 2:
+            return c
+    return 1
+
+
+def head_chunks(p: Problem, c: Candidate, U: int) -> int:
+    """The candidate's ``head_chunks`` as a group count (1 when absent)."""
+    v = c.option("head_chunks", 1)
+    return auto_head_chunks(p.heads, p.kv_heads, U) if v == "auto" else int(v)
+
+
+def _head_pipeline(p: Problem, m: Machine, U: int, L: float, chunks: int, eng_f: _Tally, eng_b: _Tally
+                   ) -> tuple[_Tally, _Tally]:
+    """Forward and backward of ``chunks`` head groups, ``eng_f`` / ``eng_b`` being ONE group's engine.
+
+    Group 0's inputs and the last group's outputs are exposed; the others move beside a group's engine
+    (group i+1's inputs and group i-1's outputs behind group i): ``max(T_eng, T_a2a) + δ min + α``.
+    """
+    qkv, out, dout, grads, pack = _a2a_bytes(p, U, L, chunks)
+    grp = Group(U)
+
+    def t(nbytes: float) -> float:
+        return m.comm_ms("a2a", nbytes, grp) + m.alpha_ms if nbytes else 0.0
+
+    f, b = _Tally(m), _Tally(m)
+    for tally, eng, first, last in ((f, eng_f, qkv, out), (b, eng_b, dout, grads)):
+        tally.local(m.hbm_ms(chunks * pack))
+        tally.wait(t(first), first)
+        for i in range(chunks):
+            moved = (first if i + 1 < chunks else 0.0) + (last if i else 0.0)
+            comm = t(first if i + 1 < chunks else 0.0) + t(last if i else 0.0)
+            tally.ms += max(eng.ms, comm) + m.loss("a2a") * min(eng.compute, comm)
+            tally.exposed += eng.exposed + max(0.0, comm - eng.ms)
+            tally.sent += eng.sent + moved
+            tally.compute += eng.compute
+        tally.wait(t(last), last)
+    return f, b
 
 
 def _ulysses_mem(p: Problem, U: int, L: float) -> tuple[float, float]:
@@ -324,18 +390,28 @@ def _ulysses_mem(p: Problem, U: int, L: float) -> tuple[float, float]:
 def ulysses(p: Problem, c: Candidate, m: Machine) -> Prediction:
     """All-to-all to head-sharded full sequences, one local call, all-to-all back (ALGORITHMS.md §5)."""
     U, S, L = p.world, p.seq_len, p.seq_len / p.world
-    f, b = _Tally(m), _Tally(m)
-    _a2a_in(p, m, U, L, f, b)
+    chunks = head_chunks(p, c, U)
     blk = self_block(S, p.causal, p.window)
-    f.step(m.kernel_ms(p, blk, p.heads / U))
-    b.step(m.kernel_ms(p, blk, p.heads / U, "bwd"))
+    if chunks == 1:
+        f, b = _Tally(m), _Tally(m)
+        _a2a_in(p, m, U, L, f, b)
+        f.step(m.kernel_ms(p, blk, p.heads / U))
+        b.step(m.kernel_ms(p, blk, p.heads / U, "bwd"))
+    else:                                                                 # [head-group pipeline]
+        eng_f, eng_b = _Tally(m), _Tally(m)
+        eng_f.step(m.kernel_ms(p, blk, p.heads / (U * chunks)))
+        eng_b.step(m.kernel_ms(p, blk, p.heads / (U * chunks), "bwd"))
+        f, b = _head_pipeline(p, m, U, L, chunks, eng_f, eng_b)
     fb, bb = _base_mem(p)
     fm, bm = _ulysses_mem(p, U, L)
     cost = _Cost(f, b, fb + fm, bb + bm)
     if p.kv_heads % U:
         cost.notes.append(f"kv_heads={p.kv_heads} < degree {U}: each KV head goes to {U // p.kv_heads} ranks "
                           f"(on the wire only)")
-    cost.notes.append("no overlap: both all-to-alls are exposed; bytes shrink as 1/W")
+    if chunks == 1:
+        cost.notes.append("no overlap: both all-to-alls are exposed; bytes shrink as 1/W")
+    else:
+        cost.notes.append(f"{chunks} head groups pipelined: 1/{chunks} of each all-to-all direction exposed")
     return cost.prediction()
 
 
@@ -344,14 +420,22 @@ def usp(p: Problem, c: Candidate, m: Machine) -> Prediction:
     U, R = c.ulysses, p.world // c.ulysses
     L = p.seq_len / p.world
     hw = kv_wire_heads(p.kv_heads, U)
-    cost = _passkv(p, m, c.layout, R, p.heads / U, hw / U, Group(R, U))
-    pre_f, pre_b = _Tally(m), _Tally(m)
-    _a2a_in(p, m, U, L, pre_f, pre_b)
-    for mine, extra in ((cost.fwd, pre_f), (cost.bwd, pre_b)):
-        mine.ms += extra.ms
-        mine.exposed += extra.exposed
-        mine.sent += extra.sent
-        mine.compute += extra.compute
+    chunks = head_chunks(p, c, U)
+    if chunks > 1:                      # [head-group pipeline]: the ring runs per group, a2a's beside it
+        hwc = kv_wire_heads(p.kv_heads // chunks, U)
+        cost = _passkv(p, m, c.layout, R, p.heads / (U * chunks), hwc / U, Group(R, U))
+        cost.fwd, cost.bwd = _head_pipeline(p, m, U, L, chunks, cost.fwd, cost.bwd)
+        cost.notes.append(f"{chunks} head groups pipelined: the ring of one group hides the next group's "
+                          f"all-to-all")
+    else:
+        cost = _passkv(p, m, c.layout, R, p.heads / U, hw / U, Group(R, U))
+        pre_f, pre_b = _Tally(m), _Tally(m)
+        _a2a_in(p, m, U, L, pre_f, pre_b)
+        for mine, extra in ((cost.fwd, pre_f), (cost.bwd, pre_b)):
+            mine.ms += extra.ms
+            mine.exposed += extra.exposed
+            mine.sent += extra.sent
+            mine.compute += extra.compute
     fm, bm = _ulysses_mem(p, U, L)
     cost.fwd_mem += fm
     cost.bwd_mem += bm

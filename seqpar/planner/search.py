@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import methods as _methods
-from .cost import Candidate, Machine, Prediction, Problem, kv_wire_heads, predict, single_gpu_ms
+from .cost import Candidate, Machine, Prediction, Problem, head_chunk_valid, kv_wire_heads, predict, single_gpu_ms
 from .profile import Profile, load_profile
 from .topology import Network, Topology, get_topology
 
@@ -274,6 +274,10 @@ def _why_not(c: Candidate, info: _Info, p: Problem, features: frozenset[str], pa
             why.append(f"ulysses degree {U} and kv_heads={p.kv_heads} must divide one another")
         elif c.method == "usp" and kv_wire_heads(p.kv_heads, U) % U:
             why.append(f"ulysses degree {U} must divide the KV heads on the wire")
+        hc = c.option("head_chunks", 1)
+        if hc != "auto" and not (isinstance(hc, int) and head_chunk_valid(p.heads, p.kv_heads, U, hc)):
+            why.append(f"head_chunks {hc!r} must split heads={p.heads} and kv_heads={p.kv_heads} into groups "
+                       f"that keep the slot rules over degree {U}")
     if c.method == "tasp" and c.option("schedule") == "cycles" and W in (4, 6):
         why.append(f"no Hamiltonian cycle decomposition exists for W={W} (use schedule='direct')")
     if c.method == "double_ring" and W % int(c.option("node_size")):

@@ -44,10 +44,12 @@ def parse_method(name: str, world: int, causal: bool = True) -> Candidate:
     for part in parts:
         if part in _LAYOUTS:
             layout = part
-        elif m := re.fullmatch(r"u(\d+)r(\d+)", part):
+        elif m := re.fullmatch(r"u(\d+)(?:r(\d+))?", part):       # "u2r2" (planner) or "u2" (benchmark)
             ulysses = int(m.group(1))
-            if ulysses * int(m.group(2)) != world:
+            if world % ulysses or (m.group(2) and ulysses * int(m.group(2)) != world):
                 raise ValueError(f"{name!r}: ulysses x ring must equal world_size {world}")
+        elif m := re.fullmatch(r"head_chunks(\d+|auto)", part):
+            opts["head_chunks"] = m.group(1) if m.group(1) == "auto" else int(m.group(1))
         elif part in ("direct", "cycles"):
             opts["schedule"] = part
         elif m := re.fullmatch(r"(?:n|node)(\d+)", part):
