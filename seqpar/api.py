@@ -211,6 +211,11 @@ def _placement(mesh: Any, method: str, layout: str | None):
     return lay, index, groups
 
 
+def placement_divisor(mesh: Any, method: str, layout: str | None = None) -> int:
+    """The multiple the global length must be for ``method``/``layout`` on ``mesh`` (pad to it otherwise)."""
+    return _placement(mesh, method, layout)[0].divisor
+
+
 def shard(x: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: str | None = None, dim: int = 1,
           pad: bool = False) -> torch.Tensor:
     """This rank's tokens of the global tensor ``x`` (a copy), in the method's layout.

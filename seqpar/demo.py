@@ -17,6 +17,7 @@ import torch
 
 from . import methods
 from .testing.cases import Case, check_case, run_case
+from .testing.linear_cases import LinearCase, check_linear_case, run_linear_case
 
 __all__ = ["demo_cases", "main"]
 
@@ -38,8 +39,9 @@ def demo_cases(world: int, device: str) -> list[Case]:
         cases += [base.with_(method="usp", layout=lay, ulysses=2) for lay in ("contiguous", "zigzag", "stripe")]
     if "tokenring" in have:
         cases.append(base.with_(method="tokenring", layout="zigzag"))
-    if "tasp" in have:
-        cases.append(base.with_(method="tasp", layout="zigzag"))
+    if "tasp" in have and world > 1:
+        d = 2 * world * (world - 1)          # TASP cuts each zigzag half into W-1 sub-chunks
+        cases.append(base.with_(method="tasp", layout="zigzag", seq_len=-(-seq // d) * d))
     if "double_ring" in have and world % 2 == 0 and world > 2:
         cases.append(base.with_(method="double_ring", layout="zigzag", options=(("node_size", 2),)))
     docs = _documents(seq)
@@ -50,23 +52,66 @@ def demo_cases(world: int, device: str) -> list[Case]:
     return cases
 
 
+def linear_cases(world: int, device: str) -> list[LinearCase]:
+    """Linear attention (LASP-2 with per-token and per-dimension gates, LASP-1 as the baseline)."""
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    base = LinearCase(seq_len=512, heads=4, k_dim=32, v_dim=32, dtype=dtype, chunk_size=64, device=device, seed=1)
+    return [base.with_(method="lasp2", layout="contiguous", gate="scalar"),
+            base.with_(method="lasp2", layout="zigzag", gate="dim"),
+            base.with_(method="lasp1", layout="contiguous", gate="const")]
+
+
 def _documents(seq: int) -> tuple[int, ...]:
     """Packed documents of uneven lengths, some spanning ranks, one of length 1."""
     cuts = [0, seq // 16, seq // 16 + 1, seq // 3, (seq * 5) // 8, seq]
     return tuple(cuts)
 
 
+def _judge(case: Case | LinearCase, results: list[Any]) -> Any:
+    """The report of one case; a case that raised (on any rank) is a failure with its message, not a crash."""
+    from .testing.cases import Report
+    from .testing.linear_cases import LinearReport
+
+    errors = [r for r in results if isinstance(r, str)]
+    linear = isinstance(case, LinearCase)
+    if errors:
+        rep = LinearReport(case) if linear else Report(case)
+        rep.problems.append(errors[0].strip().splitlines()[-1][:300])
+        return rep
+    return check_linear_case(case, results) if linear else check_case(case, results)
+
+
+def _errors(rep) -> tuple[float, float, float, float] | None:
+    """(forward error, its limit, backward error, its limit) of a softmax or linear report."""
+    if hasattr(rep, "verdicts"):
+        if not rep.verdicts:
+            return None
+        fwd, bwd = ("out", "lse"), ("dq", "dk", "dv")
+        return (rep.max_error(fwd), max(rep.verdicts[f].limit for f in fwd),
+                rep.max_error(bwd), max(rep.verdicts[f].limit for f in bwd))
+    if not rep.errors:
+        return None
+    fwd = [f for f in ("out", "final") if f in rep.errors]
+    bwd = [f for f in rep.errors if f not in fwd]
+    return (max(rep.errors[f] for f in fwd), max(rep.limits[f] for f in fwd),
+            max(rep.errors[f] for f in bwd), max(rep.limits[f] for f in bwd))
+
+
 def _row(rep, world: int) -> list[str]:
     c = rep.case
-    what = c.method + (f" U{c.ulysses}" if c.ulysses else "") + "".join(f" {k}={v}" for k, v in c.options)
-    extra = "docs" if c.cu_seqlens else (f"window {c.window[0]}" if c.window != (-1, -1) else
-                                         ("causal" if c.causal else "full"))
-    fwd = rep.max_error(("out", "lse"))
-    bwd = rep.max_error(("dq", "dk", "dv"))
-    lim_f = max(rep.verdicts[f].limit for f in ("out", "lse"))
-    lim_b = max(rep.verdicts[f].limit for f in ("dq", "dk", "dv"))
+    if isinstance(c, LinearCase):
+        what, extra, times = f"{c.method} (linear)", f"gate {c.gate}", "-"
+    else:
+        what = c.method + (f" U{c.ulysses}" if c.ulysses else "") + "".join(f" {k}={v}" for k, v in c.options)
+        extra = "docs" if c.cu_seqlens else (f"window {c.window[0]}" if c.window != (-1, -1) else
+                                             ("causal" if c.causal else "full"))
+        times = f"{rep.times[0] * 1e3:.0f} / {rep.times[1] * 1e3:.0f}"
+    errs = _errors(rep)
+    if errs is None:
+        return [what, c.layout, extra, str(world), "-", "-", "FAIL", "-"]
+    fwd, lim_f, bwd, lim_b = errs
     return [what, c.layout, extra, str(world), f"{fwd:.1e} / {lim_f:.0e}", f"{bwd:.1e} / {lim_b:.0e}",
-            "PASS" if rep.ok else "FAIL", f"{rep.times[0] * 1e3:.0f} / {rep.times[1] * 1e3:.0f}"]
+            "PASS" if rep.ok else "FAIL", times]
 
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
@@ -80,12 +125,17 @@ HEADER = ["method", "layout", "mask", "W", "fwd err / limit", "bwd err / limit",
 
 
 def _spawned(world: int) -> list[Any]:
-    from .testing.harness import ProcessPool
+    from .testing.harness import ProcessPool, WorkerError
 
     with ProcessPool(world, timeout=600, threads=max(1, (os.cpu_count() or 2) // world)) as pool:
         reports = []
-        for case in demo_cases(world, "cpu"):
-            reports.append(check_case(case, pool.run(run_case, case)))
+        for case in [*demo_cases(world, "cpu"), *linear_cases(world, "cpu")]:
+            fn = run_linear_case if isinstance(case, LinearCase) else run_case
+            try:
+                results: list[Any] = pool.run(fn, case)
+            except WorkerError as e:
+                results = [str(e)]
+            reports.append(_judge(case, results))
         return reports
 
 
@@ -99,12 +149,17 @@ def _launched() -> list[Any] | None:
     dist.init_process_group("nccl" if cuda else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     reports = []
-    for case in demo_cases(world, "cuda" if cuda else "cpu"):
-        local = run_case(case)
+    dev = "cuda" if cuda else "cpu"
+    for case in [*demo_cases(world, dev), *linear_cases(world, dev)]:
+        fn = run_linear_case if isinstance(case, LinearCase) else run_case
+        try:                    # validation errors are raised on every rank before any collective
+            local: Any = fn(case)
+        except Exception as e:  # reported as a failed row; the other cases still run
+            local = f"{type(e).__name__}: {e}"
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, local)
         if rank == 0:
-            reports.append(check_case(case, gathered))
+            reports.append(_judge(case, gathered))
     dist.destroy_process_group()
     return reports if rank == 0 else None
 

@@ -113,10 +113,8 @@ def method_specs(preset: Preset, world: int, available: list[str]) -> list[Metho
                                     (("heads_k_stride", stride),)))
     if "ulysses" in available and preset.heads % world == 0:
         specs.append(MethodSpec("ulysses", "contiguous"))
-        specs.append(MethodSpec("ulysses", "contiguous", (("head_chunks", "auto"),)))    # all-to-alls pipelined
     if "usp" in available and world >= 4 and world % 2 == 0:
         specs.append(MethodSpec("usp", "zigzag" if preset.causal else "contiguous", (), 2))
-        specs.append(MethodSpec("usp", "zigzag" if preset.causal else "contiguous", (("head_chunks", "auto"),), 2))
     if "tokenring" in available:
         specs.append(MethodSpec("tokenring", "zigzag" if preset.causal else "contiguous"))
     if "tasp" in available and world > 2:

@@ -29,10 +29,12 @@ def _dtype(preset: Preset) -> torch.dtype:
     return getattr(torch, preset.dtype)
 
 
-def _local(preset: Preset, world: int, device: torch.device, heads: int, seed: int) -> torch.Tensor:
+def _local(preset: Preset, world: int, device: torch.device, heads: int, seed: int,
+           seq_len: int | None = None) -> torch.Tensor:
     g = torch.Generator(device=device).manual_seed(seed)
-    return torch.randn(preset.batch, preset.seq_len // world, heads, preset.head_dim, device=device,
-                       dtype=_dtype(preset), generator=g)
+    s = preset.seq_len if seq_len is None else seq_len
+    return torch.randn(preset.batch, s // world, heads, preset.head_dim, device=device, dtype=_dtype(preset),
+                       generator=g)
 
 
 def _modes(preset: Preset, fwd: Callable[[], object], fwd_bwd: Callable[[], object]) -> Runner:
@@ -80,13 +82,18 @@ def ours_runner(spec: MethodSpec, preset: Preset, device: torch.device, group: d
         if key not in _MESHES:
             _MESHES[key] = seqpar.make_mesh(ulysses=spec.ulysses, device_type=device.type)
         mesh = _MESHES[key]
-    q = _local(preset, world, device, preset.heads, 1)
-    k = _local(preset, world, device, preset.kv_heads, 2)
-    v = _local(preset, world, device, preset.kv_heads, 3)
+    # a length the method's layout cannot split (TASP: multiples of 2W(W-1)) runs padded, padding masked out
+    divisor = seqpar.api.placement_divisor(mesh, spec.method, spec.layout)
+    padded = -(-preset.seq_len // divisor) * divisor
+    q = _local(preset, world, device, preset.heads, 1, padded)
+    k = _local(preset, world, device, preset.kv_heads, 2, padded)
+    v = _local(preset, world, device, preset.kv_heads, 3, padded)
     do = torch.randn_like(q)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     kw = {"mesh": mesh, "method": spec.method, "layout": spec.layout, "causal": preset.causal, "kernel": kernel,
           **dict(spec.options)}
+    if padded != preset.seq_len:
+        kw["seq_len"] = preset.seq_len
 
     def fwd():
         with torch.no_grad():
