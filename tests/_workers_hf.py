@@ -1,0 +1,205 @@
+"""Worker-side code of tests/test_hf.py: tiny transformers models trained sequence-parallel and on one process.
+
+Every rank builds the same model twice from one seed: the reference with transformers' own "sdpa" attention on
+the global batch, and the sequence-parallel one with attn_implementation="seqpar" on its shard. Both take the
+same optimizer steps; the worker returns the largest normalised errors (loss per step, every parameter's
+gradient at every step, the final parameters) and the parent asserts on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.integrations import huggingface as sp_hf
+from seqpar.testing import rel_error
+
+VOCAB = 64
+
+
+def model_config(family: str, dtype: torch.dtype = torch.float32, **over: Any):
+    """A tiny config of ``family`` (GQA: 4 query heads, 2 KV heads, head_dim 8; 2 layers)."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                  attention_dropout=0.0, use_cache=False, tie_word_embeddings=False, dtype=dtype)
+    if family == "llama":
+        cfg = tf.LlamaConfig(**common)
+    elif family == "mistral":            # every layer slides
+        cfg = tf.MistralConfig(**common, sliding_window=8)
+    elif family == "qwen2":              # layer 0 full, layer 1 sliding
+        cfg = tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    elif family == "qwen3":              # q/k norms; layer 1 sliding
+        cfg = tf.Qwen3Config(**common, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    else:
+        raise ValueError(family)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build(family: str, attn: str, seed: int = 0, dtype: torch.dtype = torch.float32, **over: Any):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model_config(family, dtype, **over), attn_implementation=attn)
+    return model.to(dtype)
+
+
+def make_mesh(spec: dict[str, Any]):
+    if spec["method"] == "usp":
+        return seqpar.make_mesh(ulysses=spec.get("ulysses", 2), device_type="cpu")
+    return None
+
+
+def global_batch(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The same global batch on every rank: tokens, labels, and the document structure ``spec["docs"]``."""
+    g = torch.Generator().manual_seed(spec.get("data_seed", 1))
+    B, S = spec.get("batch", 1), spec.get("seq", 32)
+    ids = torch.randint(0, VOCAB, (B, S), generator=g)
+    batch: dict[str, torch.Tensor] = {"input_ids": ids, "labels": ids.clone()}
+    docs = spec.get("docs")
+    if docs == "positions":              # DataCollatorWithFlattening style: restarting position_ids
+        cu = spec.get("cu", (0, 5, 19, S))
+        pos = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(cu)])
+        batch["position_ids"] = pos.expand(B, S).clone()
+        for a in cu[1:-1]:
+            batch["labels"][:, a] = -100
+    elif docs == "cu":                   # ... with return_flash_attn_kwargs=True
+        cu = spec.get("cu", (0, 5, 19, S))
+        pos = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(cu)])
+        batch["position_ids"] = pos.expand(B, S).clone()
+        batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor(cu, dtype=torch.int32)
+        for a in cu[1:-1]:
+            batch["labels"][:, a] = -100
+    elif docs in ("right", "left"):
+        mask = torch.ones(B, S, dtype=torch.long)
+        if docs == "right":
+            mask[:, S - 7:] = 0
+        else:
+            mask[:, :9] = 0
+        batch["attention_mask"] = mask
+        batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+    return batch
+
+
+def reference_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What one process feeds transformers: the global batch, labels shifted by transformers itself."""
+    ref = {k: v for k, v in batch.items() if k in ("input_ids", "labels", "position_ids", "attention_mask")}
+    mask = batch.get("attention_mask")
+    if mask is not None:                 # a padded query's target never counts (shard_batch's rule)
+        labels = ref["labels"].clone()
+        labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)
+        ref["labels"] = labels
+    return ref
+
+
+def _errors(prefix: str, model_sp, model_ref, out: dict[str, float], what: str = "grad") -> None:
+    ref = dict(model_ref.named_parameters())
+    for name, p in model_sp.named_parameters():
+        a = p.grad if what == "grad" else p.detach()
+        b = ref[name].grad if what == "grad" else ref[name].detach()
+        if a is None or b is None:
+            err = 0.0 if a is None and b is None else float("inf")
+        else:
+            err = rel_error(a, b)
+        out[f"{prefix}{name}"] = max(out.get(f"{prefix}{name}", 0.0), err)
+
+
+def train_compare(spec: dict[str, Any]) -> dict[str, float]:
+    """``spec["steps"]`` optimizer steps sequence-parallel vs one process; the largest errors per quantity.
+
+    spec keys: family, method, layout, ulysses (usp), steps, seq, batch, docs, dtype, optimizer ("sgd" /
+    "adamw"), checkpointing, compile, pad.
+    """
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    mesh = make_mesh(spec)
+    name = f"seqpar_{spec['method']}"
+    handle = sp_hf.enable(mesh, method=spec["method"], layout=spec.get("layout", "zigzag"), name=name)
+    try:
+        return _train_compare(spec, dtype, mesh, handle)
+    finally:
+        handle.disable()
+
+
+def _train_compare(spec, dtype, mesh, handle) -> dict[str, float]:
+    family = spec["family"]
+    ref = build(family, "sdpa", dtype=dtype)
+    sp = build(family, handle.name, dtype=dtype)
+    if spec.get("checkpointing"):
+        sp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        sp.train()
+    forward = torch.compile(sp, backend=spec["compile"]) if spec.get("compile") else sp
+    opt = {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9),
+           "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)}[spec.get("optimizer", "sgd")]
+    opt_ref, opt_sp = opt(ref), opt(sp)
+    batch = global_batch(spec)
+    local = handle.shard_batch(batch, pad=spec.get("pad", False))
+    errors: dict[str, float] = {"loss": 0.0, "logits": 0.0}
+    for _ in range(spec.get("steps", 3)):
+        for o in (opt_ref, opt_sp):
+            o.zero_grad(set_to_none=True)
+        out_ref = ref(**reference_inputs(batch))
+        out_sp = forward(**local)
+        out_ref.loss.backward()
+        out_sp.loss.backward()
+        sp_hf.all_reduce_gradients(sp.parameters(), mesh)
+        total = out_sp.loss.detach().clone()
+        for g in sp_hf._reduce_groups(mesh):
+            dist.all_reduce(total, group=g)
+        errors["loss"] = max(errors["loss"], rel_error(total, out_ref.loss.detach()))
+        truth = seqpar.shard(out_ref.logits.detach(), mesh=mesh, method=handle.method, layout=handle.layout,
+                             dim=1, pad=spec.get("pad", False))
+        seen = local["shift_labels"] != -100        # positions whose logits count (padding's are arbitrary)
+        errors["logits"] = max(errors["logits"], rel_error(out_sp.logits.detach()[seen], truth[seen]))
+        _errors("grad:", sp, ref, errors)
+        opt_ref.step()
+        opt_sp.step()
+    _errors("param:", sp, ref, errors, what="param")
+    return errors
+
+
+def expect_error(spec: dict[str, Any]) -> tuple[str, str] | None:
+    """Run one misuse; ``(type name, message)`` of what it raised, None if it did not raise."""
+    mesh = make_mesh(spec)
+    handle = sp_hf.enable(mesh, method=spec["method"], layout=spec.get("layout", "zigzag"), name="seqpar_err")
+    try:
+        with contextlib.suppress(KeyError):
+            pass
+        model = build(spec.get("family", "llama"), handle.name, **spec.get("over", {}))
+        batch = global_batch(spec)
+        kind = spec["kind"]
+        if kind == "dropout":
+            model.train()
+            model(**handle.shard_batch(batch))
+        elif kind == "mask_to_model":
+            local = handle.shard_batch(batch)
+            model(**local, attention_mask=torch.ones_like(local["input_ids"]))
+        elif kind == "local_positions":
+            local = handle.shard_batch(batch)
+            local.pop("position_ids")
+            model(**local)
+        elif kind == "output_attentions":
+            model(**handle.shard_batch(batch), output_attentions=True)
+        elif kind == "decode":
+            local = handle.shard_batch(batch)
+            model(**local, use_cache=True)
+            model(input_ids=local["input_ids"][:, :1], use_cache=True, past_key_values=None)
+        elif kind == "shard":
+            handle.shard_batch(spec["batch_override"](batch) if callable(spec.get("batch_override")) else batch,
+                               **spec.get("shard_kwargs", {}))
+        elif kind == "unknown_kwarg":
+            model(**handle.shard_batch(batch), my_bias=torch.zeros(1))
+        else:
+            raise ValueError(kind)
+    except Exception as e:   # the test inspects type and message
+        return type(e).__name__, str(e)
+    finally:
+        handle.disable()
+    return None
