@@ -8,7 +8,6 @@ gradient at every step, the final parameters) and the parent asserts on them.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from typing import Any
 
@@ -52,15 +51,39 @@ def build(family: str, attn: str, seed: int = 0, dtype: torch.dtype = torch.floa
     return model.to(dtype)
 
 
+def checkpoint_layers(model) -> None:
+    """Activation checkpointing of every decoder layer (transformers >= 5.2x renamed the method)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def make_mesh(spec: dict[str, Any]):
+    """The sequence-parallel mesh of this rank: the whole world, or with ``spec["dp"]`` one of dp groups."""
+    dp = spec.get("dp", 1)
+    if dp == 1:
+        if spec["method"] == "usp":
+            return seqpar.make_mesh(ulysses=spec.get("ulysses", 2), device_type="cpu")
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sp = dist.get_world_size() // dp
     if spec["method"] == "usp":
-        return seqpar.make_mesh(ulysses=spec.get("ulysses", 2), device_type="cpu")
-    return None
+        u = spec.get("ulysses", 2)
+        mesh = init_device_mesh("cpu", (dp, sp // u, u), mesh_dim_names=("dp", "ring", "ulysses"))
+        return mesh["ring", "ulysses"]
+    return init_device_mesh("cpu", (dp, sp), mesh_dim_names=("dp", "sp"))["sp"]
+
+
+def dp_index(spec: dict[str, Any]) -> int:
+    """Which data-parallel replica this rank belongs to (replicas are consecutive blocks of ranks)."""
+    return dist.get_rank() // (dist.get_world_size() // spec.get("dp", 1))
 
 
 def global_batch(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The same global batch on every rank: tokens, labels, and the document structure ``spec["docs"]``."""
-    g = torch.Generator().manual_seed(spec.get("data_seed", 1))
+    g = torch.Generator().manual_seed(spec.get("data_seed", 1) + 1000 * dp_index(spec))
     B, S = spec.get("batch", 1), spec.get("seq", 32)
     ids = torch.randint(0, VOCAB, (B, S), generator=g)
     batch: dict[str, torch.Tensor] = {"input_ids": ids, "labels": ids.clone()}
@@ -133,7 +156,7 @@ def _train_compare(spec, dtype, mesh, handle) -> dict[str, float]:
     ref = build(family, "sdpa", dtype=dtype)
     sp = build(family, handle.name, dtype=dtype)
     if spec.get("checkpointing"):
-        sp.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_layers(sp)
         sp.train()
     forward = torch.compile(sp, backend=spec["compile"]) if spec.get("compile") else sp
     opt = {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9),
@@ -166,40 +189,47 @@ def _train_compare(spec, dtype, mesh, handle) -> dict[str, float]:
 
 
 def expect_error(spec: dict[str, Any]) -> tuple[str, str] | None:
-    """Run one misuse; ``(type name, message)`` of what it raised, None if it did not raise."""
+    """Run one misuse (``spec["kind"]``); ``(type name, message)`` of what it raised, None if nothing raised."""
     mesh = make_mesh(spec)
     handle = sp_hf.enable(mesh, method=spec["method"], layout=spec.get("layout", "zigzag"), name="seqpar_err")
     try:
-        with contextlib.suppress(KeyError):
-            pass
-        model = build(spec.get("family", "llama"), handle.name, **spec.get("over", {}))
-        batch = global_batch(spec)
-        kind = spec["kind"]
-        if kind == "dropout":
-            model.train()
-            model(**handle.shard_batch(batch))
-        elif kind == "mask_to_model":
-            local = handle.shard_batch(batch)
-            model(**local, attention_mask=torch.ones_like(local["input_ids"]))
-        elif kind == "local_positions":
-            local = handle.shard_batch(batch)
-            local.pop("position_ids")
-            model(**local)
-        elif kind == "output_attentions":
-            model(**handle.shard_batch(batch), output_attentions=True)
-        elif kind == "decode":
-            local = handle.shard_batch(batch)
-            model(**local, use_cache=True)
-            model(input_ids=local["input_ids"][:, :1], use_cache=True, past_key_values=None)
-        elif kind == "shard":
-            handle.shard_batch(spec["batch_override"](batch) if callable(spec.get("batch_override")) else batch,
-                               **spec.get("shard_kwargs", {}))
-        elif kind == "unknown_kwarg":
-            model(**handle.shard_batch(batch), my_bias=torch.zeros(1))
-        else:
-            raise ValueError(kind)
-    except Exception as e:   # the test inspects type and message
+        _misuse(spec, handle)
+    except Exception as e:   # the parent inspects the type and the message
         return type(e).__name__, str(e)
     finally:
         handle.disable()
     return None
+
+
+def _misuse(spec: dict[str, Any], handle) -> None:
+    kind = spec["kind"]
+    batch = global_batch(spec)
+    if kind == "shard":                  # shard_batch refuses the batch
+        for key, value in spec.get("set", {}).items():
+            batch[key] = value
+        handle.shard_batch(batch, **spec.get("shard_kwargs", {}))
+        return
+    model = build(spec.get("family", "llama"), handle.name, **spec.get("over", {}))
+    local = handle.shard_batch(batch)
+    if kind == "dropout":
+        model.train()
+        model(**local)
+    elif kind == "mask_to_model":
+        model(**local, attention_mask=torch.ones_like(local["input_ids"]))
+    elif kind == "local_positions":      # RoPE would see 0..L-1 on every rank
+        local.pop("position_ids")
+        model(**local)
+    elif kind == "output_attentions":
+        model(**local, output_attentions=True)
+    elif kind == "decode":
+        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=True)
+        model(input_ids=local["input_ids"][:, :1], position_ids=local["position_ids"][:, :1],
+              past_key_values=out.past_key_values, use_cache=True)
+    elif kind == "unknown_kwarg":
+        model(**local, my_bias=torch.zeros(1))
+    elif kind == "local_cu":             # FA2-style local cu_seqlens instead of global boundaries
+        L = local["input_ids"].shape[1]
+        cu = torch.tensor([0, L // 2, L], dtype=torch.int32)
+        model(**{**local, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu})
+    else:
+        raise ValueError(kind)

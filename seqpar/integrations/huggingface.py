@@ -607,7 +607,7 @@ def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: tor
 
     Note [Tiled loss]: logits for a long shard are ``L x V`` floats (a 256K-token shard with a 128K vocabulary
     is 128 GiB in fp32). Here they exist one chunk of ``chunk_size`` tokens at a time: each chunk's logits
-    (``hidden @ weight.T``, upcast to fp32 as transformers does) and its cross-entropy sum are computed under
+    (``hidden @ weight.T``, upcast to at least fp32 as transformers does) and its cross-entropy sum are computed under
     activation checkpointing, so backward recomputes the chunk's logits instead of keeping them. Peak extra
     memory: one chunk's fp32 logits and their gradient.
 
@@ -618,7 +618,7 @@ def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: tor
         chunk_size: tokens per chunk (default: all of them, in one piece).
 
     Returns:
-        ``(sum, count)``: fp32 scalar sum of token losses and int64 scalar count of targets.
+        ``(sum, count)``: fp32 (fp64 for fp64 input) scalar sum of token losses and int64 scalar count of targets.
     """
     rs = rank_suffix()
     if hidden.dim() != 3 or shift_labels.shape != hidden.shape[:2]:
@@ -629,7 +629,7 @@ def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: tor
     h = hidden.reshape(-1, hidden.shape[-1])
     y = shift_labels.reshape(-1)
     step = h.shape[0] if chunk_size is None else chunk_size
-    total = hidden.new_zeros((), dtype=torch.float32)
+    total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
     for start in range(0, h.shape[0], step):
         hc, yc = h[start:start + step], y[start:start + step]
         if torch.is_grad_enabled() and (hc.requires_grad or weight.requires_grad):
@@ -640,7 +640,8 @@ def token_loss_sum(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: tor
 
 
 def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    logits = (h @ weight.t()).float()
+    logits = h @ weight.t()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))       # fp32 at least, as transformers
     return torch.nn.functional.cross_entropy(logits, y, ignore_index=ignore_index, reduction="sum")
 
 
