@@ -146,8 +146,9 @@ class Handle:
         self.active = False
         self._previous: tuple[Any, Any] = (None, None)
         self._interfaces: tuple[Any, Any] = (None, None)
-        self._cu_seen: tuple[Any, tuple[int, ...] | None] = (None, None)    # one-slot caches, keyed by identity
+        self._cu_seen: dict[int, tuple[Any, tuple[int, ...]]] = {}    # small caches keyed by object identity
         self._pos_seen: tuple[Any, Any] = (None, None)
+        self._glob: dict[tuple[int, str], torch.Tensor] = {}
         self.attention_fn = torch.compiler.disable(self._attention, recursive=True)
 
     # -- registry ------------------------------------------------------------------------------------------
@@ -263,17 +264,21 @@ class Handle:
             return None
         cu = self._host_cu(cu_q)
         cu_k = kwargs.get("cu_seq_lens_k")
-        if cu_k is not None and cu_k is not cu_q and _as_tuple(cu_k) != cu:
+        if cu_k is not None and cu_k is not cu_q and self._host_cu(cu_k) != cu:
             raise NotImplementedError(f"cu_seq_lens_k must equal cu_seq_lens_q (self-attention over the same "
-                                      f"documents), got {_as_tuple(cu_k)[:8]} and {cu[:8]}{rank_suffix()}")
+                                      f"documents), got {self._host_cu(cu_k)[:8]} and {cu[:8]}{rank_suffix()}")
         return cu
 
-    def _host_cu(self, cu_q: Any) -> tuple[int, ...]:
-        seen, value = self._cu_seen
-        if seen is cu_q:
-            return value                                    # type: ignore[return-value]
-        value = _as_tuple(cu_q)
-        self._cu_seen = (cu_q, value)
+    def _host_cu(self, cu: Any) -> tuple[int, ...]:
+        """Host ints of a boundary tensor: read once per tensor object (a CUDA tensor costs one sync per forward,
+        not one per layer); the cache holds the last few objects so their ids cannot be reused meanwhile."""
+        hit = self._cu_seen.get(id(cu))
+        if hit is not None and hit[0] is cu:
+            return hit[1]
+        value = _as_tuple(cu)
+        if len(self._cu_seen) >= 4:
+            self._cu_seen.pop(next(iter(self._cu_seen)))
+        self._cu_seen[id(cu)] = (cu, value)
         return value
 
     def _check_positions(self, pos: Any, cu: tuple[int, ...] | None, local_len: int) -> None:
@@ -292,8 +297,11 @@ class Handle:
         seen, seen_cu = self._pos_seen
         if seen is pos and seen_cu == cu:
             return
-        glob = positions(local_len * self._world(), mesh=self.mesh, method=self.method, layout=self.layout,
-                         device=pos.device)
+        key = (local_len, str(pos.device))
+        if key not in self._glob:
+            self._glob = {key: positions(local_len * self._world(), mesh=self.mesh, method=self.method,
+                                         layout=self.layout, device=pos.device)}
+        glob = self._glob[key]
         ok = pos_BL == glob
         if cu is not None:
             bounds = torch.tensor(cu, dtype=torch.long, device=pos.device)
