@@ -105,7 +105,7 @@ def enable(mesh: Any = None, method: str = "usp", layout: str = "zigzag", kernel
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:   # pragma: no cover - depends on the environment
-        raise ImportError("seqpar.integrations.huggingface needs transformers >= 4.54 (AttentionInterface and "
+        raise ImportError("seqpar.integrations.huggingface needs transformers >= 4.53 (AttentionInterface and "
                           f"masking_utils.AttentionMaskInterface): {e}") from e
     handle = Handle(mesh=mesh, method=method, layout=layout, kernel=kernel, name=name,
                     check_positions=check_positions, ignore_kwargs=frozenset(ignore_kwargs),
