@@ -124,14 +124,21 @@ def reference_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 
 def _errors(prefix: str, model_sp, model_ref, out: dict[str, float], what: str = "grad") -> None:
+    """Per parameter: ``max |sp - ref|`` over ``max |ref|``, that scale at least 1e-3 of the largest over all
+    parameters (a gradient that is zero in exact arithmetic - a key bias's: softmax ignores a shift shared by
+    all keys - is rounding noise on both sides and is compared at the model's scale)."""
     ref = dict(model_ref.named_parameters())
+    pairs = {}
     for name, p in model_sp.named_parameters():
         a = p.grad if what == "grad" else p.detach()
         b = ref[name].grad if what == "grad" else ref[name].detach()
+        pairs[name] = (a, b)
+    floor = 1e-3 * max((b.double().abs().max().item() for _, b in pairs.values() if b is not None), default=1.0)
+    for name, (a, b) in pairs.items():
         if a is None or b is None:
             err = 0.0 if a is None and b is None else float("inf")
         else:
-            err = rel_error(a, b)
+            err = (a.double() - b.double()).abs().max().item() / max(b.double().abs().max().item(), floor)
         out[f"{prefix}{name}"] = max(out.get(f"{prefix}{name}", 0.0), err)
 
 
@@ -233,3 +240,49 @@ def _misuse(spec: dict[str, Any], handle) -> None:
         model(**{**local, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu})
     else:
         raise ValueError(kind)
+
+
+def compile_graph_breaks(spec: dict[str, Any]) -> list[str]:
+    """The reasons ``torch._dynamo.explain`` gives for the graph breaks of a seqpar model's forward."""
+    handle = sp_hf.enable(make_mesh(spec), method=spec["method"], layout=spec.get("layout", "zigzag"),
+                          name="seqpar_explain")
+    try:
+        model = build(spec.get("family", "llama"), handle.name)
+        local = handle.shard_batch(global_batch(spec))
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(model)(**local)
+        return [str(b.reason) for b in explanation.break_reasons]
+    finally:
+        handle.disable()
+
+
+def encoder_compare(spec: dict[str, Any]) -> dict[str, float]:
+    """A non-causal encoder (BERT: absolute positions, ``is_causal=False``) vs one process: hidden states and
+    every parameter gradient of a fixed projection of them."""
+    from transformers import AutoModel, BertConfig
+
+    mesh = make_mesh(spec)
+    handle = sp_hf.enable(mesh, method=spec["method"], layout=spec.get("layout", "zigzag"), name="seqpar_enc")
+    try:
+        cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0)
+        models = {}
+        for attn in ("sdpa", handle.name):
+            torch.manual_seed(0)
+            models[attn] = AutoModel.from_config(cfg, attn_implementation=attn, add_pooling_layer=False)
+        batch = global_batch({**spec, "batch": 2})
+        g = torch.Generator().manual_seed(5)
+        weight = torch.randn((*batch["input_ids"].shape, 32), generator=g)
+        ref = models["sdpa"](input_ids=batch["input_ids"]).last_hidden_state
+        (ref * weight).sum().backward()
+        local = handle.shard_batch({"input_ids": batch["input_ids"]})
+        where = {"mesh": mesh, "method": handle.method, "layout": handle.layout}
+        out = models[handle.name](**local).last_hidden_state
+        (out * seqpar.shard(weight, **where)).sum().backward()
+        sp_hf.all_reduce_gradients(models[handle.name].parameters(), mesh)
+        errors = {"hidden": rel_error(out.detach(), seqpar.shard(ref.detach(), **where))}
+        _errors("grad:", models[handle.name], models["sdpa"], errors)
+        return errors
+    finally:
+        handle.disable()

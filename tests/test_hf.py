@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _workers_hf import expect_error, train_compare
+from _workers_hf import compile_graph_breaks, encoder_compare, expect_error, train_compare
 
 import seqpar
 from seqpar.integrations import huggingface as sp_hf
@@ -111,6 +111,20 @@ def test_data_by_sequence_mesh(pools):
         _check(pool.run(train_compare, spec), str(spec))
 
 
+def test_non_causal_encoder(pools):
+    """BERT (``is_causal=False``, absolute position embeddings at global positions), batch 2: hidden states
+    and gradients match; ring-flash-attn's adapter asserted causal and batch 1."""
+    for world, spec in ((2, {"method": "ring", "layout": "zigzag"}), (4, {"method": "usp", "layout": "stripe"}),
+                        (4, {"method": "ulysses", "layout": "contiguous"})):
+        _check_encoder(pools(world).run(encoder_compare, spec), str(spec))
+
+
+def _check_encoder(results: list[dict], label: str) -> None:
+    for r, errors in enumerate(results):
+        bad = {k: f"{v:.2e}" for k, v in errors.items() if not v <= TOL}
+        assert not bad and "hidden" in errors, f"{label} rank {r}: {bad}"
+
+
 def test_torch_compile_matches_eager(pools):
     """``torch.compile(model)`` calling seqpar equals the single-process model (hence eager seqpar).
 
@@ -118,6 +132,9 @@ def test_torch_compile_matches_eager(pools):
     splits the model at each attention call and runs seqpar eagerly; the rest compiles."""
     spec = {"family": "llama", "method": "ring", "layout": "zigzag", "compile": "aot_eager", "steps": 2}
     _check(pools(2).run(train_compare, spec), str(spec))
+    reasons = pools(2).run(compile_graph_breaks, spec)[0]
+    assert len(reasons) == 2, reasons                     # one per decoder layer's attention call, nothing else
+    assert all("torch.compiler.disable" in r and sp_hf.GRAPH_BREAK_REASON in r for r in reasons), reasons
 
 
 def _strip(msg: str) -> str:

@@ -28,6 +28,16 @@ under the name before (or a stub that raises, when nothing was: transformers has
 torch.compile: the registered attention function is excluded from tracing (``torch.compiler.disable``): a
 compiled model graph-breaks at each attention call and runs seqpar eagerly (its schedules are host-side
 plans over collectives). Everything else in the model compiles.
+
+Activation memory: transformers' ``model.activation_checkpointing_enable()`` (``gradient_checkpointing_enable``
+before 5.2x) works unchanged: each decoder layer keeps only its input and is recomputed in backward, seqpar's
+attention (and its communication) included; every rank recomputes in the same order, so the collectives pair
+up. Use ``use_reentrant=False``. The logits are the other long-context peak: compute the loss from the final
+hidden states with ``sequence_parallel_loss(..., chunk_size=...)`` (Note [Tiled loss]) instead of asking the
+model for logits. ``examples/train_long_context.py`` combines both with FSDP2 over a data x sequence mesh.
+
+Training with a KV cache: pass ``use_cache=False`` (or set ``config.use_cache = False``): a cache would keep
+every layer's K and V alive for nothing, and decoding with one raises.
 """
 
 from __future__ import annotations
@@ -149,7 +159,7 @@ class Handle:
         self._cu_seen: dict[int, tuple[Any, tuple[int, ...]]] = {}    # small caches keyed by object identity
         self._pos_seen: tuple[Any, Any] = (None, None)
         self._glob: dict[tuple[int, str], torch.Tensor] = {}
-        self.attention_fn = torch.compiler.disable(self._attention, recursive=True)
+        self.attention_fn = _eager(self._attention)
 
     # -- registry ------------------------------------------------------------------------------------------
 
@@ -326,6 +336,17 @@ class Handle:
     def positions(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Global positions of this rank's tokens, int64 ``(L,)`` (``seqpar.positions``)."""
         return positions(seq_len, mesh=self.mesh, method=self.method, layout=self.layout, device=device)
+
+
+GRAPH_BREAK_REASON = "seqpar attention runs eagerly (host-side schedules over collectives)"
+
+
+def _eager(fn: Any) -> Any:
+    """``fn`` excluded from torch.compile tracing: one documented graph break per attention call."""
+    try:
+        return torch.compiler.disable(fn, recursive=True, reason=GRAPH_BREAK_REASON)
+    except TypeError:                      # torch < 2.8: no reason argument
+        return torch.compiler.disable(fn, recursive=True)
 
 
 def _disabled(name: str):
