@@ -1,0 +1,288 @@
+"""Worker-side code of tests/test_hf.py: tiny transformers models trained sequence-parallel and on one process.
+
+Every rank builds the same model twice from one seed: the reference with transformers' own "sdpa" attention on
+the global batch, and the sequence-parallel one with attn_implementation="seqpar" on its shard. Both take the
+same optimizer steps; the worker returns the largest normalised errors (loss per step, every parameter's
+gradient at every step, the final parameters) and the parent asserts on them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.integrations import huggingface as sp_hf
+from seqpar.testing import rel_error
+
+VOCAB = 64
+
+
+def model_config(family: str, dtype: torch.dtype = torch.float32, **over: Any):
+    """A tiny config of ``family`` (GQA: 4 query heads, 2 KV heads, head_dim 8; 2 layers)."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                  attention_dropout=0.0, use_cache=False, tie_word_embeddings=False, dtype=dtype)
+    if family == "llama":
+        cfg = tf.LlamaConfig(**common)
+    elif family == "mistral":            # every layer slides
+        cfg = tf.MistralConfig(**common, sliding_window=8)
+    elif family == "qwen2":              # layer 0 full, layer 1 sliding
+        cfg = tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    elif family == "qwen3":              # q/k norms; layer 1 sliding
+        cfg = tf.Qwen3Config(**common, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    else:
+        raise ValueError(family)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def build(family: str, attn: str, seed: int = 0, dtype: torch.dtype = torch.float32, **over: Any):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model_config(family, dtype, **over), attn_implementation=attn)
+    return model.to(dtype)
+
+
+def checkpoint_layers(model) -> None:
+    """Activation checkpointing of every decoder layer (transformers >= 5.2x renamed the method)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def make_mesh(spec: dict[str, Any]):
+    """The sequence-parallel mesh of this rank: the whole world, or with ``spec["dp"]`` one of dp groups."""
+    dp = spec.get("dp", 1)
+    if dp == 1:
+        if spec["method"] == "usp":
+            return seqpar.make_mesh(ulysses=spec.get("ulysses", 2), device_type="cpu")
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sp = dist.get_world_size() // dp
+    if spec["method"] == "usp":
+        u = spec.get("ulysses", 2)
+        mesh = init_device_mesh("cpu", (dp, sp // u, u), mesh_dim_names=("dp", "ring", "ulysses"))
+        return mesh["ring", "ulysses"]
+    return init_device_mesh("cpu", (dp, sp), mesh_dim_names=("dp", "sp"))["sp"]
+
+
+def dp_index(spec: dict[str, Any]) -> int:
+    """Which data-parallel replica this rank belongs to (replicas are consecutive blocks of ranks)."""
+    return dist.get_rank() // (dist.get_world_size() // spec.get("dp", 1))
+
+
+def global_batch(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The same global batch on every rank: tokens, labels, and the document structure ``spec["docs"]``."""
+    g = torch.Generator().manual_seed(spec.get("data_seed", 1) + 1000 * dp_index(spec))
+    B, S = spec.get("batch", 1), spec.get("seq", 32)
+    ids = torch.randint(0, VOCAB, (B, S), generator=g)
+    batch: dict[str, torch.Tensor] = {"input_ids": ids, "labels": ids.clone()}
+    docs = spec.get("docs")
+    if docs == "positions":              # DataCollatorWithFlattening style: restarting position_ids
+        cu = spec.get("cu", (0, 5, 19, S))
+        pos = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(cu)])
+        batch["position_ids"] = pos.expand(B, S).clone()
+        for a in cu[1:-1]:
+            batch["labels"][:, a] = -100
+    elif docs == "cu":                   # ... with return_flash_attn_kwargs=True
+        cu = spec.get("cu", (0, 5, 19, S))
+        pos = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(cu)])
+        batch["position_ids"] = pos.expand(B, S).clone()
+        batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = torch.tensor(cu, dtype=torch.int32)
+        for a in cu[1:-1]:
+            batch["labels"][:, a] = -100
+    elif docs in ("right", "left"):
+        mask = torch.ones(B, S, dtype=torch.long)
+        if docs == "right":
+            mask[:, S - 7:] = 0
+        else:
+            mask[:, :9] = 0
+        batch["attention_mask"] = mask
+        batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+    return batch
+
+
+def reference_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What one process feeds transformers: the global batch, labels shifted by transformers itself."""
+    ref = {k: v for k, v in batch.items() if k in ("input_ids", "labels", "position_ids", "attention_mask")}
+    mask = batch.get("attention_mask")
+    if mask is not None:                 # a padded query's target never counts (shard_batch's rule)
+        labels = ref["labels"].clone()
+        labels[:, 1:] = labels[:, 1:].masked_fill(mask[:, :-1] == 0, -100)
+        ref["labels"] = labels
+    return ref
+
+
+def _errors(prefix: str, model_sp, model_ref, out: dict[str, float], what: str = "grad") -> None:
+    """Per parameter: ``max |sp - ref|`` over ``max |ref|``, that scale at least 1e-3 of the largest over all
+    parameters (a gradient that is zero in exact arithmetic - a key bias's: softmax ignores a shift shared by
+    all keys - is rounding noise on both sides and is compared at the model's scale)."""
+    ref = dict(model_ref.named_parameters())
+    pairs = {}
+    for name, p in model_sp.named_parameters():
+        a = p.grad if what == "grad" else p.detach()
+        b = ref[name].grad if what == "grad" else ref[name].detach()
+        pairs[name] = (a, b)
+    floor = 1e-3 * max((b.double().abs().max().item() for _, b in pairs.values() if b is not None), default=1.0)
+    for name, (a, b) in pairs.items():
+        if a is None or b is None:
+            err = 0.0 if a is None and b is None else float("inf")
+        else:
+            err = (a.double() - b.double()).abs().max().item() / max(b.double().abs().max().item(), floor)
+        out[f"{prefix}{name}"] = max(out.get(f"{prefix}{name}", 0.0), err)
+
+
+def train_compare(spec: dict[str, Any]) -> dict[str, float]:
+    """``spec["steps"]`` optimizer steps sequence-parallel vs one process; the largest errors per quantity.
+
+    spec keys: family, method, layout, ulysses (usp), steps, seq, batch, docs, dtype, optimizer ("sgd" /
+    "adamw"), checkpointing, compile, pad.
+    """
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    mesh = make_mesh(spec)
+    name = f"seqpar_{spec['method']}"
+    handle = sp_hf.enable(mesh, method=spec["method"], layout=spec.get("layout", "zigzag"), name=name)
+    try:
+        return _train_compare(spec, dtype, mesh, handle)
+    finally:
+        handle.disable()
+
+
+def _train_compare(spec, dtype, mesh, handle) -> dict[str, float]:
+    family = spec["family"]
+    ref = build(family, "sdpa", dtype=dtype)
+    sp = build(family, handle.name, dtype=dtype)
+    if spec.get("checkpointing"):
+        checkpoint_layers(sp)
+        sp.train()
+    forward = torch.compile(sp, backend=spec["compile"]) if spec.get("compile") else sp
+    opt = {"sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9),
+           "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)}[spec.get("optimizer", "sgd")]
+    opt_ref, opt_sp = opt(ref), opt(sp)
+    batch = global_batch(spec)
+    local = handle.shard_batch(batch, pad=spec.get("pad", False))
+    errors: dict[str, float] = {"loss": 0.0, "logits": 0.0}
+    for _ in range(spec.get("steps", 3)):
+        for o in (opt_ref, opt_sp):
+            o.zero_grad(set_to_none=True)
+        out_ref = ref(**reference_inputs(batch))
+        out_sp = forward(**local)
+        out_ref.loss.backward()
+        out_sp.loss.backward()
+        sp_hf.all_reduce_gradients(sp.parameters(), mesh)
+        total = out_sp.loss.detach().clone()
+        for g in sp_hf._reduce_groups(mesh):
+            dist.all_reduce(total, group=g)
+        errors["loss"] = max(errors["loss"], rel_error(total, out_ref.loss.detach()))
+        truth = seqpar.shard(out_ref.logits.detach(), mesh=mesh, method=handle.method, layout=handle.layout,
+                             dim=1, pad=spec.get("pad", False))
+        seen = local["shift_labels"] != -100        # positions whose logits count (padding's are arbitrary)
+        errors["logits"] = max(errors["logits"], rel_error(out_sp.logits.detach()[seen], truth[seen]))
+        _errors("grad:", sp, ref, errors)
+        opt_ref.step()
+        opt_sp.step()
+    _errors("param:", sp, ref, errors, what="param")
+    return errors
+
+
+def expect_error(spec: dict[str, Any]) -> tuple[str, str] | None:
+    """Run one misuse (``spec["kind"]``); ``(type name, message)`` of what it raised, None if nothing raised."""
+    mesh = make_mesh(spec)
+    handle = sp_hf.enable(mesh, method=spec["method"], layout=spec.get("layout", "zigzag"), name="seqpar_err")
+    try:
+        _misuse(spec, handle)
+    except Exception as e:   # the parent inspects the type and the message
+        return type(e).__name__, str(e)
+    finally:
+        handle.disable()
+    return None
+
+
+def _misuse(spec: dict[str, Any], handle) -> None:
+    kind = spec["kind"]
+    batch = global_batch(spec)
+    if kind == "shard":                  # shard_batch refuses the batch
+        for key, value in spec.get("set", {}).items():
+            batch[key] = value
+        handle.shard_batch(batch, **spec.get("shard_kwargs", {}))
+        return
+    model = build(spec.get("family", "llama"), handle.name, **spec.get("over", {}))
+    local = handle.shard_batch(batch)
+    if kind == "dropout":
+        model.train()
+        model(**local)
+    elif kind == "mask_to_model":
+        model(**local, attention_mask=torch.ones_like(local["input_ids"]))
+    elif kind == "local_positions":      # RoPE would see 0..L-1 on every rank
+        local.pop("position_ids")
+        model(**local)
+    elif kind == "output_attentions":
+        model(**local, output_attentions=True)
+    elif kind == "decode":
+        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=True)
+        model(input_ids=local["input_ids"][:, :1], position_ids=local["position_ids"][:, :1],
+              past_key_values=out.past_key_values, use_cache=True)
+    elif kind == "unknown_kwarg":
+        model(**local, my_bias=torch.zeros(1))
+    elif kind == "local_cu":             # FA2-style local cu_seqlens instead of global boundaries
+        L = local["input_ids"].shape[1]
+        cu = torch.tensor([0, L // 2, L], dtype=torch.int32)
+        model(**{**local, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu})
+    else:
+        raise ValueError(kind)
+
+
+def compile_graph_breaks(spec: dict[str, Any]) -> list[str]:
+    """The reasons ``torch._dynamo.explain`` gives for the graph breaks of a seqpar model's forward."""
+    handle = sp_hf.enable(make_mesh(spec), method=spec["method"], layout=spec.get("layout", "zigzag"),
+                          name="seqpar_explain")
+    try:
+        model = build(spec.get("family", "llama"), handle.name)
+        local = handle.shard_batch(global_batch(spec))
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(model)(**local)
+        return [str(b.reason) for b in explanation.break_reasons]
+    finally:
+        handle.disable()
+
+
+def encoder_compare(spec: dict[str, Any]) -> dict[str, float]:
+    """A non-causal encoder (BERT: absolute positions, ``is_causal=False``) vs one process: hidden states and
+    every parameter gradient of a fixed projection of them."""
+    from transformers import AutoModel, BertConfig
+
+    mesh = make_mesh(spec)
+    handle = sp_hf.enable(mesh, method=spec["method"], layout=spec.get("layout", "zigzag"), name="seqpar_enc")
+    try:
+        cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0)
+        models = {}
+        for attn in ("sdpa", handle.name):
+            torch.manual_seed(0)
+            models[attn] = AutoModel.from_config(cfg, attn_implementation=attn, add_pooling_layer=False)
+        batch = global_batch({**spec, "batch": 2})
+        g = torch.Generator().manual_seed(5)
+        weight = torch.randn((*batch["input_ids"].shape, 32), generator=g)
+        ref = models["sdpa"](input_ids=batch["input_ids"]).last_hidden_state
+        (ref * weight).sum().backward()
+        local = handle.shard_batch({"input_ids": batch["input_ids"]})
+        where = {"mesh": mesh, "method": handle.method, "layout": handle.layout}
+        out = models[handle.name](**local).last_hidden_state
+        (out * seqpar.shard(weight, **where)).sum().backward()
+        sp_hf.all_reduce_gradients(models[handle.name].parameters(), mesh)
+        errors = {"hidden": rel_error(out.detach(), seqpar.shard(ref.detach(), **where))}
+        _errors("grad:", models[handle.name], models["sdpa"], errors)
+        return errors
+    finally:
+        handle.disable()
