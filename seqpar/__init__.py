@@ -5,6 +5,7 @@ Entry points (start reading at ``seqpar/api.py``):
     seqpar.attention(q, k, v, mesh=..., method=..., layout=..., causal=...)   one attention layer over ranks
     seqpar.linear_attention(q, k, v, mesh=..., method="lasp2", decay=...)     linear attention over ranks (LASP-2)
     seqpar.shard / seqpar.unshard / seqpar.positions                         where tokens live
+    seqpar.verify(q, k, v, out, mesh=..., method=...)                        check a result on a dense sample
     seqpar.make_mesh(ulysses=U, ring=R)                                      a 2D mesh for USP
     seqpar.plan(seq_len=..., heads=..., world=...)                           which method to use, and why
     seqpar.SequenceParallelAttention(mesh, method=..., layout=...)           the same as an nn.Module
@@ -16,9 +17,9 @@ errors, masks, config. ``docs/DESIGN.md`` is the map.
 
 from __future__ import annotations
 
-from .api import attention, positions, shard, unshard
+from .api import attention, positions, shard, unshard, verify
 from .config import AttentionConfig
-from .errors import UnsupportedInputError
+from .errors import RankDisagreementError, UnsupportedInputError, VerificationError
 from .flash_api import (
     ring_flash_attn_func,
     ring_flash_attn_kvpacked_func,
@@ -43,11 +44,11 @@ from .types import AttnOutput
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionConfig", "AttnOutput", "SeqParallelGroups", "SequenceParallelAttention",
+    "AttentionConfig", "AttnOutput", "RankDisagreementError", "SeqParallelGroups", "SequenceParallelAttention",
     "SequenceParallelAttentionKVPacked", "SequenceParallelAttentionQKVPacked", "UnsupportedInputError",
-    "attention", "linear_attention", "linear_methods", "make_mesh", "plan",
+    "VerificationError", "attention", "linear_attention", "linear_methods", "make_mesh", "plan",
     "positions", "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
     "shard", "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
-    "unshard", "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
+    "unshard", "verify", "zigzag_ring_flash_attn_func", "zigzag_ring_flash_attn_kvpacked_func",
     "zigzag_ring_flash_attn_qkvpacked_func",
 ]
