@@ -199,16 +199,19 @@ def _clear_selection() -> None:
 
 
 def fault_case(spec: dict[str, Any]) -> dict[str, Any]:
-    """Run one attention call (forward and backward) with a fault injected on one rank; report the outcome.
+    """Run one call (forward and backward) with a fault injected on one rank; report what each rank saw.
 
-    spec: method, kind ("softmax" | "linear"), bad_rank, at_call, phase ("forward" | "backward"), timeout
-    (seconds, the fresh group's), ulysses (2D degree), case fields. Every rank returns
-    ``{"error": "Type: message" | None, "elapsed": seconds from the call to the error, "abort": bool}``.
-    With ``abort`` the failing rank aborts the group when it catches the error (the fail-fast recipe).
+    spec: method, kind ("softmax" | "linear"), layout, ulysses (2D degree or None), options, bad_rank (-1: no
+    fault, a dry run counting kernel calls), at_call, phase ("forward" | "backward"), timeout (seconds, of
+    the fresh group the call runs on), abort (every rank that raises aborts the group: the fail-fast recipe,
+    which cascades - a peer of an aborted rank sees the closed connection, raises and aborts in turn).
+    Every rank returns ``{"error": "Type: message" | None, "elapsed": seconds from the call to its end,
+    "calls": kernel calls counted in ``phase``}``.
     """
     group = _fresh_group(spec, spec["timeout"])
-    rank = dist.get_rank()
-    if spec["kind"] == "softmax":
+    rank, W = dist.get_rank(), dist.get_world_size()
+    softmax = spec["kind"] == "softmax"
+    if softmax:
         from seqpar.kernels import base
         kern = _faulty_softmax_kernel(spec["bad_rank"], spec["at_call"], spec["phase"])
         registry = mock.patch.dict(base.KERNELS, {"faulty": kern})
@@ -217,30 +220,30 @@ def fault_case(spec: dict[str, Any]) -> dict[str, Any]:
         kern = _faulty_linear_kernel(spec["bad_rank"], spec["at_call"], spec["phase"])
         registry = mock.patch.dict(linear.LINEAR_KERNELS, {"faulty": kern})
     g = torch.Generator().manual_seed(1)
-    S, W = spec.get("seq_len", 16), dist.get_world_size()
-    shapes = spec.get("shapes", {"q": (1, S // W, 4, 8), "k": (1, S // W, 2, 8), "v": (1, S // W, 2, 8)})
-    q, k, v = (torch.randn(*shapes[n], generator=g).requires_grad_() for n in ("q", "k", "v"))
+    L = spec.get("seq_len", 16) // W
+    heads = (4, 2, 2, 8) if softmax else (2, 2, 2, 4)          # q heads, kv heads, ..., head dim
+    q = torch.randn(1, L, heads[0], heads[3], generator=g).requires_grad_()
+    k, v = (torch.randn(1, L, heads[1], heads[3], generator=g).requires_grad_() for _ in range(2))
     t0 = time.monotonic()
     error = None
     with registry:
         _clear_selection()
         try:
-            if spec["kind"] == "softmax":
+            if softmax:
                 out = seqpar.attention(q, k, v, mesh=group, method=spec["method"], layout=spec["layout"],
-                                       kernel="faulty", causal=True)
+                                       kernel="faulty", causal=True, **dict(spec.get("options", ())))
             else:
                 out = seqpar.linear_attention(q, k, v, mesh=group, method=spec["method"], layout=spec["layout"],
                                               kernel="faulty")
             out.float().sum().backward()
         except Exception as e:
             error = f"{type(e).__name__}: {str(e)[:300]}"
-            if spec.get("abort") and isinstance(e, Injected):     # the fail-fast recipe of the docs
-                for g in ([group] if isinstance(group, dist.ProcessGroup) else
-                          [group.get_group(d) for d in range(group.ndim)]):
-                    dist.distributed_c10d._abort_process_group(g)
+            if spec.get("abort"):     # the fail-fast recipe of the docs: any rank that fails aborts the group
+                for pg in ([group] if isinstance(group, dist.ProcessGroup) else
+                           [group.get_group(d) for d in range(group.ndim)]):
+                    dist.distributed_c10d._abort_process_group(pg)
         _clear_selection()
-    elapsed = time.monotonic() - t0
-    return {"rank": rank, "error": error, "elapsed": elapsed, "calls": kern.calls}
+    return {"rank": rank, "error": error, "elapsed": time.monotonic() - t0, "calls": kern.calls}
 
 
 # --- determinism ------------------------------------------------------------------------------------------------
