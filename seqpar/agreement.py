@@ -53,6 +53,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import re
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -195,7 +196,8 @@ def share_error(err: BaseException, mesh: Any) -> None:
         return
     _, _, everybody = _round(0, True, groups, device)
     if not everybody:
-        _gather(_Payload(dist.get_rank(), None, f"{type(err).__name__}: {err}", 0), groups)
+        text = re.sub(r" \(rank \d+ of \d+\)$", "", str(err))          # the others add their own suffix
+        _gather(_Payload(dist.get_rank(), None, f"{type(err).__name__}: {text}", 0), groups)
 
 
 # ------------------------------------------------------------------------------------------------ messages
@@ -215,8 +217,9 @@ def _ranks(ranks: Sequence[int]) -> str:
 
 
 def _fmt(value: Any) -> str:
-    if isinstance(value, tuple) and len(value) > 8:
-        return f"({', '.join(map(str, value[:3]))}, ..., {', '.join(map(str, value[-2:]))}) [{len(value)} values]"
+    if isinstance(value, tuple) and len(value) > 8:      # long cu_seqlens: ends, count and a digest of the whole
+        head, tail = ", ".join(map(str, value[:3])), ", ".join(map(str, value[-2:]))
+        return f"({head}, ..., {tail}) [{len(value)} values, digest {digest((('v', value),)) & 0xFFFF:04x}]"
     return repr(value) if isinstance(value, str) else str(value)
 
 

@@ -260,3 +260,44 @@ def run_cases_raw(cases: list[Case]) -> list[dict[str, Any]]:
 
 def global_inputs(case: Case) -> tuple[torch.Tensor, ...]:
     return make_inputs(case)
+
+
+# --- verify mode ------------------------------------------------------------------------------------------------
+
+def verify_worker(case: Case, corrupt: dict[str, Any] | None = None, verify_kw: dict[str, Any] | None = None,
+                  call_kw: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run ``case`` with ``verify=True``, then ``seqpar.verify`` on its (optionally corrupted) result.
+
+    corrupt: {"field": "out" | "lse", "rank": r, "scale": s} adds ``s`` to every element of that rank's field.
+    verify_kw: extra ``seqpar.verify`` arguments (heads, rows, tolerance, or a different causal to fake a bug).
+    Returns each step's outcome: None or ``(type, message)``, and the report's worst ratio when it passed.
+    """
+    from seqpar.testing.cases import _mesh as case_mesh
+
+    mesh = case_mesh(case)
+    q, k, v, _, _ = make_inputs(case)
+    where = {"mesh": mesh, "method": case.method, "layout": case.layout}
+    ql, kl, vl = (seqpar.shard(t, **where) for t in (q, k, v))
+    call = {"causal": case.causal, "window_size": case.window, "cu_seqlens": case.cu_seqlens,
+            "seq_len": case.valid_len, "softmax_scale": case.scale, **dict(case.options)}
+    out: dict[str, Any] = {}
+    try:
+        res = seqpar.attention(ql, kl, vl, kernel=case.kernel, return_lse=True, verify=True, **where, **call,
+                               **(call_kw or {}))
+        out["attention"] = None
+    except Exception as e:
+        out["attention"] = (type(e).__name__, str(e))
+        return out
+    o, lse = res.out.clone(), res.lse.clone()
+    if corrupt and corrupt.get("rank", dist.get_rank()) == dist.get_rank():
+        t = o if corrupt["field"] == "out" else lse
+        t.add_(corrupt["scale"])
+    try:
+        report = seqpar.verify(ql, kl, vl, o, lse, **where, **{**call, **(verify_kw or {})})
+        out["verify"] = None
+        out["worst"] = report.worst
+        out["heads"] = report.heads
+        out["rows"] = report.rows
+    except Exception as e:
+        out["verify"] = (type(e).__name__, str(e))
+    return out
