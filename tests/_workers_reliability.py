@@ -301,3 +301,25 @@ def verify_worker(case: Case, corrupt: dict[str, Any] | None = None, verify_kw: 
     except Exception as e:
         out["verify"] = (type(e).__name__, str(e))
     return out
+
+
+def run_linear_raw(cases: list[Any], deterministic: bool = True) -> list[dict[str, Any]]:
+    """Linear cases (``linear_cases.LinearCase``) with ``deterministic``: local out and gradients, unjudged."""
+    from linear_cases import make_linear_inputs
+
+    res = []
+    for case in cases:
+        inp = make_linear_inputs(case)
+        where = {"layout": case.layout}
+        q, k, v = (seqpar.shard(inp[n], **where).requires_grad_() for n in ("q", "k", "v"))
+        g = inp["g"]
+        if g is not None:
+            g = (g.clone() if g.dim() == 1 else seqpar.shard(g, **where)).requires_grad_()
+        kw = {"decay": g} if case.gate in ("const", "scalar") else ({"gates": g} if case.gate == "dim" else {})
+        o = seqpar.linear_attention(q, k, v, method=case.method, layout=case.layout, causal=case.causal,
+                                    cu_seqlens=case.cu_seqlens, seq_len=case.valid_len, chunk_size=case.chunk_size,
+                                    deterministic=deterministic, **kw)
+        (o.double() * seqpar.shard(inp["do"], **where).double()).sum().backward()
+        res.append({"out": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+                    "dg": None if g is None else g.grad})
+    return res
