@@ -323,3 +323,22 @@ def run_linear_raw(cases: list[Any], deterministic: bool = True) -> list[dict[st
         res.append({"out": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
                     "dg": None if g is None else g.grad})
     return res
+
+
+# --- numerical drift --------------------------------------------------------------------------------------------
+
+def run_cases_list(cases: list[Case], lossy_merge: bool = False) -> list[dict[str, Any]]:
+    """``run_case`` for each case. ``lossy_merge`` simulates the peers' drift defect (ring-flash-attn #42):
+    the running output is rounded to bf16 after every merge, so error grows with the number of blocks."""
+    if not lossy_merge:
+        return [run_case(c) for c in cases]
+    from seqpar.kernels import merge
+
+    real = merge.merge_
+
+    def lossy(acc_out, acc_lse, out, lse):
+        real(acc_out, acc_lse, out, lse)
+        acc_out.copy_(acc_out.to(torch.bfloat16))
+
+    with mock.patch.object(merge, "merge_", lossy):
+        return [run_case(c) for c in cases]
