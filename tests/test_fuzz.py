@@ -28,7 +28,7 @@ import types
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from linear_cases import LinearCase, check_linear_case, run_linear_cases
 from reliability_methods import LINEAR, SETUP, SOFTMAX
@@ -177,9 +177,16 @@ def _record(case, world: int, failure: str | None, *extra: str) -> None:
         FAILURES.append(failure)
 
 
+# found by the long run (W=8): a query that sees only itself has exactly-zero dq/dk; fp32 rounding noise
+# (1e-6) exceeded the old 1e-6 low-precision floor of the tolerance rule (now the fp32 floor, 1e-5)
+SELF_ONLY = Case(method="ring", layout="contiguous", batch=2, seq_len=24, heads=9, kv_heads=3, head_dim=16,
+                 dtype="float16", window=(0, 23), seed=3196)
+
+
 @pytest.mark.parametrize("world", CI_WORLDS)
 def test_fuzz_softmax(pools, world):
     @CI
+    @example(case=SELF_ONLY)
     @given(case=softmax_cases(world))
     def run(case):
         failure = _judge_softmax(pools(world), case, world)
