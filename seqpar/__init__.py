@@ -7,6 +7,7 @@ Entry points (start reading at ``seqpar/api.py``):
     seqpar.shard / seqpar.unshard / seqpar.positions                         where tokens live
     seqpar.shard_info(seq_len, cu_seqlens=...)                               packed documents: RoPE positions,
                                                                              local segments, pad mask
+    seqpar.verify(q, k, v, out, mesh=..., method=...)                        check a result on a dense sample
     seqpar.make_mesh(ulysses=U, ring=R)                                      a 2D mesh for USP
     seqpar.plan(seq_len=..., heads=..., world=...)                           which method to use, and why
     seqpar.SequenceParallelAttention(mesh, method=..., layout=...)           the same as an nn.Module
@@ -19,9 +20,9 @@ errors, masks, config. ``docs/DESIGN.md`` is the map.
 
 from __future__ import annotations
 
-from .api import ShardInfo, attention, positions, shard, shard_info, unshard
+from .api import ShardInfo, attention, positions, shard, shard_info, unshard, verify
 from .config import AttentionConfig
-from .errors import UnsupportedInputError
+from .errors import RankDisagreementError, UnsupportedInputError, VerificationError
 from .flash_api import (
     llama3_flash_attn_prepare_cu_seqlens,
     llama3_flash_attn_varlen_func,
@@ -60,16 +61,16 @@ from .types import AttnOutput
 __version__ = "0.1.0"
 
 __all__ = [
-    "AttentionConfig", "AttnOutput", "PassChoice", "SeqParallelGroups", "SequenceParallelAttention",
-    "SequenceParallelAttentionKVPacked", "SequenceParallelAttentionQKVPacked", "ShardInfo", "UnsupportedInputError",
-    "attention", "choose_pass", "linear_attention", "linear_methods", "llama3_flash_attn_prepare_cu_seqlens",
-    "llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_func",
-    "llama3_flash_attn_varlen_qkvpacked_func", "make_mesh", "plan", "positions", "ring_flash_attn_func",
-    "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func", "ring_flash_attn_varlen_func",
-    "ring_flash_attn_varlen_kvpacked_func", "ring_flash_attn_varlen_qkvpacked_func", "shard", "shard_info",
-    "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func", "stripe_flash_attn_qkvpacked_func",
-    "stripe_flash_attn_varlen_func", "stripe_flash_attn_varlen_kvpacked_func",
-    "stripe_flash_attn_varlen_qkvpacked_func", "unshard", "zigzag_ring_flash_attn_func",
+    "AttentionConfig", "AttnOutput", "PassChoice", "RankDisagreementError", "SeqParallelGroups",
+    "SequenceParallelAttention", "SequenceParallelAttentionKVPacked", "SequenceParallelAttentionQKVPacked",
+    "ShardInfo", "UnsupportedInputError", "VerificationError", "attention", "choose_pass", "linear_attention",
+    "linear_methods", "llama3_flash_attn_prepare_cu_seqlens", "llama3_flash_attn_varlen_func",
+    "llama3_flash_attn_varlen_kvpacked_func", "llama3_flash_attn_varlen_qkvpacked_func", "make_mesh", "plan",
+    "positions", "ring_flash_attn_func", "ring_flash_attn_kvpacked_func", "ring_flash_attn_qkvpacked_func",
+    "ring_flash_attn_varlen_func", "ring_flash_attn_varlen_kvpacked_func", "ring_flash_attn_varlen_qkvpacked_func",
+    "shard", "shard_info", "stripe_flash_attn_func", "stripe_flash_attn_kvpacked_func",
+    "stripe_flash_attn_qkvpacked_func", "stripe_flash_attn_varlen_func", "stripe_flash_attn_varlen_kvpacked_func",
+    "stripe_flash_attn_varlen_qkvpacked_func", "unshard", "verify", "zigzag_ring_flash_attn_func",
     "zigzag_ring_flash_attn_kvpacked_func", "zigzag_ring_flash_attn_qkvpacked_func",
     "zigzag_ring_flash_attn_varlen_func", "zigzag_ring_flash_attn_varlen_kvpacked_func",
     "zigzag_ring_flash_attn_varlen_qkvpacked_func",

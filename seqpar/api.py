@@ -1,18 +1,20 @@
-"""The public entry points: ``attention``, ``shard``, ``unshard``, ``positions``, ``shard_info``.
+"""The public entry points: ``attention``, ``verify``, ``shard``, ``unshard``, ``positions``, ``shard_info``.
 
 Every call is validated once here (``_validate_inputs``), before any collective, with errors of the form
-"X must Y, got Z (rank r of W)"; then the method module runs. Inputs are the rank's local shards
+"X must Y, got Z (rank r of W)"; then the ranks agree on the call (one tiny collective, Note [Agreement
+protocol] in ``seqpar.agreement``: a rank that differs or rejected the call is named on every rank, nobody
+waits for it); then the method module runs. Inputs are the rank's local shards
 ``(batch, seq_local, heads, head_dim)`` in the method's token layout (``shard`` puts them there).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from . import methods, planner
+from . import agreement, methods, planner, verification
 from .config import AttentionConfig
 from .errors import rank_suffix
 from .groups import SeqParallelGroups
@@ -22,7 +24,7 @@ from .layouts.varlen import ShardInfo
 from .layouts.varlen import shard_info as _shard_info
 from .types import AttnOutput
 
-__all__ = ["ShardInfo", "attention", "positions", "shard", "shard_info", "unshard"]
+__all__ = ["ShardInfo", "attention", "positions", "shard", "shard_info", "unshard", "verify"]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = None, method: str = "ring",
@@ -30,8 +32,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
               kernel: str = "auto", return_lse: bool = False, window_size: tuple[int, int] = (-1, -1),
               cu_seqlens: torch.Tensor | Sequence[int] | None = None, seq_len: int | None = None,
               deterministic: bool = False, grad_dtype: torch.dtype = torch.float32, dropout_p: float = 0.0,
-              alibi_slopes: torch.Tensor | None = None, softcap: float = 0.0,
-              **options: Any) -> torch.Tensor | AttnOutput:
+              alibi_slopes: torch.Tensor | None = None, softcap: float = 0.0, check_ranks: bool = True,
+              verify: bool = False, **options: Any) -> torch.Tensor | AttnOutput:
     """Sequence-parallel softmax attention over the ranks of ``mesh``.
 
     Args:
@@ -57,25 +59,112 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
         deterministic: bitwise-reproducible results (deterministic kernels, fixed reduction orders).
         grad_dtype: dtype of gradient partials on the wire (fp32 default; bf16 halves the bytes).
         dropout_p, alibi_slopes, softcap: not supported yet; non-default values raise.
+        check_ranks: run the agreement round (Note [Agreement protocol] in ``seqpar.agreement``): one tiny
+            collective per call, so that ranks making different calls (or a rank rejecting its input) raise
+            a clear error on every rank instead of hanging. ``False`` skips it - only on EVERY rank at once.
+        verify: after the call, recompute a sample of heads and rows densely and raise
+            ``VerificationError`` if the error exceeds the tolerance (Note [Verify mode] in
+            ``seqpar.verification``; a collective; use ``verify=(step % N == 0)`` on every rank).
         **options: method-specific options (``seqpar.methods.get(method).OPTIONS``).
 
     Returns:
         ``out (B, L, H, D)`` in q's dtype, or ``AttnOutput(out, lse)`` with ``return_lse``.
     """
-    if method == "auto":
-        layout = layout or "zigzag"
-        method, options = _auto(q, k, v, mesh, layout, causal, window_size, cu_seqlens, seq_len, kernel,
-                                grad_dtype, options)
-    module = methods.get(method)
-    layout = layout or default_layout(module)
-    cfg = _config(module, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
-                  window_size=window_size, cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic,
-                  grad_dtype=grad_dtype, dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap,
-                  options=options)
-    groups = SeqParallelGroups.resolve(mesh, module.MESH_DIMS)
-    _validate_inputs(q, k, v, cfg, groups, module)
+    args = dict(layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel, window_size=window_size,
+                cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
+                dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap)
+    module, cfg, groups = _agreed(q, k, v, mesh, method, args, options, check_ranks,
+                                  return_lse=bool(return_lse), verify=verify)
     res = module.attention(q, k, v, cfg, groups)
+    if verify:
+        with torch.no_grad():
+            verification.check_sample(q, k, v, res.out, res.lse, cfg, groups, module, mesh)
     return res if return_lse else res.out
+
+
+def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None = None, *,
+           mesh: Any = None, method: str = "ring", layout: str = "zigzag", causal: bool = True,
+           softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+           cu_seqlens: torch.Tensor | Sequence[int] | None = None, seq_len: int | None = None, heads: int = 2,
+           rows: int = 256, seed: int = 0, tolerance: float | None = None, raise_on_error: bool = True,
+           **options: Any) -> verification.VerifyReport:
+    """Check a distributed attention result against a dense recomputation of a sample (Note [Verify mode]).
+
+    Call it on every rank with the local shards and the arguments of the ``attention`` call that produced
+    ``out`` (and ``lse``, if returned). ``heads`` query heads and ``rows`` global query rows are sampled
+    from ``seed`` (identical on every rank), gathered, and recomputed in fp64; the tolerance is the test
+    suite's rule (``seqpar.testing.tolerances``) unless ``tolerance`` fixes one.
+
+    Returns:
+        A ``VerifyReport``; raises ``VerificationError`` on every rank when any field exceeds its limit
+        (unless ``raise_on_error=False``).
+    """
+    def sample_args() -> None:
+        for name, value, lo in (("heads", heads, 1), ("rows", rows, 1), ("seed", seed, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {value!r}{rank_suffix()}")
+        if tolerance is not None and not (isinstance(tolerance, (int, float)) and tolerance > 0):
+            raise ValueError(f"tolerance must be a positive float or None, got {tolerance!r}{rank_suffix()}")
+        if method == "auto":
+            raise ValueError(f"method must be the method that produced out (not 'auto'), got 'auto'"
+                             f"{rank_suffix()}")
+
+    args = dict(layout=layout, causal=causal, softmax_scale=softmax_scale, kernel="auto", window_size=window_size,
+                cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=False, grad_dtype=torch.float32,
+                dropout_p=0.0, alibi_slopes=None, softcap=0.0)
+    module, cfg, groups = _agreed(q, k, v, mesh, method, args, options, True, extra=sample_args,
+                                  verify_out=_shape(out), verify_lse=_shape(lse), sample=(heads, rows, seed, tolerance))
+    _check_result(q, k, out, lse)
+    with torch.no_grad():
+        return verification.check_sample(q, k, v, out, lse, cfg, groups, module, mesh, heads=heads, rows=rows,
+                                         seed=seed, tolerance=tolerance, raise_on_error=raise_on_error)
+
+
+def _shape(t: Any) -> tuple[int, ...] | None:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else None
+
+
+def _check_result(q: torch.Tensor, k: torch.Tensor, out: Any, lse: Any) -> None:
+    """``out`` / ``lse`` of ``verify`` (after agreement: the shapes agree across ranks, so this is uniform)."""
+    B, L, H, _ = q.shape
+    if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+        raise ValueError(f"out must be a tensor of q's shape {tuple(q.shape)}, got {_shape(out) or type(out).__name__}"
+                         f"{rank_suffix()}")
+    if lse is not None and (not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (B, H, L)):
+        raise ValueError(f"lse must be a tensor of shape {(B, H, L)} or None, got "
+                         f"{_shape(lse) or type(lse).__name__}{rank_suffix()}")
+
+
+def _agreed(q, k, v, mesh, method: str, args: dict[str, Any], options: dict[str, Any], check_ranks: Any,
+            extra: Callable[[], None] | None = None, **flags: Any):
+    """Local validation, then the agreement round: ``(module, cfg, groups)`` or an error on every rank.
+
+    A rank whose validation fails still joins the round (``agreement.share_error``) so the others raise
+    too, naming it, instead of waiting in the method's first collective (Note [Agreement protocol]).
+    """
+    try:
+        if extra is not None:
+            extra()
+        if not isinstance(check_ranks, bool):
+            raise TypeError(f"check_ranks must be a bool, got {check_ranks!r}{rank_suffix()}")
+        if not isinstance(flags.get("verify", False), bool):
+            raise TypeError(f"verify must be a bool, got {flags['verify']!r}{rank_suffix()}")
+        if method == "auto":
+            args["layout"] = args["layout"] or "zigzag"
+            method, options = _auto(q, k, v, mesh, args["layout"], args["causal"], args["window_size"],
+                                    args["cu_seqlens"], args["seq_len"], args["kernel"], args["grad_dtype"], options)
+        module = methods.get(method)
+        args["layout"] = args["layout"] or default_layout(module)
+        cfg = _config(module, **args, options=options)
+        groups = SeqParallelGroups.resolve(mesh, module.MESH_DIMS)
+        _validate_inputs(q, k, v, cfg, groups, module)
+    except Exception as err:    # every rank must hear of it; re-raised unchanged below
+        if check_ranks is not False:
+            agreement.share_error(err, mesh)
+        raise
+    if check_ranks:
+        agreement.check(agreement.attention_signature(q, k, v, cfg, groups, **flags), mesh, q.device)
+    return module, cfg, groups
 
 
 def _auto(q, k, v, mesh, layout, causal, window_size, cu_seqlens, seq_len, kernel, grad_dtype, options):

@@ -3,12 +3,14 @@
 Validation errors use the built-in types (``ValueError`` for bad values, ``TypeError`` for bad types,
 ``NotImplementedError`` for options we do not support) and the form "X must Y, got Z (rank r)".
 ``UnsupportedInputError`` is raised when no kernel (or the named one) can serve an input: it carries every
-reason, per kernel tried.
+reason, per kernel tried. ``RankDisagreementError`` is raised on every rank when the ranks of a group make
+different calls (``seqpar.agreement``); ``VerificationError`` when verify mode measures an error above the
+tolerance (``seqpar.verification``).
 """
 
 from __future__ import annotations
 
-__all__ = ["UnsupportedInputError", "rank_suffix"]
+__all__ = ["RankDisagreementError", "UnsupportedInputError", "VerificationError", "rank_suffix"]
 
 
 class UnsupportedInputError(NotImplementedError):
@@ -20,6 +22,18 @@ class UnsupportedInputError(NotImplementedError):
         for name, why in reasons.items():
             lines.append(f"  {name}: " + "; ".join(why))
         super().__init__("\n".join(lines))
+
+
+class RankDisagreementError(ValueError):
+    """The ranks of one sequence-parallel group made different calls (or some rejected the call).
+
+    Raised with the same message on every rank that accepted the call; it names the ranks that differ and
+    how (``"rank 2 has k shape (1, 8, 2, 16) where ranks 0-1, 3 have (1, 8, 4, 16)"``).
+    """
+
+
+class VerificationError(RuntimeError):
+    """Verify mode measured an error above the tolerance; raised on every rank with the measured errors."""
 
 
 def rank_suffix() -> str:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from . import agreement
 from .errors import rank_suffix
 from .groups import SeqParallelGroups
 from .kernels.linear import FEATURE_MAPS, LinearCall, apply_feature_map, available_linear_kernels, select_linear
@@ -48,7 +49,8 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh:
                      feature_map: str | Callable[[torch.Tensor], torch.Tensor] | None = None,
                      initial_state: torch.Tensor | None = None, output_final_state: bool = False,
                      cu_seqlens: torch.Tensor | Sequence[int] | None = None, seq_len: int | None = None,
-                     chunk_size: int = 64, kernel: str = "auto", grad_dtype: torch.dtype = torch.float32
+                     chunk_size: int = 64, kernel: str = "auto", grad_dtype: torch.dtype = torch.float32,
+                     deterministic: bool = False, check_ranks: bool = True
                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sequence-parallel linear attention over the ranks of ``mesh`` (ALGORITHMS.md §10).
 
@@ -80,22 +82,44 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh:
         kernel: local kernel "auto", "chunked", "recurrent" or "fla" (fla-core on CUDA); a named kernel that
             cannot serve the input raises with the reasons.
         grad_dtype: dtype of the exchanged state gradients (fp32 default).
+        deterministic: bitwise-reproducible results: reductions over ranks in a fixed order (the non-causal
+            all-reduce becomes an all-gather summed in rank order) and torch kernels only ("auto" picks
+            "chunked"; "fla" raises: its kernels are not checked for run-to-run determinism).
+        check_ranks: run the agreement round (Note [Agreement protocol] in ``seqpar.agreement``); ``False``
+            skips it - only on EVERY rank at once.
 
     Returns:
         ``o (B, L, H, V)`` in q's dtype, or ``(o, final_state)`` with ``output_final_state``.
     """
-    module = get_linear_method(method)
-    groups = SeqParallelGroups.resolve(mesh, module.MESH_DIMS)
-    if decay is not None and gates is not None:
-        raise ValueError(f"decay and gates must not both be given, got decay {tuple(decay.shape)} and gates "
-                         f"{tuple(gates.shape)}{rank_suffix()}")
     g = decay if gates is None else gates
-    cfg = _config(module, layout=layout, causal=causal, chunk_size=chunk_size, kernel=kernel, cu_seqlens=cu_seqlens,
-                  seq_len=seq_len, grad_dtype=grad_dtype, output_final_state=output_final_state,
-                  initial_state=initial_state, g=g)
-    _validate_inputs(q, k, v, g, gates is not None, initial_state, cfg, groups, module, scale, feature_map)
-    if causal:
-        select_linear(kernel, LinearCall.of(q, g))           # a kernel that cannot serve raises before any collective
+    try:                        # local validation; a rank that fails it still joins the agreement round
+        module = get_linear_method(method)
+        groups = SeqParallelGroups.resolve(mesh, module.MESH_DIMS)
+        for name, flag in (("deterministic", deterministic), ("check_ranks", check_ranks)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}{rank_suffix()}")
+        if decay is not None and gates is not None:
+            raise ValueError(f"decay and gates must not both be given, got decay {tuple(decay.shape)} and gates "
+                             f"{tuple(gates.shape)}{rank_suffix()}")
+        if deterministic and kernel == "fla":
+            raise NotImplementedError(f"kernel='fla' must not be used with deterministic=True (fla-core's kernels "
+                                      f"are not checked for run-to-run determinism; use 'chunked'), got "
+                                      f"kernel='fla'{rank_suffix()}")
+        cfg = _config(module, layout=layout, causal=causal, chunk_size=chunk_size,
+                      kernel="chunked" if deterministic and kernel == "auto" else kernel, cu_seqlens=cu_seqlens,
+                      seq_len=seq_len, grad_dtype=grad_dtype, output_final_state=output_final_state,
+                      initial_state=initial_state, g=g, deterministic=deterministic)
+        _validate_inputs(q, k, v, g, gates is not None, initial_state, cfg, groups, module, scale, feature_map)
+        if causal:
+            select_linear(cfg.kernel, LinearCall.of(q, g))    # a kernel that cannot serve raises before any collective
+    except Exception as err:    # every rank must hear of it; re-raised unchanged below
+        if check_ranks is not False:
+            agreement.share_error(err, mesh)
+        raise
+    if check_ranks:
+        agreement.check(agreement.linear_signature(q, k, v, g, initial_state, cfg, groups, feature_map=feature_map,
+                                                   scale=scale, gates=gates is not None,
+                                                   deterministic=deterministic), mesh, q.device)
     qs = apply_feature_map(q, feature_map) * (q.shape[-1] ** -0.5 if scale is None else scale)
     ks = apply_feature_map(k, feature_map)
     if g is not None and g.dim() == 1:                         # constant decay: a (B, L, H) view, grads sum back
@@ -105,7 +129,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh:
 
 
 def _config(module: ModuleType, *, layout, causal, chunk_size, kernel, cu_seqlens, seq_len, grad_dtype,
-            output_final_state, initial_state, g) -> LinearConfig:
+            output_final_state, initial_state, g, deterministic=False) -> LinearConfig:
     name, rs = module.NAME, rank_suffix()
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {layout!r}{rs}")
@@ -132,7 +156,8 @@ def _config(module: ModuleType, *, layout, causal, chunk_size, kernel, cu_seqlen
                                   f"supported), got both{rs}")
     return LinearConfig(method=name, layout=layout, causal=causal, chunk_size=chunk_size, kernel=kernel,
                         cu_seqlens=_host_cu(cu_seqlens), seq_len=seq_len, grad_dtype=grad_dtype,
-                        output_final_state=bool(output_final_state), has_initial_state=initial_state is not None)
+                        output_final_state=bool(output_final_state), has_initial_state=initial_state is not None,
+                        deterministic=deterministic)
 
 
 def _host_cu(cu: torch.Tensor | Sequence[int] | None) -> tuple[int, ...] | None:

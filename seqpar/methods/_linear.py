@@ -70,6 +70,8 @@ class LinearConfig:
     """Also return the state after the last valid token (replicated on every rank)."""
     has_initial_state: bool = False
     """An initial state enters at global position 0."""
+    deterministic: bool = False
+    """Reductions over ranks in a fixed order (an all-gather summed in rank order instead of an all-reduce)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.chunk_size, int) or isinstance(self.chunk_size, bool) or self.chunk_size < 1:

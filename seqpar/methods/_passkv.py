@@ -11,16 +11,26 @@ Note [Ring truncation]
     everyone: ``n_steps`` is the last step any rank needs, plus one, computed identically on every rank
     from the layout. In backward the dK/dV accumulator of block j then sits on rank ``j + n_steps - 1``
     and goes home in one direct transfer (one hop on NVSwitch).
+
+Note [Faults in the ring]
+    An exception raised by this rank's compute (a kernel that cannot serve the block, an out-of-memory)
+    first completes the transfers this rank has posted and not yet awaited, then propagates. When every rank
+    fails the same way the group is then left clean for the next call (a dropped in-flight transfer breaks a
+    gloo pair: the next collective hangs). When one rank fails alone its neighbours posted the matching
+    transfers of the same step, so the wait is short; they stop at their next step's wait, bounded by the
+    process-group timeout (docs: fault handling).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from ..comm.ring import Ring
+from ..comm.ring import Exchange, Ring
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator
 from ..layouts.base import Layout
@@ -48,6 +58,19 @@ def schedule(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tu
     return Schedule(mine[: last + 1], last + 1)
 
 
+@contextlib.contextmanager
+def _settled(*posted: Exchange | None) -> Iterator[None]:
+    """On an exception, complete the posted exchanges before it propagates (Note [Faults in the ring])."""
+    try:
+        yield
+    except BaseException:
+        for ex in posted:
+            if ex is not None:
+                with contextlib.suppress(Exception):
+                    ex.wait()
+        raise
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, sched: Schedule,
             runner: TaskRunner) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring forward: ``(out (B, L, H, D) in q.dtype, lse (B, H, L) fp32)``."""
@@ -63,8 +86,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, sched
         if more:
             ex = ring.send_recv(kv, nxt)
             ex.commit()
-        for t in runner.prepare(sched.steps[s], q, kv[0]):
-            acc.add(t.q, *runner.forward(q, kv[0], kv[1], t))
+        with _settled(ex if more else None):
+            for t in runner.prepare(sched.steps[s], q, kv[0]):
+                acc.add(t.q, *runner.forward(q, kv[0], kv[1], t))
         if more:
             ex.wait()
             kv, nxt = nxt, kv
@@ -98,10 +122,11 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         if more:
             ex = ring.send_recv(kv, nxt)
             ex.commit()
-        tasks = runner.prepare(sched.steps[s], q, kv[0])
-        grads = [runner.backward(do, q, kv[0], kv[1], out, lse, t, delta) for t in tasks]
-        for t, (gq, _, _) in zip(tasks, grads):
-            dq[:, t.q] += gq
+        with _settled(ex if more else None, dex):
+            tasks = runner.prepare(sched.steps[s], q, kv[0])
+            grads = [runner.backward(do, q, kv[0], kv[1], out, lse, t, delta) for t in tasks]
+            for t, (gq, _, _) in zip(tasks, grads):
+                dq[:, t.q] += gq
         if dex is not None:                 # computed first, so the dK/dV hop hid behind this step's kernels
             dex.wait()                      # the running dK/dV of the block now held, from rank - 1
             dkv, dkv_in = dkv_in, dkv

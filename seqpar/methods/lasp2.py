@@ -24,7 +24,8 @@ Note [LASP-2 schedule]
         5. closed-form corrections for dq, dk, dv and the gates
 
     Non-causal (no decay): every token sees its whole document, ``o = Q S_doc``. Without documents
-    ``S = all_reduce(sum_r K_r^T V_r)`` (fewer bytes than gathering W summaries); with documents each slot
+    ``S = all_reduce(sum_r K_r^T V_r)`` (fewer bytes than gathering W summaries; with ``deterministic`` an
+    all-gather summed in rank order, since NCCL's all-reduce order is not fixed); with documents each slot
     contributes the sums of its first and last segments through one all-gather (only those can share a
     document with another slot). Backward is the same with ``dS = Q^T dO``.
 
@@ -154,7 +155,10 @@ def _doc_totals(sums, shape, plan: LinearPlan, rank: int, cfg: LinearConfig, gro
         local = torch.zeros(shape, dtype=acc, device=device)
         for t in (t for per in sums for t in per):
             local += t
-        total = all_reduce_states(local.to(wire), groups.group).wait().to(acc)
+        if cfg.deterministic:     # a fixed order: every rank's sum, added in rank order (NCCL's is not fixed)
+            total = gather_states(local.to(wire), groups.group).wait().to(acc).sum(0)
+        else:
+            total = all_reduce_states(local.to(wire), groups.group).wait().to(acc)
         return [[total] * len(per) for per in sums]
     send = torch.zeros(len(sums), 2, *shape, dtype=wire, device=device)
     for i, per in enumerate(sums):

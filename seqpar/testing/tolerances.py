@@ -5,7 +5,10 @@ Error is the normalised max error ``max |got - truth| / max |truth|`` against th
 * fp64 inputs: at most 1e-10.
 * fp32 inputs: at most 1e-5 (our kernels accumulate in fp32; the oracle is fp64).
 * bf16 / fp16 inputs: at most twice the error of a single-device computation in the same dtype (the dense
-  computation with every op in that dtype), plus a floor of 1e-6 - flash-attn's test rule.
+  computation with every op in that dtype), plus a floor of 1e-5 - flash-attn's test rule, with the floor
+  of the fp32 rule: kernels accumulate in fp32, so a low-precision run cannot be held closer to the truth
+  than an fp32 run where the single-device computation happens to be exact (a gradient that is exactly
+  zero, e.g. a query that sees only itself, comes out as fp32 rounding noise of ~1e-6).
 
 lse must have -inf exactly where the oracle does (rows that see nothing) and is compared on finite
 entries; out and the gradients must be finite everywhere (fully masked rows give zeros, not NaN).
@@ -21,7 +24,7 @@ __all__ = ["FIELDS", "Verdict", "judge", "rel_error"]
 
 FIELDS = ("out", "lse", "dq", "dk", "dv")
 _ABS = {"float64": 1e-10, "float32": 1e-5}
-_FLOOR = 1e-6
+_FLOOR = 1e-5
 
 
 def rel_error(got: torch.Tensor, truth: torch.Tensor) -> float:

@@ -1,0 +1,59 @@
+"""Which methods the reliability tests cover, and how to set each one up (parent side, no distributed state).
+
+Every per-method reliability test is parametrized over ``seqpar.methods.available()`` and
+``seqpar.linear_methods()``, so methods merged later are covered automatically. A method that needs a 2D
+mesh or options gets them from ``SETUP``; an unknown method gets the defaults (1D group, no options, its
+first layout - zigzag when it takes zigzag). When a test's setup is wrong for a method (every rank rejects
+the call with a validation error), the test skips with that error as the reason instead of failing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import seqpar
+from seqpar.methods import get
+
+SOFTMAX = seqpar.methods.available()
+LINEAR = seqpar.linear_methods()
+
+# method -> how to build its call at world size W (a function of W)
+SETUP: dict[str, Any] = {
+    "usp": lambda W: {"ulysses": 2 if W % 2 == 0 and W > 2 else 1},
+    "double_ring": lambda W: {"options": (("node_size", 2),) if W % 2 == 0 else ()},
+}
+
+SETUP_ERRORS = ("ValueError", "TypeError", "NotImplementedError", "UnsupportedInputError")
+
+
+@dataclass(frozen=True)
+class MethodSetup:
+    method: str
+    layout: str
+    ulysses: int | None = None
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+def softmax_setup(method: str, world: int, layout: str | None = None) -> MethodSetup:
+    """Layout (``layout`` if the method takes it, else zigzag if it can, else its first), mesh and options."""
+    module = get(method)
+    layouts = module.LAYOUTS
+    chosen = layout if layout in layouts else ("zigzag" if "zigzag" in layouts else layouts[0])
+    extra = SETUP.get(method, lambda W: {})(world)
+    ulysses = extra.get("ulysses") if module.MESH_DIMS == 2 else None
+    if module.MESH_DIMS == 2 and ulysses is None:
+        ulysses = 1
+    return MethodSetup(method, chosen, ulysses, tuple(extra.get("options", ())))
+
+
+def linear_layout(method: str) -> str:
+    module = seqpar.linear_api.get_linear_method(method)
+    return "zigzag" if "zigzag" in module.LAYOUTS else module.LAYOUTS[0]
+
+
+def all_rejected(errors: list[str | None]) -> str | None:
+    """The first error when every rank rejected the call with a validation error (a setup problem), else None."""
+    if errors and all(e is not None and e.split(":", 1)[0] in SETUP_ERRORS for e in errors):
+        return errors[0]
+    return None
