@@ -34,15 +34,17 @@ Note [Why the round is never skipped]
     signature (``functools.lru_cache``), so a repeated call hashes nothing - and the collective always runs.
 
 Note [Cost of the round]
-    On a group whose backend carries CPU tensors (gloo, or a ``"cpu:gloo,cuda:nccl"`` process group) the
-    round is a CPU all-reduce of 32 bytes: no device work and no device synchronisation, a few tens of
-    microseconds of host time (``benchmarks/bench_agreement.py`` measures it; results in
-    ``benchmarks/results/``). On a NCCL-only group it is a device all-reduce whose result the host must
-    read: ~10-20 us on NVLink for the collective itself, but the read waits for every kernel queued before
-    the call (a device sync per call, which costs the CPU's run-ahead). For GPU training either create the
-    process group with ``backend="cpu:gloo,cuda:nccl"`` (the round then runs on gloo) or pass
-    ``check_ranks=False`` once the step is known good - on EVERY rank: a rank that skips the round while the
-    others run it hangs them, which no library can detect.
+    The round is one collective - the floor for any cross-rank check. On a group whose backend carries CPU
+    tensors (gloo, or a ``"cpu:gloo,cuda:nccl"`` process group) it is a CPU all-reduce of 32 bytes: no
+    device work, no device synchronisation; it costs what one small gloo collective costs on the host
+    (``benchmarks/bench_agreement.py``: 0.7 ms at W = 2 and 3.4 ms at W = 4 on the 2-core CI VM, where a
+    barrier costs 0.3 / 1.5 ms; tens of microseconds on an unloaded multi-core host). The signature and
+    its cached digest cost ~40 us of Python. On a NCCL-only group the round is a device all-reduce
+    (~10-20 us on NVLink) whose result the host must read: the read waits for every kernel queued before
+    the call (a device sync per call, which costs the CPU's run-ahead). For GPU training, create the
+    process group with ``backend="cpu:gloo,cuda:nccl"`` (the round then runs on gloo), or check
+    periodically: ``check_ranks=(step % N == 0)`` - a value that must be the same on EVERY rank: a rank that
+    skips the round while the others run it hangs them, which no library can detect.
 
     Scope: the round compares what the ranks pass. A rank that never calls, or passes a different group,
     cannot be detected by it; the process-group timeout bounds those (docs: fault handling).

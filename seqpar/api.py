@@ -61,7 +61,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
         dropout_p, alibi_slopes, softcap: not supported yet; non-default values raise.
         check_ranks: run the agreement round (Note [Agreement protocol] in ``seqpar.agreement``): one tiny
             collective per call, so that ranks making different calls (or a rank rejecting its input) raise
-            a clear error on every rank instead of hanging. ``False`` skips it - only on EVERY rank at once.
+            a clear error on every rank instead of hanging. ``False`` skips it - only on EVERY rank at once
+            (e.g. ``check_ranks=(step % N == 0)`` where the round's cost matters, Note [Cost of the round]).
         verify: after the call, recompute a sample of heads and rows densely and raise
             ``VerificationError`` if the error exceeds the tolerance (Note [Verify mode] in
             ``seqpar.verification``; a collective; use ``verify=(step % N == 0)`` on every rank).

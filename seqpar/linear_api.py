@@ -86,7 +86,7 @@ def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh:
             all-reduce becomes an all-gather summed in rank order) and torch kernels only ("auto" picks
             "chunked"; "fla" raises: its kernels are not checked for run-to-run determinism).
         check_ranks: run the agreement round (Note [Agreement protocol] in ``seqpar.agreement``); ``False``
-            skips it - only on EVERY rank at once.
+            skips it - only on EVERY rank at once (e.g. ``check_ranks=(step % N == 0)``).
 
     Returns:
         ``o (B, L, H, V)`` in q's dtype, or ``(o, final_state)`` with ``output_final_state``.

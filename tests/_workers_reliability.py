@@ -258,10 +258,6 @@ def run_cases_raw(cases: list[Case]) -> list[dict[str, Any]]:
     return out
 
 
-def global_inputs(case: Case) -> tuple[torch.Tensor, ...]:
-    return make_inputs(case)
-
-
 # --- verify mode ------------------------------------------------------------------------------------------------
 
 def verify_worker(case: Case, corrupt: dict[str, Any] | None = None, verify_kw: dict[str, Any] | None = None,

@@ -19,7 +19,7 @@ from reliability_methods import LINEAR, SOFTMAX, all_rejected, linear_layout, so
 from seqpar.testing import ProcessPool
 
 W = 4
-T = 5.0                 # seconds: the fresh group's timeout
+T = 4.0                 # seconds: the fresh group's timeout
 MARGIN = 20.0           # seconds a loaded 2-core machine may add
 
 

@@ -9,7 +9,9 @@ one document at a time, differentiated by autograd: out, the final state and the
 gates and the initial state. Padding rows carry random values (they must be ignored, not trusted to be
 zero). Gradients of replicated inputs (a constant decay ``(H,)``, the initial state) are summed over ranks;
 each rank puts a different share of the final-state cotangent into its loss, so their sum is tested.
-Tolerances: fp64 1e-10, fp32 1e-5 (normalised max error), bf16 2x a single-device bf16 run + 1e-6.
+Tolerances: fp64 1e-10, fp32 1e-5 (normalised max error) or, when larger, 2x a single-device fp32 run
+(a constant decay's gradient is one sum over every token, dominated by cancellation: its single-device
+fp32 error reaches 5e-5), bf16 2x a single-device bf16 run + 1e-6.
 """
 
 from __future__ import annotations
@@ -227,6 +229,7 @@ def check_linear_case(case: LinearCase, results: list[dict[str, Any]]) -> Linear
     got = _gathered(case, results)
     truth = oracle(case)
     base = oracle(case, case.torch_dtype, "chunked") if case.dtype in ("bfloat16", "float16") else None
+    base32 = oracle(case, torch.float32, "chunked") if case.dtype == "float32" else None
     inp = make_linear_inputs(case)
     for f, src in (("out", "q"), ("dq", "q"), ("dk", "k"), ("dv", "v"), ("dg", "g"), ("dh0", "h0")):
         if f in results[0]["dtypes"] and inp[src] is not None and results[0]["dtypes"][f] != inp[src].dtype:
@@ -248,6 +251,8 @@ def check_linear_case(case: LinearCase, results: list[dict[str, Any]]) -> Linear
             rep.limits[f] = 2.0 * rel_error(base[f], truth[f]) + 1e-6
         else:
             rep.limits[f] = {"float64": 1e-10, "float32": 1e-5}[case.dtype]
+            if base32 is not None:          # cancellation-dominated sums (module docstring)
+                rep.limits[f] = max(rep.limits[f], 2.0 * rel_error(base32[f], truth[f]) + 1e-6)
     return rep
 
 
