@@ -41,10 +41,11 @@ Note [Cost of the round]
     barrier costs 0.3 / 1.5 ms; tens of microseconds on an unloaded multi-core host). The signature and
     its cached digest cost ~40 us of Python. On a NCCL-only group the round is a device all-reduce
     (~10-20 us on NVLink) whose result the host must read: the read waits for every kernel queued before
-    the call (a device sync per call, which costs the CPU's run-ahead). For GPU training, create the
-    process group with ``backend="cpu:gloo,cuda:nccl"`` (the round then runs on gloo), or check
-    periodically: ``check_ranks=(step % N == 0)`` - a value that must be the same on EVERY rank: a rank that
-    skips the round while the others run it hangs them, which no library can detect.
+    the call (a device sync per call, which costs the CPU's run-ahead). Measured on 4x H200, a
+    ``"cpu:gloo,cuda:nccl"`` group (the round on gloo) was slower still (+0.6 ms per short call, docs/
+    RELIABILITY.md), so on GPUs keep NCCL and, where calls are only a few ms, check periodically:
+    ``check_ranks=(step % N == 0)`` - a value that must be the same on EVERY rank: a rank that skips the
+    round while the others run it hangs them, which no library can detect.
 
     Scope: the round compares what the ranks pass. A rank that never calls, or passes a different group,
     cannot be detected by it; the process-group timeout bounds those (docs: fault handling).
