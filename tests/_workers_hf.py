@@ -145,13 +145,14 @@ def _errors(prefix: str, model_sp, model_ref, out: dict[str, float], what: str =
 def train_compare(spec: dict[str, Any]) -> dict[str, float]:
     """``spec["steps"]`` optimizer steps sequence-parallel vs one process; the largest errors per quantity.
 
-    spec keys: family, method, layout, ulysses (usp), steps, seq, batch, docs, dtype, optimizer ("sgd" /
-    "adamw"), checkpointing, compile, pad.
+    spec keys: family, method, layout, options (method options), ulysses (usp), steps, seq, batch, docs,
+    dtype, optimizer ("sgd" / "adamw"), checkpointing, compile, pad.
     """
     dtype = getattr(torch, spec.get("dtype", "float32"))
     mesh = make_mesh(spec)
     name = f"seqpar_{spec['method']}"
-    handle = sp_hf.enable(mesh, method=spec["method"], layout=spec.get("layout", "zigzag"), name=name)
+    handle = sp_hf.enable(mesh, method=spec["method"], layout=spec.get("layout", "zigzag"), name=name,
+                          **spec.get("options", {}))
     try:
         return _train_compare(spec, dtype, mesh, handle)
     finally:

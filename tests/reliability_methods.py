@@ -9,6 +9,8 @@ the call with a validation error), the test skips with that error as the reason 
 
 from __future__ import annotations
 
+import math
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +23,7 @@ LINEAR = seqpar.linear_methods()
 # method -> how to build its call at world size W (a function of W)
 SETUP: dict[str, Any] = {
     "usp": lambda W: {"ulysses": 2 if W % 2 == 0 and W > 2 else 1},
-    "double_ring": lambda W: {"options": (("node_size", 2),) if W % 2 == 0 else ()},
+    "double_ring": lambda W: {"options": (("node_size", 2 if W % 2 == 0 else 1),)},
 }
 
 SETUP_ERRORS = ("ValueError", "TypeError", "NotImplementedError", "UnsupportedInputError")
@@ -45,6 +47,24 @@ def softmax_setup(method: str, world: int, layout: str | None = None) -> MethodS
     if module.MESH_DIMS == 2 and ulysses is None:
         ulysses = 1
     return MethodSetup(method, chosen, ulysses, tuple(extra.get("options", ())))
+
+
+def length_divisor(method: str, layout: str, world: int, ulysses: int | None = None) -> int:
+    """The global-length multiple of the method's placement, from a stand-in for the process groups."""
+    u = ulysses or 1
+    fake = types.SimpleNamespace(world=world, index=0, ulysses_size=u, ring_size=world // u, group=None,
+                                 ulysses=None, ring=None)
+    try:
+        lay, _ = get(method).placement(layout, fake)
+        return lay.divisor
+    except Exception:              # an unknown method's placement needs real groups: a safe multiple
+        return 2 * world
+
+
+def padded_length(s: MethodSetup, world: int, want: int) -> int:
+    """The smallest length >= ``want`` that the setup's layout splits at ``world`` (pass ``valid_len=want``)."""
+    d = length_divisor(s.method, s.layout, world, s.ulysses)
+    return math.ceil(want / d) * d
 
 
 def linear_layout(method: str) -> str:

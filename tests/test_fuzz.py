@@ -24,14 +24,13 @@ import collections
 import datetime
 import os
 import platform
-import types
 
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from linear_cases import LinearCase, check_linear_case, run_linear_cases
-from reliability_methods import LINEAR, SETUP, SOFTMAX
+from reliability_methods import LINEAR, SETUP, SOFTMAX, length_divisor
 
 import seqpar
 from seqpar.methods import get
@@ -55,18 +54,6 @@ HEAD_DEGREE = {"ulysses": lambda world, ulysses: world, "usp": lambda world, uly
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _divisor(method: str, layout: str, world: int, ulysses: int | None) -> int:
-    """The global-length multiple of the method's placement, from a stand-in for the process groups."""
-    u = ulysses or 1
-    fake = types.SimpleNamespace(world=world, index=0, ulysses_size=u, ring_size=world // u, group=None,
-                                 ulysses=None, ring=None)
-    try:
-        lay, _ = get(method).placement(layout, fake)
-        return lay.divisor
-    except Exception:              # an unknown method's placement needs real groups: a safe multiple
-        return 2 * world
 
 
 def _heads(draw, degree: int) -> tuple[int, int]:
@@ -103,7 +90,7 @@ def softmax_cases(draw, world: int) -> Case:
         placement = draw(st.sampled_from(["contiguous", "strided"]))
     degree = HEAD_DEGREE.get(method, lambda w, u: 1)(world, ulysses)
     heads, kv_heads = _heads(draw, degree)
-    div = _divisor(method, layout, world, ulysses)
+    div = length_divisor(method, layout, world, ulysses)
     seq = div * draw(st.integers(1, max(1, MAX_LEN // div)))
     feats = module.FEATURES
     valid = draw(st.one_of(st.none(), st.integers(1, seq))) if "padding" in feats else None

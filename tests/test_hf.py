@@ -24,6 +24,7 @@ import torch
 pytest.importorskip("transformers")
 
 from _workers_hf import compile_graph_breaks, encoder_compare, expect_error, train_compare
+from reliability_methods import padded_length, softmax_setup
 
 import seqpar
 from seqpar.integrations import huggingface as sp_hf
@@ -34,16 +35,16 @@ SLIDING = {"qwen2", "qwen3", "mistral"}
 
 
 def _methods(world: int) -> list[dict]:
-    """Every softmax method available now, with a layout it accepts (tokenring, allgather, ... once merged)."""
+    """Every softmax method available now, with the layout, mesh, options and length it needs at ``world``."""
     specs = []
     for name in seqpar.methods.available():
-        module = seqpar.methods.get(name)
-        layout = "zigzag" if "zigzag" in module.LAYOUTS else module.LAYOUTS[0]
-        spec = {"method": name, "layout": layout}
-        if name == "usp":
-            spec["ulysses"] = 2
         if name == "ulysses" and world > 4:
             continue
+        s = softmax_setup(name, world)
+        spec = {"method": name, "layout": s.layout, "options": dict(s.options),
+                "seq": padded_length(s, world, 32)}          # TASP splits 2W(W-1): 96 tokens at W=4
+        if name == "usp":
+            spec["ulysses"] = 2
         specs.append(spec)
     return specs
 
@@ -68,7 +69,7 @@ def test_models_match_single_process(pools, world):
         for spec in _methods(world):
             if family in SLIDING and "window" not in _features(spec["method"]):
                 continue               # the model needs a feature the method lacks: covered by the error tests
-            spec = {**spec, "family": family, "seq": 32}
+            spec = {**spec, "family": family}
             _check(pool.run(train_compare, spec), str(spec))
             ran += 1
     assert ran >= 4 * 3

@@ -225,12 +225,13 @@ def test_cost_model_learns_the_overlap():
 
 
 def test_benchmark_specs_and_labels():
-    """The benchmark times ulysses and usp with head_chunks="auto" beside the plain ones, and validation
-    reads those labels back."""
+    """The benchmark times the plain ulysses and usp (head_chunks="auto" measured slower on NVSwitch, so it
+    is opt-in and not a table row), and validation reads head_chunks labels back."""
     specs = method_specs(PRESETS["mha-causal-16k"], 4, ["ring", "ulysses", "usp"])
     labels = [s.label for s in specs]
-    for want in ("ulysses", "ulysses/head_chunksauto", "usp/u2/zigzag", "usp/u2/zigzag/head_chunksauto"):
+    for want in ("ulysses", "usp/u2/zigzag"):
         assert want in labels, labels
+    assert not any("head_chunks" in label for label in labels), labels
     assert parse_method("ulysses/head_chunksauto", 4) == Candidate("ulysses", "contiguous", options=_hc("auto"))
     assert parse_method("usp/u2/zigzag/head_chunks2", 4) == Candidate("usp", "zigzag", 2, options=_hc(2))
     assert Candidate("usp", "zigzag", 2, options=_hc(2)).label(4) == "usp/u2r2/zigzag/head_chunks2"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from _workers_reliability import strip_rank, verify_worker
-from reliability_methods import SOFTMAX, all_rejected, softmax_setup
+from reliability_methods import SOFTMAX, all_rejected, padded_length, softmax_setup
 
 from seqpar.testing import Case
 
@@ -18,7 +18,8 @@ RUN_TIMEOUT = 300
 
 def _case(method: str, world: int, **kw) -> Case:
     s = softmax_setup(method, world)
-    base = dict(method=method, layout=s.layout, ulysses=s.ulysses, options=s.options, seq_len=8 * world, heads=4,
+    base = dict(method=method, layout=s.layout, ulysses=s.ulysses, options=s.options,
+                seq_len=padded_length(s, world, 8 * world), heads=4,
                 kv_heads=2, head_dim=8)
     return Case(**{**base, **kw})
 

@@ -262,6 +262,11 @@ def measure(s: Settings) -> Profile:
     return _profile(s, vals, default if default in measured else measured[0], dev)
 
 
+def _sig(x: float) -> float:
+    """``x`` to 4 significant digits (a slow CPU rate is 1e-4 TFLOP/s: fixed decimals would round it to 0)."""
+    return float(f"{x:.4g}")
+
+
 def _profile(s: Settings, v: dict[str, float], default: str, dev: torch.device) -> Profile:
     world = dist.get_world_size()
     rates = []
@@ -272,11 +277,11 @@ def _profile(s: Settings, v: dict[str, float], default: str, dev: torch.device) 
             if f"{key}/{n}" in v:
                 pairs = n * (n + 1) / 2 if mask == "causal" else n * n
                 flops = 4.0 * pairs * s.heads * s.head_dim * (2.5 if direction == "bwd" else 1.0)
-                pts.append((n, round(flops / (v[f"{key}/{n}"] * 1e-3) / 1e12, 4)))
+                pts.append((n, _sig(flops / (v[f"{key}/{n}"] * 1e-3) / 1e12)))
         rates.append(KernelRate(kernel, mask, direction, Curve.of(pts)))
     links = []
     for pattern in PATTERNS:
-        pts = [(m, round(m / (v[f"{pattern}/{m}"] * 1e-3) / 1e9, 4)) for m in s.link_bytes if f"{pattern}/{m}" in v]
+        pts = [(m, _sig(m / (v[f"{pattern}/{m}"] * 1e-3) / 1e9)) for m in s.link_bytes if f"{pattern}/{m}" in v]
         if pts:
             links.append(LinkRate(pattern, Curve.of(pts)))
     copy_bytes = _copy_elems(s.device) * 4
