@@ -53,6 +53,7 @@ from ..kernels.merge import merge_
 from ..layouts import Layout, make_layout
 from ..layouts.blocks import Rule, Run, Segments, Task, plan
 from ..types import AttnOutput
+from ._autograd import differentiable
 
 NAME = "allgather"
 LAYOUTS = ("contiguous", "zigzag")
@@ -300,26 +301,8 @@ def _stride(cfg: AttentionConfig, kv_heads: int) -> int:
     return s
 
 
-class _AllGatherAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cfg, groups):
-        out, lse = _forward(q, k, v, cfg, groups)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg, ctx.groups = cfg, groups
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, ctx.cfg, ctx.groups)
-        return dq, dk, dv, None, None
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
               groups: SeqParallelGroups) -> AttnOutput:
     """All-gather KV attention on local shards ``(B, L, H, D)``; differentiable in q, k, v (and through lse)."""
     _stride(cfg, k.shape[2])                  # validate the option before any collective
-    return AttnOutput(*_AllGatherAttention.apply(q, k, v, cfg, groups))
+    return differentiable(q, k, v, cfg, groups, _forward, _backward)

@@ -39,6 +39,7 @@ from ..kernels.merge import Accumulator
 from ..layouts import Layout, make_layout
 from ..layouts.blocks import Rule, Task, plan
 from ..types import AttnOutput
+from ._autograd import differentiable
 from ._shared import acc_dtype, delta_of, wire_dtype
 
 NAME = "double_ring"
@@ -212,26 +213,8 @@ def _backward(do, q, k, v, out, lse, dlse, cfg: AttentionConfig, groups: SeqPara
     return _backward_loop(do, q, k, v, out, lse, groups.group, index, tasks, pr, runner, cfg.grad_dtype, delta)
 
 
-class _DoubleRingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cfg, groups):
-        out, lse = _forward(q, k, v, cfg, groups)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg, ctx.groups = cfg, groups
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, ctx.cfg, ctx.groups)
-        return dq, dk, dv, None, None
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
               groups: SeqParallelGroups) -> AttnOutput:
     """Double-ring attention on local shards ``(B, L, H, D)``; differentiable in q, k, v (and through lse)."""
     node_size_of(cfg, groups.world)                   # validate before any communication
-    return AttnOutput(*_DoubleRingAttention.apply(q, k, v, cfg, groups))
+    return differentiable(q, k, v, cfg, groups, _forward, _backward)

@@ -25,6 +25,7 @@ from ..kernels.executor import TaskRunner
 from ..layouts import Layout, make_layout
 from ..types import AttnOutput
 from . import _passkv
+from ._autograd import differentiable
 
 NAME = "ring"
 LAYOUTS = ("contiguous", "zigzag", "stripe")
@@ -92,26 +93,8 @@ def check(k: torch.Tensor, cfg: AttentionConfig) -> None:
                          f"{rank_suffix()}")
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cfg, groups):
-        out, lse = _forward(q, k, v, cfg, groups)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg, ctx.groups = cfg, groups
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, ctx.cfg, ctx.groups)
-        return dq, dk, dv, None, None
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
               groups: SeqParallelGroups) -> AttnOutput:
     """Ring attention on local shards ``(B, L, H, D)``; differentiable in q, k, v (and through lse)."""
     check(k, cfg)
-    return AttnOutput(*_RingAttention.apply(q, k, v, cfg, groups))
+    return differentiable(q, k, v, cfg, groups, _forward, _backward)

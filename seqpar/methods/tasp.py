@@ -32,6 +32,7 @@ from ..layouts import Layout, make_layout
 from ..layouts.subchunks import Subchunked
 from ..types import AttnOutput
 from . import _tasp
+from ._autograd import differentiable
 from ._shared import delta_of
 
 NAME = "tasp"
@@ -82,26 +83,8 @@ def _backward(do, q, k, v, out, lse, dlse, cfg: AttentionConfig, groups: SeqPara
     return _tasp.backward(do, q, k, v, out, lse, groups.group, tp, runner, cfg.grad_dtype, delta)
 
 
-class _TaspAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cfg, groups):
-        out, lse = _forward(q, k, v, cfg, groups)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg, ctx.groups = cfg, groups
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, ctx.cfg, ctx.groups)
-        return dq, dk, dv, None, None
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
               groups: SeqParallelGroups) -> AttnOutput:
     """TASP attention on local shards ``(B, L, H, D)``; differentiable in q, k, v (and through lse)."""
     resolve_schedule(cfg, groups.world)               # validate before any communication
-    return AttnOutput(*_TaspAttention.apply(q, k, v, cfg, groups))
+    return differentiable(q, k, v, cfg, groups, _forward, _backward)

@@ -26,6 +26,7 @@ from ..kernels.executor import TaskRunner
 from ..layouts import Layout, make_layout
 from ..types import AttnOutput
 from . import _passq
+from ._autograd import differentiable
 from ._shared import delta_of
 
 NAME = "tokenring"
@@ -75,25 +76,7 @@ def _backward(do, q, k, v, out, lse, dlse, cfg: AttentionConfig, groups: SeqPara
                            cfg.grad_dtype, delta)
 
 
-class _TokenRingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cfg, groups):
-        out, lse = _forward(q, k, v, cfg, groups)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg, ctx.groups = cfg, groups
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, dlse, ctx.cfg, ctx.groups)
-        return dq, dk, dv, None, None
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
               groups: SeqParallelGroups) -> AttnOutput:
     """TokenRing attention on local shards ``(B, L, H, D)``; differentiable in q, k, v (and through lse)."""
-    return AttnOutput(*_TokenRingAttention.apply(q, k, v, cfg, groups))
+    return differentiable(q, k, v, cfg, groups, _forward, _backward)

@@ -19,6 +19,8 @@ c head groups so each group's transfers run behind its neighbours' kernels (Note
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..config import AttentionConfig
@@ -26,6 +28,7 @@ from ..groups import SeqParallelGroups
 from ..layouts import Contiguous, Layout
 from ..types import AttnOutput
 from . import _ulysses
+from ._autograd import differentiable
 
 NAME = "ulysses"
 LAYOUTS = ("contiguous",)
@@ -61,27 +64,9 @@ def _backward(do, dlse, saved, kv_heads: int, cfg: AttentionConfig, groups: SeqP
     return _ulysses.backward_pipelined(do, dlse, saved, kv_heads, groups.group, engine, cfg.grad_dtype, chunks)
 
 
-class _UlyssesAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cfg, groups, chunks):
-        out, lse, saved = _forward(q, k, v, cfg, groups, chunks)
-        ctx.save_for_backward(*saved)
-        ctx.cfg, ctx.groups, ctx.kv_heads, ctx.chunks = cfg, groups, k.shape[2], chunks
-        ctx.out_meta = (out.shape, out.dtype, out.device)
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        if dout is None:
-            shape, dtype, device = ctx.out_meta
-            dout = torch.zeros(shape, dtype=dtype, device=device)
-        dq, dk, dv = _backward(dout, dlse, ctx.saved_tensors, ctx.kv_heads, ctx.cfg, ctx.groups, ctx.chunks)
-        return dq, dk, dv, None, None, None
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
               groups: SeqParallelGroups) -> AttnOutput:
     """Ulysses attention on local shards ``(B, L, H, D)``; differentiable in q, k, v (and through lse)."""
     chunks = check(q, k, cfg, groups)
-    return AttnOutput(*_UlyssesAttention.apply(q, k, v, cfg, groups, chunks))
+    return differentiable(q, k, v, cfg, groups, functools.partial(_forward, chunks=chunks),
+                          functools.partial(_backward, chunks=chunks), saving=True)

@@ -26,6 +26,8 @@ prefer U <= Hkv.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..comm.ring import Ring
@@ -35,6 +37,7 @@ from ..kernels.executor import TaskRunner
 from ..layouts import Layout, Nested, make_layout
 from ..types import AttnOutput
 from . import _passkv, _ulysses
+from ._autograd import differentiable
 
 NAME = "usp"
 LAYOUTS = ("contiguous", "zigzag", "stripe")
@@ -99,28 +102,10 @@ def _backward(do, dlse, saved, kv_heads: int, cfg: AttentionConfig, groups: SeqP
     return _ulysses.backward_pipelined(do, dlse, saved, kv_heads, groups.ulysses, engine, cfg.grad_dtype, chunks)
 
 
-class _USPAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cfg, groups, chunks):
-        out, lse, saved = _forward(q, k, v, cfg, groups, chunks)
-        ctx.save_for_backward(*saved)
-        ctx.cfg, ctx.groups, ctx.kv_heads, ctx.chunks = cfg, groups, k.shape[2], chunks
-        ctx.out_meta = (out.shape, out.dtype, out.device)
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        if dout is None:
-            shape, dtype, device = ctx.out_meta
-            dout = torch.zeros(shape, dtype=dtype, device=device)
-        dq, dk, dv = _backward(dout, dlse, ctx.saved_tensors, ctx.kv_heads, ctx.cfg, ctx.groups, ctx.chunks)
-        return dq, dk, dv, None, None, None
-
-
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
               groups: SeqParallelGroups) -> AttnOutput:
     """USP attention on local shards ``(B, L, H, D)`` in the ``Nested`` placement; differentiable in q, k, v
     (and through lse)."""
     chunks = check(q, k, cfg, groups)
-    return AttnOutput(*_USPAttention.apply(q, k, v, cfg, groups, chunks))
+    return differentiable(q, k, v, cfg, groups, functools.partial(_forward, chunks=chunks),
+                          functools.partial(_backward, chunks=chunks), saving=True)
