@@ -20,8 +20,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
@@ -29,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import seqpar
+from seqpar.bench.timing import rank_median_ms
 from seqpar.kernels.linear import LinearCall, linear_attention_chunked, select_linear
 
 
@@ -65,27 +64,6 @@ def init(args: argparse.Namespace) -> torch.device:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def timed(fn: Callable[[], None], args: argparse.Namespace, device: torch.device) -> float:
-    """Median milliseconds of ``fn`` on this rank (ranks aligned by a barrier before each run)."""
-    for _ in range(args.warmup):
-        fn()
-    times = []
-    for _ in range(args.iters):
-        dist.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def make_call(method: str, mode: str, S: int, args: argparse.Namespace, device: torch.device) -> Callable[[], None]:
@@ -154,7 +132,8 @@ def main() -> None:
                 if method == "softmax":
                     row["softmax_method"] = "allgather" if "allgather" in seqpar.methods.available() else "ring"
                 try:
-                    ms = torch.tensor([timed(make_call(method, mode, S, args, device), args, device)],
+                    ms = torch.tensor([rank_median_ms(make_call(method, mode, S, args, device), device,
+                                                     warmup=args.warmup, iters=args.iters)],
                                       dtype=torch.float64, device=device)
                     fastest = ms.clone()
                     dist.all_reduce(ms, op=dist.ReduceOp.MAX)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["exposed_comm_ms", "peak_mem_gib", "reset_peak", "time_ms"]
+__all__ = ["exposed_comm_ms", "peak_mem_gib", "rank_median_ms", "reset_peak", "time_ms"]
 
 
 def _sync(device: torch.device) -> None:
@@ -23,9 +23,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, iters: int = 5,
-            group: dist.ProcessGroup | None = None) -> float:
-    """Median milliseconds per call of ``fn``; across ranks, the slowest rank's median."""
+def rank_median_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, iters: int = 5,
+                   group: dist.ProcessGroup | None = None) -> float:
+    """Median milliseconds per call of ``fn`` on this rank (each iteration after a barrier of ``group``)."""
     for _ in range(warmup):
         fn()
     _sync(device)
@@ -45,7 +45,13 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, 
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    med = statistics.median(times)
+    return statistics.median(times)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, iters: int = 5,
+            group: dist.ProcessGroup | None = None) -> float:
+    """Median milliseconds per call of ``fn``; across ranks, the slowest rank's median."""
+    med = rank_median_ms(fn, device, warmup=warmup, iters=iters, group=group)
     if dist.is_initialized():
         t = torch.tensor([med], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
