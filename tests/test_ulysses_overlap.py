@@ -204,15 +204,22 @@ def _machine() -> Machine:
 
 def test_cost_model_learns_the_overlap():
     """At 16K on 4 ranks (communication-bound) the pipeline exposes less of the all-to-alls, moves the same
-    bytes without replication, and is faster; head_chunks=1 is the plain model exactly."""
+    bytes without replication, and is faster on the device; head_chunks=1 is the plain model exactly. With
+    the H200 host's fitted fixed costs (one step cost per head group) it is slower at 16K, as measured there
+    (probe run, mha-causal-16k fwd: 4.96 ms piped vs 1.96 ms plain)."""
     m = _machine()
+    prof = m.profile.replace(call_us=(), step_us=(), host_overlap_loss=1.0, alpha_us=0.0)
+    device = Machine(prof, Network(get_topology(None, prof), prof), prof.default_kernel)
     for Hkv in (32, 8):
         p = Problem(seq_len=16384, heads=32, kv_heads=Hkv, world=4)
         plain = predict(p, Candidate("ulysses", "contiguous"), m)
         assert predict(p, Candidate("ulysses", "contiguous", options=_hc(1)), m) == plain
         piped = predict(p, Candidate("ulysses", "contiguous", options=_hc(2)), m)
         assert piped.exposed_comm_ms < 0.75 * plain.exposed_comm_ms
-        assert piped.fwd_ms < plain.fwd_ms and piped.fwd_bwd_ms < plain.fwd_bwd_ms
+        assert piped.fwd_ms > plain.fwd_ms                                  # host-bound at 16K (fitted costs)
+        d_plain = predict(p, Candidate("ulysses", "contiguous"), device)
+        d_piped = predict(p, Candidate("ulysses", "contiguous", options=_hc(2)), device)
+        assert d_piped.fwd_ms < d_plain.fwd_ms and d_piped.fwd_bwd_ms < d_plain.fwd_bwd_ms
         assert piped.comm_bytes == pytest.approx(plain.comm_bytes, rel=1e-9)
         auto = predict(p, Candidate("ulysses", "contiguous", options=_hc("auto")), m)
         c = _ulysses.auto_head_chunks(32, Hkv, 4)

@@ -6,19 +6,30 @@ by step: per schedule step, the critical rank's kernel call (``work.py``), the b
 those bytes take on the machine's links (``topology.Network``), and whether the step hides them.
 
 Note [Step time]
-    An overlapped step (transfer posted before the compute it hides behind) lasts
-    ``max(T_comp, T_comm) + δ·min(T_comp, T_comm) + α`` where δ is the profile's overlap loss for the
-    pattern (NCCL kernels slow a concurrent attention kernel) and α the per-step fixed cost. A serial
-    transfer (the schedule must wait for it) adds its whole time and counts as exposed. ``T_comp`` is
-    the kernel time ``FLOPs / rate(size)`` plus a launch, plus MERGE passes over the fp32 accumulator
-    (``merge_passes`` x rows x heads x D x 4 bytes at HBM bandwidth).
+    On the device, an overlapped step (transfer posted before the compute it hides behind) lasts
+    ``max(T_comp, T_comm) + δ·min(T_comp, T_comm)`` where δ is the profile's overlap loss for the
+    pattern (NCCL kernels slow a concurrent attention kernel). A serial transfer (the schedule must wait
+    for it) adds its whole time and counts as exposed; a transfer of few bytes costs the pattern's
+    latency (Note [Link time]). ``T_comp`` is the kernel time ``FLOPs / rate(size)`` plus a launch, plus
+    MERGE passes over the fp32 accumulator (``merge_passes`` x rows x heads x D x 4 bytes at HBM
+    bandwidth). Summed over a pass, that is the pass's device time D.
+
+    The fixed costs (Note [Fixed costs] in ``profile.py``) are host time. The call's ``call_us`` for the
+    pass is serial - validation, the agreement round (which waits for the device) and setup come before
+    the pass gives the device any work. The steps' costs H (the method's ``step_us`` α_m per step) are
+    paid while the device works, so the two overlap: a pass lasts ``call + max(D, H) + κ·min(D, H)``
+    with κ the profile's ``host_overlap_loss`` - 1 adds them (every fixed cost exposed), 0 hides the
+    shorter completely. Large problems are device-bound (the step costs vanish behind the kernels),
+    small ones host-bound.
 
 Note [Modelled as implemented]
     The model follows the code where the code is written (``seqpar/methods/_passkv.py``) and the
     algorithm notes where it is not yet: pass-KV backward waits for the running dK/dV of a block before
-    computing on it, so each dK/dV hop is exposed (``PASSKV_EXPOSED_DKV``); all-gather keeps its gathered
-    KV for backward when it gathers all heads at once; Ulysses packs q, k, v into one all-to-all; pass-Q
-    partial outputs travel in the input dtype. Steps of pass-Q and TASP take the busiest rank's bytes
+    computing on it, so each dK/dV hop is exposed (``PASSKV_EXPOSED_DKV``); all-gather re-gathers K and V
+    in backward (one chunk exposed, as in forward) and, on zigzag, permutes each gathered chunk into
+    global order and each fp32 dK/dV chunk back (``index_select``); Ulysses packs q, k, v into one
+    all-to-all and returns out and lse in two (the second, a few hundred KB, costs about the a2a
+    latency); pass-Q partial outputs travel in the input dtype. Steps of pass-Q and TASP take the busiest rank's bytes
     (lock-step), so TokenRing's "halves after the wrap" lower its total bytes but not its step time.
     Change the constants below when the code changes; ``seqpar.planner.validate`` shows the effect.
     Ulysses and USP with ``head_chunks`` > 1 pipeline their all-to-alls over head groups (Note [Head-group
@@ -158,9 +169,13 @@ class Machine:
     network: Network
     kernel: str
 
-    @property
-    def alpha_ms(self) -> float:
-        return self.profile.alpha_us * 1e-3
+    def step_ms(self, method: str, direction: str) -> float:
+        """Fixed cost of one schedule step of ``method`` (Note [Step time])."""
+        return self.profile.step_cost_us(method, direction) * 1e-3
+
+    def call_ms(self, direction: str) -> float:
+        """Fixed cost of one call's ``direction`` pass (Note [Step time])."""
+        return self.profile.call_cost_us(direction) * 1e-3
 
     def kernel_ms(self, p: Problem, blk: Block | None, heads: float, direction: str = "fwd") -> float:
         """One call's time: FLOPs over the profile's rate at the call's size and mask, plus a launch."""
@@ -173,6 +188,11 @@ class Machine:
 
     def hbm_ms(self, nbytes: float) -> float:
         return nbytes / (self.profile.hbm_gbps * 1e9) * 1e3
+
+    def permute_ms(self, elements: float) -> float:
+        """A row permute (``index_select``) of ``elements`` elements."""
+        rate = self.profile.permute_gelems or self.profile.hbm_gbps / 4
+        return elements / (rate * 1e9) * 1e3
 
     def merge_ms(self, p: Problem, rows: float, heads: float) -> float:
         """One MERGE of ``rows`` query rows into the fp32 accumulator (Note [Step time])."""
@@ -191,14 +211,21 @@ class _Tally:
     """Accumulates one pass (forward or backward) step by step (Note [Step time])."""
 
     m: Machine
+    alpha: float = 0.0
+    """The per-step fixed cost in ms (α_m of Note [Step time])."""
     ms: float = 0.0
+    """Device time D."""
+    host: float = 0.0
+    """Host time H: the steps' fixed costs."""
     exposed: float = 0.0
     sent: float = 0.0
     compute: float = 0.0
 
     def step(self, comp: float, comm: float = 0.0, pattern: str = "ring", nbytes: float = 0.0) -> float:
-        t = max(comp, comm) + self.m.loss(pattern) * min(comp, comm) + self.m.alpha_ms
+        """One step; returns its device time."""
+        t = max(comp, comm) + self.m.loss(pattern) * min(comp, comm)
         self.ms += t
+        self.host += self.alpha
         self.exposed += max(0.0, comm - comp)
         self.sent += nbytes
         self.compute += comp
@@ -215,6 +242,23 @@ class _Tally:
         self.ms += comp
         self.compute += comp
 
+    def absorb(self, other: _Tally) -> None:
+        """Another tally's steps run after this one's, in the same pass."""
+        self.ms += other.ms
+        self.host += other.host
+        self.exposed += other.exposed
+        self.sent += other.sent
+        self.compute += other.compute
+
+    def total(self, call: float) -> float:
+        """The pass's time with ``call`` ms of per-call fixed cost: ``call + max(D, H) + κ min(D, H)``."""
+        return call + max(self.ms, self.host) + self.m.profile.host_overlap_loss * min(self.ms, self.host)
+
+
+def _tallies(m: Machine, method: str) -> tuple[_Tally, _Tally]:
+    """Empty forward and backward tallies whose steps cost ``method``'s fixed step time."""
+    return _Tally(m, m.step_ms(method, "fwd")), _Tally(m, m.step_ms(method, "bwd"))
+
 
 @dataclass
 class _Cost:
@@ -226,7 +270,8 @@ class _Cost:
 
     def prediction(self) -> Prediction:
         f, b = self.fwd, self.bwd
-        return Prediction(fwd_ms=f.ms, fwd_bwd_ms=f.ms + b.ms, peak_mem_bytes=int(max(self.fwd_mem, self.bwd_mem)),
+        t_f, t_b = f.total(f.m.call_ms("fwd")), b.total(b.m.call_ms("bwd"))
+        return Prediction(fwd_ms=t_f, fwd_bwd_ms=t_f + t_b, peak_mem_bytes=int(max(self.fwd_mem, self.bwd_mem)),
                           comm_bytes=int(f.sent + b.sent), exposed_comm_ms=f.exposed + b.exposed,
                           notes=tuple(self.notes), fwd_peak_mem_bytes=int(self.fwd_mem),
                           fwd_comm_bytes=int(f.sent), fwd_exposed_comm_ms=f.exposed, compute_ms=f.compute + b.compute)
@@ -245,14 +290,16 @@ def _temps(p: Problem, L: float, heads: float, kv_heads: float) -> float:
 
 
 # --- pass-KV ring (ring, usp) ------------------------------------------------------------------------
-def _passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads: float, group: Group) -> _Cost:
-    """Pass-KV ring of R ranks over S tokens with ``heads`` / ``kv_heads`` per rank (ALGORITHMS.md §3)."""
+def _passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads: float, group: Group,
+            method: str) -> _Cost:
+    """Pass-KV ring of R ranks over S tokens with ``heads`` / ``kv_heads`` per rank (ALGORITHMS.md §3);
+    its steps cost ``method``'s fixed step time."""
     S, L = p.seq_len, p.seq_len / R
     steps = ring_steps(layout, R, S, p.causal, p.window)
     n = len(steps)
     kv, dkv = p.act(L, 2 * kv_heads), p.act(L, 2 * kv_heads, p.grad_bytes)
     t_kv, t_dkv = m.comm_ms("ring", kv, group), m.comm_ms("ring", dkv, group)
-    f, b = _Tally(m), _Tally(m)
+    f, b = _tallies(m, method)
     for s, blk in enumerate(steps):
         more = s + 1 < n
         merge = m.merge_ms(p, blk.rows, heads) if (s and blk is not None) else 0.0
@@ -284,7 +331,8 @@ def _passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads:
 
 def ring(p: Problem, c: Candidate, m: Machine) -> Prediction:
     """Pass-KV ring over all W ranks, any layout (ALGORITHMS.md §3, §12.2)."""
-    return _note_ccr(_passkv(p, m, c.layout, p.world, p.heads, p.kv_heads, Group(p.world)), p, m, p.world).prediction()
+    cost = _passkv(p, m, c.layout, p.world, p.heads, p.kv_heads, Group(p.world), "ring")
+    return _note_ccr(cost, p, m, p.world).prediction()
 
 
 def _note_ccr(cost: _Cost, p: Problem, m: Machine, R: int) -> _Cost:
@@ -300,29 +348,43 @@ def kv_wire_heads(kv_heads: int, U: int) -> int:
     return kv_heads if kv_heads % U == 0 else U
 
 
-def _a2a_bytes(p: Problem, U: int, L: float, chunks: int = 1) -> tuple[float, float, float, float, float]:
-    """Per head group, bytes a rank sends in (q/k/v, out + lse, dO, dq/dk/dv) and its packing traffic."""
+@dataclass(frozen=True)
+class _A2A:
+    """One head group's Ulysses all-to-alls: bytes a rank sends per collective, and its packing traffic."""
+
+    fwd_in: tuple[float, ...]
+    """q/k/v packed in one collective."""
+    fwd_out: tuple[float, ...]
+    """out, then lse (two collectives)."""
+    bwd_in: tuple[float, ...]
+    """dO."""
+    bwd_out: tuple[float, ...]
+    """dq/dk/dv packed in one collective."""
+    pack: float
+
+    def ms(self, m: Machine, U: int, sizes: tuple[float, ...]) -> float:
+        """The collectives one after another (one stream)."""
+        return sum(m.comm_ms("a2a", x, Group(U)) for x in sizes)
+
+
+def _a2a_bytes(p: Problem, U: int, L: float, chunks: int = 1) -> _A2A:
+    """Per head group, what a rank sends in each all-to-all and its packing traffic."""
     H, hw = p.heads / chunks, kv_wire_heads(p.kv_heads // chunks, U)
     frac = (U - 1) / U
     repl = hw > p.kv_heads // chunks
-    qkv = frac * p.act(L, H + 2 * hw)
-    out = frac * (p.act(L, H) + p.rowstat(L, H))
-    dout = frac * p.act(L, H)
     grads = frac * (p.act(L, H) + p.act(L, 2 * hw, p.grad_bytes if repl else p.dtype_bytes))
-    pack = 2 * (p.act(L, H + 2 * hw) + p.act(L, H))                       # pack + unpack, both directions
-    return qkv, out, dout, grads, pack
+    return _A2A(fwd_in=(frac * p.act(L, H + 2 * hw),), fwd_out=(frac * p.act(L, H), frac * p.rowstat(L, H)),
+                bwd_in=(frac * p.act(L, H),), bwd_out=(grads,),
+                pack=2 * (p.act(L, H + 2 * hw) + p.act(L, H)))           # pack + unpack, both directions
 
 
 def _a2a_in(p: Problem, m: Machine, U: int, L: float, f: _Tally, b: _Tally) -> None:
     """Ulysses' sequence <-> head all-to-alls on one rank holding L tokens, forward and backward."""
-    grp = Group(U)
-    qkv, out, dout, grads, pack = _a2a_bytes(p, U, L)
-    f.local(m.hbm_ms(pack))
-    f.wait(m.comm_ms("a2a", qkv, grp) + m.alpha_ms, qkv)
-    f.wait(m.comm_ms("a2a", out, grp) + m.alpha_ms, out)
-    b.local(m.hbm_ms(pack))
-    b.wait(m.comm_ms("a2a", dout, grp) + m.alpha_ms, dout)
-    b.wait(m.comm_ms("a2a", grads, grp) + m.alpha_ms, grads)
+    a = _a2a_bytes(p, U, L)
+    for tally, first, last in ((f, a.fwd_in, a.fwd_out), (b, a.bwd_in, a.bwd_out)):
+        tally.local(m.hbm_ms(a.pack))
+        tally.wait(a.ms(m, U, first), sum(first))
+        tally.wait(a.ms(m, U, last), sum(last))
 
 
 # [head-group pipeline] ------------------------------------------------------------------------------
@@ -357,26 +419,24 @@ def _head_pipeline(p: Problem, m: Machine, U: int, L: float, chunks: int, eng_f:
     """Forward and backward of ``chunks`` head groups, ``eng_f`` / ``eng_b`` being ONE group's engine.
 
     Group 0's inputs and the last group's outputs are exposed; the others move beside a group's engine
-    (group i+1's inputs and group i-1's outputs behind group i): ``max(T_eng, T_a2a) + δ min + α``.
+    (group i+1's inputs and group i-1's outputs behind group i): ``max(T_eng, T_a2a) + δ min``, the
+    engine's own steps carrying their fixed costs.
     """
-    qkv, out, dout, grads, pack = _a2a_bytes(p, U, L, chunks)
-    grp = Group(U)
-
-    def t(nbytes: float) -> float:
-        return m.comm_ms("a2a", nbytes, grp) + m.alpha_ms if nbytes else 0.0
-
+    a = _a2a_bytes(p, U, L, chunks)
     f, b = _Tally(m), _Tally(m)
-    for tally, eng, first, last in ((f, eng_f, qkv, out), (b, eng_b, dout, grads)):
-        tally.local(m.hbm_ms(chunks * pack))
-        tally.wait(t(first), first)
+    for tally, eng, first, last in ((f, eng_f, a.fwd_in, a.fwd_out), (b, eng_b, a.bwd_in, a.bwd_out)):
+        t_in, t_out = a.ms(m, U, first), a.ms(m, U, last)
+        tally.local(m.hbm_ms(chunks * a.pack))
+        tally.wait(t_in, sum(first))
         for i in range(chunks):
-            moved = (first if i + 1 < chunks else 0.0) + (last if i else 0.0)
-            comm = t(first if i + 1 < chunks else 0.0) + t(last if i else 0.0)
+            moved = (sum(first) if i + 1 < chunks else 0.0) + (sum(last) if i else 0.0)
+            comm = (t_in if i + 1 < chunks else 0.0) + (t_out if i else 0.0)
             tally.ms += max(eng.ms, comm) + m.loss("a2a") * min(eng.compute, comm)
+            tally.host += eng.host
             tally.exposed += eng.exposed + max(0.0, comm - eng.ms)
             tally.sent += eng.sent + moved
             tally.compute += eng.compute
-        tally.wait(t(last), last)
+        tally.wait(t_out, sum(last))
     return f, b
 
 
@@ -393,12 +453,12 @@ def ulysses(p: Problem, c: Candidate, m: Machine) -> Prediction:
     chunks = head_chunks(p, c, U)
     blk = self_block(S, p.causal, p.window)
     if chunks == 1:
-        f, b = _Tally(m), _Tally(m)
+        f, b = _tallies(m, "ulysses")
         _a2a_in(p, m, U, L, f, b)
         f.step(m.kernel_ms(p, blk, p.heads / U))
         b.step(m.kernel_ms(p, blk, p.heads / U, "bwd"))
     else:                                                                 # [head-group pipeline]
-        eng_f, eng_b = _Tally(m), _Tally(m)
+        eng_f, eng_b = _tallies(m, "ulysses")
         eng_f.step(m.kernel_ms(p, blk, p.heads / (U * chunks)))
         eng_b.step(m.kernel_ms(p, blk, p.heads / (U * chunks), "bwd"))
         f, b = _head_pipeline(p, m, U, L, chunks, eng_f, eng_b)
@@ -423,19 +483,16 @@ def usp(p: Problem, c: Candidate, m: Machine) -> Prediction:
     chunks = head_chunks(p, c, U)
     if chunks > 1:                      # [head-group pipeline]: the ring runs per group, a2a's beside it
         hwc = kv_wire_heads(p.kv_heads // chunks, U)
-        cost = _passkv(p, m, c.layout, R, p.heads / (U * chunks), hwc / U, Group(R, U))
+        cost = _passkv(p, m, c.layout, R, p.heads / (U * chunks), hwc / U, Group(R, U), "usp")
         cost.fwd, cost.bwd = _head_pipeline(p, m, U, L, chunks, cost.fwd, cost.bwd)
         cost.notes.append(f"{chunks} head groups pipelined: the ring of one group hides the next group's "
                           f"all-to-all")
     else:
-        cost = _passkv(p, m, c.layout, R, p.heads / U, hw / U, Group(R, U))
+        cost = _passkv(p, m, c.layout, R, p.heads / U, hw / U, Group(R, U), "usp")
         pre_f, pre_b = _Tally(m), _Tally(m)
         _a2a_in(p, m, U, L, pre_f, pre_b)
-        for mine, extra in ((cost.fwd, pre_f), (cost.bwd, pre_b)):
-            mine.ms += extra.ms
-            mine.exposed += extra.exposed
-            mine.sent += extra.sent
-            mine.compute += extra.compute
+        cost.fwd.absorb(pre_f)
+        cost.bwd.absorb(pre_b)
     fm, bm = _ulysses_mem(p, U, L)
     cost.fwd_mem += fm
     cost.bwd_mem += bm
@@ -452,25 +509,23 @@ def allgather(p: Problem, c: Candidate, m: Machine) -> Prediction:
     nc = p.kv_heads // stride
     heads = stride * p.group_ratio
     blocks = gather_blocks(c.layout, W, S, p.causal, p.window)
-    cf = sum(m.kernel_ms(p, blk, heads) for blk in blocks)
-    cb = sum(m.kernel_ms(p, blk, heads, "bwd") for blk in blocks) \
-        + m.hbm_ms(sum(p.act(blk.cols, 2 * stride, 8) for blk in blocks))
+    perm = m.permute_ms(p.batch * S * 2 * stride * p.head_dim) if c.layout == "zigzag" and W > 1 else 0.0
+    cf = sum(m.kernel_ms(p, blk, heads) for blk in blocks) + perm
+    cb = sum(m.kernel_ms(p, blk, heads, "bwd") for blk in blocks) + 2 * perm \
+        + m.hbm_ms(sum(p.act(blk.cols, 2 * stride, 8) for blk in blocks))           # KV into order, dK/dV back
     g_bytes = (W - 1) * p.act(L, 2 * stride)
     r_bytes = (W - 1) * p.act(L, 2 * stride, p.grad_bytes)
     grp = Group(W)
     t_ag, t_rs = m.comm_ms("allgather", g_bytes, grp), m.comm_ms("reduce_scatter", r_bytes, grp)
-    f, b = _Tally(m), _Tally(m)
+    f, b = _tallies(m, "allgather")
     f.wait(t_ag, g_bytes)                                                 # the first chunk's gather
     for i in range(nc):
         more = i + 1 < nc
         f.step(cf, t_ag if more else 0.0, "allgather", g_bytes if more else 0.0)
-    if nc == 1:                                                           # gathered KV kept from forward
-        b.step(cb)
-    else:
-        b.wait(t_ag, g_bytes)
-        for i in range(nc):
-            comm = (t_ag if i + 1 < nc else 0.0) + (t_rs if i else 0.0)
-            b.step(cb, comm, "allgather", (g_bytes if i + 1 < nc else 0.0) + (r_bytes if i else 0.0))
+    b.wait(t_ag, g_bytes)                                                 # backward re-gathers
+    for i in range(nc):
+        comm = (t_ag if i + 1 < nc else 0.0) + (t_rs if i else 0.0)
+        b.step(cb, comm, "allgather", (g_bytes if i + 1 < nc else 0.0) + (r_bytes if i else 0.0))
     b.wait(t_rs, r_bytes)
     bufs = 2 if nc > 1 else 1
     gathered = bufs * p.act(S, 2 * stride)
@@ -498,7 +553,7 @@ def tokenring(p: Problem, c: Candidate, m: Machine) -> Prediction:
     bundle = 2 * p.act(L, H) + 2 * p.rowstat(L, H)                        # Q, dO, lse, Delta
     dq = p.act(L, H, p.grad_bytes)
     share = 0.75 if p.causal else 1.0                                     # halves travel after the wrap
-    f, b = _Tally(m), _Tally(m)
+    f, b = _tallies(m, "tokenring")
     for s, blk in enumerate(steps):
         link = (q if s + 1 < n else 0.0) + (o if s >= 2 else 0.0)
         merge = m.merge_ms(p, L, H) if s >= 2 else 0.0
@@ -534,7 +589,7 @@ def tasp(p: Problem, c: Candidate, m: Machine) -> Prediction:
     grp = Group(W)
     t_kv, t_kvd, t_dkv = (m.comm_ms(pattern, x, grp) for x in (kv, kv + dkv, dkv))
     extra_launch = m.profile.launch_us * 1e-3 if p.causal else 0.0       # M and P sub-chunks: two calls
-    f, b = _Tally(m), _Tally(m)
+    f, b = _tallies(m, "tasp")
     for s, blk in enumerate(steps):
         more = s + 1 < n
         comp = m.kernel_ms(p, blk, p.heads) + (m.merge_ms(p, blk.rows, p.heads) + extra_launch if s and blk else 0.0)
@@ -566,7 +621,7 @@ def double_ring(p: Problem, c: Candidate, m: Machine) -> Prediction:
     steps += [None] * (W - len(steps))
     kv, dkv = p.act(L, 2 * p.kv_heads), p.act(L, 2 * p.kv_heads, p.grad_bytes)
     inner, outer = Group(w), Group(Wo, w)
-    f, b = _Tally(m), _Tally(m)
+    f, b = _tallies(m, "double_ring")
     for tally, direction in ((f, "fwd"), (b, "bwd")):
         pay = kv if direction == "fwd" else kv + dkv
         t_in, t_out = m.comm_ms("ring", pay, inner), m.comm_ms("ring", pay, outer)
@@ -603,7 +658,7 @@ MODELS: dict[str, Callable[[Problem, Candidate, Machine], Prediction]] = {
 
 
 def predict(p: Problem, c: Candidate, m: Machine) -> Prediction:
-    """The prediction of ``c`` (any method in ``MODELS``) on ``p`` and ``m``."""
+    """The prediction of ``c`` (any method in ``MODELS``) on ``p`` and ``m``, per-call fixed costs included."""
     if c.method not in MODELS:
         raise ValueError(f"method must be one of {sorted(MODELS)}, got {c.method!r}")
     return MODELS[c.method](p, c, m)

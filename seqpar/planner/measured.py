@@ -7,26 +7,46 @@ ALGORITHMS.md §12.1 (link bandwidths, overlap loss) and §12.4 (single-GPU kern
 (more single-GPU cuDNN times). Kernel times become TFLOP/s with FLOPs = 4·S²·H·D (halved when causal);
 backward rates use 2.5x the forward FLOPs over (fwd+bwd time - fwd time).
 
+More measurements of the same host (``benchmarks/results/2026-11-21-4xh200*``):
+- all-to-all: seqpar makes the equal-split ``all_to_all_single`` call; §12.1's 121-147 GB/s are the
+  split-size call, its equal-split number is 298 GB/s (256 MB per peer). Below that, the fastest forward
+  all-to-alls (kernel time of out + lse + q/k/v, bytes per rank) the profiler saw in the fit set's
+  Ulysses rows (``A2A_PROFILED``): 282.6 GB/s at 63 MB, 281.5 at 101 MB.
+- ``merge_passes``: 9.5, measured by ``python -m seqpar.calibrate`` on the host (``profile_h200x4.json``);
+  the profiler's elementwise kernel time of the ring rows agrees (~10 accumulator passes per merge).
+- ``permute_gelems``: all-gather's ``index_select`` into global order (zigzag), the median rate of the
+  profiler's "other" kernels in the fit set's ``allgather/zigzag`` forward rows (``PERMUTE_PROFILED``).
+- ``latency_us``: per pattern, the intercept at zero bytes of the calibrated 1 MiB and 4 MiB transfer
+  times (``CALIBRATED_SMALL``, from ``profile_h200x4.json``; seqpar's own comm calls, host-timed).
+
+Fitted (Note [Fixed-cost fit] in ``seqpar.planner.fit``; ``FIT_COMMAND`` reproduces them and a test
+checks it): ``call_us``, ``step_us`` and κ (``host_overlap_loss``), on the probe run and three of the
+seven table presets (``FIT_FILES``, ``FIT_PRESETS``); the other four presets and the long run check them
+(``benchmarks/results/2026-11-21-4xh200/planner_fit.md``; predicted vs measured, FIT and CHECK rows apart:
+``planner_validation_fitted.md`` there).
+
 What is not measured, and how it is filled (each says so in the profile's ``source``):
-- ``alpha_us`` (per-step fixed cost) was not isolated; it is fitted to the small-S end-to-end times of
-  ALGORITHMS.md §12.4 and PEERS.md §12 (16K: ring zigzag 2.9-3.4 ms fwd, 10.7 ms fwd+bwd).
 - all-gather below 256 MB: the P2P curve's shape scaled to the measured 295 GB/s at 256 MB.
 - bidirectional P2P = P2P on the summed bytes (both directions share a GPU's NVSwitch egress, §12.2);
   all-pairs = the split-size all-to-all (the 3-peer numbers of §8.6 agree with it); reduce-scatter =
   all-gather.
-- HBM: 80% of the datasheet bandwidth; merge passes: our unfused MERGE reads and writes the fp32
-  accumulator about 5 times.
+- HBM: 80% of the datasheet bandwidth.
+- ``alpha_us`` (60): the step cost of a method the fit has no rows for, and the latency of a pattern
+  without one; fitted earlier to ALGORITHMS.md §12.4's 16K times.
 - H100: the H200 kernel rates (same SMs and clocks: compute ~1.0x), HBM and memory scaled to the H100
-  SXM datasheet (3.35 vs 4.8 TB/s, 80 vs 141 GB); links unchanged (both NVLink 4 / NVSwitch).
+  SXM datasheet (3.35 vs 4.8 TB/s, 80 vs 141 GB); links unchanged (both NVLink 4 / NVSwitch); the fitted
+  fixed costs copied from the H200 fit (host time of the same software; no H100 host was measured).
 """
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from .profile import Curve, KernelRate, LinkRate, Profile
 
-__all__ = ["H200_KERNEL_MS", "h100_profile", "h200_profile"]
+__all__ = ["FIT_COMMAND", "FIT_FILES", "FIT_PRESETS", "H200_KERNEL_MS", "fit_sources", "h100_profile",
+           "h200_profile"]
 
 MiB = 1 << 20
 
@@ -41,16 +61,49 @@ H200_KERNEL_MS: dict[tuple[str, bool], list[tuple[int, float, float]]] = {
 #: pattern -> [(bytes per rank, GB/s)] on the 4x H200 host (§12.1); "derived" patterns are built below.
 H200_LINKS: dict[str, list[tuple[int, float]]] = {
     "p2p": [(8 * MiB, 66.0), (32 * MiB, 81.0), (64 * MiB, 130.0), (256 * MiB, 263.0), (512 * MiB, 303.0)],
-    "a2a": [(64 * MiB, 121.0), (256 * MiB, 139.0), (512 * MiB, 147.0)],
 }
 H200_ALLGATHER_256MB = 295.0
+#: §12.1: the equal-split all-to-all (the call seqpar makes), 256 MB per peer = 768 MB per rank over 3 peers
+H200_A2A_EQUAL_SPLIT = (768 * MiB, 298.0)
+#: (bytes per rank, kernel ms): fastest Ulysses forward all-to-alls in the fit set's profiler traces
+#: (probe run: gqa-causal-16k and mha-full-16k, out + lse + q/k/v)
+A2A_PROFILED = ((63_307_776, 0.224), (101_056_512, 0.359))
+#: (elements, ms): "other" kernel time (the index_select) of the fit set's allgather/zigzag forward rows: probe and
+#: table mha-causal-16k, gqa-causal-16k; probe mha-causal-128k
+PERMUTE_PROFILED = ((134_217_728, 0.471), (134_217_728, 0.489), (33_554_432, 0.123), (33_554_432, 0.127),
+                    (1_073_741_824, 4.03))
+#: pattern -> (ms at 1 MiB, ms at 4 MiB) per rank, seqpar's comm calls host-timed by python -m seqpar.calibrate
+#: on the same host (benchmarks/results/2026-11-21-4xh200/profile_h200x4.json, its 1 and 4 MiB points)
+CALIBRATED_SMALL: dict[str, tuple[float, float]] = {
+    "p2p": (0.157446, 0.170063), "p2p_bidir": (0.097073, 0.104597), "a2a": (0.048581, 0.074494),
+    "allgather": (0.069646, 0.098047), "reduce_scatter": (0.049041, 0.065882), "allpairs": (0.143938, 0.126369),
+}
 
 _HEADS, _HEAD_DIM = 32, 128
-#: fitted, see the module docstring
 ALPHA_US = 60.0
 LAUNCH_US = 10.0
-MERGE_PASSES = 5.0
+MERGE_PASSES = 9.5
 OVERLAP = {"p2p": 0.2, "a2a": 0.2, "allgather": 0.15}
+
+#: the split of Note [Fixed-cost fit]: every row of these files, and these presets of the others
+FIT_FILES = ("vm-4xNVIDIA_H200-20261121-2139-probe.jsonl",)
+FIT_PRESETS = ("mha-causal-16k", "gqa-causal-16k", "mha-full-16k")
+_RESULTS = ("2026-11-21-4xh200-probe/vm-4xNVIDIA_H200-20261121-2139-probe.jsonl",
+            "2026-11-21-4xh200/vm-4xNVIDIA_H200-20261121-2209-table.jsonl",
+            "2026-11-21-4xh200/vm-4xNVIDIA_H200-20261121-2213-long.jsonl")
+FIT_COMMAND = ("python -m seqpar.planner.fit " + " ".join(f"benchmarks/results/{r}" for r in _RESULTS)
+               + f" --fit-file benchmarks/results/{_RESULTS[0]} --fit-presets {','.join(FIT_PRESETS)}")
+#: fitted by FIT_COMMAND (µs; κ dimensionless)
+CALL_US: dict[str, float] = {
+    "fwd": 567.0, "bwd": 0.0,
+}
+STEP_US: dict[str, float] = {
+    "ring/fwd": 0.0, "ring/bwd": 0.0, "allgather/fwd": 885.7, "allgather/bwd": 1865.8,
+    "ulysses/fwd": 856.7, "ulysses/bwd": 1167.2, "usp/fwd": 919.3, "usp/bwd": 1063.1,
+    "tokenring/fwd": 971.8, "tokenring/bwd": 1334.5, "tasp/fwd": 811.8, "tasp/bwd": 1807.5,
+    "double_ring/fwd": 393.8, "double_ring/bwd": 1092.0,
+}
+HOST_OVERLAP_LOSS = 0.15
 
 
 def _flops(S: int, causal: bool) -> float:
@@ -68,18 +121,42 @@ def _kernel_rates() -> tuple[KernelRate, ...]:
     return tuple(rates)
 
 
+def fit_sources(root: str | Path = ".") -> list[Path]:
+    """The benchmark files the fit reads, under the repository ``root``."""
+    return [Path(root) / "benchmarks" / "results" / r for r in _RESULTS]
+
+
 def _links() -> tuple[LinkRate, ...]:
     p2p = H200_LINKS["p2p"]
     at256 = dict(p2p)[256 * MiB]
     ag = [(m, round(b * H200_ALLGATHER_256MB / at256, 1)) for m, b in p2p]
-    return (LinkRate("p2p", Curve.of(p2p)), LinkRate("a2a", Curve.of(H200_LINKS["a2a"])),
-            LinkRate("allgather", Curve.of(ag)))
+    a2a = [(m, round(m / (t * 1e-3) / 1e9, 1)) for m, t in A2A_PROFILED] + [H200_A2A_EQUAL_SPLIT]
+    return (LinkRate("p2p", Curve.of(p2p)), LinkRate("a2a", Curve.of(a2a)), LinkRate("allgather", Curve.of(ag)))
+
+
+def _permute_gelems() -> float:
+    return round(statistics.median(n / (t * 1e-3) / 1e9 for n, t in PERMUTE_PROFILED), 1)
+
+
+def _latency_us() -> dict[str, float]:
+    """Zero-byte intercept of the line through the 1 MiB and 4 MiB times (the smaller time if it falls)."""
+    out = {}
+    for pattern, (t1, t4) in CALIBRATED_SMALL.items():
+        slope = (t4 - t1) / 3.0                                          # ms per MiB
+        out[pattern] = round(1e3 * (t1 - slope if slope > 0 else min(t1, t4)), 1)
+    return out
 
 
 _SOURCE = ("kernels and links measured on a 4x H200 NVSwitch host (ALGORITHMS.md §12.1, §12.4; PEERS.md §12); "
+           "a2a: the equal-split call (§12.1, 298 GB/s at 768 MB per rank) and the fastest profiled Ulysses "
+           "all-to-alls of the probe run (63 and 101 MB); permute_gelems: the profiled index_select of the fit "
+           "set's allgather/zigzag rows; merge_passes and latency_us measured by python -m "
+           "seqpar.calibrate on the host (benchmarks/results/2026-11-21-4xh200/profile_h200x4.json); "
            "derived: allgather below 256 MB (p2p shape), p2p_bidir=p2p, allpairs=a2a, reduce_scatter=allgather; "
-           f"fitted: alpha_us={ALPHA_US} to the 16K end-to-end times; assumed: hbm 80% of datasheet, "
-           f"merge_passes={MERGE_PASSES}, launch_us={LAUNCH_US}")
+           "fitted: call_us, step_us and host_overlap_loss by " + FIT_COMMAND + " (fit: the probe run and the "
+           f"table's {', '.join(FIT_PRESETS)}; check: its other presets and the long run; "
+           "benchmarks/results/2026-11-21-4xh200/planner_fit.md); alpha_us=60 for methods the fit lacks; "
+           f"assumed: hbm 80% of datasheet, launch_us={LAUNCH_US}")
 
 
 def h200_profile() -> Profile:
@@ -88,7 +165,10 @@ def h200_profile() -> Profile:
         name="h200-nvswitch", device="cuda", gpu="NVIDIA H200", gpus_per_node=8, interconnect="NVSwitch (NVLink 4)",
         dtype="bfloat16", head_dim=_HEAD_DIM, default_kernel="cudnn", kernels=_kernel_rates(), links=_links(),
         alpha_us=ALPHA_US, launch_us=LAUNCH_US, hbm_gbps=0.8 * 4800.0, merge_passes=MERGE_PASSES,
-        overlap_loss=tuple(sorted(OVERLAP.items())), memory_gib=141.0, source=_SOURCE,
+        overlap_loss=tuple(sorted(OVERLAP.items())), memory_gib=141.0, call_us=tuple(sorted(CALL_US.items())),
+        step_us=tuple(sorted(STEP_US.items())), latency_us=tuple(sorted(_latency_us().items())),
+        permute_gelems=_permute_gelems(),
+        host_overlap_loss=HOST_OVERLAP_LOSS, source=_SOURCE,
         meta=(("host", "4x H200 NVSwitch"), ("nccl", "2.28.9"), ("torch", "2.11"),
               ("command", "python -m seqpar.planner.measured")))
 
@@ -100,7 +180,9 @@ def h100_profile() -> Profile:
         name="h100-nvswitch", gpu="NVIDIA H100 80GB HBM3", hbm_gbps=0.8 * 3350.0, memory_gib=80.0,
         derived_from="h200-nvswitch",
         source="derived from h200-nvswitch: kernel rates x1.0 (same SM count and clocks), links unchanged "
-               "(NVLink 4 / NVSwitch), HBM 3.35 TB/s and 80 GB (datasheet); " + _SOURCE)
+               "(NVLink 4 / NVSwitch), HBM 3.35 TB/s and 80 GB (datasheet); call_us, step_us and "
+               "host_overlap_loss copied from the H200 fit (host time of the same software stack; not measured "
+               "on an H100 host); " + _SOURCE)
 
 
 def write_builtin(root: Path | None = None) -> list[Path]:

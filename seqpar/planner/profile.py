@@ -18,9 +18,25 @@ nearest measured relative (``_LINK_FALLBACK``), which the profile's ``source`` s
 
 Note [Link time]
     ``link_ms(pattern, m)`` is the pure transfer time ``m / B(m)`` for m at or above the smallest measured
-    size; below it the time falls linearly from the smallest measured transfer to ``alpha_us`` at zero
-    bytes (latency-bound small messages). ``alpha_us`` itself is the fixed cost of one schedule step
-    (launch, sync, Python), added once per step by the cost model whether or not the transfer hides.
+    size; below it the time falls linearly from the smallest measured transfer to the pattern's latency
+    at zero bytes (latency-bound small messages). The latency is ``latency_us[pattern]`` (its fallback
+    relatives', else ``alpha_us``).
+
+Note [Fixed costs]
+    Time that does not scale with the problem, in three kinds (Note [Step time] in ``cost.py`` says where
+    each is added):
+
+    * per call and pass, ``call_us["fwd"]`` / ``call_us["bwd"]``: validation, the agreement round
+      (``seqpar.agreement``), setup, the autograd hand-off - paid once however many steps follow;
+    * per schedule step of a method and pass, ``step_us["ring/fwd"]``, ...: posting and waiting on the
+      step's exchange, its kernel launches and merges; a method without an entry pays ``alpha_us``;
+    * per collective, ``latency_us[pattern]``: what a transfer of almost no bytes takes (Note [Link time]).
+
+    The first two are host time and overlap with the device's work up to ``host_overlap_loss`` (κ,
+    Note [Step time] in ``cost.py``). ``python -m seqpar.planner.fit`` fits ``call_us``, ``step_us``
+    and κ to benchmark times (Note [Fixed-cost fit] there). ``alpha_us`` alone (no ``call_us``, no
+    ``step_us``, κ = 1) is the older single-constant model that ``python -m seqpar.calibrate`` still
+    measures: one P2P ring step of 4 KiB.
 """
 
 from __future__ import annotations
@@ -113,17 +129,29 @@ class Profile:
     kernels: tuple[KernelRate, ...]
     links: tuple[LinkRate, ...]
     alpha_us: float
-    """Fixed cost of one schedule step: launches, synchronisation, Python (Note [Link time])."""
+    """Fixed cost of one schedule step where ``step_us`` has no entry, and the default latency (Note [Fixed costs])."""
     launch_us: float
     """Fixed cost of one kernel call."""
     hbm_gbps: float
     """Achievable memory bandwidth (copy), for merges and accumulator passes."""
     merge_passes: float
-    """fp32 accumulator passes one MERGE costs (unfused elementwise ops: about 5)."""
+    """fp32 accumulator passes one MERGE costs (unfused elementwise ops: about 5-10)."""
     overlap_loss: tuple[tuple[str, float], ...]
     """Per pattern: fraction of the hidden time lost when the transfer runs beside a kernel (δ)."""
     memory_gib: float
     """Device memory, for feasibility."""
+    call_us: tuple[tuple[str, float], ...] = ()
+    """Per pass ("fwd", "bwd"): fixed cost of one call (Note [Fixed costs]); absent: 0."""
+    step_us: tuple[tuple[str, float], ...] = ()
+    """Per method and pass ("ring/fwd", "ulysses/bwd", ...): fixed cost of one step; absent: ``alpha_us``."""
+    latency_us: tuple[tuple[str, float], ...] = ()
+    """Per pattern: time of a transfer of no bytes (Note [Link time]); absent: ``alpha_us``."""
+    permute_gelems: float = 0.0
+    """G elements per second of a row permute (``index_select``, all-gather's global order); 0: a copy of
+    2-byte elements at ``hbm_gbps`` (``hbm_gbps / 4``)."""
+    host_overlap_loss: float = 1.0
+    """κ: the part of the shorter of a pass's host time (fixed costs) and device time that does not overlap
+    (Note [Step time] in ``cost.py``); 1 adds the fixed costs to the device time."""
     source: str = ""
     """Provenance of the numbers: measured where, derived how, fitted to what."""
     derived_from: str | None = None
@@ -138,6 +166,21 @@ class Profile:
         for lk in self.links:
             if lk.pattern not in PATTERNS:
                 raise ValueError(f"link pattern must be one of {PATTERNS}, got {lk.pattern!r}")
+        for name, table, keys in (("call_us", self.call_us, DIRECTIONS), ("latency_us", self.latency_us, PATTERNS)):
+            bad = [k for k, _ in table if k not in keys]
+            if bad:
+                raise ValueError(f"{name} keys must be in {keys}, got {bad}")
+        bad = [k for k, _ in self.step_us if k.count("/") != 1 or k.split("/")[1] not in DIRECTIONS]
+        if bad:
+            raise ValueError(f"step_us keys must be '<method>/fwd' or '<method>/bwd', got {bad}")
+        if not self.permute_gelems >= 0:
+            raise ValueError(f"permute_gelems must be >= 0, got {self.permute_gelems}")
+        if not 0.0 <= self.host_overlap_loss <= 1.0:
+            raise ValueError(f"host_overlap_loss must be in [0, 1], got {self.host_overlap_loss}")
+        for name in ("call_us", "step_us", "latency_us"):
+            neg = [k for k, v in getattr(self, name) if not v >= 0]
+            if neg:
+                raise ValueError(f"{name} values must be >= 0, got {dict(getattr(self, name))}")
         if not any(lk.pattern == "p2p" for lk in self.links):
             raise ValueError(f"profile {self.name!r} must have a 'p2p' link curve (every fallback ends there)")
         if self.default_kernel not in self.kernel_names:
@@ -172,14 +215,29 @@ class Profile:
         if nbytes >= m0:
             return nbytes / (curve.at(nbytes) * 1e9) * 1e3
         t0 = m0 / (b0 * 1e9) * 1e3
-        a = min(self.alpha_us * 1e-3, t0)
+        a = min(self.latency(pattern) * 1e-3, t0)
         return a + (t0 - a) * nbytes / m0
 
+    def latency(self, pattern: str) -> float:
+        """Microseconds of a transfer of no bytes in ``pattern`` (Note [Link time])."""
+        return self._fallback(dict(self.latency_us), pattern, self.alpha_us)
+
+    def step_cost_us(self, method: str, direction: str) -> float:
+        """Fixed microseconds of one schedule step of ``method`` in ``direction`` (Note [Fixed costs])."""
+        return dict(self.step_us).get(f"{method}/{direction}", self.alpha_us)
+
+    def call_cost_us(self, direction: str) -> float:
+        """Fixed microseconds of one call's ``direction`` pass (Note [Fixed costs])."""
+        return dict(self.call_us).get(direction, 0.0)
+
     def overlap(self, pattern: str) -> float:
-        d = dict(self.overlap_loss)
-        while pattern not in d and pattern in _LINK_FALLBACK:
+        return self._fallback(dict(self.overlap_loss), pattern, 0.0)
+
+    @staticmethod
+    def _fallback(table: dict[str, float], pattern: str, default: float) -> float:
+        while pattern not in table and pattern in _LINK_FALLBACK:
             pattern = _LINK_FALLBACK[pattern]
-        return d.get(pattern, 0.0)
+        return table.get(pattern, default)
 
     def _link(self, pattern: str) -> Curve:
         curves = {lk.pattern: lk.curve for lk in self.links}
@@ -201,7 +259,9 @@ class Profile:
                       for lk in self.links],
             "alpha_us": self.alpha_us, "launch_us": self.launch_us, "hbm_gbps": self.hbm_gbps,
             "merge_passes": self.merge_passes, "overlap_loss": dict(self.overlap_loss),
-            "memory_gib": self.memory_gib, "source": self.source, "derived_from": self.derived_from,
+            "memory_gib": self.memory_gib, "call_us": dict(self.call_us), "step_us": dict(self.step_us),
+            "latency_us": dict(self.latency_us), "permute_gelems": self.permute_gelems,
+            "host_overlap_loss": self.host_overlap_loss, "source": self.source, "derived_from": self.derived_from,
             "meta": dict(self.meta),
         }
 
@@ -218,7 +278,10 @@ class Profile:
                 alpha_us=float(d["alpha_us"]), launch_us=float(d["launch_us"]), hbm_gbps=float(d["hbm_gbps"]),
                 merge_passes=float(d["merge_passes"]),
                 overlap_loss=tuple(sorted((str(k), float(v)) for k, v in d["overlap_loss"].items())),
-                memory_gib=float(d["memory_gib"]), source=str(d.get("source", "")),
+                memory_gib=float(d["memory_gib"]), call_us=_table(d.get("call_us")), step_us=_table(d.get("step_us")),
+                latency_us=_table(d.get("latency_us")), permute_gelems=float(d.get("permute_gelems", 0.0)),
+                host_overlap_loss=float(d.get("host_overlap_loss", 1.0)),
+                source=str(d.get("source", "")),
                 derived_from=d.get("derived_from"),
                 meta=tuple(sorted((str(k), str(v)) for k, v in d.get("meta", {}).items())))
         except KeyError as e:
@@ -235,6 +298,10 @@ class Profile:
         from dataclasses import replace
 
         return replace(self, **kw)
+
+
+def _table(d: Mapping[str, Any] | None) -> tuple[tuple[str, float], ...]:
+    return tuple(sorted((str(k), float(v)) for k, v in (d or {}).items()))
 
 
 def _other(mask: str) -> str:

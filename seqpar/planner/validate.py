@@ -12,6 +12,11 @@ and prints the table with the relative error. Two checks (the planner issue's ac
   within ``--auto-tol`` (5%) of the fastest measured one (and a measured ``method="auto"`` row, if the
   file has one, likewise).
 
+With ``--fit-file`` / ``--fit-presets`` (the fit set of ``python -m seqpar.planner.fit``), every row is
+labelled FIT (its time was used to fit the profile's fixed costs) or CHECK (held out), and the summary
+counts the two sets separately. The auto check groups rows by (file, preset, mode, world size): runs of
+different files are not compared with each other.
+
 Peer rows (``"peer:..."``) are listed as not modelled. Method names follow the benchmark: "ring/zigzag",
 "usp/u2r2/zigzag", "allgather/zigzag[/stride4]", "ulysses", "tokenring/zigzag", "tasp/direct[/zigzag]",
 "double_ring/n2[/zigzag]".
@@ -22,17 +27,20 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .cost import Candidate, Machine, Problem, predict
+from .cost import Candidate, Machine, Prediction, Problem, predict
 from .profile import Profile, load_profile
 from .search import DTYPE_BYTES
 from .topology import Network, get_topology
 
-__all__ = ["Row", "check", "main", "parse_method", "profile_for"]
+__all__ = ["Row", "check", "in_fit_set", "main", "modelled", "parse_method", "predict_record", "profile_for",
+           "read_jsonl", "results"]
 
 _LAYOUTS = ("contiguous", "zigzag", "stripe")
 
@@ -90,15 +98,28 @@ class Row:
     measured_gib: float | None
     predicted_gib: float | None
     note: str = ""
+    source: str = ""
+    """The benchmark file the row comes from (its name)."""
+    set: str = ""
+    """"fit" or "check" when the run has a fit set (``--fit-file`` / ``--fit-presets``), else ""."""
 
 
-def _predict(rec: dict[str, Any], prof: Profile | None, kernel: str | None) -> Row:
-    method, W, mode = str(rec["method"]), int(rec["world_size"]), str(rec["mode"])
-    base = dict(preset=str(rec.get("preset", "")), mode=mode, world=W, method=method,
-                measured_ms=float(rec["time_ms"]), measured_gib=rec.get("peak_mem_gib"))
-    if method.startswith("peer:") or method == "auto":
-        return Row(**base, predicted_ms=None, error=None, predicted_gib=None,
-                   note="auto: checked below" if method == "auto" else "peer: not modelled")
+def in_fit_set(source: str | Path, rec: dict[str, Any], fit_files: Sequence[str | Path] = (),
+               fit_presets: Sequence[str] = ()) -> bool:
+    """Whether a record of the file ``source`` is in the fit set: every row of ``fit_files``, and the
+    ``fit_presets`` of any file."""
+    return Path(source).name in {Path(f).name for f in fit_files} or str(rec.get("preset", "")) in fit_presets
+
+
+def modelled(rec: dict[str, Any]) -> bool:
+    """Whether a record is a seqpar method the cost model predicts (not a peer, not ``auto``)."""
+    method = str(rec["method"])
+    return not (method.startswith("peer:") or method == "auto")
+
+
+def predict_record(rec: dict[str, Any], prof: Profile | None = None, kernel: str | None = None) -> Prediction:
+    """The cost model's prediction for one benchmark record of a seqpar method."""
+    method, W = str(rec["method"]), int(rec["world_size"])
     profile = profile_for(rec, prof)
     causal = bool(rec.get("causal", True))
     p = Problem(seq_len=int(rec["seq_len"]), heads=int(rec["heads"]), kv_heads=int(rec.get("kv_heads", rec["heads"])),
@@ -106,28 +127,47 @@ def _predict(rec: dict[str, Any], prof: Profile | None, kernel: str | None) -> R
                 dtype_bytes=DTYPE_BYTES[str(rec.get("dtype", "bfloat16"))])
     topo = get_topology(None if W <= profile.gpus_per_node else "nvswitch", profile)
     kern = kernel or rec.get("kernel") or profile.default_kernel
-    machine = Machine(profile, Network(topo, profile), kern)
-    pred = predict(p, parse_method(method, W, causal), machine)
+    return predict(p, parse_method(method, W, causal), Machine(profile, Network(topo, profile), kern))
+
+
+def _predict(rec: dict[str, Any], prof: Profile | None, kernel: str | None, source: str = "",
+             label: str = "") -> Row:
+    method, W, mode = str(rec["method"]), int(rec["world_size"]), str(rec["mode"])
+    base = dict(preset=str(rec.get("preset", "")), mode=mode, world=W, method=method,
+                measured_ms=float(rec["time_ms"]), measured_gib=rec.get("peak_mem_gib"), source=source, set=label)
+    if not modelled(rec):
+        return Row(**base, predicted_ms=None, error=None, predicted_gib=None,
+                   note="auto: checked below" if method == "auto" else "peer: not modelled")
+    pred = predict_record(rec, prof, kernel)
     t = pred.time_ms(mode)
     return Row(**base, predicted_ms=t, error=t / base["measured_ms"] - 1, predicted_gib=pred.peak_mem(mode) / 2**30)
 
 
 def check(records: Sequence[dict[str, Any]], profile: Profile | None = None, kernel: str | None = None,
-          tol: float = 0.15, auto_tol: float = 0.05) -> tuple[list[Row], list[dict[str, Any]], bool]:
-    """(rows, auto checks, all passed) for benchmark records."""
-    rows = [_predict(r, profile, kernel) for r in records]
+          tol: float = 0.15, auto_tol: float = 0.05, sources: Sequence[str] | None = None,
+          sets: Sequence[str] | None = None) -> tuple[list[Row], list[dict[str, Any]], bool]:
+    """(rows, auto checks, all passed) for benchmark records; ``sources`` and ``sets`` (per record: its file's
+    name; "fit" / "check") label the rows."""
+    sources = sources or [""] * len(records)
+    sets = sets or [""] * len(records)
+    rows = [_predict(r, profile, kernel, src, st) for r, src, st in zip(records, sources, sets)]
     modelled = [r for r in rows if r.error is not None]
     ok = all(abs(r.error) <= tol for r in modelled if r.error is not None)
     autos = []
-    keys = sorted({(r.preset, r.mode, r.world) for r in modelled})
-    for key in keys:
-        group = [r for r in modelled if (r.preset, r.mode, r.world) == key]
+
+    def key_of(r: Row) -> tuple[str, str, str, int]:
+        return r.source, r.preset, r.mode, r.world
+
+    for key in sorted({key_of(r) for r in modelled}, key=lambda k: k[1:] + k[:1]):
+        group = [r for r in modelled if key_of(r) == key]
         best = min(group, key=lambda r: r.measured_ms)
         pick = min(group, key=lambda r: (r.predicted_ms, r.method))
-        entry = {"preset": key[0], "mode": key[1], "world": key[2], "pick": pick.method,
+        entry = {"preset": key[1], "mode": key[2], "world": key[3], "pick": pick.method,
                  "pick_ms": pick.measured_ms, "best": best.method, "best_ms": best.measured_ms,
                  "ratio": pick.measured_ms / best.measured_ms}
-        measured_auto = [r for r in rows if r.method == "auto" and (r.preset, r.mode, r.world) == key]
+        if key[0] or group[0].set:
+            entry.update(source=key[0], set=group[0].set)
+        measured_auto = [r for r in rows if r.method == "auto" and key_of(r) == key]
         if measured_auto:
             entry["auto_ms"] = measured_auto[0].measured_ms
             entry["auto_ratio"] = measured_auto[0].measured_ms / best.measured_ms
@@ -138,38 +178,56 @@ def check(records: Sequence[dict[str, Any]], profile: Profile | None = None, ker
 
 
 def render(rows: Sequence[Row], autos: Sequence[dict[str, Any]], tol: float, auto_tol: float) -> str:
-    """Markdown: the per-row table, the auto checks and a summary per world size."""
-    out = ["| preset | mode | W | method | measured ms | predicted ms | error | mem GiB meas/pred |",
-           "|---|---|---|---|---|---|---|---|"]
+    """Markdown: the per-row table, the auto checks and a summary per world size (and per set, FIT then
+    CHECK, when the rows have one)."""
+    split = any(r.set for r in rows)
+    lead, rule = ("| set | file ", "|---|---") if split else ("", "")
+
+    def pre(x: Row | dict[str, Any]) -> str:
+        if not split:
+            return ""
+        src, st = (x.source, x.set) if isinstance(x, Row) else (x.get("source", ""), x.get("set", ""))
+        return f"| {st.upper()} | {src} "
+
+    out = [f"{lead}| preset | mode | W | method | measured ms | predicted ms | error | mem GiB meas/pred |",
+           f"{rule}|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.error is None:
-            out.append(f"| {r.preset} | {r.mode} | {r.world} | {r.method} | {r.measured_ms:.3f} | - | {r.note} | - |")
+            out.append(f"{pre(r)}| {r.preset} | {r.mode} | {r.world} | {r.method} | {r.measured_ms:.3f} | - | "
+                       f"{r.note} | - |")
             continue
         flag = "" if abs(r.error) <= tol else " **over**"
         mem = f"{r.measured_gib:.2f}" if r.measured_gib is not None else "-"
-        out.append(f"| {r.preset} | {r.mode} | {r.world} | {r.method} | {r.measured_ms:.3f} | {r.predicted_ms:.3f} "
-                   f"| {r.error:+.1%}{flag} | {mem} / {r.predicted_gib:.2f} |")
-    out += ["", "| preset | mode | W | planner's pick | its measured ms | best measured | ratio | auto row |",
-            "|---|---|---|---|---|---|---|---|"]
+        out.append(f"{pre(r)}| {r.preset} | {r.mode} | {r.world} | {r.method} | {r.measured_ms:.3f} | "
+                   f"{r.predicted_ms:.3f} | {r.error:+.1%}{flag} | {mem} / {r.predicted_gib:.2f} |")
+    out += ["", f"{lead}| preset | mode | W | planner's pick | its measured ms | best measured | ratio | auto row |",
+            f"{rule}|---|---|---|---|---|---|---|---|"]
     for a in autos:
         auto = f"{a['auto_ms']:.3f} ({a['auto_ratio']:.3f})" if "auto_ms" in a else "-"
-        out.append(f"| {a['preset']} | {a['mode']} | {a['world']} | {a['pick']} | {a['pick_ms']:.3f} | {a['best']} "
-                   f"{a['best_ms']:.3f} | {a['ratio']:.3f}{'' if a['ok'] else ' **over**'} | {auto} |")
+        out.append(f"{pre(a)}| {a['preset']} | {a['mode']} | {a['world']} | {a['pick']} | {a['pick_ms']:.3f} | "
+                   f"{a['best']} {a['best_ms']:.3f} | {a['ratio']:.3f}{'' if a['ok'] else ' **over**'} | {auto} |")
     out.append("")
-    for W in sorted({r.world for r in rows if r.error is not None}):
-        mine = [r for r in rows if r.world == W and r.error is not None]
-        inside = sum(abs(r.error) <= tol for r in mine if r.error is not None)
-        worst = max(abs(r.error) for r in mine if r.error is not None)
-        picks = [a for a in autos if a["world"] == W]
-        good = sum(a["ok"] for a in picks)
-        out.append(f"W={W}: {inside}/{len(mine)} predictions within {tol:.0%} (worst {worst:.1%}); "
-                   f"auto within {auto_tol:.0%} of the best on {good}/{len(picks)} cases")
+    for st in ("fit", "check") if split else ("",):
+        for W in sorted({r.world for r in rows if r.error is not None and r.set == st}):
+            mine = [r for r in rows if r.world == W and r.error is not None and r.set == st]
+            inside = sum(abs(r.error) <= tol for r in mine if r.error is not None)
+            worst = max(abs(r.error) for r in mine if r.error is not None)
+            picks = [a for a in autos if a["world"] == W and a.get("set", "") == st]
+            good = sum(a["ok"] for a in picks)
+            out.append(f"{st.upper() + ' ' if st else ''}W={W}: {inside}/{len(mine)} predictions within {tol:.0%} "
+                       f"(worst {worst:.1%}); auto within {auto_tol:.0%} of the best on {good}/{len(picks)} cases")
     return "\n".join(out)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     lines = Path(path).read_text().splitlines()
     return [json.loads(line) for line in lines if line.strip()]
+
+
+def results(path: str | Path) -> list[dict[str, Any]]:
+    """The timed records of a benchmark file: single-GPU limit rows and failed runs left out."""
+    return [r for r in read_jsonl(path) if not str(r.get("method", "")).startswith("limit")
+            and r.get("time_ms") is not None]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,18 +237,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kernel", default=None, help="kernel to model (default: the record's, else the profile's)")
     ap.add_argument("--tol", type=float, default=0.15)
     ap.add_argument("--auto-tol", type=float, default=0.05)
-    ap.add_argument("--out", default=None, help="write the markdown table here")
+    ap.add_argument("--out", default=None, help="write the markdown table here (the command line first)")
     ap.add_argument("--json", default=None, help="write rows and checks as JSON here")
     ap.add_argument("--strict", action="store_true", help="exit 1 when a check fails")
+    ap.add_argument("--fit-file", action="append", default=[],
+                    help="label every row of this file FIT (used by the fit); the others CHECK")
+    ap.add_argument("--fit-presets", default="", help="comma-separated presets whose rows are labelled FIT")
     args = ap.parse_args(list(argv) if argv is not None else None)
-    records = [r for path in args.results for r in read_jsonl(path)
-               if not str(r.get("method", "")).startswith("limit") and r.get("time_ms") is not None]
+    labelled = [(Path(path).name, r) for path in args.results for r in results(path)]
+    records = [r for _, r in labelled]
+    presets = [p for p in args.fit_presets.split(",") if p]
+    sets = None
+    if args.fit_file or presets:
+        sets = ["fit" if in_fit_set(src, r, args.fit_file, presets) else "check" for src, r in labelled]
     prof = load_profile(args.profile) if args.profile else None
-    rows, autos, ok = check(records, prof, args.kernel, args.tol, args.auto_tol)
+    rows, autos, ok = check(records, prof, args.kernel, args.tol, args.auto_tol, [src for src, _ in labelled], sets)
     text = render(rows, autos, args.tol, args.auto_tol)
     print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        argv = list(argv) if argv is not None else sys.argv[1:]
+        command = " ".join(["python -m seqpar.planner.validate", *map(shlex.quote, argv)])
+        Path(args.out).write_text(f"`{command}`\n\n{text}\n")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": [asdict(r) for r in rows], "auto": autos, "ok": ok},
                                               indent=1) + "\n")
