@@ -48,6 +48,9 @@ CI = settings(max_examples=10, deadline=None, derandomize=True, database=None, p
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 LONG = settings(CI, max_examples=SLOW_EXAMPLES, derandomize=False)
 
+# (method, layout) pairs a method refuses with causal=True, by design and with a clear error (tested elsewhere)
+NONCAUSAL_ONLY = {("tasp", "contiguous")}
+
 # query-head degree each method splits heads over (Ulysses-style methods); others take any head counts
 HEAD_DEGREE = {"ulysses": lambda world, ulysses: world, "usp": lambda world, ulysses: ulysses}
 
@@ -99,7 +102,8 @@ def softmax_cases(draw, world: int) -> Case:
     if "window" in feats and draw(st.booleans()):
         window = (draw(st.integers(-1, seq)), draw(st.integers(-1, seq)))
     options = SETUP.get(method, lambda w: {})(world).get("options", ())
-    return Case(method=method, layout=layout, causal=draw(st.booleans()), batch=draw(st.integers(1, 2)),
+    causal = draw(st.booleans()) and (method, layout) not in NONCAUSAL_ONLY
+    return Case(method=method, layout=layout, causal=causal, batch=draw(st.integers(1, 2)),
                 seq_len=seq, heads=heads, kv_heads=kv_heads, head_dim=draw(st.sampled_from([4, 8, 16])),
                 dtype=draw(st.sampled_from(["float32", "float32", "bfloat16", "float64", "float16"])),
                 window=window, cu_seqlens=docs, valid_len=valid, options=options, ulysses=ulysses,
