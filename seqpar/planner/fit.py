@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +38,7 @@ from typing import Any
 
 from .cost import MODELS
 from .profile import DIRECTIONS, Profile, load_profile
-from .validate import in_fit_set, modelled, predict_record, results
+from .validate import in_fit_set, modelled, predict_record, results, write_report
 
 __all__ = ["Fit", "FitRow", "fit", "main", "params", "profile_with", "render", "split"]
 
@@ -240,9 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = render(f)
     print(text)
     if args.out:
-        argv = list(argv) if argv is not None else sys.argv[1:]
-        command = " ".join(["python -m seqpar.planner.fit", *map(shlex.quote, argv)])
-        Path(args.out).write_text(f"`{command}`\n\n{text}\n")
+        write_report(args.out, "seqpar.planner.fit", argv, text)
     if args.json:
         Path(args.json).write_text(json.dumps({"theta_us": f.theta_us, "kappa": f.kappa}, indent=1) + "\n")
     return 0

@@ -230,6 +230,13 @@ def results(path: str | Path) -> list[dict[str, Any]]:
             and r.get("time_ms") is not None]
 
 
+def write_report(path: str, module: str, argv: Sequence[str] | None, text: str) -> None:
+    """``text`` under the command line that made it (``python -m module args``), as markdown."""
+    args = list(argv) if argv is not None else sys.argv[1:]
+    command = " ".join([f"python -m {module}", *map(shlex.quote, args)])
+    Path(path).write_text(f"`{command}`\n\n{text}\n")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m seqpar.planner.validate", description=__doc__.split("\n\n")[0])
     ap.add_argument("results", nargs="+", help="benchmark JSON lines files")
@@ -255,9 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = render(rows, autos, args.tol, args.auto_tol)
     print(text)
     if args.out:
-        argv = list(argv) if argv is not None else sys.argv[1:]
-        command = " ".join(["python -m seqpar.planner.validate", *map(shlex.quote, argv)])
-        Path(args.out).write_text(f"`{command}`\n\n{text}\n")
+        write_report(args.out, "seqpar.planner.validate", argv, text)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": [asdict(r) for r in rows], "auto": autos, "ok": ok},
                                               indent=1) + "\n")
