@@ -41,9 +41,12 @@ class Layout:
     def check_len(self, seq_len: int, what: str = "global sequence length") -> None:
         if seq_len % self.divisor:
             need = -(-seq_len // self.divisor) * self.divisor
-            raise ValueError(
-                f"{what} must be a multiple of {self.divisor} for the {self.name} layout over {self.world} "
-                f"ranks, got {seq_len} (pad to {need}, or give the valid length so seqpar pads internally)")
+            raise ValueError(f"{what} must be a multiple of {self.divisor} for {self.described()}, got {seq_len} "
+                             f"(pad to {need}, or give the valid length so seqpar pads internally)")
+
+    def described(self) -> str:
+        """How the length-check error names this placement."""
+        return f"the {self.name} layout over {self.world} ranks"
 
     def local_len(self, seq_len: int) -> int:
         self.check_len(seq_len)
@@ -95,12 +98,8 @@ class Nested(Layout):
     def divisor(self) -> int:
         return math.lcm(self.outer.divisor, self.world)
 
-    def check_len(self, seq_len: int, what: str = "global sequence length") -> None:
-        if seq_len % self.divisor:
-            need = -(-seq_len // self.divisor) * self.divisor
-            raise ValueError(
-                f"{what} must be a multiple of {self.divisor} for the {self.outer.name} layout over "
-                f"{self.outer.world} ring ranks x {self.inner} Ulysses ranks, got {seq_len} (pad to {need})")
+    def described(self) -> str:
+        return f"the {self.outer.name} layout over {self.outer.world} ring ranks x {self.inner} Ulysses ranks"
 
     def segments(self, rank: int, seq_len: int) -> Segments:
         self.check_len(seq_len)

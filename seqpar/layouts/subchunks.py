@@ -55,12 +55,8 @@ class Subchunked(Layout):
     def pieces_per_rank(self) -> int:
         return self.base.pieces
 
-    def check_len(self, seq_len: int, what: str = "global sequence length") -> None:
-        if seq_len % self.divisor:
-            need = -(-seq_len // self.divisor) * self.divisor
-            raise ValueError(
-                f"{what} must be a multiple of {self.divisor} for the {self.base.name} layout over {self.world} "
-                f"ranks with every piece cut into {self.parts} sub-chunks, got {seq_len} (pad to {need})")
+    def described(self) -> str:
+        return f"the {self.base.name} layout over {self.world} ranks with every piece cut into {self.parts} sub-chunks"
 
     def segments(self, rank: int, seq_len: int) -> Segments:
         self.check_len(seq_len)
