@@ -8,7 +8,6 @@ rank at its s-th call.
 
 from __future__ import annotations
 
-import re
 import time
 from datetime import timedelta
 from typing import Any
@@ -21,10 +20,6 @@ import seqpar
 from seqpar.testing import Case, make_inputs, run_case
 
 _MESHES: dict[tuple, Any] = {}
-
-
-def strip_rank(msg: str) -> str:
-    return re.sub(r" \(rank \d+ of \d+\)", "", msg)
 
 
 def _mesh(ulysses: int | None):

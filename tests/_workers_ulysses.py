@@ -5,7 +5,6 @@ Module-level so spawned workers can import them by name. Each returns plain data
 
 from __future__ import annotations
 
-import re
 from typing import Any
 from unittest import mock
 
@@ -23,10 +22,6 @@ def _cached_mesh(key: tuple, build):
     if key not in _MESHES:                  # mesh creation is collective: every rank builds the same ones
         _MESHES[key] = build()
     return _MESHES[key]
-
-
-def strip_rank(msg: str) -> str:
-    return re.sub(r" \(rank \d+ of \d+\)", "", msg)
 
 
 # --- bad input: the error every rank raises -----------------------------------------------------------------

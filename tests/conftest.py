@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -50,3 +51,25 @@ def run_cases(pool: ProcessPool, cases) -> list:
 def assert_all_ok(reports) -> None:
     bad = [str(r) for r in reports if not r.ok]
     assert not bad, f"{len(bad)} of {len(reports)} cases failed:\n" + "\n".join(bad)
+
+
+def strip_rank(msg: str) -> str:
+    """An error message without its " (rank r of W)" suffix, to compare what every rank raised."""
+    return re.sub(r" \(rank \d+ of \d+\)", "", msg)
+
+
+def assert_same_error_on_every_rank(results: list, etype: str, fragments) -> None:
+    """Every rank raised ``etype`` with each fragment, named its own rank, and the messages agree otherwise.
+
+    ``results[r]`` is rank r's ``(type name, message)`` (``_workers_ulysses.call_error``), None if it accepted.
+    """
+    world = len(results)
+    for r, res in enumerate(results):
+        assert res is not None, f"rank {r} accepted the call"
+        name, msg = res
+        assert name == etype, f"rank {r}: {name}: {msg}"
+        assert f"(rank {r} of {world})" in msg, msg
+        for frag in fragments:
+            assert frag in msg, f"{frag!r} not in {msg!r}"
+    assert len({strip_rank(m) for _, m in results}) == 1, results
+

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _workers_reliability import call_specs, count_collectives, round_cost, strip_rank
+from _workers_reliability import call_specs, count_collectives, round_cost
+from conftest import strip_rank
 
 Q, KV = (1, 8, 4, 16), (1, 8, 2, 16)
 OK = {"q": Q, "k": KV, "v": KV}

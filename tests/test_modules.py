@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _workers_ulysses import call_error, run_module_case, strip_rank, tiny_model_check
+from _workers_ulysses import call_error, run_module_case, tiny_model_check
+from conftest import strip_rank
 
 import seqpar
 from seqpar.testing import Case, check_case

@@ -10,8 +10,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from _workers_ulysses import call_error, run_case_on_submesh, strip_rank
-from conftest import assert_all_ok, run_cases
+from _workers_ulysses import call_error, run_case_on_submesh
+from conftest import assert_all_ok, assert_same_error_on_every_rank, run_cases
 
 from seqpar.testing import Case, check_case
 
@@ -86,14 +86,7 @@ def test_ulysses_bad_input_raises_on_every_rank(pools, spec, etype, fragments):
     """The same clear error on every rank (naming the argument, the value and the rank), before any
     collective: the pool stays usable afterwards."""
     results = pools(4).run(call_error, spec)
-    for r, res in enumerate(results):
-        assert res is not None, f"rank {r} accepted {spec}"
-        name, msg = res
-        assert name == etype, f"rank {r}: {name}: {msg}"
-        assert f"(rank {r} of 4)" in msg, msg
-        for frag in fragments:
-            assert frag in msg, f"{frag!r} not in {msg!r}"
-    assert len({strip_rank(m) for _, m in results}) == 1, results
+    assert_same_error_on_every_rank(results, etype, fragments)
     assert_all_ok(run_cases(pools(4), [Case(**U, seq_len=8, heads=4, kv_heads=2)]))
 
 

@@ -17,8 +17,8 @@ import itertools
 import pytest
 import torch
 from _workers_overlap import run_case_forbidding, trace_pipeline
-from _workers_ulysses import call_error, strip_rank
-from conftest import assert_all_ok, run_cases
+from _workers_ulysses import call_error
+from conftest import assert_all_ok, assert_same_error_on_every_rank, run_cases
 
 from seqpar.bench.presets import PRESETS, method_specs
 from seqpar.methods import _ulysses
@@ -183,14 +183,7 @@ def test_bad_head_chunks_raise_on_every_rank(pools, spec, etype, fragments):
     """The same clear error on every rank (value, valid counts, rank), before any collective: the pool
     stays usable."""
     results = pools(4).run(call_error, spec)
-    for r, res in enumerate(results):
-        assert res is not None, f"rank {r} accepted {spec}"
-        name, msg = res
-        assert name == etype, f"rank {r}: {name}: {msg}"
-        assert f"(rank {r} of 4)" in msg, msg
-        for frag in fragments:
-            assert frag in msg, f"{frag!r} not in {msg!r}"
-    assert len({strip_rank(m) for _, m in results}) == 1, results
+    assert_same_error_on_every_rank(results, etype, fragments)
     assert pools(4).run(call_error, {"shape": (1, 4, 8, 8, 8), "method": "ulysses", "layout": "contiguous",
                                      "head_chunks": 2}) == [None] * 4
 

@@ -14,9 +14,8 @@ from _workers_ulysses import (
     mesh_facts,
     run_case_without_all_to_all,
     run_case_without_ring_engine,
-    strip_rank,
 )
-from conftest import assert_all_ok, run_cases
+from conftest import assert_all_ok, assert_same_error_on_every_rank, run_cases
 
 from seqpar.layouts import Nested, make_layout
 from seqpar.testing import Case, check_case, run_case
@@ -82,14 +81,7 @@ MESH_BAD = [
 @pytest.mark.parametrize("spec,etype,fragments", MESH_BAD, ids=[f"bad{i}" for i in range(len(MESH_BAD))])
 def test_usp_bad_input_raises_on_every_rank(pools, spec, etype, fragments):
     results = pools(4).run(call_error, spec)
-    for r, res in enumerate(results):
-        assert res is not None, f"rank {r} accepted {spec}"
-        name, msg = res
-        assert name == etype, f"rank {r}: {name}: {msg}"
-        assert f"(rank {r} of 4)" in msg, msg
-        for frag in fragments:
-            assert frag in msg, f"{frag!r} not in {msg!r}"
-    assert len({strip_rank(m) for _, m in results}) == 1, results
+    assert_same_error_on_every_rank(results, etype, fragments)
 
 
 # --- world 4 against the oracle ---------------------------------------------------------------------------

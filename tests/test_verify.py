@@ -8,7 +8,8 @@ raised on every rank, with the measured error in the message.
 from __future__ import annotations
 
 import pytest
-from _workers_reliability import strip_rank, verify_worker
+from _workers_reliability import verify_worker
+from conftest import strip_rank
 from reliability_methods import SOFTMAX, all_rejected, padded_length, softmax_setup
 
 from seqpar.testing import Case
