@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import assert_all_ok, run_cases
 
-from seqpar.testing import Case, run_case
+from seqpar.testing import Case, case_error
 
 M = "double_ring"
 
@@ -41,15 +41,6 @@ def test_double_ring_windows_documents_padding_lse_grad(pools):
     assert_all_ok(run_cases(pools(4), cases))
 
 
-def expect_error(case: Case) -> tuple[str, str]:
-    """Worker side: run the case and return the error it raised (type name, message)."""
-    try:
-        run_case(case)
-    except (ValueError, TypeError, NotImplementedError) as e:
-        return type(e).__name__, str(e)
-    return "", ""
-
-
 @pytest.mark.parametrize("options,match", [
     ((), "needs node_size"),
     ((("node_size", 3),), "node_size must be a positive int dividing the group size 4, got 3"),
@@ -59,6 +50,6 @@ def expect_error(case: Case) -> tuple[str, str]:
 ])
 def test_double_ring_rejects_bad_node_size(pools, options, match):
     case = Case(method=M, seq_len=32, options=options)
-    for kind, msg in pools(4).run(expect_error, case):
+    for kind, msg in pools(4).run(case_error, case):
         assert kind and match in msg, (kind, msg)
         assert "(rank " in msg

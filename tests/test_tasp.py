@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import assert_all_ok, run_cases
 
-from seqpar.testing import Case, run_case
+from seqpar.testing import Case, case_error
 
 M = "tasp"
 
@@ -41,15 +41,6 @@ def test_tasp_windows_documents_padding_lse_grad(pools, schedule):
     assert_all_ok(run_cases(pools(3), cases))
 
 
-def expect_error(case: Case) -> tuple[str, str]:
-    """Worker side: run the case and return the error it raised (type name, message)."""
-    try:
-        run_case(case)
-    except (ValueError, TypeError, NotImplementedError) as e:
-        return type(e).__name__, str(e)
-    return "", ""
-
-
 @pytest.mark.parametrize("options,layout,causal,seq,match", [
     ((("schedule", "cycles"),), "zigzag", True, 24, "schedule='cycles' needs a group size with a Hamiltonian"),
     ((), "contiguous", True, 24, "causal=True needs layout='zigzag'"),
@@ -60,5 +51,5 @@ def expect_error(case: Case) -> tuple[str, str]:
 ])
 def test_tasp_rejects_what_it_cannot_serve(pools, options, layout, causal, seq, match):
     case = Case(method=M, layout=layout, causal=causal, seq_len=seq, options=options)
-    for kind, msg in pools(4).run(expect_error, case):
+    for kind, msg in pools(4).run(case_error, case):
         assert kind and match in msg, (kind, msg)

@@ -7,10 +7,10 @@
 
 from __future__ import annotations
 
-from .cases import Case, Report, check_case, make_inputs, run_case
+from .cases import Case, Report, case_error, check_case, make_inputs, run_case
 from .harness import ProcessPool, WorkerError
 from .oracle import dense_attention, dense_mask
 from .tolerances import judge, rel_error
 
-__all__ = ["Case", "ProcessPool", "Report", "WorkerError", "check_case", "dense_attention", "dense_mask",
-           "judge", "make_inputs", "rel_error", "run_case"]
+__all__ = ["Case", "ProcessPool", "Report", "WorkerError", "case_error", "check_case", "dense_attention",
+           "dense_mask", "judge", "make_inputs", "rel_error", "run_case"]

@@ -127,6 +127,15 @@ def run_case(case: Case) -> dict[str, Any]:
     return local
 
 
+
+def case_error(case: Case) -> tuple[str, str]:
+    """Worker side: run ``case`` expecting a validation error; its ``(type name, message)``, or ``("", "")``."""
+    try:
+        run_case(case)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        return type(e).__name__, str(e)
+    return "", ""
+
 def _unshard(parts: list[torch.Tensor], positions: list[torch.Tensor], seq_len: int, dim: int) -> torch.Tensor:
     shape = list(parts[0].shape)
     shape[dim] = seq_len
