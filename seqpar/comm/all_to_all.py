@@ -251,28 +251,20 @@ class _QKVSeqToHeads(torch.autograd.Function):
         return (*(g.to(dt) for g, dt in zip(grads, ctx.dtypes)), None, None)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Redistribute(torch.autograd.Function):
+    """``post_seq_to_heads`` (``to_heads``) or ``post_heads_to_seq``; the backward is the other one (adjoints)."""
+
     @staticmethod
-    def forward(ctx, x, group, seq_dim, head_dim):
-        ctx.args = (group, seq_dim, head_dim)
-        return post_seq_to_heads(x, group, seq_dim=seq_dim, head_dim=head_dim).wait()
+    def forward(ctx, x, group, seq_dim, head_dim, to_heads):
+        ctx.args = (group, seq_dim, head_dim, to_heads)
+        post = post_seq_to_heads if to_heads else post_heads_to_seq
+        return post(x, group, seq_dim=seq_dim, head_dim=head_dim).wait()
 
     @staticmethod
     def backward(ctx, g):
-        group, seq_dim, head_dim = ctx.args
-        return post_heads_to_seq(g, group, seq_dim=seq_dim, head_dim=head_dim).wait(), None, None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, seq_dim, head_dim):
-        ctx.args = (group, seq_dim, head_dim)
-        return post_heads_to_seq(x, group, seq_dim=seq_dim, head_dim=head_dim).wait()
-
-    @staticmethod
-    def backward(ctx, g):
-        group, seq_dim, head_dim = ctx.args
-        return post_seq_to_heads(g, group, seq_dim=seq_dim, head_dim=head_dim).wait(), None, None, None
+        group, seq_dim, head_dim, to_heads = ctx.args
+        post = post_heads_to_seq if to_heads else post_seq_to_heads
+        return post(g, group, seq_dim=seq_dim, head_dim=head_dim).wait(), None, None, None, None
 
 
 def qkv_seq_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None = None,
@@ -289,10 +281,10 @@ def qkv_seq_to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: d
 def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None = None, *, seq_dim: int = 1,
                  head_dim: int = 2) -> torch.Tensor:
     """Differentiable ``post_seq_to_heads``: L rows x H heads -> U L rows x H/U heads."""
-    return _SeqToHeads.apply(x, group, seq_dim, head_dim)
+    return _Redistribute.apply(x, group, seq_dim, head_dim, True)
 
 
 def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None = None, *, seq_dim: int = 1,
                  head_dim: int = 2) -> torch.Tensor:
     """Differentiable ``post_heads_to_seq``: U L rows x H/U heads -> L rows x H heads."""
-    return _HeadsToSeq.apply(x, group, seq_dim, head_dim)
+    return _Redistribute.apply(x, group, seq_dim, head_dim, False)
