@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from seqpar.layouts import Contiguous, Stripe, Zigzag
-from seqpar.layouts.subchunks import Subchunked, slice_rows
+from seqpar.layouts.blocks import slice_rows
+from seqpar.layouts.subchunks import Subchunked
 
 
 @pytest.mark.parametrize("base_cls", [Contiguous, Zigzag, Stripe])

@@ -63,3 +63,21 @@ class TaskRunner:
         return kern.backward(do[:, task.q], qs, ks, vs, None if out is None else out[:, task.q],
                              lse[:, :, task.q], task.mask, self.scale,
                              delta=None if delta is None else delta[:, :, task.q], deterministic=self.deterministic)
+
+    def backward_all(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor | None, lse: torch.Tensor, tasks: tuple[Task, ...],
+                     delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every task's gradients summed over the whole q, k, v (fp32, fp64 for fp64 inputs); one task that
+        covers everything returns the kernel's own gradients, with no sums and no copies."""
+        tasks = self.prepare(tasks, q, k)
+        if len(tasks) == 1 and tasks[0].rows == q.shape[1] and tasks[0].cols == k.shape[1]:
+            return self.backward(do, q, k, v, out, lse, tasks[0], delta)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
+        for t in tasks:
+            gq, gk, gv = self.backward(do, q, k, v, out, lse, t, delta)
+            dq[:, t.q] += gq
+            dk[:, t.k] += gk
+            dv[:, t.k] += gv
+        return dq, dk, dv
+

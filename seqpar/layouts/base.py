@@ -15,7 +15,7 @@ from typing import ClassVar
 
 import torch
 
-from .blocks import Run, Segments
+from .blocks import Segments, slice_rows
 
 __all__ = ["Layout", "Nested"]
 
@@ -106,14 +106,4 @@ class Nested(Layout):
         rho, u = divmod(rank, self.inner)
         whole = self.outer.segments(rho, seq_len)
         piece = whole.length // self.inner
-        return _slice_rows(whole, u * piece, (u + 1) * piece)
-
-
-def _slice_rows(seg: Segments, start: int, stop: int) -> Segments:
-    """Rows ``start:stop`` of ``seg``, renumbered from 0."""
-    runs = []
-    for r in seg.runs:
-        a, b = max(r.local, start), min(r.end, stop)
-        if a < b:
-            runs.append(Run(a - start, r.glob + seg.stride * (a - r.local), b - a, r.doc))
-    return Segments(tuple(runs), seg.stride)
+        return slice_rows(whole, u * piece, (u + 1) * piece)

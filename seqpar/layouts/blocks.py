@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from ..masks import Band, Varlen, bottom_right_window
 
-__all__ = ["Rule", "Run", "Segments", "Task", "group_varlen", "plan", "visible_dense"]
+__all__ = ["Rule", "Run", "Segments", "Task", "group_varlen", "plan", "slice_rows", "visible_dense"]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -291,3 +291,13 @@ def visible_dense(q_pos: Sequence[int], k_pos: Sequence[int], rule: Rule,
     kd = k_doc or [0] * len(k_pos)
     return [[qd[i] == kd[j] and qd[i] >= 0 and (lo is None or kp - qp >= lo) and (hi is None or kp - qp <= hi)
              for j, kp in enumerate(k_pos)] for i, qp in enumerate(q_pos)]
+
+
+def slice_rows(seg: Segments, start: int, stop: int) -> Segments:
+    """Local rows ``start:stop`` of ``seg`` as their own Segments, renumbered from 0 (documents kept)."""
+    runs = []
+    for r in seg.runs:
+        a, b = max(r.local, start), min(r.end, stop)
+        if a < b:
+            runs.append(Run(a - start, r.glob + seg.stride * (a - r.local), b - a, r.doc))
+    return Segments(tuple(runs), seg.stride)

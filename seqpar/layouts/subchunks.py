@@ -8,7 +8,7 @@ of every piece. Zigzag, W = 2, m = 3 (local rows of one rank, ``f``/``b`` = fron
 
 Token placement is the base layout's (``segments``, ``shard``, ``unshard``, ``positions`` are unchanged);
 only the divisor grows so that every part has the same length: the global length must be a multiple of
-``base.divisor * parts``. ``slice_rows`` turns rows of a rank into their own ``Segments`` for the planner.
+``base.divisor * parts``. ``blocks.slice_rows`` turns rows of a rank into their own ``Segments`` for the planner.
 """
 
 from __future__ import annotations
@@ -17,19 +17,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .base import Layout
-from .blocks import Run, Segments
+from .blocks import Segments
 
-__all__ = ["Subchunked", "slice_rows"]
-
-
-def slice_rows(seg: Segments, start: int, stop: int) -> Segments:
-    """Local rows ``start:stop`` of ``seg`` as their own Segments, renumbered from 0 (documents kept)."""
-    runs = []
-    for r in seg.runs:
-        a, b = max(r.local, start), min(r.end, stop)
-        if a < b:
-            runs.append(Run(a - start, r.glob + seg.stride * (a - r.local), b - a, r.doc))
-    return Segments(tuple(runs), seg.stride)
+__all__ = ["Subchunked"]
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     n = sched.n_steps
     dtypes = (result_dtype or q.dtype, result_dtype or k.dtype, result_dtype or v.dtype)
     if n == 1:
-        return _local_backward(do, q, k, v, out, lse, sched.steps[0], runner, delta, acc, dtypes)
+        return _local_backward(do, q, k, v, out, lse, sched.steps[0], runner, delta, dtypes)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv = torch.stack((k, v))
     nxt = torch.empty_like(kv)
@@ -145,16 +145,7 @@ def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return dq.to(dtypes[0]), dkv_in[0].to(dtypes[1]), dkv_in[1].to(dtypes[2])
 
 
-def _local_backward(do, q, k, v, out, lse, tasks, runner, delta, acc, dtypes):
-    """Backward of a single-step schedule: no ring; one task covering everything skips the fp32 sums."""
-    tasks = runner.prepare(tasks, q, k)
-    if len(tasks) == 1 and tasks[0].rows == q.shape[1] and tasks[0].cols == k.shape[1]:
-        g = runner.backward(do, q, k, v, out, lse, tasks[0], delta)
-        return tuple(x.to(d) for x, d in zip(g, dtypes))
-    dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
-    for t in tasks:
-        gq, gk, gv = runner.backward(do, q, k, v, out, lse, t, delta)
-        dq[:, t.q] += gq
-        dk[:, t.k] += gk
-        dv[:, t.k] += gv
-    return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
+def _local_backward(do, q, k, v, out, lse, tasks, runner, delta, dtypes):
+    """Backward of a single-step schedule: no ring."""
+    g = runner.backward_all(do, q, k, v, out, lse, tasks, delta)
+    return tuple(x.to(d) for x, d in zip(g, dtypes))

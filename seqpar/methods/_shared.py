@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.merge import Accumulator
-from ..layouts.blocks import Rule, Segments, Task, plan
-from ..layouts.subchunks import slice_rows
+from ..layouts.blocks import Rule, Segments, Task, plan, slice_rows
 
 __all__ = ["acc_dtype", "bhs", "bshd", "delta_of", "hull", "own_accumulator", "row_hull", "seq_major", "shift",
            "split_own", "wire_dtype"]

@@ -41,8 +41,8 @@ from ..comm import topology
 from ..comm.ring import Exchange
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator
-from ..layouts.blocks import Rule, Task, plan
-from ..layouts.subchunks import Subchunked, slice_rows
+from ..layouts.blocks import Rule, Task, plan, slice_rows
+from ..layouts.subchunks import Subchunked
 from ._shared import acc_dtype, bshd, seq_major, split_own, wire_dtype
 
 __all__ = ["Hop", "Piece", "Round", "TaspPlan", "backward", "forward", "schedule"]

@@ -193,18 +193,7 @@ class LocalEngine:
 
     def backward(self, do, q, k, v, out, lse, delta):
         runner = self._runner(needs_delta=delta is not None)
-        acc = acc_dtype(q.dtype)
-        tasks = runner.prepare(self.tasks, q, k)
-        S = q.shape[1]
-        if len(tasks) == 1 and tasks[0].rows == S and tasks[0].cols == S:     # the common case: no copies
-            return runner.backward(do, q, k, v, out, lse, tasks[0], delta)
-        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
-        for t in tasks:
-            gq, gk, gv = runner.backward(do, q, k, v, out, lse, t, delta)
-            dq[:, t.q] += gq
-            dk[:, t.k] += gk
-            dv[:, t.k] += gv
-        return dq, dk, dv
+        return runner.backward_all(do, q, k, v, out, lse, self.tasks, delta)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None, engine: Engine
