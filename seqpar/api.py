@@ -211,6 +211,10 @@ def _config(module, *, layout, causal, softmax_scale, kernel, window_size, cu_se
                         f"{rank_suffix()}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}{rank_suffix()}")
+    causal_ok = methods.causal_layouts(module)
+    if causal and layout not in causal_ok:
+        need = f"layout={causal_ok[0]!r}" if len(causal_ok) == 1 else f"a layout in {list(causal_ok)}"
+        raise ValueError(f"method={name!r} with causal=True needs {need}, got layout={layout!r}{rank_suffix()}")
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
     need = {"window": window != (-1, -1), "varlen": cu_seqlens is not None, "padding": seq_len is not None}
     for feature, used in need.items():

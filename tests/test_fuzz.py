@@ -33,7 +33,7 @@ from linear_cases import LinearCase, check_linear_case, run_linear_cases
 from reliability_methods import LINEAR, SETUP, SOFTMAX, length_divisor
 
 import seqpar
-from seqpar.methods import get
+from seqpar.methods import causal_layouts, get
 from seqpar.testing import Case, WorkerError, check_case, run_case
 
 CI_WORLDS = [2, 3, 4]
@@ -47,9 +47,6 @@ CI = settings(max_examples=10, deadline=None, derandomize=True, database=None, p
               phases=[Phase.explicit, Phase.generate],
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 LONG = settings(CI, max_examples=SLOW_EXAMPLES, derandomize=False)
-
-# (method, layout) pairs a method refuses with causal=True, by design and with a clear error (tested elsewhere)
-NONCAUSAL_ONLY = {("tasp", "contiguous")}
 
 # query-head degree each method splits heads over (Ulysses-style methods); others take any head counts
 HEAD_DEGREE = {"ulysses": lambda world, ulysses: world, "usp": lambda world, ulysses: ulysses}
@@ -102,7 +99,7 @@ def softmax_cases(draw, world: int) -> Case:
     if "window" in feats and draw(st.booleans()):
         window = (draw(st.integers(-1, seq)), draw(st.integers(-1, seq)))
     options = SETUP.get(method, lambda w: {})(world).get("options", ())
-    causal = draw(st.booleans()) and (method, layout) not in NONCAUSAL_ONLY
+    causal = draw(st.booleans()) and layout in causal_layouts(module)
     return Case(method=method, layout=layout, causal=causal, batch=draw(st.integers(1, 2)),
                 seq_len=seq, heads=heads, kv_heads=kv_heads, head_dim=draw(st.sampled_from([4, 8, 16])),
                 dtype=draw(st.sampled_from(["float32", "float32", "bfloat16", "float64", "float16"])),

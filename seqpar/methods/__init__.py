@@ -7,8 +7,9 @@ Every method module defines:
     MESH_DIMS  1 (a group or 1D mesh) or 2 (a ("ulysses", "ring") mesh)
     OPTIONS    method-specific keyword options and their defaults (anything else is an error)
     FEATURES   the subset of {"window", "varlen", "padding", "lse_grad"} it serves (others raise)
+    CAUSAL_LAYOUTS  (optional) the layouts that serve causal=True, when not all of LAYOUTS do
     placement(layout, groups) -> (Layout, index)   where the tokens live, for shard/unshard/positions
-    _forward / _backward, the autograd Function, then attention(q, k, v, cfg, groups) -> AttnOutput
+    _forward / _backward, then attention(q, k, v, cfg, groups) -> AttnOutput through _autograd.differentiable
 
 Code two methods share (the pass-KV ring loop) lives in private ``_``-modules here. To add a method, copy
 the anatomy of ``ring.py``, register its module below, and add it to the oracle tests and the demo.
@@ -21,7 +22,7 @@ from types import ModuleType
 
 from ..errors import rank_suffix
 
-__all__ = ["available", "get"]
+__all__ = ["available", "causal_layouts", "get"]
 
 _MODULES = {
     "ring": "seqpar.methods.ring",
@@ -44,3 +45,9 @@ def get(name: str) -> ModuleType:
     if name not in _MODULES:
         raise ValueError(f"method must be one of {available()}, got {name!r}{rank_suffix()}")
     return importlib.import_module(_MODULES[name])
+
+
+def causal_layouts(module: ModuleType) -> tuple[str, ...]:
+    """The layouts of ``module`` that serve causal=True (``CAUSAL_LAYOUTS``, else all of ``LAYOUTS``)."""
+    return tuple(getattr(module, "CAUSAL_LAYOUTS", module.LAYOUTS))
+
