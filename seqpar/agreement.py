@@ -25,13 +25,24 @@ Note [Agreement protocol]
     axis, is the MAX over all of them); the group list depends only on the ``mesh`` argument, so a rank that
     failed validation joins exactly the collectives the others run.
 
-Note [Why the round is never skipped]
-    The issue asked for a cache by shape signature ("checked once, free afterwards"). Skipping the round on
-    a cache hit is unsafe: the decision is local, so a rank whose inputs changed runs the round while the
-    others skip it, and its all-reduce pairs with their next collective (the method's first send, an
-    all-to-all): a hang or silently mixed data, the very failure the check exists to prevent. No local rule
-    can decide "everybody hits" without communicating. So the cache holds what is local - the digest of a
-    signature (``functools.lru_cache``), so a repeated call hashes nothing - and the collective always runs.
+Note [When the round is read]
+    Skipping the round on a repeated signature is unsafe on its own: the decision is local, so a rank whose
+    inputs changed would run the round while the others skip it, and its all-reduce would pair with their
+    next collective (a hang, or silently mixed data). So the round's collective is POSTED on every call, by
+    every rank of the group - the sequence of collectives stays identical whatever each rank decides - and
+    what is optional is *reading* its result, which is what costs on a GPU (a device synchronisation):
+
+    * the result is read at once on a call whose signature is new to this rank's plan cache, on every
+      ``period``-th call of the group, and on every call of a gloo (CPU) group, where reading costs nothing
+      beyond the collective;
+    * otherwise (NCCL, a repeated signature) the round's result is copied to pinned host memory behind the
+      call and checked when it has arrived - at the start of the next call on this group at the latest, so
+      a rank that disagrees makes every rank raise within one call. A fourth pair of values in the round
+      says whether every rank read it at once; only then do the ranks exchange their signatures to name who
+      differs (an object all-gather every rank must join); otherwise each raises without the gather.
+
+    Calls recomputed by activation checkpointing (inside the backward pass, the same call on every rank)
+    and calls captured in a CUDA graph (``check_ranks=False`` is then required) run no round.
 
 Note [Cost of the round]
     The round is one collective - the floor for any cross-rank check. On a group whose backend carries CPU
@@ -57,6 +68,7 @@ import functools
 import hashlib
 import itertools
 import re
+import weakref
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -68,8 +80,8 @@ from .config import AttentionConfig
 from .errors import RankDisagreementError, rank_suffix
 from .groups import SeqParallelGroups
 
-__all__ = ["Items", "attention_signature", "check", "digest", "linear_signature", "max_over", "reduce_groups",
-           "share_error"]
+__all__ = ["Items", "Tracker", "attention_signature", "check", "digest", "linear_signature", "max_over",
+           "reduce_groups", "share_error"]
 
 Items = tuple[tuple[str, Any], ...]
 """A call signature: ``(label, value)`` pairs, hashable; labels are what error messages print."""
@@ -162,11 +174,88 @@ def _gather(payload: _Payload, groups) -> list[_Payload]:
     return sorted(got, key=lambda p: p.rank)
 
 
-def _round(h: int, rejected: bool, groups, device) -> tuple[bool, bool, bool]:
-    """``(digests all equal, anybody rejected, everybody rejected)``: the same on every rank."""
-    e = int(rejected)
-    hmax, neg_hmin, emax, neg_emin = _all_reduce_max([h, -h, e, -e], torch.int64, groups, device)
-    return hmax == -neg_hmin, emax == 1, -neg_emin == 1
+class _Outcome(NamedTuple):
+    """What one round says, the same on every rank."""
+
+    same: bool          # every digest equal
+    anybody: bool       # some rank rejected the call
+    everybody: bool     # every rank rejected it
+    all_read: bool      # every rank read the round at once (so all can join the signature exchange)
+
+
+def _round(h: int, rejected: bool, groups, device, read_now: bool = True) -> _Outcome:
+    """One round, read at once: ``[h, -h, e, -e, b, -b]`` MAX-reduced (Note [Agreement protocol])."""
+    e, b = int(rejected), int(read_now)
+    hmax, neg_hmin, emax, neg_emin, _, neg_bmin = _all_reduce_max([h, -h, e, -e, b, -b], torch.int64, groups, device)
+    return _Outcome(hmax == -neg_hmin, emax == 1, -neg_emin == 1, -neg_bmin == 1)
+
+
+class _Posted:
+    """One round posted on a device group; its result is read when ready (Note [When the round is read])."""
+
+    def __init__(self, values: list[int], groups, device: torch.device, call: int):
+        self.call = call
+        t = torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+        for g in groups:
+            if dist.get_world_size(g) > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g, async_op=True).wait()   # a stream dependency
+        self.host = torch.empty(len(values), dtype=torch.int64, pin_memory=True)
+        self.host.copy_(t, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def ready(self) -> bool:
+        return self.event.query()
+
+    def values(self) -> list[int]:
+        self.event.synchronize()
+        return self.host.tolist()
+
+
+class Tracker:
+    """The agreement policy of one mesh argument (Note [When the round is read]): counts calls, posts every
+    round, reads them at once or lazily. One per mesh object; ``seqpar.runtime.call`` keeps them."""
+
+    def __init__(self, mesh: Any):
+        self._mesh = None if mesh is None else weakref.ref(mesh)     # never keeps a group alive
+        self.calls = 0
+        self.pending: list[_Posted] = []
+
+    def serves(self, mesh: Any) -> bool:
+        return (mesh is None and self._mesh is None) or (self._mesh is not None and self._mesh() is mesh)
+
+    @property
+    def mesh(self) -> Any:
+        return None if self._mesh is None else self._mesh()
+
+    @property
+    def groups(self) -> list:
+        return reduce_groups(self.mesh)
+
+    def poll(self, block: bool = False) -> None:
+        """Check the lazily read rounds that have arrived (all of them with ``block``)."""
+        while self.pending and (block or self.pending[0].ready()):
+            posted = self.pending.pop(0)
+            hmax, neg_hmin, emax, _, _, _ = posted.values()
+            if hmax != -neg_hmin or emax:
+                self.pending.clear()
+                raise RankDisagreementError(
+                    f"ranks disagree on the call: call {posted.call} on this group differs between ranks (found "
+                    f"after the call; a rank's arguments or inputs differ from another's: run the step with "
+                    f"check_ranks=1 to have the ranks named){rank_suffix()}")
+
+    def round(self, items: Items, *, read_now: bool, device: torch.device | None) -> None:
+        """Post this call's round; read it now, or leave it for ``poll``; raise on a disagreement."""
+        self.calls += 1
+        groups = self.groups
+        dev = _device(groups, device)
+        h = digest(items)
+        if dev.type == "cpu" or read_now:
+            self.poll(block=True)
+            _raise_unless_agreed(items, h, _round(h, False, groups, dev), groups, self.calls)
+            return
+        self.poll()
+        self.pending.append(_Posted([h, -h, 0, 0, 0, 0], groups, dev, self.calls))
 
 
 def check(items: Items, mesh: Any, device: torch.device | None = None) -> None:
@@ -177,11 +266,24 @@ def check(items: Items, mesh: Any, device: torch.device | None = None) -> None:
     """
     groups = reduce_groups(mesh)
     h = digest(items)
-    same, anybody, _ = _round(h, False, groups, _device(groups, device))
-    if same and not anybody:
+    _raise_unless_agreed(items, h, _round(h, False, groups, _device(groups, device)), groups, None)
+
+
+def _raise_unless_agreed(items: Items, h: int, res: _Outcome, groups, call: int | None) -> None:
+    if res.same and not res.anybody:
         return
-    payloads = _gather(_Payload(dist.get_rank(), _canon(items), None, h), groups)
-    raise RankDisagreementError(f"ranks disagree on the call: {_describe(payloads)}{rank_suffix()}")
+    if res.all_read:                   # every rank is here: name who differs
+        payloads = _gather(_Payload(dist.get_rank(), _canon(items), None, h), groups)
+        raise RankDisagreementError(f"ranks disagree on the call: {_describe(payloads)}{rank_suffix()}")
+    raise RankDisagreementError(
+        f"ranks disagree on the call: call {call} on this group differs between ranks (some ranks repeated an "
+        f"earlier call signature; run the step with check_ranks=1 to have the ranks named){rank_suffix()}")
+
+
+def share_error_tracked(err: BaseException, tracker: Tracker) -> None:
+    """``share_error`` for a call of a tracked mesh (counts the call)."""
+    tracker.calls += 1
+    share_error(err, tracker.mesh)
 
 
 def share_error(err: BaseException, mesh: Any) -> None:
@@ -197,8 +299,8 @@ def share_error(err: BaseException, mesh: Any) -> None:
         device = _device(groups, None)
     except Exception:        # the mesh argument is the problem: there is no group to run a round on
         return
-    _, _, everybody = _round(0, True, groups, device)
-    if not everybody:
+    res = _round(0, True, groups, device)
+    if not res.everybody and res.all_read:
         text = re.sub(r" \(rank \d+ of \d+\)$", "", str(err))          # the others add their own suffix
         _gather(_Payload(dist.get_rank(), None, f"{type(err).__name__}: {text}", 0), groups)
 

@@ -44,6 +44,8 @@ class AttentionConfig:
     """Bitwise-reproducible results: fixed reduction orders and deterministic kernels only."""
     grad_dtype: torch.dtype = torch.float32
     """Dtype of gradient partials on the wire (dK/dV in pass-KV, dQ in pass-Q, reduce-scatters)."""
+    softcap: float = 0.0
+    """Score capping ``softcap * tanh(s / softcap)`` (Gemma 2); 0 = none."""
     options: tuple[tuple[str, Any], ...] = field(default=())
     """Method-specific options as sorted ``(name, value)`` pairs (see ``option``)."""
 
@@ -55,6 +57,8 @@ class AttentionConfig:
                                                    and self.softmax_scale > 0):
             raise ValueError(f"softmax_scale must be a positive float or None, got {self.softmax_scale!r}"
                              f"{rank_suffix()}")
+        if isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)) or self.softcap < 0:
+            raise ValueError(f"softcap must be a float >= 0 (0 = no capping), got {self.softcap!r}{rank_suffix()}")
         if self.grad_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
             raise ValueError(f"grad_dtype must be a floating dtype, got {self.grad_dtype}{rank_suffix()}")
         cu = self.cu_seqlens

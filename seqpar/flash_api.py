@@ -38,10 +38,11 @@ from typing import Any
 
 import torch
 
-from .api import _host_cu, attention
+from .api import attention
 from .errors import rank_suffix
 from .groups import SeqParallelGroups
 from .layouts.varlen import contiguous_gather_segments
+from .runtime.call import host_cu_seqlens as _host_cu
 
 __all__ = [
     "llama3_flash_attn_prepare_cu_seqlens", "llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_func",

@@ -10,7 +10,9 @@ placements of a 2D mesh (Ulysses groups on contiguous ranks, or strided) shard c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,9 +30,27 @@ except ImportError:  # pragma: no cover
 ULYSSES, RING = "ulysses", "ring"
 
 
-@dataclass(frozen=True)
+def _weak(group: dist.ProcessGroup | None) -> Any:
+    return None if group is None else weakref.ref(group)
+
+
+def _strong(ref: Any, what: str) -> dist.ProcessGroup | None:
+    if ref is None:
+        return None
+    group = ref()
+    if group is None:
+        raise RuntimeError(f"the {what} process group of this call was destroyed; pass a live group or mesh"
+                           f"{rank_suffix()}")
+    return group
+
+
+@dataclass(frozen=True, init=False)
 class SeqParallelGroups:
     """Groups of one sequence-parallel call.
+
+    The process groups are held by weak reference: planned calls keep this object, and a cache must never
+    keep a group alive after its owner drops it (gloo closes a group's connections only when the group
+    object goes away - the fail-fast recipe of docs/RELIABILITY.md depends on it).
 
     Attributes:
         group: the whole sequence-parallel group for 1D methods; None for a 2D mesh (use the axes).
@@ -41,11 +61,27 @@ class SeqParallelGroups:
             (``ring_rank * U + ulysses_rank`` on a 2D mesh).
     """
 
-    group: dist.ProcessGroup | None
-    ulysses: dist.ProcessGroup | None
-    ring: dist.ProcessGroup | None
     world: int
     index: int
+    _refs: tuple = field(repr=False)
+
+    def __init__(self, group: dist.ProcessGroup | None, ulysses: dist.ProcessGroup | None,
+                 ring: dist.ProcessGroup | None, world: int, index: int):
+        object.__setattr__(self, "world", world)
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "_refs", (_weak(group), _weak(ulysses), _weak(ring)))
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return _strong(self._refs[0], "sequence-parallel")
+
+    @property
+    def ulysses(self) -> dist.ProcessGroup | None:
+        return _strong(self._refs[1], "ulysses")
+
+    @property
+    def ring(self) -> dist.ProcessGroup | None:
+        return _strong(self._refs[2], "ring")
 
     @property
     def ulysses_size(self) -> int:

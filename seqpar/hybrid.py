@@ -71,13 +71,13 @@ class HybridContext:
             raise ValueError(f"softmax_method must be one of {methods.available()}, got {self.softmax_method!r}"
                              f"{rank_suffix()}")
         soft, lin = methods.get(self.softmax_method), get_linear_method(self.linear_method)
-        if soft.MESH_DIMS != 1:
+        if soft.mesh_dims != 1:
             raise ValueError(f"softmax_method must run on a 1D group like the linear layers, got "
-                             f"{self.softmax_method!r} (a {soft.MESH_DIMS}D mesh){rank_suffix()}")
-        for name, module in ((self.softmax_method, soft), (self.linear_method, lin)):
-            if self.layout not in module.LAYOUTS:
+                             f"{self.softmax_method!r} (a {soft.mesh_dims}D mesh){rank_suffix()}")
+        for name, layouts in ((self.softmax_method, soft.layouts), (self.linear_method, lin.LAYOUTS)):
+            if self.layout not in layouts:
                 raise ValueError(f"layout must be accepted by both layer types; method={name!r} takes "
-                                 f"{list(module.LAYOUTS)}, got {self.layout!r}{rank_suffix()}")
+                                 f"{list(layouts)}, got {self.layout!r}{rank_suffix()}")
         if self.cu_seqlens is not None:
             object.__setattr__(self, "cu_seqlens", tuple(int(x) for x in self.cu_seqlens))
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import methods
-from .api import _config, attention, positions, shard, unshard
+from .api import attention, attention_config, positions, shard, unshard
 from .config import AttentionConfig
 from .errors import rank_suffix
 from .groups import SeqParallelGroups
@@ -51,15 +51,11 @@ class SequenceParallelAttention(nn.Module):
                  kernel: str = "auto", softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
                  deterministic: bool = False, grad_dtype: torch.dtype = torch.float32, **options: Any):
         super().__init__()
-        module = methods.get(method)
-        if layout is None:
-            layout = "zigzag" if "zigzag" in module.LAYOUTS else module.LAYOUTS[0]
-        self.config: AttentionConfig = _config(
-            module, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
-            window_size=window_size, cu_seqlens=None, seq_len=None, deterministic=deterministic,
-            grad_dtype=grad_dtype, dropout_p=0.0, alibi_slopes=None, softcap=0.0, options=options)
+        self.config: AttentionConfig = attention_config(
+            method, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
+            window_size=window_size, deterministic=deterministic, grad_dtype=grad_dtype, **options)
         if mesh is not None:
-            SeqParallelGroups.resolve(mesh, module.MESH_DIMS)
+            SeqParallelGroups.resolve(mesh, methods.get(method).mesh_dims)
         self.mesh = mesh
 
     @property

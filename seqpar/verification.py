@@ -92,25 +92,32 @@ def row_mask(rows: torch.Tensor, seq_len: int, cfg: AttentionConfig) -> torch.Te
 
 
 def _dense(q_BRD: torch.Tensor, k_BSD: torch.Tensor, v_BSD: torch.Tensor, vis: torch.Tensor, scale: float,
-           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (B, R, D), lse (B, R))`` of the rows against all keys, every op in ``dtype``."""
+           dtype: torch.dtype, softcap: float = 0.0, sink: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (B, R, Dv), lse (B, R))`` of the rows against all keys, every op in ``dtype`` (score capping and a
+    sink logit as ``seqpar.attention`` applies them)."""
     s = torch.einsum("brd,bsd->brs", q_BRD.to(dtype), k_BSD.to(dtype)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~vis, float("-inf"))
+    if sink is not None:                                          # a virtual key with value 0
+        s = torch.cat([s, s.new_full((*s.shape[:-1], 1), sink)], -1)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+    if sink is not None:
+        p = p[..., :-1]
     return torch.einsum("brs,bsd->brd", p, v_BSD.to(dtype)), lse
 
 
 def check_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                  cfg: AttentionConfig, groups: SeqParallelGroups, module: Any, mesh: Any, *, heads: int = 2,
-                 rows: int = 256, seed: int = 0, tolerance: float | None = None, raise_on_error: bool = True
-                 ) -> VerifyReport:
+                 rows: int = 256, seed: int = 0, tolerance: float | None = None, raise_on_error: bool = True,
+                 sinks: torch.Tensor | None = None) -> VerifyReport:
     """Note [Verify mode] on validated local shards; a collective on every rank of ``mesh``.
 
     Args:
-        q, k, v: the local inputs ``(B, L, H, D)`` / ``(B, L, Hkv, D)`` of the call being verified.
-        out, lse: its local result ``(B, L, H, D)`` and ``(B, H, L)`` (lse optional).
-        cfg, groups, module: the call's validated config, groups and method module.
+        q, k, v: the local inputs ``(B, L, H, D)`` / ``(B, L, Hkv, D)`` / ``(B, L, Hkv, Dv)`` of the call.
+        out, lse: its local result ``(B, L, H, Dv)`` and ``(B, H, L)`` (lse optional).
+        cfg, groups, module: the call's validated config, groups and method declaration.
         mesh: the ``mesh`` argument of the call (the MAX-reduction runs over it).
         heads, rows, seed: the sample (Note [Verify mode]).
         tolerance: a fixed limit on the normalised max error instead of the dtype rule.
@@ -120,18 +127,19 @@ def check_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
 
     _, _, H, D = q.shape
     G = H // k.shape[2]
-    layout, _ = module.placement(cfg.layout, groups)
+    layout, _ = module.placement(cfg.layout, groups, cfg.cu_seqlens)
     S = q.shape[1] * groups.world
     gen = torch.Generator().manual_seed(seed)
     hs = _sample(H, heads, gen).tolist()
     kvs = sorted({h // G for h in hs})
     rws = _sample(cfg.valid_len if cfg.valid_len is not None else S, rows, gen).to(q.device)
-    nh, nk = len(hs), len(kvs)
+    nh = len(hs)
     idx_q = torch.tensor(hs, device=q.device)
     idx_k = torch.tensor(kvs, device=q.device)
-    packed = torch.cat([q.detach().index_select(2, idx_q), out.detach().to(q.dtype).index_select(2, idx_q),
-                        k.detach().index_select(2, idx_k), v.detach().index_select(2, idx_k)], dim=2)
-    full = layout.unshard(groups.all_gather(packed), 1)           # (B, S, 2 nh + 2 nk, D), on q's device
+    qk = torch.cat([q.detach().index_select(2, idx_q), k.detach().index_select(2, idx_k)], dim=2)
+    ov = torch.cat([out.detach().to(q.dtype).index_select(2, idx_q), v.detach().index_select(2, idx_k)], dim=2)
+    full_qk = layout.unshard(groups.all_gather(qk), 1)            # (B, S, nh + nk, D), on q's device
+    full_ov = layout.unshard(groups.all_gather(ov), 1)            # (B, S, nh + nk, Dv)
     got_lse = None
     if lse is not None:
         got_lse = layout.unshard(groups.all_gather(lse.detach().index_select(1, idx_q)), 2)
@@ -141,16 +149,17 @@ def check_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     low = q.dtype in (torch.bfloat16, torch.float16)
     for i, h in enumerate(hs):
         j = kvs.index(h // G)
-        qh, kh, vh = full[:, rws, i], full[:, :, 2 * nh + j], full[:, :, 2 * nh + nk + j]
-        o64, l64 = _dense(qh, kh, vh, vis, scale, torch.float64)
+        qh, kh, vh = full_qk[:, rws, i], full_qk[:, :, nh + j], full_ov[:, :, nh + j]
+        sink = None if sinks is None else float(sinks[h])
+        o64, l64 = _dense(qh, kh, vh, vis, scale, torch.float64, cfg.softcap, sink)
         truth_o.append(o64)
         truth_l.append(l64)
         if low:
-            ob, lb = _dense(qh, kh, vh, vis, scale, q.dtype)
+            ob, lb = _dense(qh, kh, vh, vis, scale, q.dtype, cfg.softcap, sink)
             base_o.append(ob)
             base_l.append(lb.float())
     dtype_name = str(q.dtype).removeprefix("torch.")
-    verdicts = {"out": judge("out", full[:, rws, nh:2 * nh], torch.stack(truth_o, 2),
+    verdicts = {"out": judge("out", full_ov[:, rws, :nh], torch.stack(truth_o, 2),
                              torch.stack(base_o, 2) if low else None, dtype_name)}
     if got_lse is not None:
         verdicts["lse"] = judge("lse", got_lse[:, :, rws], torch.stack(truth_l, 1),

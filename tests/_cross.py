@@ -38,4 +38,4 @@ def method_cases(method: str, world: int, base: Case) -> list[Case]:
         if world % 2:
             return []
         shape = {"heads": 4, "kv_heads": 2, "ulysses": 2}
-    return [base.with_(method=method, layout=lay, **shape) for lay in LAYOUTS[method] if lay in module.LAYOUTS]
+    return [base.with_(method=method, layout=lay, **shape) for lay in LAYOUTS[method] if lay in module.layouts]

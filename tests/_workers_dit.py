@@ -64,7 +64,7 @@ def block_compare(spec: dict[str, Any]) -> dict[str, float]:
     l_img = seqpar.shard(img, **where).requires_grad_()
     l_txt = txt.clone().requires_grad_()
     o_img, o_txt = sp(l_img, l_txt)
-    world = seqpar.SeqParallelGroups.resolve(mesh, seqpar.methods.get(spec["method"]).MESH_DIMS).world
+    world = seqpar.SeqParallelGroups.resolve(mesh, seqpar.methods.get(spec["method"]).mesh_dims).world
     ((o_img * seqpar.shard(g_img, **where)).sum() + (o_txt * g_txt).sum() / world).backward()
 
     errors = {"out_img": rel_error(seqpar.unshard(o_img.detach(), **where), r_img.detach()),
@@ -106,7 +106,7 @@ def function_compare(spec: dict[str, Any]) -> dict[str, float]:
     img = [seqpar.shard(t[:, T:], **where).requires_grad_() for t in (q, k, v)]
     txt = [t[:, :T].clone().requires_grad_() for t in (q, k, v)]
     o_img, o_txt = joint_attention(*img, *txt, mesh=mesh, method=spec["method"])
-    world = seqpar.SeqParallelGroups.resolve(mesh, seqpar.methods.get(spec["method"]).MESH_DIMS).world
+    world = seqpar.SeqParallelGroups.resolve(mesh, seqpar.methods.get(spec["method"]).mesh_dims).world
     ((o_img * seqpar.shard(do[:, T:], **where)).sum() + (o_txt * do[:, :T]).sum() / world).backward()
     errors = {"out_img": rel_error(seqpar.unshard(o_img.detach(), **where), ref.detach()[:, T:]),
               "out_txt": rel_error(o_txt.detach(), ref.detach()[:, :T])}

@@ -12,26 +12,12 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.testing import Case, make_inputs, run_case
+from seqpar.testing import Case, make_inputs
 from seqpar.testing import cases as _cases
 
 
 def _forbidden(*_: Any, **__: Any):
     raise AssertionError("this code path must not run")
-
-
-def run_case_forbidding(case: Case, names: tuple[str, ...]) -> dict[str, Any]:
-    """``run_case`` with the named ``seqpar.methods._ulysses`` functions made to fail."""
-    from seqpar.methods import _ulysses
-
-    patches = [mock.patch.object(_ulysses, n, _forbidden) for n in names]
-    for p in patches:
-        p.start()
-    try:
-        return run_case(case)
-    finally:
-        for p in reversed(patches):
-            p.stop()
 
 
 class _Traced:
@@ -101,4 +87,4 @@ def trace_pipeline(case: Case) -> dict[str, Any]:
 def _maybe_ring_engine():
     from seqpar.methods import usp
 
-    return getattr(usp, "_RingEngine", None)
+    return getattr(usp, "_RingInner", None)

@@ -97,8 +97,8 @@ def run_case_without_ring_engine(case: Case) -> dict[str, Any]:
     """``run_case`` with the pass-KV ring engine and ``Ring`` made to fail (USP with ring degree 1)."""
     from seqpar.methods import _passkv, usp
 
-    with mock.patch.object(_passkv, "forward", _forbidden), mock.patch.object(_passkv, "backward", _forbidden), \
-            mock.patch.object(usp, "Ring", _forbidden):
+    with mock.patch.object(_passkv.PassKV, "forward", _forbidden), \
+            mock.patch.object(_passkv.PassKV, "backward", _forbidden), mock.patch.object(usp, "Ring", _forbidden):
         return run_case(case)
 
 

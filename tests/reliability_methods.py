@@ -40,11 +40,11 @@ class MethodSetup:
 def softmax_setup(method: str, world: int, layout: str | None = None) -> MethodSetup:
     """Layout (``layout`` if the method takes it, else zigzag if it can, else its first), mesh and options."""
     module = get(method)
-    layouts = module.LAYOUTS
+    layouts = module.layouts
     chosen = layout if layout in layouts else ("zigzag" if "zigzag" in layouts else layouts[0])
     extra = SETUP.get(method, lambda W: {})(world)
-    ulysses = extra.get("ulysses") if module.MESH_DIMS == 2 else None
-    if module.MESH_DIMS == 2 and ulysses is None:
+    ulysses = extra.get("ulysses") if module.mesh_dims == 2 else None
+    if module.mesh_dims == 2 and ulysses is None:
         ulysses = 1
     return MethodSetup(method, chosen, ulysses, tuple(extra.get("options", ())))
 

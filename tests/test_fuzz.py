@@ -83,16 +83,16 @@ def _documents(draw, end: int) -> tuple[int, ...] | None:
 def softmax_cases(draw, world: int) -> Case:
     method = draw(st.sampled_from(SOFTMAX))
     module = get(method)
-    layout = draw(st.sampled_from(module.LAYOUTS))
+    layout = draw(st.sampled_from(module.layouts))
     ulysses = placement = None
-    if module.MESH_DIMS == 2:
+    if module.mesh_dims == 2:
         ulysses = draw(st.sampled_from(_divisors(world)))
         placement = draw(st.sampled_from(["contiguous", "strided"]))
     degree = HEAD_DEGREE.get(method, lambda w, u: 1)(world, ulysses)
     heads, kv_heads = _heads(draw, degree)
     div = length_divisor(method, layout, world, ulysses)
     seq = div * draw(st.integers(1, max(1, MAX_LEN // div)))
-    feats = module.FEATURES
+    feats = module.features
     valid = draw(st.one_of(st.none(), st.integers(1, seq))) if "padding" in feats else None
     docs = _documents(draw, valid if valid is not None else seq) if "varlen" in feats else None
     window = (-1, -1)

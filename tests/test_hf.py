@@ -50,7 +50,7 @@ def _methods(world: int) -> list[dict]:
 
 
 def _features(name: str) -> frozenset:
-    return seqpar.methods.get(name).FEATURES
+    return seqpar.methods.get(name).features
 
 
 def _check(results: list[dict], label: str) -> None:

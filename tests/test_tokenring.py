@@ -54,7 +54,8 @@ def test_tokenring_windows_documents_padding_lse_grad(pools):
 
 
 def run_without_delta(case: Case):
-    """Worker side: a reference kernel that refuses a precomputed Delta, so the bundle carries O instead."""
+    """Worker side: a reference kernel that recomputes Delta from O (as cuDNN and FA2 do), so the bundle
+    carries (dO', O') with any lse gradient folded in (Note [Folding the lse gradient])."""
     from seqpar.kernels import KERNELS
     from seqpar.kernels.base import register
     from seqpar.kernels.reference import ReferenceKernel
@@ -62,9 +63,7 @@ def run_without_delta(case: Case):
     class NoDelta(ReferenceKernel):
         name = "reference_nodelta"
         auto_rank = {}
-
-        def not_supported_reasons(self, call):
-            return ["takes no Delta"] if call.needs_delta else []
+        takes_delta = False
 
     if NoDelta.name not in KERNELS:
         register(NoDelta())
@@ -72,7 +71,8 @@ def run_without_delta(case: Case):
 
 
 def test_tokenring_sends_out_when_the_kernel_takes_no_delta(pools):
-    cases = [Case(method=M, layout="zigzag", seq_len=32, kernel="reference_nodelta", dtype=dt, kv_heads=kv)
-             for dt, kv in (("float32", 2), ("bfloat16", 4))]
+    cases = [Case(method=M, layout="zigzag", seq_len=32, kernel="reference_nodelta", dtype=dt, kv_heads=kv,
+                  lse_grad=lse_grad)
+             for dt, kv in (("float32", 2), ("bfloat16", 4)) for lse_grad in (False, True)]
     pool = pools(4)
     assert_all_ok([check_case(c, pool.run(run_without_delta, c)) for c in cases])

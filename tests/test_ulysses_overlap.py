@@ -16,7 +16,7 @@ import itertools
 
 import pytest
 import torch
-from _workers_overlap import run_case_forbidding, trace_pipeline
+from _workers_overlap import trace_pipeline
 from _workers_ulysses import call_error
 from conftest import assert_all_ok, assert_same_error_on_every_rank, run_cases
 
@@ -32,8 +32,6 @@ from seqpar.testing import Case, check_case, run_case
 
 U = dict(method="ulysses", layout="contiguous", head_dim=8)
 P = dict(method="usp", head_dim=8, ulysses=2)
-PIPELINED = ("forward_pipelined", "backward_pipelined")
-PLAIN = ("forward", "backward")
 
 
 def _hc(c) -> tuple[tuple[str, object], ...]:
@@ -145,19 +143,18 @@ def test_pipeline_order_no_host_sync_and_gradients(pools, method):
 
 # --- head_chunks = 1 and bad values ---------------------------------------------------------------------------
 
-def test_head_chunks_1_is_the_previous_path_bitwise(pools):
-    """``head_chunks=1`` never enters the pipeline and is bitwise the call without the option; a pipelined
-    call never enters the plain sandwich."""
+def test_head_chunks_1_is_the_default_bitwise(pools):
+    """``head_chunks=1`` is bitwise the call without the option; two groups match the oracle."""
     cases = [Case(**U, seq_len=16, heads=8, kv_heads=2, lse_grad=True, dtype="bfloat16"),
              Case(**P, layout="zigzag", seq_len=16, heads=4, kv_heads=1, causal=False)]
     for case in cases:
         default = pools(4).run(run_case, case)
-        explicit = pools(4).run(run_case_forbidding, case.with_(options=_hc(1)), PIPELINED)
+        explicit = pools(4).run(run_case, case.with_(options=_hc(1)))
         for r, (a, b) in enumerate(zip(default, explicit)):
             for f in ("out", "lse", "dq", "dk", "dv"):
                 assert torch.equal(a[f], b[f]), f"rank {r}: {f} differs with head_chunks=1"
     case = cases[0].with_(options=_hc(2))
-    report = check_case(case, pools(4).run(run_case_forbidding, case, PLAIN))
+    report = check_case(case, pools(4).run(run_case, case))
     assert report.ok, report
 
 

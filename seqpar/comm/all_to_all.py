@@ -17,9 +17,10 @@ Note [Ulysses all-to-all]
         seq-sharded  (B, L, H, D) on rank u'   --a2a-->   head-sharded (B, U*L, H/U, D) on rank u
         send[u]  = x[:, :, u*H/U:(u+1)*H/U]               x_h[:, u'*L:(u'+1)*L] = recv[u']
 
-    q, k and v travel in ONE buffer, per destination ``[q heads | k heads | v heads]`` (``Hs = H/U +
-    2 Hkv_slot``), and the gradients return the same way. The adjoint of a permutation is its inverse, so
-    the backward of each move is the opposite move.
+    q, k and v travel in ONE buffer ``(U, B, L, F)``, per destination and token the features ``[q heads |
+    k heads | v heads]`` flattened (``F = H/U D + Hkv_slot (D + Dv)``: the value head dim may differ), and
+    the gradients return the same way. The adjoint of a permutation is its inverse, so the backward of each
+    move is the opposite move.
 
 Note [GQA head slots]
     Destination u runs query heads ``[u H/U, (u+1) H/U)``; with ``G = H / Hkv`` they use KV heads
@@ -92,16 +93,27 @@ class HeadSlots:
 
 class Pending(Generic[T]):
     """A posted all-to-all. ``wait()`` completes it (a stream dependency on NCCL, a blocking wait on gloo)
-    and returns the unpacked result; the buffers stay referenced until then."""
+    and returns the unpacked result, also kept as ``result``; the buffers stay referenced until then.
+    ``wait()`` is idempotent (a schedule's fault handling may complete it again)."""
+
+    _UNSET = object()
 
     def __init__(self, work: Any, finish: Callable[[], T], keep: tuple[torch.Tensor, ...] = ()):
         self._work, self._finish, self._keep = work, finish, keep
+        self._result: Any = Pending._UNSET
 
     def wait(self) -> T:
-        if self._work is not None:
-            self._work.wait()
-        self._work, self._keep = None, ()
-        return self._finish()
+        if self._result is Pending._UNSET:
+            if self._work is not None:
+                self._work.wait()
+            self._work, self._keep = None, ()
+            self._result = self._finish()
+        return self._result
+
+    @property
+    def result(self) -> T:
+        """The unpacked result (after ``wait``)."""
+        return self.wait()
 
     @staticmethod
     def done(value: T) -> Pending[T]:
@@ -124,39 +136,47 @@ def _post(send: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[Any, tor
     return work, recv
 
 
+def _slots_write(send_UBLF: torch.Tensor, lo: int, t_BLKD: torch.Tensor, heads_total: int, per: int,
+                 rep: int) -> int:
+    """Write ``t (B, L, Hx, d)`` into feature columns from ``lo``: destination u gets heads ``[j per, (j+1) per)``
+    with ``j = u // rep`` (replicated on the wire only, from a broadcast view); returns the next column."""
+    d = t_BLKD.shape[-1]
+    dst = send_UBLF[..., lo:lo + per * d].unflatten(-1, (per, d)).unflatten(0, (heads_total // per, rep))
+    dst.copy_(t_BLKD.unflatten(2, (heads_total // per, per)).movedim(2, 0).unsqueeze(1))
+    return lo + per * d
+
+
 def post_qkv_seq_to_heads(q_BLHD: torch.Tensor, k_BLKD: torch.Tensor, v_BLKD: torch.Tensor,
                           group: dist.ProcessGroup | None) -> Pending[tuple[torch.Tensor, ...]]:
     """Post the packed q/k/v move to head-sharded (Note [Ulysses all-to-all], Note [GQA head slots]).
 
     Args:
         q_BLHD: ``(B, L, H, D)`` this rank's rows, all query heads.
-        k_BLKD, v_BLKD: ``(B, L, Hkv, D)``, same dtype and device.
+        k_BLKD: ``(B, L, Hkv, D)``; v_BLKD: ``(B, L, Hkv, Dv)``; same dtype and device.
         group: the Ulysses group (U ranks, in sequence-piece order).
 
     Returns:
-        Pending ``(q (B, U L, H/U, D), k (B, U L, Hkv_slot, D), v (same))``, each contiguous.
+        Pending ``(q (B, U L, H/U, D), k (B, U L, Hkv_slot, D), v (B, U L, Hkv_slot, Dv))``, each contiguous.
     """
     U = _size(group)
     B, L, H, D = q_BLHD.shape
-    Hkv = k_BLKD.shape[2]
+    Hkv, Dv = k_BLKD.shape[2], v_BLKD.shape[-1]
     if U == 1:
         return Pending.done((q_BLHD, k_BLKD, v_BLKD))
     slots = HeadSlots(H, Hkv, U)
     hq, hk, rep = slots.q_per_rank, slots.kv_per_rank, slots.replicas
-    send_UBLHD = q_BLHD.new_empty(U, B, L, hq + 2 * hk, D)
-    send_UBLHD[..., :hq, :].copy_(q_BLHD.unflatten(2, (U, hq)).movedim(2, 0))
-    for i, t_BLKD in enumerate((k_BLKD, v_BLKD)):
-        lo = hq + i * hk
-        dst = send_UBLHD[..., lo:lo + hk, :].unflatten(0, (Hkv // hk, rep))      # (Hkv/hk, rep, B, L, hk, D)
-        dst.copy_(t_BLKD.unflatten(2, (Hkv // hk, hk)).movedim(2, 0).unsqueeze(1))   # broadcast over replicas
-    work, recv_UBLHD = _post(send_UBLHD, group)
+    send_UBLF = q_BLHD.new_empty(U, B, L, hq * D + hk * (D + Dv))
+    at = _slots_write(send_UBLF, 0, q_BLHD, H, hq, 1)
+    at = _slots_write(send_UBLF, at, k_BLKD, Hkv, hk, rep)
+    _slots_write(send_UBLF, at, v_BLKD, Hkv, hk, rep)
+    work, recv_UBLF = _post(send_UBLF, group)
 
     def finish() -> tuple[torch.Tensor, ...]:
-        def rows(lo: int, hi: int) -> torch.Tensor:      # (U, B, L, h, D) -> (B, U L, h, D), source-major rows
-            return recv_UBLHD[..., lo:hi, :].movedim(0, 1).reshape(B, U * L, hi - lo, D)
-        return rows(0, hq), rows(hq, hq + hk), rows(hq + hk, hq + 2 * hk)
+        def rows(lo: int, n: int, d: int) -> torch.Tensor:   # (U, B, L, n d) -> (B, U L, n, d), source-major rows
+            return recv_UBLF[..., lo:lo + n * d].unflatten(-1, (n, d)).movedim(0, 1).reshape(B, U * L, n, d)
+        return rows(0, hq, D), rows(hq * D, hk, D), rows(hq * D + hk * D, hk, Dv)
 
-    return Pending(work, finish, (send_UBLHD, recv_UBLHD))
+    return Pending(work, finish, (send_UBLF, recv_UBLF))
 
 
 def post_grads_heads_to_seq(dq_BSHD: torch.Tensor, dk_BSKD: torch.Tensor, dv_BSKD: torch.Tensor, kv_heads: int,
@@ -165,37 +185,40 @@ def post_grads_heads_to_seq(dq_BSHD: torch.Tensor, dk_BSKD: torch.Tensor, dv_BSK
     """Post the adjoint of ``post_qkv_seq_to_heads``: head-sharded gradients back to sequence-sharded.
 
     Args:
-        dq_BSHD: ``(B, U L, H/U, D)``; dk_BSKD, dv_BSKD: ``(B, U L, Hkv_slot, D)``.
+        dq_BSHD: ``(B, U L, H/U, D)``; dk_BSKD: ``(B, U L, Hkv_slot, D)``; dv_BSKD: ``(B, U L, Hkv_slot, Dv)``.
         kv_heads: the global KV head count Hkv.
         group: the Ulysses group.
         wire_dtype: dtype of the send buffer.
 
     Returns:
-        Pending ``(dq (B, L, H, D), dk (B, L, Hkv, D), dv)``: dq in ``wire_dtype``; dk/dv in ``wire_dtype``
-        without replication, else replica sums in fp32 (fp64 for an fp64 wire).
+        Pending ``(dq (B, L, H, D), dk (B, L, Hkv, D), dv (B, L, Hkv, Dv))``: dq in ``wire_dtype``; dk/dv in
+        ``wire_dtype`` without replication, else replica sums in fp32 (fp64 for an fp64 wire).
     """
     U = _size(group)
     if U == 1:
         return Pending.done((dq_BSHD, dk_BSKD, dv_BSKD))
     B, S, hq, D = dq_BSHD.shape
-    hk, L = dk_BSKD.shape[2], S // U
+    hk, L, Dv = dk_BSKD.shape[2], S // U, dv_BSKD.shape[-1]
     rep = U * hk // kv_heads
-    send_UBLHD = dq_BSHD.new_empty(U, B, L, hq + 2 * hk, D, dtype=wire_dtype)
-    for lo, t_BShD in ((0, dq_BSHD), (hq, dk_BSKD), (hq + hk, dv_BSKD)):
-        send_UBLHD[..., lo:lo + t_BShD.shape[2], :].copy_(t_BShD.unflatten(1, (U, L)).movedim(1, 0))
-    work, recv_UBLHD = _post(send_UBLHD, group)
+    send_UBLF = dq_BSHD.new_empty(U, B, L, hq * D + hk * (D + Dv), dtype=wire_dtype)
+    at = 0
+    for t_BShd in (dq_BSHD, dk_BSKD, dv_BSKD):
+        n, d = t_BShd.shape[2], t_BShd.shape[3]
+        send_UBLF[..., at:at + n * d].unflatten(-1, (n, d)).copy_(t_BShd.unflatten(1, (U, L)).movedim(1, 0))
+        at += n * d
+    work, recv_UBLF = _post(send_UBLF, group)
     acc = torch.float64 if wire_dtype == torch.float64 else torch.float32
 
     def finish() -> tuple[torch.Tensor, ...]:
-        dq = recv_UBLHD[..., :hq, :].movedim(0, 2).reshape(B, L, U * hq, D)
+        dq = recv_UBLF[..., : hq * D].unflatten(-1, (hq, D)).movedim(0, 2).reshape(B, L, U * hq, D)
         out = [dq]
-        for lo in (hq, hq + hk):
-            part = recv_UBLHD[..., lo:lo + hk, :].unflatten(0, (kv_heads // hk, rep))   # (Hkv/hk, rep, B, L, hk, D)
+        for lo, d in ((hq * D, D), (hq * D + hk * D, Dv)):
+            part = recv_UBLF[..., lo:lo + hk * d].unflatten(-1, (hk, d)).unflatten(0, (kv_heads // hk, rep))
             part = part.sum(1, dtype=acc) if rep > 1 else part.squeeze(1)         # adjoint of replication
-            out.append(part.movedim(0, 2).reshape(B, L, kv_heads, D))
+            out.append(part.movedim(0, 2).reshape(B, L, kv_heads, d))
         return tuple(out)
 
-    return Pending(work, finish, (send_UBLHD, recv_UBLHD))
+    return Pending(work, finish, (send_UBLF, recv_UBLF))
 
 
 def post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None, *, seq_dim: int = 1,

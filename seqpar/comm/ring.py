@@ -17,6 +17,8 @@ Ulysses x ring in either placement - are correct) and builds exchanges for rotat
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -45,6 +47,10 @@ class Exchange:
         self._ops.append(dist.P2POp(dist.irecv, tensor, self._global(peer), self.group))
         return self
 
+    @property
+    def committed(self) -> bool:
+        return self._posted
+
     def commit(self) -> Exchange:
         """Post every queued operation (one batched launch)."""
         if self._posted:
@@ -64,12 +70,24 @@ class Exchange:
 
 
 class Ring:
-    """The ring over ``group`` in group-rank order: ``next = rank + 1``, ``prev = rank - 1`` (mod W)."""
+    """The ring over ``group`` in group-rank order: ``next = rank + 1``, ``prev = rank - 1`` (mod W).
+
+    Holds the group by weak reference (planned calls keep rings; a cache must not keep a group alive).
+    """
 
     def __init__(self, group: dist.ProcessGroup | None):
-        self.group = group
+        self._group = None if group is None else weakref.ref(group)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise RuntimeError("the process group of this ring was destroyed")
+        return group
 
     def peer(self, offset: int) -> int:
         """The group rank ``offset`` hops downstream (negative: upstream)."""

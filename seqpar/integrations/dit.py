@@ -106,13 +106,13 @@ def _plan_cached(module_name: str, lay_by_name: tuple[tuple[str, Layout], ...], 
 def _plan(module: Any, groups: SeqParallelGroups, image_len: int, text_len: int) -> TextPlan:
     """The first (layout, padding split) whose padding rows fit every rank's text slot."""
     order = ("contiguous", "stripe", "zigzag") if text_len % groups.world == 0 else ("stripe", "zigzag", "contiguous")
-    lays = tuple((name, module.placement(name, groups)[0]) for name in order if name in module.LAYOUTS)
-    plan = _plan_cached(module.NAME, lays, groups.world, image_len, text_len)
+    lays = tuple((name, module.placement(name, groups)[0]) for name in order if name in module.layouts)
+    plan = _plan_cached(module.name, lays, groups.world, image_len, text_len)
     if plan is None:
         padded = -text_len % groups.world
         raise ValueError(
             f"text of T={text_len} tokens over W={groups.world} ranks leaves {padded} padding rows that no layout of "
-            f"method {module.NAME!r} ({[n for n, _ in lays]}) can place at the ends of the joint sequence (image "
+            f"method {module.name!r} ({[n for n, _ in lays]}) can place at the ends of the joint sequence (image "
             f"shard of {image_len} tokens): pad the text to a multiple of {groups.world} with tokens the model may "
             f"attend to{rank_suffix()}")
     return plan
@@ -165,7 +165,7 @@ def joint_attention(q_img: torch.Tensor, k_img: torch.Tensor, v_img: torch.Tenso
     """
     _validate(q_img, k_img, v_img, q_txt, k_txt, v_txt)
     module = methods.get(method)
-    groups = SeqParallelGroups.resolve(mesh, module.MESH_DIMS)
+    groups = SeqParallelGroups.resolve(mesh, module.mesh_dims)
     L = q_img.shape[1]
     plan = _plan(module, groups, L, q_txt.shape[1])
     start, count = plan.offsets[groups.index], plan.counts[groups.index]

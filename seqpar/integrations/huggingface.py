@@ -53,7 +53,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from .. import methods
-from ..api import _config, _placement, attention, positions, shard
+from ..api import attention, attention_config, placement, positions, shard
 from ..config import AttentionConfig
 from ..errors import rank_suffix
 from ..groups import SeqParallelGroups
@@ -140,13 +140,10 @@ class Handle:
                 or name.startswith(("flash_attention", "paged")):
             raise ValueError(f"name must be a new attn_implementation name, got {name!r}{rank_suffix()}")
         if method != "auto":
-            module = methods.get(method)
-            self.config: AttentionConfig | None = _config(
-                module, layout=layout, causal=True, softmax_scale=None, kernel=kernel, window_size=(-1, -1),
-                cu_seqlens=None, seq_len=None, deterministic=deterministic, grad_dtype=grad_dtype, dropout_p=0.0,
-                alibi_slopes=None, softcap=0.0, options=options)
+            self.config: AttentionConfig | None = attention_config(
+                method, layout=layout, kernel=kernel, deterministic=deterministic, grad_dtype=grad_dtype, **options)
             if dist.is_available() and dist.is_initialized():
-                SeqParallelGroups.resolve(mesh, module.MESH_DIMS)
+                SeqParallelGroups.resolve(mesh, methods.get(method).mesh_dims)
         else:
             self.config = None
         self.mesh, self.method, self.layout, self.kernel, self.name = mesh, method, layout, kernel, name
@@ -385,7 +382,7 @@ def _window(sliding_window: Any, causal: bool, where: str) -> tuple[int, int]:
 def _mesh_dims(mesh: Any, method: str) -> int:
     if method == "auto":
         return 2 if getattr(mesh, "ndim", 1) == 2 else 1
-    return methods.get(method).MESH_DIMS
+    return methods.get(method).mesh_dims
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -493,7 +490,7 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
 
 
 def _divisor(mesh: Any, method: str, layout: str) -> int:
-    lay, _, _ = _placement(mesh, method, layout)
+    lay, _, _ = placement(mesh, method, layout)
     return lay.divisor
 
 

@@ -1,10 +1,11 @@
 """Local attention on ONE rank: ``(q, k, v, mask) -> AttnOutput``. Never imports torch.distributed.
 
 Kernels: ``reference`` (pure torch, any device), ``cudnn``, ``flash`` (FA2), ``efficient`` (PyTorch's fused
-kernels; ``sdpa`` names the family), ``flex`` (FlexAttention) and ``flash_attn`` (the package, if
-installed). ``select(name, KernelCall.of(q, k, mask))`` picks one or raises with every reason;
-``kernel="auto"`` ranks cudnn > flash_attn > flash > flex > efficient > reference on CUDA and uses the
-reference on CPU. ``merge`` holds MERGE and the fp32 accumulator.
+kernels; ``sdpa`` names the family), ``flex`` (FlexAttention), ``flash_attn`` (FlashAttention-2, if
+installed) and ``flash_attn3`` (FlashAttention-3, if installed; named, never auto).
+``select(name, KernelCall.of(q, k, mask))`` picks one or raises with every reason; ``kernel="auto"`` ranks
+cudnn > flash_attn > flash > flex > efficient on CUDA (never the reference there) and uses the reference on
+CPU. ``merge`` holds MERGE and the fp32 accumulator.
 """
 
 from __future__ import annotations

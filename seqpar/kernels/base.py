@@ -1,17 +1,24 @@
 """The local-kernel contract and the registry that chooses a kernel, never silently.
 
-A kernel computes attention on ONE rank for one block: ``forward(q, k, v, mask, scale) -> AttnOutput`` and
-``backward(do, q, k, v, out, lse, mask, scale) -> (dq, dk, dv)``, where ``out`` and ``lse`` are the FINAL
-results of the whole row (ALGORITHMS.md §1.4): with the final lse every block's gradient is exact on its
-own, so distributed backward passes only route sums.
+A kernel computes attention on ONE rank for one block: ``forward(q, k, v, mask, scale, softcap=) ->
+AttnOutput`` and ``backward(do, q, k, v, out, lse, mask, scale, delta=, softcap=) -> (dq, dk, dv)``, where
+``out`` and ``lse`` are the FINAL results of the whole row (ALGORITHMS.md §1.4): with the final lse every
+block's gradient is exact on its own, so distributed backward passes only route sums.
 
-Shapes: q, do, out ``(B, Sq, H, D)``; k, v ``(B, Sk, Hkv, D)`` with ``H % Hkv == 0`` (query head h uses KV
-head ``h // (H // Hkv)``; KV heads are never replicated); lse ``(B, H, Sq)`` fp32, natural log (fp64 for fp64
-inputs). Inputs may be row-slices (strided views); the last dim is contiguous. Block outputs may come back
-in fp32 (reference) or the input dtype (GPU kernels); gradients in either; callers accumulate in fp32.
+Shapes: q ``(B, Sq, H, D)``; k ``(B, Sk, Hkv, D)``; v ``(B, Sk, Hkv, Dv)`` (Dv may differ from D: MLA);
+do, out ``(B, Sq, H, Dv)``; ``H % Hkv == 0`` (query head h uses KV head ``h // (H // Hkv)``; KV heads are
+never replicated); lse ``(B, H, Sq)`` fp32, natural log (fp64 for fp64 inputs). Inputs may be row-slices
+(strided views); the last dim is contiguous. Block outputs may come back in fp32 (reference) or the input
+dtype (GPU kernels); gradients in either; callers accumulate in fp32.
+
+The lse gradient: a kernel with ``takes_delta`` uses ``delta = rowsum(dO O) - dlse`` when given one; the
+others recompute Delta from ``out``, and callers hand them ``seqpar.numerics.GradRows.folded`` (Note
+[Folding the lse gradient]) - so every kernel serves a gradient through lse at its own speed.
 
 Each kernel declares what it serves in ``not_supported_reasons(call)``; ``select`` walks the candidates and
-either returns one or raises ``UnsupportedInputError`` with every kernel's reasons.
+either returns one or raises ``UnsupportedInputError`` with every kernel's reasons. ``kernel="auto"`` never
+picks ``reference`` on CUDA, and logs a one-time warning when it picks a kernel other than the fastest one
+for the device and dtype (with that kernel's reasons).
 """
 
 from __future__ import annotations
@@ -44,14 +51,20 @@ class KernelCall:
     kv_heads: int
     mask: str          # "full" | "causal" (Band with lo unbounded) | "band" | "varlen"
     deterministic: bool = False
-    needs_delta: bool = False   # the caller sends Delta = rowsum(dO * O) instead of O (pass-Q backward)
     single: bool = False        # a 1 x 1 block (one query, one key)
+    value_dim: int = 0          # Dv; 0 means equal to head_dim
+    softcap: bool = False       # tanh score capping (Gemma 2)
+
+    @property
+    def dv(self) -> int:
+        return self.value_dim or self.head_dim
 
     @staticmethod
-    def of(q: torch.Tensor, k: torch.Tensor, mask: Mask, deterministic: bool = False,
-           needs_delta: bool = False) -> KernelCall:
+    def of(q: torch.Tensor, k: torch.Tensor, mask: Mask, deterministic: bool = False, *, value_dim: int = 0,
+           softcap: bool = False) -> KernelCall:
+        dv = 0 if value_dim == q.shape[-1] else value_dim
         return KernelCall(q.device.type, q.dtype, q.shape[-1], q.shape[2], k.shape[2], mask_kind(mask),
-                          deterministic, needs_delta, q.shape[1] == 1 and k.shape[1] == 1)
+                          deterministic, q.shape[1] == 1 and k.shape[1] == 1, dv, softcap)
 
 
 def mask_kind(mask: Mask) -> str:
@@ -68,22 +81,25 @@ class Kernel(ABC):
     name: ClassVar[str]
     #: preference when ``kernel="auto"`` (higher first) per device type; absent = never chosen by auto
     auto_rank: ClassVar[dict[str, int]] = {}
+    #: backward uses a precomputed ``delta`` (else it recomputes Delta from ``out``: callers fold dlse in)
+    takes_delta: ClassVar[bool] = False
 
     @abstractmethod
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
         """Why this kernel cannot serve ``call`` (empty when it can). Must not touch the device."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
-                scale: float) -> AttnOutput:
-        """Block forward: ``out (B, Sq, H, D)``, ``lse (B, H, Sq)`` fp32; rows seeing no key: 0 and -inf."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float, *,
+                softcap: float = 0.0) -> AttnOutput:
+        """Block forward: ``out (B, Sq, H, Dv)``, ``lse (B, H, Sq)`` fp32; rows seeing no key: 0 and -inf."""
 
     @abstractmethod
     def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor | None, lse: torch.Tensor, mask: Mask, scale: float, *,
-                 delta: torch.Tensor | None = None, deterministic: bool = False
+                 delta: torch.Tensor | None = None, softcap: float = 0.0, deterministic: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Block backward from the FINAL ``out`` and ``lse`` of these rows (or ``delta (B, H, Sq)``)."""
+        """Block backward from the FINAL ``out`` and ``lse`` of these rows; kernels with ``takes_delta`` use
+        ``delta (B, H, Sq)`` when given (``out`` may then be None)."""
 
 
 KERNELS: dict[str, Kernel] = {}
@@ -126,11 +142,35 @@ def select(name: str, call: KernelCall) -> Kernel:
         why = kernel.not_supported_reasons(call)
         if not why:
             log.info("kernel=%s -> %s for %s", name, kernel.name, call)
+            if name == "auto" and reasons:
+                _warn_slower(kernel, call, reasons)
             return kernel
         reasons[kernel.name] = why
     if not reasons:
         reasons[name] = [f"no kernel is ranked for device {call.device!r}"]
+    if name == "auto" and call.device != "cpu":
+        reasons["reference"] = ["kernel='auto' never picks the reference kernel on a GPU (it materialises the "
+                                "scores and can exhaust memory); pass kernel='reference' to ask for it"]
     raise UnsupportedInputError(f"kernel={name!r} cannot serve {call}{rank_suffix()}:", reasons)
+
+
+def _warn_slower(chosen: Kernel, call: KernelCall, refused: dict[str, list[str]]) -> None:
+    """One warning per signature when auto settles for a kernel below the fastest one for this device/dtype."""
+    best = _fastest(call.device, call.dtype, call.head_dim, call.dv)
+    if best is None or best == chosen.name or best not in refused:
+        return
+    log.warning("kernel='auto' chose %s, slower than %s for %s on %s: %s refused because %s", chosen.name, best,
+                call.dtype, call.device, best, "; ".join(refused[best]))
+
+
+@functools.lru_cache(maxsize=64)
+def _fastest(device: str, dtype: torch.dtype, head_dim: int, value_dim: int) -> str | None:
+    """The highest-ranked kernel serving a plain (full-mask) call of this device, dtype and head dims."""
+    plain = KernelCall(device, dtype, head_dim, 1, 1, "full", value_dim=0 if value_dim == head_dim else value_dim)
+    for kernel in _candidates("auto", device):
+        if not kernel.not_supported_reasons(plain):
+            return kernel.name
+    return None
 
 
 def band_of(mask: Mask) -> Band:

@@ -1,9 +1,13 @@
-"""Run planned tasks through the chosen kernel: slicing, selection per mask kind, varlen grouping.
+"""Run planned tasks through the chosen kernels: slicing, selection per mask kind, varlen grouping.
 
 Methods hand a ``TaskRunner`` a task (rows of the local queries, rows of a key block, a mask) and the whole
-tensors; the runner slices views, asks ``select`` for the kernel (cached per signature), and returns the
-block result. A step with three or more tasks (documents) is packed into varlen calls when a kernel
-serves them, so one launch covers all documents.
+tensors; the runner slices views and calls the kernel chosen for that kind of block. A runner belongs to one
+planned call (``seqpar.runtime``), so its shapes are fixed: each kind of block resolves its kernel once
+(``select`` with its reasons), and a steady-state call only slices and launches. A step with three or more
+tasks (documents) is packed into varlen calls when a kernel serves them, so one launch covers all documents.
+
+Backward takes a ``seqpar.numerics.GradRows`` of the final rows: a kernel with ``takes_delta`` gets Delta, the
+others the (dO, O) pair with any lse gradient folded in (Note [Folding the lse gradient]).
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ import torch
 
 from ..errors import UnsupportedInputError
 from ..layouts.blocks import Task, group_varlen
-from ..masks import Varlen
+from ..masks import Band, Varlen
+from ..numerics import GradRows, acc_dtype
 from ..types import AttnOutput
-from .base import Kernel, KernelCall, select
+from .base import Kernel, KernelCall, mask_kind, select
 
 __all__ = ["TaskRunner"]
 
@@ -29,14 +34,24 @@ def _grouped(tasks: tuple[Task, ...]) -> tuple[Task, ...]:
 
 
 class TaskRunner:
-    """Executes tasks with kernel ``kernel`` ("auto" or a name) at ``scale``."""
+    """Executes tasks with kernel ``kernel`` ("auto" or a name) at ``scale``, score cap ``softcap``."""
 
-    def __init__(self, kernel: str, scale: float, *, deterministic: bool = False, needs_delta: bool = False):
-        self.kernel, self.scale = kernel, scale
-        self.deterministic, self.needs_delta = deterministic, needs_delta
+    def __init__(self, kernel: str, scale: float, *, deterministic: bool = False, softcap: float = 0.0):
+        self.kernel, self.scale, self.softcap = kernel, scale, float(softcap)
+        self.deterministic = deterministic
+        self._chosen: dict[tuple, Kernel] = {}
 
-    def kernel_for(self, q: torch.Tensor, k: torch.Tensor, task: Task) -> Kernel:
-        return select(self.kernel, KernelCall.of(q, k, task.mask, self.deterministic, self.needs_delta))
+    def kernel_for(self, q: torch.Tensor, k: torch.Tensor, task: Task, dv: int | None = None) -> Kernel:
+        """The kernel for this kind of block (``dv``: the value head dim, default q's)."""
+        single = task.rows == 1 and task.cols == 1
+        kind = mask_kind(task.mask)
+        key = (kind, single, q.shape[2], k.shape[2], q.shape[-1], dv, q.dtype, q.device.type)
+        kern = self._chosen.get(key)
+        if kern is None:
+            call = KernelCall(q.device.type, q.dtype, q.shape[-1], q.shape[2], k.shape[2], kind, self.deterministic,
+                              single, 0 if dv is None or dv == q.shape[-1] else dv, self.softcap > 0)
+            kern = self._chosen[key] = select(self.kernel, call)
+        return kern
 
     def prepare(self, tasks: tuple[Task, ...], q: torch.Tensor, k: torch.Tensor) -> tuple[Task, ...]:
         """Pack many per-document tasks into varlen calls where a kernel serves varlen."""
@@ -51,33 +66,50 @@ class TaskRunner:
             return tasks
         return grouped
 
+    def takes_delta(self, q: torch.Tensor, k: torch.Tensor, kinds: frozenset[str], dv: int | None = None) -> bool:
+        """Whether the kernels of every mask kind in ``kinds`` take a precomputed Delta (pass-Q's bundle)."""
+        probe = {"full": (1, 1, None, None), "causal": (2, 2, None, 0), "band": (2, 2, 0, 0)}
+        for kind in sorted(kinds):
+            if kind == "varlen":
+                task = Task(0, 2, 0, 2, Varlen((0, 2), (0, 2)))
+            else:
+                m, n, lo, hi = probe[kind]
+                task = Task(0, m, 0, n, Band(lo, hi))
+            if not self.kernel_for(q, k, task, dv).takes_delta:
+                return False
+        return True
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, task: Task) -> AttnOutput:
         qs, ks, vs = q[:, task.q], k[:, task.k], v[:, task.k]
-        return self.kernel_for(qs, ks, task).forward(qs, ks, vs, task.mask, self.scale)
+        return self.kernel_for(qs, ks, task, v.shape[-1]).forward(qs, ks, vs, task.mask, self.scale,
+                                                                   softcap=self.softcap)
 
-    def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor | None, lse: torch.Tensor, task: Task, delta: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qs, ks, vs = q[:, task.q], k[:, task.k], v[:, task.k]
-        kern = self.kernel_for(qs, ks, task)
-        return kern.backward(do[:, task.q], qs, ks, vs, None if out is None else out[:, task.q],
-                             lse[:, :, task.q], task.mask, self.scale,
-                             delta=None if delta is None else delta[:, :, task.q], deterministic=self.deterministic)
+    def backward(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                 task: Task) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One task's (dq, dk, dv) from the final rows ``rows`` (full local rows; sliced here)."""
+        sq, sk = task.q, task.k
+        qs, ks, vs = q[:, sq], k[:, sk], v[:, sk]
+        kern = self.kernel_for(qs, ks, task, v.shape[-1])
+        if kern.takes_delta:
+            do, out, delta = rows.do[:, sq], None, rows.delta[:, :, sq]
+        else:
+            do_f, out_f = rows.folded
+            do, out, delta = do_f[:, sq], out_f[:, sq], None
+        return kern.backward(do, qs, ks, vs, out, lse[:, :, sq], task.mask, self.scale, delta=delta,
+                             softcap=self.softcap, deterministic=self.deterministic)
 
-    def backward_all(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     out: torch.Tensor | None, lse: torch.Tensor, tasks: tuple[Task, ...],
-                     delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward_all(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                     tasks: tuple[Task, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every task's gradients summed over the whole q, k, v (fp32, fp64 for fp64 inputs); one task that
         covers everything returns the kernel's own gradients, with no sums and no copies."""
         tasks = self.prepare(tasks, q, k)
         if len(tasks) == 1 and tasks[0].rows == q.shape[1] and tasks[0].cols == k.shape[1]:
-            return self.backward(do, q, k, v, out, lse, tasks[0], delta)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+            return self.backward(rows, q, k, v, lse, tasks[0])
+        acc = acc_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
         for t in tasks:
-            gq, gk, gv = self.backward(do, q, k, v, out, lse, t, delta)
+            gq, gk, gv = self.backward(rows, q, k, v, lse, t)
             dq[:, t.q] += gq
             dk[:, t.k] += gk
             dv[:, t.k] += gv
         return dq, dk, dv
-

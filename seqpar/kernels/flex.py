@@ -1,6 +1,8 @@
 """FlexAttention: any band or varlen mask as a compiled block-sparse kernel (CUDA).
 
 The mask becomes a ``mask_mod`` over call-local indices; block masks are cached per (mask, shape, device).
+Score capping (``softcap``) is a ``score_mod``; every head dim from 16 to 256 (powers of two or not) and a value
+head dim that differs from the key head dim are served (probed forward and backward, ``sdpa.py``'s probe note).
 Flex keeps its lse in base 2 internally; the public lse output is converted in ``_natural_lse`` (the one
 place that knows the convention of the running torch version).
 
@@ -93,11 +95,22 @@ def _block_mask(mask: Mask, m: int, n: int, device: torch.device):
     return create_block_mask(_mask_mod(mask, m, n, device), None, None, m, n, device=device)
 
 
+@functools.lru_cache(maxsize=16)
+def _softcap_mod(softcap: float, device: torch.device):
+    """``softcap * tanh(s / softcap)`` with the cap as a tensor, so one compiled kernel serves every value."""
+    cap = torch.tensor(softcap, device=device)
+
+    def score_mod(score, b, h, qi, ki):
+        return cap * torch.tanh(score / cap)
+    return score_mod
+
+
 class FlexKernel(Kernel):
     """``torch.nn.attention.flex_attention`` with a block mask built from the call's mask."""
 
     name = "flex"
     auto_rank = {"cuda": 50}
+    takes_delta = True
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
         r = []
@@ -109,25 +122,28 @@ class FlexKernel(Kernel):
             r.append(f"runs on CUDA only (compiled flex on CPU is inference-only), got {call.device!r}")
         if call.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             r.append(f"dtype must be fp16, bf16 or fp32, got {call.dtype}")
-        if call.head_dim < 16 or call.head_dim & (call.head_dim - 1) or call.head_dim > 256:
-            r.append(f"head_dim must be a power of two in [16, 256], got {call.head_dim}")
+        for what, d in (("head_dim", call.head_dim), ("value head_dim", call.dv)):
+            if d < 16 or d > 256 or d % 8:
+                r.append(f"{what} must be a multiple of 8 in [16, 256], got {d}")
         return r
 
-    def _run(self, q, k, v, mask: Mask, scale: float) -> AttnOutput:
+    def _run(self, q, k, v, mask: Mask, scale: float, softcap: float) -> AttnOutput:
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
+        mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
         o, lse = _flex(q.device)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale,
-                             enable_gqa=q.shape[2] != k.shape[2], **_lse_request())
+                             score_mod=mod, enable_gqa=q.shape[2] != k.shape[2], **_lse_request())
         return AttnOutput(o.transpose(1, 2), _natural_lse(lse if torch.is_tensor(lse) else lse.lse))
 
-    def forward(self, q, k, v, mask: Mask, scale: float) -> AttnOutput:
+    def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
         with torch.no_grad():
-            o, lse = self._run(q, k, v, mask, scale)
+            o, lse = self._run(q, k, v, mask, scale, softcap)
         return AttnOutput(o, lse.masked_fill(~torch.isfinite(lse), float("-inf")))
 
-    def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, deterministic=False):
+    def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
+                 deterministic=False):
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
         with torch.enable_grad():
-            o_b, l_b = self._run(qg, kg, vg, mask, scale)
+            o_b, l_b = self._run(qg, kg, vg, mask, scale, softcap)
             l_b = l_b.masked_fill(~torch.isfinite(l_b.detach()), float("-inf"))
             w = torch.exp(l_b.detach() - lse.float()).nan_to_num_(0.0)      # the block's merge weight
             if delta is None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..numerics import acc_dtype
+
 __all__ = ["Accumulator", "merge_", "merge_weights"]
 
 
@@ -43,26 +45,35 @@ def merge_(acc_out_BSHD: torch.Tensor, acc_lse_BHS: torch.Tensor, out_BSHD: torc
 
 
 class Accumulator:
-    """The running ``(out, lse)`` of one rank's query rows: fp32 (fp64 for fp64 inputs).
+    """The running ``(out (B, S, H, Dv), lse (B, H, S))`` of one rank's query rows: fp32 (fp64 for fp64 inputs).
 
     ``add(rows, out, lse)`` merges a partial for ``rows``. The first partial that covers every row is kept as
     it is (no pass over a zero accumulator); it is widened to fp32 only when a second partial arrives, so a
     single-block call returns the kernel's output untouched. ``result(dtype)`` ends the pass.
     """
 
-    def __init__(self, like_BSHD: torch.Tensor):
-        self._like = like_BSHD
-        self.acc_dtype = torch.float64 if like_BSHD.dtype == torch.float64 else torch.float32
+    def __init__(self, like_BSHD: torch.Tensor, value_dim: int | None = None):
+        B, S, H, D = like_BSHD.shape
+        self.shape = (B, S, H, D if value_dim is None else value_dim)
+        self.device = like_BSHD.device
+        self.acc_dtype = acc_dtype(like_BSHD.dtype)
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
 
     def _init(self) -> None:
-        B, S, H, _ = self._like.shape
-        self.out = torch.zeros(self._like.shape, dtype=self.acc_dtype, device=self._like.device)
-        self.lse = torch.full((B, H, S), float("-inf"), dtype=self.acc_dtype, device=self._like.device)
+        B, S, H, _ = self.shape
+        self.out = torch.zeros(self.shape, dtype=self.acc_dtype, device=self.device)
+        self.lse = torch.full((B, H, S), float("-inf"), dtype=self.acc_dtype, device=self.device)
+
+    def owned(self) -> Accumulator:
+        """Allocate the accumulator now, so no later partial is adopted without a copy (a partial that is a view
+        of a receive buffer must never be kept: the next receive would overwrite the result)."""
+        if self.out is None:
+            self._init()
+        return self
 
     def add(self, rows: slice, out_BSHD: torch.Tensor, lse_BHS: torch.Tensor) -> None:
-        full = rows.start == 0 and rows.stop == self._like.shape[1]
+        full = rows.start == 0 and rows.stop == self.shape[1]
         if self.out is None and full:
             self.out, self.lse = out_BSHD, lse_BHS      # a kernel's fresh output: ours to keep
             return

@@ -5,15 +5,21 @@ What each gives from Python (reference/KERNELS.md, probed on H100/H200, torch 2.
 =========  =================================================  ===========================================
 kernel     serves                                             notes
 =========  =================================================  ===========================================
-cudnn      full and causal bands (lo unbounded), GQA native   fastest at head dim 128 (~1.7x FA2 on H200);
-                                                              causal is top-left only: a band
-                                                              ``Band(None, hi > 0)`` runs as full keys
+cudnn      full and causal bands (lo unbounded), GQA native,  fastest at every head dim 64-256 on Hopper
+           Dv != D; head dims <= 256 on compute capability    (1.3-2x FA2, probe below); causal is top-left
+           >= 9.0, <= 128 before                              only: ``Band(None, hi > 0)`` runs as full keys
                                                               ``[0, hi)`` + top-left causal keys ``[hi, n)``,
                                                               merged in fp32
-flash      every band (bottom-right windows), varlen, GQA     FA2; lse ``(B, H, S)``; varlen lse ``(H, T)``
+flash      every band (bottom-right windows), varlen, GQA;    FA2; lse ``(B, H, S)``; varlen lse ``(H, T)``;
+           head dims <= 256                                   Dv != D by zero-padding the smaller head dim
 efficient  full and causal bands, fp32 only; KV replicated   memory-efficient kernel; lse padded to 32
            locally for GQA
 =========  =================================================  ===========================================
+
+None of them caps scores (softcap: flex, flash_attn, flash_attn3). The probe that fixed these declarations
+(torch 2.11, cuDNN 9.19, H100; every head dim forward and backward against fp32, and timings) is
+``benchmarks/gpu/probe_kernels.py``; results in ``benchmarks/results/2026-11-23-h100-probe/``;
+``tests/test_gpu_kernels.py`` re-checks the declarations on the GPU it runs on.
 
 Rows that see no key come back from FA2 with lse = +inf; adapters turn that into -inf (our contract) and
 turn -inf back into +inf before a backward call (exp(s - (+inf)) = 0 where exp(s - (-inf)) would be inf).
@@ -43,17 +49,31 @@ def _t(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)
 
 
+@functools.lru_cache(maxsize=1)
+def cudnn_max_head_dim() -> int:
+    """256 on compute capability >= 9.0 (probed forward and backward, Dv != D included), else 128."""
+    if not torch.cuda.is_available():
+        return 128
+    return 256 if torch.cuda.get_device_capability()[0] >= 9 else 128
+
+
 def _gpu_reasons(call: KernelCall, dtypes: tuple[torch.dtype, ...], max_dim: int) -> list[str]:
     r = []
     if call.device != "cuda":
         r.append(f"runs on CUDA only, got device {call.device!r}")
     if call.dtype not in dtypes:
         r.append(f"dtype must be one of {[str(d) for d in dtypes]}, got {call.dtype}")
-    if call.head_dim > max_dim or call.head_dim % 8:
-        r.append(f"head_dim must be a multiple of 8 up to {max_dim}, got {call.head_dim}")
-    if call.needs_delta:
-        r.append("backward recomputes Delta from out; it cannot take a precomputed Delta")
+    for what, d in (("head_dim", call.head_dim), ("value head_dim", call.dv)):
+        if d > max_dim or d % 8:
+            r.append(f"{what} must be a multiple of 8 up to {max_dim}, got {d}")
+    if call.softcap:
+        r.append("no score capping (softcap); use flex, flash_attn or flash_attn3")
     return r
+
+
+def _pad_dim(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``x`` with its last dim zero-padded to ``n`` (a copy) or ``x`` itself."""
+    return x if x.shape[-1] == n else torch.nn.functional.pad(x, (0, n - x.shape[-1]))
 
 
 def _causal_parts(band: Band, n: int) -> list[tuple[slice, bool]]:
@@ -103,7 +123,7 @@ class CudnnKernel(Kernel):
     auto_rank = {"cuda": 90}
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
-        r = _gpu_reasons(call, _HALF, 128)
+        r = _gpu_reasons(call, _HALF, cudnn_max_head_dim())
         if call.mask in ("band", "varlen"):
             r.append(f"no {call.mask} masks from Python (top-left causal only); use flash or flex")
         if call.deterministic:
@@ -129,12 +149,13 @@ class CudnnKernel(Kernel):
             q.shape[1], k.shape[1], 0.0, causal, scale=scale)
         return _t(g[0]), _t(g[1]), _t(g[2])
 
-    def forward(self, q, k, v, mask: Mask, scale: float) -> AttnOutput:
+    def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
         band = band_of(mask)
         return _merge_parts([self._fwd(q, k[:, ks], v[:, ks], causal, scale)
                              for ks, causal in _causal_parts(band, k.shape[1])])
 
-    def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, deterministic=False):
+    def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
+                 deterministic=False):
         return _split_backward(lambda *a: self._bwd(*a, scale=scale), do, q, k, v, out, lse, band_of(mask))
 
 
@@ -159,6 +180,12 @@ class FlashKernel(Kernel):
         return _gpu_reasons(call, _HALF, 256)
 
     @staticmethod
+    def _padded(q, k, v):
+        """FA2 needs one head dim for q, k and v: zero-pad the smaller (zeros change no score, no output)."""
+        n = max(q.shape[-1], v.shape[-1])
+        return _pad_dim(q, n), _pad_dim(k, n), _pad_dim(v, n)
+
+    @staticmethod
     def _window(mask: Mask, m: int, n: int) -> tuple[bool, int | None, int | None]:
         left, right = mask.window if isinstance(mask, Varlen) else bottom_right_window(mask, m, n)
         if (left, right) == (-1, 0):
@@ -169,38 +196,43 @@ class FlashKernel(Kernel):
     def _packed(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
-    def forward(self, q, k, v, mask: Mask, scale: float) -> AttnOutput:
+    def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
         B, m, H, _ = q.shape
-        n = k.shape[1]
+        n, dv = k.shape[1], v.shape[-1]
         causal, wl, wr = self._window(mask, m, n)
+        q, k, v = self._padded(q, k, v)
         if isinstance(mask, Band):
             o, lse, *_ = aten._flash_attention_forward(q, k, v, None, None, m, n, 0.0, causal, False, scale=scale,
                                                         window_size_left=wl, window_size_right=wr)
-            return AttnOutput(o, lse)
+            return AttnOutput(o[..., :dv], lse)
         cq, ck = _cu_tensor(mask.cu_q, B, m, q.device), _cu_tensor(mask.cu_k, B, n, q.device)
         o, lse, *_ = aten._flash_attention_forward(self._packed(q), self._packed(k), self._packed(v), cq, ck,
                                                     mask.max_q, mask.max_k, 0.0, causal, False, scale=scale,
                                                     window_size_left=wl, window_size_right=wr)
         lse = lse.reshape(H, B, m).permute(1, 0, 2)
-        return AttnOutput(o.reshape(B, m, H, -1), lse.masked_fill(lse == _INF, -_INF))
+        return AttnOutput(o.reshape(B, m, H, -1)[..., :dv], lse.masked_fill(lse == _INF, -_INF))
 
-    def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, deterministic=False):
-        B, m, H, _ = q.shape
-        n = k.shape[1]
+    def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
+                 deterministic=False):
+        B, m, H, d = q.shape
+        n, dv = k.shape[1], v.shape[-1]
         causal, wl, wr = self._window(mask, m, n)
         rng, unused = _rng(q.device)
         lse_k = lse.masked_fill(lse == -_INF, _INF)
+        q, k, v = self._padded(q, k, v)
+        do, out = _pad_dim(do, q.shape[-1]), _pad_dim(out, q.shape[-1])
         with _deterministic(deterministic):
             if isinstance(mask, Band):
-                return aten._flash_attention_backward(do, q, k, v, out, lse_k.contiguous(), None, None, m, n, 0.0,
-                                                      causal, rng, unused, scale=scale, window_size_left=wl,
-                                                      window_size_right=wr)
+                g = aten._flash_attention_backward(do, q, k, v, out, lse_k.contiguous(), None, None, m, n, 0.0,
+                                                   causal, rng, unused, scale=scale, window_size_left=wl,
+                                                   window_size_right=wr)
+                return g[0][..., :d], g[1][..., :d], g[2][..., :dv]
             cq, ck = _cu_tensor(mask.cu_q, B, m, q.device), _cu_tensor(mask.cu_k, B, n, q.device)
             g = aten._flash_attention_backward(
                 self._packed(do), self._packed(q), self._packed(k), self._packed(v), self._packed(out),
                 lse_k.permute(1, 0, 2).reshape(H, B * m).contiguous(), cq, ck, mask.max_q, mask.max_k, 0.0,
                 causal, rng, unused, scale=scale, window_size_left=wl, window_size_right=wr)
-        return g[0].reshape(q.shape), g[1].reshape(k.shape), g[2].reshape(v.shape)
+        return (g[0].reshape(q.shape)[..., :d], g[1].reshape(k.shape)[..., :d], g[2].reshape(v.shape)[..., :dv])
 
 
 class EfficientKernel(Kernel):
@@ -215,7 +247,7 @@ class EfficientKernel(Kernel):
     auto_rank = {"cuda": 20}
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
-        r = _gpu_reasons(call, (torch.float32,), 128)
+        r = _gpu_reasons(call, (torch.float32,), 256)
         if call.mask in ("band", "varlen"):
             r.append(f"no {call.mask} masks through this entry point; use flash or flex")
         if call.deterministic:
@@ -248,11 +280,12 @@ class EfficientKernel(Kernel):
             dv = dv.unflatten(2, (g, H // g)).sum(3)
         return dq, dk, dv
 
-    def forward(self, q, k, v, mask: Mask, scale: float) -> AttnOutput:
+    def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
         return _merge_parts([self._fwd(q, k[:, ks], v[:, ks], causal, scale)
                              for ks, causal in _causal_parts(band_of(mask), k.shape[1])])
 
-    def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, deterministic=False):
+    def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
+                 deterministic=False):
         return _split_backward(lambda *a: self._bwd(*a, scale), do, q, k, v, out, lse, band_of(mask))
 
 

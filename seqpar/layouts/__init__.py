@@ -19,7 +19,7 @@ __all__ = ["LAYOUTS", "Contiguous", "Layout", "Nested", "Rule", "Run", "Segments
 LAYOUTS: dict[str, type[Layout]] = {"contiguous": Contiguous, "zigzag": Zigzag, "stripe": Stripe}
 
 
-def make_layout(name: str, world: int) -> Layout:
+def make_layout(name: str, world: int, cu_seqlens: tuple[int, ...] | None = None) -> Layout:
     """The layout called ``name`` over ``world`` ranks; ValueError listing the valid names otherwise."""
     if name not in LAYOUTS:
         raise ValueError(f"layout must be one of {sorted(LAYOUTS)}, got {name!r}")

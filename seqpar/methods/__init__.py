@@ -1,53 +1,32 @@
 """One module per method, the same anatomy in each; a method never imports another.
 
-Every method module defines:
+Every method module ends with ``METHOD = Method(...)`` (``seqpar.methods.base``): its name, layouts, options,
+features, mesh dims, placement, the engine a planned call builds, its cost model and the configurations the
+planner, the benchmark and the demo try. The registry (``available``, ``get``, ``register``) is the only list
+of methods in seqpar. Code two methods share (the pass-KV ring loop, the Ulysses sandwich, pass-Q and TASP
+engines) lives in private ``_``-modules here.
 
-    NAME       the ``method=`` string
-    LAYOUTS    layouts it accepts (first = default when the caller's layout does not apply)
-    MESH_DIMS  1 (a group or 1D mesh) or 2 (a ("ulysses", "ring") mesh)
-    OPTIONS    method-specific keyword options and their defaults (anything else is an error)
-    FEATURES   the subset of {"window", "varlen", "padding", "lse_grad"} it serves (others raise)
-    CAUSAL_LAYOUTS  (optional) the layouts that serve causal=True, when not all of LAYOUTS do
-    placement(layout, groups) -> (Layout, index)   where the tokens live, for shard/unshard/positions
-    _forward / _backward, then attention(q, k, v, cfg, groups) -> AttnOutput through _autograd.differentiable
-
-Code two methods share (the pass-KV ring loop) lives in private ``_``-modules here. To add a method, copy
-the anatomy of ``ring.py``, register its module below, and add it to the oracle tests and the demo.
+Adding a method: write ``methods/<name>.py`` ending in ``METHOD = Method(...)`` (copy the anatomy of
+``ring.py``: an engine class over the runtime's ``run_steps``, the block planner and a ``TaskRunner``), add its
+name to ``base.BUILTIN``, and add its tests (the oracle cases read the declaration).
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from .base import (
+    BUILTIN,
+    FEATURES,
+    BackwardInputs,
+    Call,
+    Engine,
+    Method,
+    available,
+    causal_layouts,
+    get,
+    register,
+    ring_placement,
+    unregister,
+)
 
-from ..errors import rank_suffix
-
-__all__ = ["available", "causal_layouts", "get"]
-
-_MODULES = {
-    "ring": "seqpar.methods.ring",
-    "allgather": "seqpar.methods.allgather",
-    "ulysses": "seqpar.methods.ulysses",
-    "usp": "seqpar.methods.usp",
-    "tokenring": "seqpar.methods.tokenring",
-    "tasp": "seqpar.methods.tasp",
-    "double_ring": "seqpar.methods.double_ring",
-}
-
-
-def available() -> list[str]:
-    """Names ``seqpar.attention(method=...)`` accepts."""
-    return list(_MODULES)
-
-
-def get(name: str) -> ModuleType:
-    """The module implementing ``name``; ValueError listing the valid names otherwise."""
-    if name not in _MODULES:
-        raise ValueError(f"method must be one of {available()}, got {name!r}{rank_suffix()}")
-    return importlib.import_module(_MODULES[name])
-
-
-def causal_layouts(module: ModuleType) -> tuple[str, ...]:
-    """The layouts of ``module`` that serve causal=True (``CAUSAL_LAYOUTS``, else all of ``LAYOUTS``)."""
-    return tuple(getattr(module, "CAUSAL_LAYOUTS", module.LAYOUTS))
-
+__all__ = ["BUILTIN", "FEATURES", "BackwardInputs", "Call", "Engine", "Method", "available", "causal_layouts", "get",
+           "register", "ring_placement", "unregister"]

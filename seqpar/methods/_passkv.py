@@ -1,42 +1,36 @@
 """The pass-KV ring engine shared by ``ring`` and ``usp`` (ALGORITHMS.md §3).
 
 Private: methods never import each other, so what two methods share lives here. Q, O and lse stay on
-their rank; K and V travel one hop per step in one packed message ``kv (2, B, L, Hkv, D)``; at step s rank
-r holds the KV that started on rank ``(r - s) mod W``. Which part of that block rank r computes is the
-block planner's answer (Note [Block planning] in ``seqpar.layouts.blocks``), so every layout, causal or
-not, windows, documents and padding run through one loop.
+their rank; K and V travel one hop per step in one packed message (Note [One KV message] in ``_shared``);
+at step s rank r holds the KV that started on rank ``(r - s) mod W``. Which part of that block rank r
+computes is the block planner's answer (Note [Block planning] in ``seqpar.layouts.blocks``), so every
+layout, causal or not, windows, documents and padding run through one loop - the runtime's
+``run_steps`` (post the next hop, compute, wait; dK/dV one step behind).
 
 Note [Ring truncation]
-    A step at which no rank has work (a sliding window shorter than the ring) ends the ring early for
-    everyone: ``n_steps`` is the last step any rank needs, plus one, computed identically on every rank
-    from the layout. In backward the dK/dV accumulator of block j then sits on rank ``j + n_steps - 1``
-    and goes home in one direct transfer (one hop on NVSwitch).
-
-Note [Faults in the ring]
-    An exception raised by this rank's compute (a kernel that cannot serve the block, an out-of-memory)
-    first completes the transfers this rank has posted and not yet awaited, then propagates. When every rank
-    fails the same way the group is then left clean for the next call (a dropped in-flight transfer breaks a
-    gloo pair: the next collective hangs). When one rank fails alone its neighbours posted the matching
-    transfers of the same step, so the wait is short; they stop at their next step's wait, bounded by the
-    process-group timeout (docs: fault handling).
+    A step at which no rank has work (a sliding window shorter than the ring, documents that end before
+    the ring does) ends the ring early for everyone: ``n_steps`` is the last step any rank needs, plus one,
+    computed identically on every rank from the layout. In backward the dK/dV accumulator of block j then
+    sits on rank ``j + n_steps - 1`` and goes home in one direct transfer (one hop on NVSwitch).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from ..comm.ring import Exchange, Ring
+from ..comm.ring import Ring
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator
 from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, plan
+from ..numerics import GradRows, acc_dtype, wire_dtype
+from ..runtime.loop import Double, Loop, run_steps
+from ._shared import pack_kv, unpack_kv
 
-__all__ = ["Schedule", "backward", "forward", "schedule"]
+__all__ = ["PassKV", "Schedule", "schedule"]
 
 
 @dataclass(frozen=True)
@@ -58,94 +52,90 @@ def schedule(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tu
     return Schedule(mine[: last + 1], last + 1)
 
 
-@contextlib.contextmanager
-def _settled(*posted: Exchange | None) -> Iterator[None]:
-    """On an exception, complete the posted exchanges before it propagates (Note [Faults in the ring])."""
-    try:
-        yield
-    except BaseException:
-        for ex in posted:
-            if ex is not None:
-                with contextlib.suppress(Exception):
-                    ex.wait()
-        raise
+class PassKV:
+    """The ring over ``ring`` with ``sched``'s tasks, run by ``runner`` (one planned call's engine part).
 
-
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, sched: Schedule,
-            runner: TaskRunner) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring forward: ``(out (B, L, H, D) in q.dtype, lse (B, H, L) fp32)``."""
-    acc = Accumulator(q)
-    if sched.n_steps == 1:                     # one rank, or a window that needs no other rank's keys
-        for t in runner.prepare(sched.steps[0], q, k):
-            acc.add(t.q, *runner.forward(q, k, v, t))
-        return acc.result(q.dtype)
-    kv = torch.stack((k, v))
-    nxt = torch.empty_like(kv)
-    for s in range(sched.n_steps):
-        more = s + 1 < sched.n_steps
-        if more:
-            ex = ring.send_recv(kv, nxt)
-            ex.commit()
-        with _settled(ex if more else None):
-            for t in runner.prepare(sched.steps[s], q, kv[0]):
-                acc.add(t.q, *runner.forward(q, kv[0], kv[1], t))
-        if more:
-            ex.wait()
-            kv, nxt = nxt, kv
-    return acc.result(q.dtype)
-
-
-def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, ring: Ring, sched: Schedule, runner: TaskRunner, grad_dtype: torch.dtype,
-             delta: torch.Tensor | None = None, result_dtype: torch.dtype | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ring backward (ALGORITHMS.md §3.2): dK/dV travel one step behind their KV, accumulated in fp32.
-
-    ``delta`` (B, H, L) replaces ``rowsum(dO * O)`` when the caller has one (gradient through lse).
-    ``result_dtype`` is the dtype of the returned gradients (default: the inputs'); USP asks for fp32 when
-    it still has to sum replicated KV heads' partials.
+    ``grad_dtype``: dK/dV partials on the wire; running sums stay fp32 (fp64 for fp64) and are cast only
+    into the wire buffer.
     """
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    n = sched.n_steps
-    dtypes = (result_dtype or q.dtype, result_dtype or k.dtype, result_dtype or v.dtype)
-    if n == 1:
-        return _local_backward(do, q, k, v, out, lse, sched.steps[0], runner, delta, dtypes)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    kv = torch.stack((k, v))
-    nxt = torch.empty_like(kv)
-    wire = acc if grad_dtype == torch.float32 else grad_dtype
-    dkv = torch.zeros(kv.shape, dtype=wire, device=q.device)
-    dkv_in = torch.empty_like(dkv)
-    dex = None
-    for s in range(n):
-        more = s + 1 < n
-        if more:
-            ex = ring.send_recv(kv, nxt)
-            ex.commit()
-        with _settled(ex if more else None, dex):
-            tasks = runner.prepare(sched.steps[s], q, kv[0])
-            grads = [runner.backward(do, q, kv[0], kv[1], out, lse, t, delta) for t in tasks]
-            for t, (gq, _, _) in zip(tasks, grads):
+
+    def __init__(self, ring: Ring, sched: Schedule, runner: TaskRunner, grad_dtype: torch.dtype):
+        self.ring, self.sched, self.runner, self.grad_dtype = ring, sched, runner, grad_dtype
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out (B, L, H, Dv) in q.dtype, lse (B, H, L) fp32)``."""
+        acc = Accumulator(q, v.shape[-1])
+        runner, steps, d = self.runner, self.sched.steps, q.shape[-1]
+        n = self.sched.n_steps
+        if n == 1:                     # one rank, or a window that needs no other rank's keys
+            for t in runner.prepare(steps[0], q, k):
+                acc.add(t.q, *runner.forward(q, k, v, t))
+            return acc.result(q.dtype)
+        kv = Double(pack_kv(k, v))
+
+        def compute(s: int) -> None:
+            kc, vc = unpack_kv(kv.cur, d)
+            for t in runner.prepare(steps[s], q, kc):
+                acc.add(t.q, *runner.forward(q, kc, vc, t))
+
+        run_steps(n, post=lambda s: self.ring.send_recv(kv.cur, kv.nxt) if s + 1 < n else None,
+                  compute=compute, land=lambda s: kv.swap())
+        return acc.result(q.dtype)
+
+    def backward(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                 result_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Ring backward (ALGORITHMS.md §3.2): dK/dV travel one step behind their KV.
+
+        ``result_dtype``: dtype of the returned gradients (default: the inputs'); USP asks for fp32 when it
+        still has to sum replicated KV heads' partials.
+        """
+        runner, steps, d, n = self.runner, self.sched.steps, q.shape[-1], self.sched.n_steps
+        dtypes = (result_dtype or q.dtype, result_dtype or k.dtype, result_dtype or v.dtype)
+        if n == 1:
+            g = runner.backward_all(rows, q, k, v, lse, steps[0])
+            return tuple(x.to(dt) for x, dt in zip(g, dtypes))
+        acc = acc_dtype(q.dtype)
+        wire = wire_dtype(self.grad_dtype, q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = Double(pack_kv(k, v))
+        dkv = Double(torch.empty(kv.cur.shape, dtype=wire, device=q.device))  # send (cur) / receive (nxt)
+        # the running sum of the block held: the wire buffer itself when the wire is fp32, else an fp32 one
+        # whose sum is cast into the wire buffer once per hop
+        dkv_acc = None if wire == acc else torch.empty(kv.cur.shape, dtype=acc, device=q.device)
+        grads: list = []
+
+        def compute(s: int) -> None:
+            kc, vc = unpack_kv(kv.cur, d)
+            tasks = runner.prepare(steps[s], q, kc)
+            grads[:] = [(t, runner.backward(rows, q, kc, vc, lse, t)) for t in tasks]
+            for t, (gq, _, _) in grads:
                 dq[:, t.q] += gq
-        if dex is not None:                 # computed first, so the dK/dV hop hid behind this step's kernels
-            dex.wait()                      # the running dK/dV of the block now held, from rank - 1
-            dkv, dkv_in = dkv_in, dkv
-        for t, (_, gk, gv) in zip(tasks, grads):
-            dkv[0][:, t.k] += gk
-            dkv[1][:, t.k] += gv
-        del grads
-        if more:
-            dex = ring.send_recv(dkv, dkv_in)
-            dex.commit()
-            ex.wait()
-            kv, nxt = nxt, kv
-    home = ring.send_recv(dkv, dkv_in, hops=1 - n)     # block (r - n + 1)'s total goes to its owner
-    home.commit()
-    home.wait()
-    return dq.to(dtypes[0]), dkv_in[0].to(dtypes[1]), dkv_in[1].to(dtypes[2])
 
+        def accumulate(s: int) -> None:
+            if dkv_acc is None:                # the running dK/dV of the block now held arrived in nxt
+                if s > 0:
+                    dkv.swap()
+                else:
+                    dkv.cur.zero_()
+                target = dkv.cur
+            else:
+                target = dkv_acc.copy_(dkv.nxt) if s > 0 else dkv_acc.zero_()
+            dk_, dv_ = unpack_kv(target, d)
+            for t, (_, gk, gv) in grads:
+                dk_[:, t.k] += gk
+                dv_[:, t.k] += gv
+            grads.clear()
 
-def _local_backward(do, q, k, v, out, lse, tasks, runner, delta, dtypes):
-    """Backward of a single-step schedule: no ring."""
-    g = runner.backward_all(do, q, k, v, out, lse, tasks, delta)
-    return tuple(x.to(d) for x, d in zip(g, dtypes))
+        def post_after(s: int):
+            if dkv_acc is not None:
+                dkv.cur.copy_(dkv_acc)         # fp32 sums cast only into the wire buffer
+            return self.ring.send_recv(dkv.cur, dkv.nxt) if s + 1 < n else None
+
+        with Loop() as loop:
+            run_steps(n, post=lambda s: self.ring.send_recv(kv.cur, kv.nxt) if s + 1 < n else None,
+                      compute=compute, accumulate=accumulate, post_after=post_after, land=lambda s: kv.swap(),
+                      loop=loop)
+            home = loop.post(self.ring.send_recv(dkv.cur, dkv.nxt, hops=1 - n))   # block (r - n + 1)'s total
+            loop.wait(home)
+        dk, dv = unpack_kv(dkv.nxt, d)
+        return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])

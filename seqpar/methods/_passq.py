@@ -19,9 +19,13 @@ Note [Pass-Q schedule]
     travelling after the wrap; under windows and documents hops and returns that carry nothing are
     skipped, and the pass ends after the last step any rank needs (``n_steps``).
 
-    Backward (§7.4) moves the bundle (Q, dO, lse, Delta) the same way - or (Q, dO, O, lse) when the
-    kernel cannot take a precomputed Delta - accumulates dK, dV in place in fp32 (they never travel) and
-    returns dQ partials in ``grad_dtype``, summed by the owner in fp32.
+    Backward (§7.4) moves the bundle (Q, dO | lse, Delta) the same way - or (Q, dO', O' | lse) when the
+    kernels recompute Delta from O (the lse gradient folded in, Note [Folding the lse gradient]) - which of
+    the two is a property of the plan's kernels, the same on every rank; it accumulates dK, dV in place in
+    fp32 (they never travel) and returns dQ partials in ``grad_dtype``, summed by the owner in fp32.
+
+    Every step posts its transfers before it computes, step 0 included: the hop that carries Q to rank r-1
+    is in flight while the own block's first half runs.
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator, merge_
 from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, plan
-from ._shared import Rows, acc_dtype, bhs, bshd, hull, own_accumulator, row_hull, seq_major, split_own, wire_dtype
+from ..numerics import GradRows, acc_dtype, wire_dtype
+from ..runtime.loop import Double, Loop, run_steps
+from ._shared import Rows, bhs, bshd, hull, row_hull, seq_major, split_own
 
-__all__ = ["PassQPlan", "backward", "forward", "schedule"]
+__all__ = ["PassQ", "PassQPlan", "schedule"]
 
 
 @dataclass(frozen=True)
@@ -88,152 +94,172 @@ def schedule(layout: Layout, seq_len: int, rule: Rule, doc_bounds: tuple[int, ..
     return PassQPlan(W, n, tuple(o[0] for o in own), tuple(o[1] for o in own), steps, res, tuple(q_rows), kinds)
 
 
-def _post_hop(ex: Exchange, ring: Ring, sp: PassQPlan, s: int, cur: list[torch.Tensor],
-              nxt: list[torch.Tensor]) -> None:
-    """Queue the bundle hop after step s: my guest's rows to r-1, the next guest's rows from r+1."""
-    r, W = ring.rank, sp.world
-    out_rows, in_rows = sp.q_rows[(r + s) % W][s], sp.q_rows[(r + 1 + s) % W][s]
-    if out_rows is not None:
-        for x in cur:
-            ex.send(x[out_rows[0]:out_rows[1]], ring.peer(-1))
-    if in_rows is not None:
-        for x in nxt:
-            ex.recv(x[in_rows[0]:in_rows[1]], ring.peer(1))
+class PassQ:
+    """One planned call's pass-Q engine part: queries travel over ``ring``, results come home."""
 
+    def __init__(self, ring: Ring, sp: PassQPlan, runner: TaskRunner, grad_dtype: torch.dtype):
+        self.ring, self.sp, self.runner, self.grad_dtype = ring, sp, runner, grad_dtype
 
-def _post_return(ex: Exchange, ring: Ring, sp: PassQPlan, t: int, res: list[torch.Tensor],
-                 got: list[torch.Tensor]) -> Rows:
-    """Queue the return of step t's partial to its owner r+t and the receipt of mine from r-t."""
-    r, W = ring.rank, sp.world
-    out_rows, in_rows = sp.res_rows[(r + t) % W][t], sp.res_rows[r][t]
-    if out_rows is not None:
-        for x in res:
-            ex.send(x[out_rows[0]:out_rows[1]], ring.peer(t))
-    if in_rows is not None:
-        for x in got:
-            ex.recv(x[in_rows[0]:in_rows[1]], ring.peer(-t))
-    return in_rows
+    def _hop(self, ex: Exchange, s: int, bufs: list[Double]) -> None:
+        """Queue the bundle hop after step s: my guest's rows to r-1, the next guest's rows from r+1."""
+        r, W, ring = self.ring.rank, self.sp.world, self.ring
+        out_rows, in_rows = self.sp.q_rows[(r + s) % W][s], self.sp.q_rows[(r + 1 + s) % W][s]
+        for b in bufs:
+            if out_rows is not None:
+                ex.send(b.cur[out_rows[0]:out_rows[1]], ring.peer(-1))
+            if in_rows is not None:
+                ex.recv(b.nxt[in_rows[0]:in_rows[1]], ring.peer(1))
 
+    def _return(self, ex: Exchange, t: int, res: list[torch.Tensor], got: list[torch.Tensor]) -> Rows:
+        """Queue the return of step t's partial to its owner r+t and the receipt of mine from r-t."""
+        r, W, ring = self.ring.rank, self.sp.world, self.ring
+        out_rows, in_rows = self.sp.res_rows[(r + t) % W][t], self.sp.res_rows[r][t]
+        if out_rows is not None:
+            for x in res:
+                ex.send(x[out_rows[0]:out_rows[1]], ring.peer(t))
+        if in_rows is not None:
+            for x in got:
+                ex.recv(x[in_rows[0]:in_rows[1]], ring.peer(-t))
+        return in_rows
 
-def _guest_forward(q_SBHD, k, v, tasks, rows, runner: TaskRunner, res_o, res_l, scratch) -> None:
-    """A visiting Q's partial (out, lse) over ``rows`` into the wire buffers ``res_o``, ``res_l``."""
-    if rows is None:
-        return
-    qv = bshd(q_SBHD)
-    tasks = runner.prepare(tasks, qv, k)
-    a, b = rows
-    if len(tasks) == 1 and (tasks[0].q_start, tasks[0].q_stop) == rows:
-        o, lse = runner.forward(qv, k, v, tasks[0])
-        res_o[a:b].copy_(o.transpose(0, 1))
-        res_l[a:b].copy_(lse.permute(2, 0, 1))
-        return
-    so, sl = scratch                                  # merge several tasks in fp32, then cast once
-    so[a:b].zero_()
-    sl[a:b].fill_(float("-inf"))
-    for t in tasks:
-        o, lse = runner.forward(qv, k, v, t)
-        merge_(bshd(so)[:, t.q], bhs(sl)[:, :, t.q], o, lse)
-    res_o[a:b].copy_(so[a:b])
-    res_l[a:b].copy_(sl[a:b])
+    def _run(self, n: int, bufs: list[Double], compute, post_return, land_return, late) -> None:
+        """The pass-Q schedule on the runtime: step s posts the hop after s (every buffer of the travelling
+        bundle) and the return of step s-1's partial, computes, waits, merges what came home."""
+        mine: list[Rows] = [None]
 
+        def post(s: int) -> Exchange:
+            ex = Exchange(self.ring.group)
+            if s + 1 < n:
+                self._hop(ex, s, bufs)
+            mine[0] = post_return(ex, s - 1) if s >= 2 else None
+            return ex
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, sp: PassQPlan,
-            runner: TaskRunner) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pass-Q forward: ``(out (B, L, H, D) in q.dtype, lse (B, H, L) fp32)``.
+        def land(s: int) -> None:
+            if mine[0] is not None:
+                land_return(mine[0])
+            for b in bufs:
+                b.swap()
 
-    Partial outputs travel in q's dtype (the bytes of ALGORITHMS.md §7.1, and what GPU kernels return);
-    lse travels in fp32; the owner merges in fp32.
-    """
-    r, n = ring.rank, sp.n_steps
-    acc = Accumulator(q)
-    for t in runner.prepare(sp.early[r], q, k):
-        acc.add(t.q, *runner.forward(q, k, v, t))
-    if n > 1:
-        own_accumulator(acc, q)
-        B, L, H, D = q.shape
+        with Loop() as loop:
+            run_steps(n, post=post, compute=compute, land=land, loop=loop)
+            if n > 1:
+                ex = Exchange(self.ring.group)
+                last = post_return(ex, n - 1)
+                handles = loop.post(ex)
+            late()                            # overlaps the last return (Note [Hiding the tail])
+            if n > 1:
+                loop.wait(handles)
+                if last is not None:
+                    land_return(last)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out (B, L, H, Dv) in q.dtype, lse (B, H, L) fp32)``.
+
+        Partial outputs travel in q's dtype (the bytes of ALGORITHMS.md §7.1, and what GPU kernels return);
+        lse travels in fp32; the owner merges in fp32.
+        """
+        r, n, sp, runner = self.ring.rank, self.sp.n_steps, self.sp, self.runner
+        B, L, H, _ = q.shape
+        Dv = v.shape[-1]
+        acc = Accumulator(q, Dv)
+        if n > 1:
+            acc.owned()
         lse_dt = acc.acc_dtype
-        cur, nxt = seq_major(q), torch.empty(L, B, H, D, dtype=q.dtype, device=q.device)
-        res = [(torch.empty_like(nxt), torch.empty(L, B, H, dtype=lse_dt, device=q.device)) for _ in range(2)]
-        got = [torch.empty_like(nxt), torch.empty(L, B, H, dtype=lse_dt, device=q.device)]
+        cur = Double(seq_major(q)) if n > 1 else None
+        res = [(q.new_empty(L, B, H, Dv), torch.empty(L, B, H, dtype=lse_dt, device=q.device)) for _ in range(2)]
+        got = [q.new_empty(L, B, H, Dv), torch.empty(L, B, H, dtype=lse_dt, device=q.device)]
         scratch = None
         if any(len(ts) > 1 for ts in sp.steps[r]):
-            scratch = (torch.empty(L, B, H, D, dtype=lse_dt, device=q.device), torch.empty_like(got[1]))
-        for s in range(n):
-            ex = Exchange(ring.group)
-            if s + 1 < n:
-                _post_hop(ex, ring, sp, s, [cur], [nxt])
-            mine = _post_return(ex, ring, sp, s - 1, list(res[(s - 1) % 2]), got) if s >= 2 else None
-            ex.commit()
-            if s >= 1:
-                _guest_forward(cur, k, v, sp.steps[r][s], sp.res_rows[(r + s) % sp.world][s], runner,
-                               *res[s % 2], scratch)
-            ex.wait()
-            if mine is not None:
-                acc.add(slice(*mine), bshd(got[0])[:, mine[0]:mine[1]], bhs(got[1])[:, :, mine[0]:mine[1]])
-            cur, nxt = nxt, cur
-        ex = Exchange(ring.group)
-        mine = _post_return(ex, ring, sp, n - 1, list(res[(n - 1) % 2]), got)
-        ex.commit()
-    for t in runner.prepare(sp.late[r], q, k):      # overlaps the last return (Note [Hiding the tail])
-        acc.add(t.q, *runner.forward(q, k, v, t))
-    if n > 1:
-        ex.wait()
-        if mine is not None:
-            acc.add(slice(*mine), bshd(got[0])[:, mine[0]:mine[1]], bhs(got[1])[:, :, mine[0]:mine[1]])
-    return acc.result(q.dtype)
+            scratch = (torch.empty(L, B, H, Dv, dtype=lse_dt, device=q.device), torch.empty_like(got[1]))
 
+        def own(tasks) -> None:
+            for t in runner.prepare(tasks, q, k):
+                acc.add(t.q, *runner.forward(q, k, v, t))
 
-def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, ring: Ring, sp: PassQPlan, runner: TaskRunner, grad_dtype: torch.dtype,
-             delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pass-Q backward (ALGORITHMS.md §7.4): the bundle travels, dK/dV stay, dQ partials return.
+        def guest(s: int) -> None:
+            rows = sp.res_rows[(r + s) % sp.world][s]
+            if rows is None:
+                return
+            qv = bshd(cur.cur)
+            tasks = runner.prepare(sp.steps[r][s], qv, k)
+            res_o, res_l = res[s % 2]
+            a, b = rows
+            if len(tasks) == 1 and (tasks[0].q_start, tasks[0].q_stop) == rows:
+                o, lse = runner.forward(qv, k, v, tasks[0])
+                res_o[a:b].copy_(o.transpose(0, 1))
+                res_l[a:b].copy_(lse.permute(2, 0, 1))
+                return
+            so, sl = scratch                  # merge several tasks in fp32, then cast once
+            so[a:b].zero_()
+            sl[a:b].fill_(float("-inf"))
+            for t in tasks:
+                o, lse = runner.forward(qv, k, v, t)
+                merge_(bshd(so)[:, t.q], bhs(sl)[:, :, t.q], o, lse)
+            res_o[a:b].copy_(so[a:b])
+            res_l[a:b].copy_(sl[a:b])
 
-    With ``delta`` (B, H, L) the bundle is (Q, dO | lse, Delta); without, (Q, dO, O | lse).
-    """
-    r, n = ring.rank, sp.n_steps
-    acc = acc_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        def land_return(m: Rows) -> None:
+            acc.add(slice(*m), bshd(got[0])[:, m[0]:m[1]], bhs(got[1])[:, :, m[0]:m[1]])
 
-    def run(tasks, qv, dov, outv, lsev, deltav, dq_BSHD):
-        for t in runner.prepare(tasks, qv, k):
-            gq, gk, gv = runner.backward(dov, qv, k, v, outv, lsev, t, deltav)
-            dq_BSHD[:, t.q] += gq
-            dk[:, t.k] += gk
-            dv[:, t.k] += gv
+        if n == 1:
+            own(sp.early[r])
+            own(sp.late[r])
+            return acc.result(q.dtype)
+        self._run(n, [cur], lambda s: own(sp.early[r]) if s == 0 else guest(s),
+                  lambda ex, t: self._return(ex, t, list(res[t % 2]), got), land_return, lambda: own(sp.late[r]))
+        return acc.result(q.dtype)
 
-    run(sp.early[r], q, do, None if delta is not None else out, lse, delta, dq)
-    if n > 1:
-        rows_in = [q, do] if delta is not None else [q, do, out]
-        stats = [lse] if delta is None else [lse, delta.to(lse.dtype)]
-        cur = [torch.stack([seq_major(x) for x in rows_in], 1), torch.stack([x.permute(2, 0, 1) for x in stats], 1)]
-        nxt = [torch.empty_like(x) for x in cur]
-        wire = wire_dtype(grad_dtype, q.dtype)
+    def backward(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Pass-Q backward (ALGORITHMS.md §7.4): the bundle travels, dK/dV stay, dQ partials return."""
+        r, n, sp, runner = self.ring.rank, self.sp.n_steps, self.sp, self.runner
+        D, Dv = q.shape[-1], v.shape[-1]
+        acc = acc_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+        delta = runner.takes_delta(q, k, sp.kinds, Dv)   # the plan's kernels decide the bundle: same on every rank
+
+        def run(tasks, qv, g: GradRows, lsev, dq_BSHD) -> None:
+            for t in runner.prepare(tasks, qv, k):
+                gq, gk, gv = runner.backward(g, qv, k, v, lsev, t)
+                dq_BSHD[:, t.q] += gq
+                dk[:, t.k] += gk
+                dv[:, t.k] += gv
+
+        if n == 1:
+            run(sp.early[r], q, rows, lse, dq)
+            run(sp.late[r], q, rows, lse, dq)
+            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        if delta:                              # (Q, dO | lse, Delta)
+            parts, stats = [q, rows.do], [lse, rows.delta.to(lse.dtype)]
+        else:                                  # (Q, dO', O' | lse)
+            parts, stats = [q, *rows.folded], [lse]
+        bundle = Double(torch.cat([seq_major(x) for x in parts], -1))
+        st = Double(torch.stack([x.permute(2, 0, 1) for x in stats], -1))
+        wire = wire_dtype(self.grad_dtype, q.dtype)
         res = [torch.empty(q.shape[1], q.shape[0], *q.shape[2:], dtype=wire, device=q.device) for _ in range(2)]
         got = torch.empty_like(res[0])
-        for s in range(n):
-            ex = Exchange(ring.group)
-            if s + 1 < n:
-                _post_hop(ex, ring, sp, s, cur, nxt)
-            mine = _post_return(ex, ring, sp, s - 1, [res[(s - 1) % 2]], [got]) if s >= 2 else None
-            ex.commit()
-            rows = sp.res_rows[(r + s) % sp.world][s] if s >= 1 else None
-            if rows is not None:
-                qd, st = cur
-                res[s % 2][rows[0]:rows[1]].zero_()
-                run(sp.steps[r][s], bshd(qd[:, 0]), bshd(qd[:, 1]), None if delta is not None else bshd(qd[:, 2]),
-                    bhs(st[:, 0]), bhs(st[:, 1]) if delta is not None else None, bshd(res[s % 2]))
-            ex.wait()
-            if mine is not None:
-                dq[:, mine[0]:mine[1]] += bshd(got[mine[0]:mine[1]])
-            cur, nxt = nxt, cur
-        ex = Exchange(ring.group)
-        mine = _post_return(ex, ring, sp, n - 1, [res[(n - 1) % 2]], [got])
-        ex.commit()
-    run(sp.late[r], q, do, None if delta is not None else out, lse, delta, dq)
-    if n > 1:
-        ex.wait()
-        if mine is not None:
-            dq[:, mine[0]:mine[1]] += bshd(got[mine[0]:mine[1]])
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        scratch = torch.empty(res[0].shape, dtype=acc, device=q.device) if wire != acc else None
+
+        def guest(s: int) -> None:
+            rr = sp.res_rows[(r + s) % sp.world][s]
+            if rr is None:
+                return
+            b_, s_ = bundle.cur, st.cur
+            qv, dov = bshd(b_[..., :D]), bshd(b_[..., D:D + Dv])
+            g = GradRows.given(dov, delta=bhs(s_[..., 1])) if delta else \
+                GradRows.given(dov, folded=(dov, bshd(b_[..., D + Dv:])))
+            out_dq = res[s % 2] if scratch is None else scratch
+            out_dq[rr[0]:rr[1]].zero_()       # dQ partials summed in fp32, cast once into the wire buffer
+            run(sp.steps[r][s], qv, g, bhs(s_[..., 0]), bshd(out_dq))
+            if scratch is not None:
+                res[s % 2][rr[0]:rr[1]].copy_(scratch[rr[0]:rr[1]])
+
+        def land_return(m: Rows) -> None:
+            dq[:, m[0]:m[1]] += bshd(got[m[0]:m[1]])
+
+        self._run(n, [bundle, st], lambda s: run(sp.early[r], q, rows, lse, dq) if s == 0 else guest(s),
+                  lambda ex, t: self._return(ex, t, [res[t % 2]], [got]), land_return,
+                  lambda: run(sp.late[r], q, rows, lse, dq))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -10,6 +10,12 @@ Note [Sequence-major wire buffers]
     see them through ``bshd(x_SBHD)``, a ``(B, S, H, D)`` view (last dim contiguous, as kernels require);
     lse-like ``(S, B, H)`` buffers through ``bhs``.
 
+Note [One KV message]
+    K and V travel together. With one head dim they are stacked, ``kv (2, B, L, Hkv, D)``, so each is a
+    contiguous tensor for the kernels; with a value head dim Dv != D (MLA) they are concatenated on the last
+    dim, ``kv (..., Hkv, D + Dv)``, and read back as last-dim slices (row stride D + Dv). Sequence-major
+    buffers (``seq_dim=0``) always concatenate. ``unpack_kv`` tells the two apart by rank.
+
 Note [Hiding the tail]
     A schedule whose last transfer returns results (a partial output, a dQ or dK/dV partial) to their
     owner would leave that transfer exposed. The owner's own (diagonal) block is split by query rows:
@@ -21,11 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.merge import Accumulator
 from ..layouts.blocks import Rule, Segments, Task, plan, slice_rows
 
-__all__ = ["acc_dtype", "bhs", "bshd", "delta_of", "hull", "own_accumulator", "row_hull", "seq_major", "shift",
-           "split_own", "wire_dtype"]
+__all__ = ["bhs", "bshd", "hull", "pack_kv", "row_hull", "seq_major", "shift", "split_own",
+           "unpack_kv"]
 
 Rows = tuple[int, int] | None
 
@@ -53,7 +58,13 @@ def hull(a: Rows, b: Rows) -> Rows:
 def split_own(seg: Segments, rule: Rule, back_first: bool) -> tuple[tuple[Task, ...], tuple[Task, ...]]:
     """The own block (``seg`` against itself) as (early, late) tasks split at local row L // 2.
 
-    ``back_first``: rows ``L//2 : L`` run early (Note [Hiding the tail]); otherwise rows ``0 : L//2``.
+    ``back_first``: rows ``L//2 : L`` run early (Note [One KV message]
+    K and V travel together. With one head dim they are stacked, ``kv (2, B, L, Hkv, D)``, so each is a
+    contiguous tensor for the kernels; with a value head dim Dv != D (MLA) they are concatenated on the last
+    dim, ``kv (..., Hkv, D + Dv)``, and read back as last-dim slices (row stride D + Dv). Sequence-major
+    buffers (``seq_dim=0``) always concatenate. ``unpack_kv`` tells the two apart by rank.
+
+Note [Hiding the tail]); otherwise rows ``0 : L//2``.
     For zigzag these are the back and front chunks: the back chunk holds 3/4 of a causal own block.
     """
     L = seg.length
@@ -65,20 +76,18 @@ def split_own(seg: Segments, rule: Rule, back_first: bool) -> tuple[tuple[Task, 
     return (back, front) if back_first else (front, back)
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: fp64 for fp64 inputs, else fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def pack_kv(k: torch.Tensor, v: torch.Tensor, *, seq_dim: int = 1) -> torch.Tensor:
+    """K and V in ONE buffer, a single message (Note [One KV message]); a copy."""
+    if k.shape[-1] == v.shape[-1] and seq_dim == 1:
+        return torch.stack((k, v))
+    return torch.cat((k, v), -1)
 
 
-def wire_dtype(grad_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
-    """Gradient partials on the wire: ``grad_dtype``, widened to fp64 for fp64 inputs when it is fp32."""
-    return acc_dtype(dtype) if grad_dtype == torch.float32 else grad_dtype
-
-
-def delta_of(do: torch.Tensor, out: torch.Tensor, dlse: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """``Delta = rowsum(dO * O) - dlse`` as ``(B, H, L)`` in ``dtype`` (a gradient on lse shifts Delta)."""
-    delta = (do.to(dtype) * out.to(dtype)).sum(-1).transpose(1, 2)
-    return delta if dlse is None else delta - dlse.to(dtype)
+def unpack_kv(kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V views of a ``pack_kv`` buffer (or of any buffer of its layout)."""
+    if kv.dim() == 5:
+        return kv[0], kv[1]
+    return kv[..., :head_dim], kv[..., head_dim:]
 
 
 def seq_major(x_BSHD: torch.Tensor) -> torch.Tensor:
@@ -88,19 +97,6 @@ def seq_major(x_BSHD: torch.Tensor) -> torch.Tensor:
     the buffer overwrite the caller's tensor.
     """
     return x_BSHD.transpose(0, 1).clone(memory_format=torch.contiguous_format)
-
-
-def own_accumulator(acc: Accumulator, like_BSHD: torch.Tensor) -> Accumulator:
-    """Make ``acc`` (over the rows of ``like_BSHD``) allocate its own buffers now.
-
-    ``Accumulator.add`` adopts a first partial that covers every row without copying it; a partial that is
-    a view into a receive buffer must never be adopted (the next receive would overwrite the result).
-    """
-    if acc.out is None:
-        B, _, H, D = like_BSHD.shape
-        acc.add(slice(0, 0), like_BSHD.new_zeros(B, 0, H, D),
-                torch.zeros(B, H, 0, dtype=acc.acc_dtype, device=like_BSHD.device))
-    return acc
 
 
 def bshd(x_SBHD: torch.Tensor) -> torch.Tensor:

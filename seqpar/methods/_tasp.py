@@ -43,9 +43,11 @@ from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator
 from ..layouts.blocks import Rule, Task, plan, slice_rows
 from ..layouts.subchunks import Subchunked
-from ._shared import acc_dtype, bshd, seq_major, split_own, wire_dtype
+from ..numerics import GradRows, acc_dtype, wire_dtype
+from ..runtime.loop import Loop, run_steps
+from ._shared import bshd, pack_kv, seq_major, split_own, unpack_kv
 
-__all__ = ["Hop", "Piece", "Round", "TaspPlan", "backward", "forward", "schedule"]
+__all__ = ["Hop", "Piece", "Round", "Tasp", "TaspPlan", "schedule"]
 
 
 @dataclass(frozen=True)
@@ -212,110 +214,132 @@ def schedule(layout: Subchunked, rank: int, seq_len: int, rule: Rule, doc_bounds
     return TaspPlan(W, kind, early, late, tuple(rounds))
 
 
-def _post_kv(ex: Exchange, nxt_round: Round, own: torch.Tensor, prev: torch.Tensor, nxt: torch.Tensor) -> None:
-    """Queue the hops that fill the next round's buffer ``nxt`` (from own KV or the current buffer ``prev``)."""
-    for h in nxt_round.kv_out:
-        src = own if h.from_own else prev
-        ex.send(src[h.src_rows[0]:h.src_rows[1]], h.dst)
-    for h in nxt_round.kv_in:
-        ex.recv(nxt[h.dst_rows[0]:h.dst_rows[1]], h.src)
+class Tasp:
+    """One planned call's TASP engine part (Note [TASP rounds]) on the runtime's ``run_steps``: step 0 is
+    the own block (round 1's pieces already in flight), step t computes round t while round t+1's pieces and
+    round t-1's dK/dV partials move."""
 
+    def __init__(self, groups, tp: TaspPlan, runner: TaskRunner, grad_dtype: torch.dtype):
+        self.groups, self.tp, self.runner, self.grad_dtype = groups, tp, runner, grad_dtype
 
-def _post_grads(ex: Exchange, rd: Round, dkv: torch.Tensor, gin: torch.Tensor) -> None:
-    """Queue this round's dK/dV partials to their next holder or origin, and the receipt of ours."""
-    for h in rd.grad_out:
-        ex.send(dkv[h.src_rows[0]:h.src_rows[1]], h.dst)
-    for h in rd.grad_in:
-        ex.recv(gin[h.dst_rows[0]:h.dst_rows[1]], h.src)
+    @property
+    def group(self):
+        return self.groups.group
 
+    def _round(self, t: int) -> Round:
+        return self.tp.rounds[t - 1]
 
-def _apply_grads(rd: Round, gin: torch.Tensor, own_dkv: torch.Tensor, nxt_dkv: torch.Tensor | None) -> None:
-    """Add received partials: home ones into our own dK/dV, relayed ones into the next round's running sums."""
-    for h in rd.grad_in:
-        a, b = h.dst_rows
-        (own_dkv if h.home else nxt_dkv)[a:b] += gin[a:b]
+    def _post_kv(self, ex: Exchange, t: int, own: torch.Tensor, prev: torch.Tensor, nxt: torch.Tensor) -> None:
+        """Queue the hops that fill round t's buffer ``nxt`` (from own KV or the previous round's ``prev``)."""
+        rd = self._round(t)
+        for h in rd.kv_out:
+            src = own if h.from_own else prev
+            ex.send(src[h.src_rows[0]:h.src_rows[1]], h.dst)
+        for h in rd.kv_in:
+            ex.recv(nxt[h.dst_rows[0]:h.dst_rows[1]], h.src)
 
-
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, tp: TaspPlan,
-            runner: TaskRunner) -> tuple[torch.Tensor, torch.Tensor]:
-    """TASP forward: ``(out (B, L, H, D) in q.dtype, lse (B, H, L) fp32)``."""
-    acc = Accumulator(q)
-    W = tp.world
-    if W > 1:
-        own = torch.stack((seq_major(k), seq_major(v)), 1)          # (L, 2, B, Hkv, D): pieces are row ranges
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out (B, L, H, Dv) in q.dtype, lse (B, H, L) fp32)``."""
+        tp, runner, W, d = self.tp, self.runner, self.tp.world, q.shape[-1]
+        acc = Accumulator(q, v.shape[-1])
+        if W == 1:
+            for t in runner.prepare(tp.early + tp.late, q, k):
+                acc.add(t.q, *runner.forward(q, k, v, t))
+            return acc.result(q.dtype)
+        own = pack_kv(seq_major(k), seq_major(v), seq_dim=0)          # (L, B, Hkv, D + Dv): pieces are row ranges
         bufs = [torch.empty_like(own), torch.empty_like(own)]
-        ex = Exchange(group)
-        _post_kv(ex, tp.rounds[0], own, own, bufs[1])
-        ex.commit()
-    for t in runner.prepare(tp.early + tp.late, q, k):
-        acc.add(t.q, *runner.forward(q, k, v, t))
-    for t in range(1, W):
-        ex.wait()
-        cur = bufs[t % 2]
-        if t + 1 < W:                                 # post round t+1 before computing round t
-            ex = Exchange(group)
-            _post_kv(ex, tp.rounds[t], own, cur, bufs[(t + 1) % 2])
-            ex.commit()
-        kb, vb = bshd(cur[:, 0]), bshd(cur[:, 1])
-        for task in runner.prepare(tp.rounds[t - 1].tasks, q, kb):
-            acc.add(task.q, *runner.forward(q, kb, vb, task))
-    return acc.result(q.dtype)
 
+        def post(s: int):                     # round s+1's pieces, from own KV or the round-s buffer
+            if s + 1 >= W:
+                return None
+            ex = Exchange(self.group)
+            self._post_kv(ex, s + 1, own, bufs[s % 2], bufs[(s + 1) % 2])
+            return ex
 
-def backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-             lse: torch.Tensor, group, tp: TaspPlan, runner: TaskRunner, grad_dtype: torch.dtype,
-             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """TASP backward (ALGORITHMS.md §8.5; Note [TASP rounds]): dQ local, dK/dV partials routed home."""
-    acc = acc_dtype(q.dtype)
-    W = tp.world
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    own_dkv = torch.zeros(k.shape[1], 2, k.shape[0], *k.shape[2:], dtype=acc, device=q.device)
+        def compute(s: int) -> None:
+            if s == 0:
+                tasks, kb, vb = tp.early + tp.late, k, v
+            else:
+                kb, vb = (bshd(x) for x in unpack_kv(bufs[s % 2], d))
+                tasks = self._round(s).tasks
+            for t in runner.prepare(tasks, q, kb):
+                acc.add(t.q, *runner.forward(q, kb, vb, t))
 
-    def run(tasks, kb, vb, dkv):
-        dkb, dvb = bshd(dkv[:, 0]), bshd(dkv[:, 1])
-        for t in runner.prepare(tasks, q, kb):
-            gq, gk, gv = runner.backward(do, q, kb, vb, out, lse, t, delta)
-            dq[:, t.q] += gq
-            dkb[:, t.k] += gk
-            dvb[:, t.k] += gv
+        run_steps(W, post=post, compute=compute)
+        return acc.result(q.dtype)
 
-    if W > 1:
-        own = torch.stack((seq_major(k), seq_major(v)), 1)
+    def backward(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """TASP backward (ALGORITHMS.md §8.5; Note [TASP rounds]): dQ local, dK/dV partials routed home, one round
+        behind their pieces; every running sum fp32, cast into the wire buffer only."""
+        tp, runner, W, d = self.tp, self.runner, self.tp.world, q.shape[-1]
+        acc = acc_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        own_dkv = torch.zeros(k.shape[1], k.shape[0], k.shape[2], d + v.shape[-1], dtype=acc, device=q.device)
+
+        def run(tasks, kb, vb, dkv) -> None:
+            dkb, dvb = (bshd(x) for x in unpack_kv(dkv, d))
+            for t in runner.prepare(tasks, q, kb):
+                gq, gk, gv = runner.backward(rows, q, kb, vb, lse, t)
+                dq[:, t.q] += gq
+                dkb[:, t.k] += gk
+                dvb[:, t.k] += gv
+
+        if W == 1:
+            run(tp.early + tp.late, k, v, own_dkv)
+            dk, dv = (bshd(x) for x in unpack_kv(own_dkv, d))
+            return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+        own = pack_kv(seq_major(k), seq_major(v), seq_dim=0)
         bufs = [torch.empty_like(own), torch.empty_like(own)]
-        wire = wire_dtype(grad_dtype, q.dtype)
-        dkvs = [torch.empty(own.shape, dtype=wire, device=q.device) for _ in range(2)]
-        gin = torch.empty_like(dkvs[0])
-        ex = Exchange(group)
-        _post_kv(ex, tp.rounds[0], own, own, bufs[1])
-        ex.commit()
+        wire = wire_dtype(self.grad_dtype, q.dtype)
+        sums = [torch.empty(own.shape, dtype=acc, device=q.device) for _ in range(2)]   # round t's dK/dV, fp32
+        send = torch.empty(own.shape, dtype=wire, device=q.device) if wire != acc else None
+        gin = torch.empty(own.shape, dtype=wire, device=q.device)
 
-    def R(t: int) -> Round:                           # this rank's part of round t (1 .. W-1)
-        return tp.rounds[t - 1]
+        def post_grads(ex: Exchange, t: int) -> None:
+            """Round t's partials to their next holder or origin, and the receipt of ours."""
+            rd, src = self._round(t), sums[t % 2]
+            if send is not None:
+                send.copy_(src)                # fp32 sums cast only into the wire buffer
+                src = send
+            for h in rd.grad_out:
+                ex.send(src[h.src_rows[0]:h.src_rows[1]], h.dst)
+            for h in rd.grad_in:
+                ex.recv(gin[h.dst_rows[0]:h.dst_rows[1]], h.src)
 
-    run(tp.early, k, v, own_dkv)
-    for t in range(1, W):
-        ex.wait()                                     # round t's KV; round t-2's partials
-        if t >= 3:
-            _apply_grads(R(t - 2), gin, own_dkv, dkvs[(t - 1) % 2])
-        ex = Exchange(group)
-        if t + 1 < W:
-            _post_kv(ex, R(t + 1), own, bufs[t % 2], bufs[(t + 1) % 2])
-        if t >= 2:
-            _post_grads(ex, R(t - 1), dkvs[(t - 1) % 2], gin)
-        ex.commit()
-        dkv = dkvs[t % 2]
-        dkv[:R(t).rows].zero_()
-        run(R(t).tasks, bshd(bufs[t % 2][:, 0]), bshd(bufs[t % 2][:, 1]), dkv)
-    if W > 1:
-        ex.wait()
-        if W >= 3:
-            _apply_grads(R(W - 2), gin, own_dkv, dkvs[(W - 1) % 2])
-        ex = Exchange(group)                          # the last partials go home, behind the own block's rest
-        _post_grads(ex, R(W - 1), dkvs[(W - 1) % 2], gin)
-        ex.commit()
-    run(tp.late, k, v, own_dkv)
-    if W > 1:
-        ex.wait()
-        _apply_grads(R(W - 1), gin, own_dkv, None)
-    dk, dv = bshd(own_dkv[:, 0]), bshd(own_dkv[:, 1])
-    return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+        def apply_grads(t: int) -> None:
+            """Add round t's arrivals: home ones into our own dK/dV, relayed ones into round t+1's sums."""
+            for h in self._round(t).grad_in:
+                a, b = h.dst_rows
+                (own_dkv if h.home else sums[(t + 1) % 2])[a:b] += gin[a:b]
+
+        def post(s: int):
+            ex = Exchange(self.group)
+            if s + 1 < W:
+                self._post_kv(ex, s + 1, own, bufs[s % 2], bufs[(s + 1) % 2])
+            if s >= 2:
+                post_grads(ex, s - 1)
+            return ex
+
+        def compute(s: int) -> None:
+            if s == 0:
+                run(tp.early, k, v, own_dkv)
+                return
+            sums[s % 2][: self._round(s).rows].zero_()
+            kb, vb = (bshd(x) for x in unpack_kv(bufs[s % 2], d))
+            run(self._round(s).tasks, kb, vb, sums[s % 2])
+
+        def land(s: int) -> None:
+            if s >= 2:
+                apply_grads(s - 1)
+
+        with Loop() as loop:
+            run_steps(W, post=post, compute=compute, land=land, loop=loop)
+            ex = Exchange(self.group)             # the last partials go home, behind the own block's rest
+            post_grads(ex, W - 1)
+            handles = loop.post(ex)
+            run(tp.late, k, v, own_dkv)
+            loop.wait(handles)
+            apply_grads(W - 1)
+        dk, dv = (bshd(x) for x in unpack_kv(own_dkv, d))
+        return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()

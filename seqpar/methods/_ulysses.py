@@ -2,10 +2,12 @@
 
 Private: methods never import each other. A sandwich is: all-to-all q/k/v to head-sharded inside the
 Ulysses group (one packed collective, Note [Ulysses all-to-all] in ``seqpar.comm.all_to_all``), run an
-*engine* on H/U heads of the group's whole sequence, all-to-all out and lse back. The engine is
+*inner* engine on H/U heads of the group's whole sequence, all-to-all out and lse back. The inner engine is
 ``LocalEngine`` (one rank sees its whole sequence: Ulysses, and USP with ring degree 1) or USP's pass-KV
-ring. Backward mirrors it: dO (and dlse) to head-sharded, the engine's block backward with the FINAL out
-and lse, dq/dk/dv back in one collective with the replicated KV heads' partials summed.
+ring. Backward mirrors it: dO (and dlse, whenever lse is returned - an agreed fact, zeros where this rank's
+lse got no gradient) to head-sharded, the inner backward with the FINAL out and lse (attention sinks
+re-applied to the saved head-sharded rows, Note [Attention sinks] in ``seqpar.numerics``), dq/dk/dv back in one
+collective with the replicated KV heads' partials summed. ``Sandwich`` is the engine both methods build.
 
 Note [Ulysses gradient wire]
     dq, and dk/dv without KV replication, are complete gradients when they leave the engine: the
@@ -54,17 +56,17 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_to_all as a2a
-from ..config import AttentionConfig
 from ..errors import rank_suffix
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator
 from ..layouts.blocks import Rule, Task, plan
 from ..layouts.contiguous import Contiguous
+from ..numerics import GradRows, acc_dtype, apply_sinks, wire_dtype
+from ..runtime.loop import Loop, run_steps
+from .base import BackwardInputs, Call
 
-__all__ = ["Engine", "LocalEngine", "auto_head_chunks", "backward", "backward_pipelined", "check_heads", "forward",
-           "forward_pipelined", "head_chunk_counts", "head_groups", "local_tasks", "resolve_head_chunks"]
-
-Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+__all__ = ["Inner", "LocalEngine", "Sandwich", "auto_head_chunks", "check_heads", "head_chunk_counts",
+           "head_groups", "local_tasks", "resolve_head_chunks", "saved_meta"]
 
 
 def check_heads(heads: int, kv_heads: int, degree: int, world: int | None = None) -> None:
@@ -106,7 +108,7 @@ def auto_head_chunks(heads: int, kv_heads: int, degree: int) -> int:
       kernel stays large enough to hide the next group's transfer;
 
     and 1 for ``degree == 1`` (no all-to-all to hide). Pure and shape-only: every rank picks the same c.
-    ``seqpar.planner.cost.auto_head_chunks`` mirrors this rule (a test keeps them equal).
+    ``seqpar.planner.model.auto_head_chunks`` mirrors this rule (a test keeps them equal).
     """
     if degree == 1:
         return 1
@@ -143,19 +145,26 @@ def head_groups(heads: int, kv_heads: int, chunks: int) -> list[tuple[slice, sli
     return [(slice(i * hq, (i + 1) * hq), slice(i * hk, (i + 1) * hk)) for i in range(chunks)]
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def saved_meta(q_shape, k_shape, v_shape, dtype: torch.dtype, degree: int, chunks: int) -> list:
+    """Shapes of what ``Sandwich.forward`` saves (``(q, k, v, out, lse)`` head-sharded, per head group)."""
+    B, L, H, D = q_shape
+    Hkv, Dv = k_shape[2], v_shape[-1]
+    slots = a2a.HeadSlots(H // chunks, Hkv // chunks, degree)
+    hq, hk, S = slots.q_per_rank, slots.kv_per_rank, L * degree
+    one = [((B, S, hq, D), dtype), ((B, S, hk, D), dtype), ((B, S, hk, Dv), dtype), ((B, S, hq, Dv), dtype),
+           ((B, hq, S), acc_dtype(dtype))]
+    return one * chunks
 
 
-class Engine(Protocol):
+class Inner(Protocol):
     """Attention on head-sharded tensors ``(B, S_group, h, D)``: what runs between the two all-to-alls."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out in q.dtype, lse (B, h, S_group) fp32)``."""
         ...
 
-    def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)``: partial sums in the accumulation dtype (fp32; fp64 for fp64 inputs), complete
         ones in it or in the input dtype (the all-to-all casts to its wire dtype while packing)."""
         ...
@@ -172,65 +181,23 @@ def local_tasks(seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None, va
 class LocalEngine:
     """One rank holds the whole sequence for its heads: the block planner's tasks of the full sequence.
 
-    With ring degree 1 every layout is the identity order, so this is also USP's engine then (no ring
+    With ring degree 1 every layout is the identity order, so this is also USP's inner engine then (no ring
     code, no merge of remote blocks).
     """
 
-    def __init__(self, cfg: AttentionConfig, seq_len: int, head_dim: int):
-        self.cfg, self.scale = cfg, cfg.scale(head_dim)
-        self.tasks = local_tasks(seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
-
-    def _runner(self, needs_delta: bool = False) -> TaskRunner:
-        return TaskRunner(self.cfg.kernel, self.scale, deterministic=self.cfg.deterministic,
-                          needs_delta=needs_delta)
+    def __init__(self, call: Call):
+        cfg = call.cfg
+        self.tasks = local_tasks(call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
+        self.runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
 
     def forward(self, q, k, v):
-        runner = self._runner()
-        acc = Accumulator(q)
-        for t in runner.prepare(self.tasks, q, k):
-            acc.add(t.q, *runner.forward(q, k, v, t))
+        acc = Accumulator(q, v.shape[-1])
+        for t in self.runner.prepare(self.tasks, q, k):
+            acc.add(t.q, *self.runner.forward(q, k, v, t))
         return acc.result(q.dtype)
 
-    def backward(self, do, q, k, v, out, lse, delta):
-        runner = self._runner(needs_delta=delta is not None)
-        return runner.backward_all(do, q, k, v, out, lse, self.tasks, delta)
-
-
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None, engine: Engine
-            ) -> tuple[torch.Tensor, torch.Tensor, Saved]:
-    """The sandwich's forward: ``(out (B, L, H, D), lse (B, H, L), saved for backward)``.
-
-    ``group`` is the Ulysses group, in sequence-piece order (one rank: no all-to-all at all).
-    """
-    q_h, k_h, v_h = a2a.post_qkv_seq_to_heads(q, k, v, group).wait()
-    out_h, lse_h = engine.forward(q_h, k_h, v_h)
-    out_p = a2a.post_heads_to_seq(out_h, group)                      # both posted, then both awaited
-    lse_p = a2a.post_heads_to_seq(lse_h, group, seq_dim=2, head_dim=1)
-    return out_p.wait(), lse_p.wait(), (q_h, k_h, v_h, out_h, lse_h)
-
-
-def backward(do: torch.Tensor, dlse: torch.Tensor | None, saved: Saved, kv_heads: int,
-             group: dist.ProcessGroup | None, engine: Engine, grad_dtype: torch.dtype
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sandwich's backward from ``do (B, L, H, D)`` and optional ``dlse (B, H, L)``: ``(dq, dk, dv)``.
-
-    Gradients come back in the input dtypes (Note [Ulysses gradient wire]).
-    """
-    q_h, k_h, v_h, out_h, lse_h = saved
-    do_p = a2a.post_seq_to_heads(do, group)
-    dlse_p = None if dlse is None else a2a.post_seq_to_heads(dlse, group, seq_dim=2, head_dim=1)
-    do_h = do_p.wait()
-    delta_h = None if dlse_p is None else _delta(do_h, out_h, lse_h, dlse_p.wait())
-    dq_h, dk_h, dv_h = engine.backward(do_h, q_h, k_h, v_h, out_h, lse_h, delta_h)
-    wire = _grad_wire(q_h.dtype, kv_heads, dist.get_world_size(group), grad_dtype)
-    dq, dk, dv = a2a.post_grads_heads_to_seq(dq_h, dk_h, dv_h, kv_heads, group, wire).wait()  # cast on packing
-    return dq.to(q_h.dtype), dk.to(k_h.dtype), dv.to(v_h.dtype)
-
-
-def _delta(do_h: torch.Tensor, out_h: torch.Tensor, lse_h: torch.Tensor, dlse_h: torch.Tensor) -> torch.Tensor:
-    """``rowsum(dO * O) - dlse`` (B, h, S): d lse_i / d s_ij = P_ij, so a gradient on lse shifts Delta by -dlse."""
-    acc = lse_h.dtype
-    return (do_h.to(acc) * out_h.to(acc)).sum(-1).transpose(1, 2) - dlse_h.to(acc)
+    def backward(self, rows, q, k, v, lse):
+        return self.runner.backward_all(rows, q, k, v, lse, self.tasks)
 
 
 def _grad_wire(dtype: torch.dtype, kv_heads: int, degree: int, grad_dtype: torch.dtype) -> torch.dtype:
@@ -238,89 +205,127 @@ def _grad_wire(dtype: torch.dtype, kv_heads: int, degree: int, grad_dtype: torch
     replicated, then ``grad_dtype`` (fp32 becomes the accumulation dtype, fp64 for fp64 inputs)."""
     if max(degree // kv_heads, 1) == 1:
         return dtype
-    return acc_dtype(dtype) if grad_dtype == torch.float32 else grad_dtype
+    return wire_dtype(grad_dtype, dtype)
 
 
-# --- head-group pipeline (Note [Head-group pipeline]) -------------------------------------------------------
+class Sandwich:
+    """The Ulysses engine: all-to-all in, ``inner`` on H/U heads, all-to-all out (Notes above).
 
-def forward_pipelined(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-                      engine: Engine, chunks: int) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
-    """The sandwich over ``chunks`` head groups, transfers behind the neighbouring groups' kernels.
-
-    Args:
-        q: ``(B, L, H, D)``; k, v: ``(B, L, Hkv, D)``: this rank's rows, all heads.
-        group: the Ulysses group, in sequence-piece order.
-        engine: runs one group's head-sharded ``(B, U L, H/(c U), D)`` tensors.
-        chunks: c, from ``resolve_head_chunks``.
-
-    Returns:
-        ``out (B, L, H, D)``, ``lse (B, H, L)`` (fp32; fp64 for fp64 inputs) and, for backward, each
-        group's head-sharded ``(q, k, v, out, lse)`` one after the other (5 c tensors).
+    ``chunks`` head groups pipeline the transfers behind the neighbouring groups' kernels (Note [Head-group
+    pipeline]); one group is the plain sandwich, every phase in sequence.
     """
-    parts = head_groups(q.shape[2], k.shape[2], chunks)
-    B, L, H, _ = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty(B, H, L, dtype=acc_dtype(q.dtype), device=q.device)
 
-    def post_in(i: int) -> a2a.Pending[tuple[torch.Tensor, ...]]:
-        hq, hk = parts[i]
-        return a2a.post_qkv_seq_to_heads(q[:, :, hq], k[:, :, hk], v[:, :, hk], group)
+    saves = True
 
-    def write(hq: slice, out_p: a2a.Pending[torch.Tensor], lse_p: a2a.Pending[torch.Tensor]) -> None:
-        out[:, :, hq] = out_p.wait()
-        lse[:, hq] = lse_p.wait()
+    def __init__(self, call: Call, axis: str, inner: Inner, chunks: int):
+        self.groups, self.axis, self.inner, self.chunks = call.groups, axis, inner, chunks
+        group = self.group
+        self.degree = dist.get_world_size(group)
+        self.u = dist.get_rank(group)
+        self.parts = head_groups(call.q_shape[2], call.k_shape[2], chunks)
+        self.kv_heads, self.grad_dtype = call.k_shape[2], call.cfg.grad_dtype
 
-    saved: list[torch.Tensor] = []
-    nxt, prev = post_in(0), None
-    for i, (hq, _) in enumerate(parts):
-        cur, nxt = nxt, (post_in(i + 1) if i + 1 < chunks else None)    # group i+1's inputs move behind group i
-        q_h, k_h, v_h = cur.wait()
-        out_h, lse_h = engine.forward(q_h, k_h, v_h)
-        posted = (hq, a2a.post_heads_to_seq(out_h, group), a2a.post_heads_to_seq(lse_h, group, seq_dim=2, head_dim=1))
-        if prev is not None:                    # group i-1's outputs moved behind group i's kernels
-            write(*prev)
-        prev = posted
-        saved += (q_h, k_h, v_h, out_h, lse_h)
-    write(*prev)
-    return out, lse, tuple(saved)
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The Ulysses group (``groups.group`` for Ulysses, ``groups.ulysses`` for USP), looked up per call."""
+        return getattr(self.groups, self.axis)
 
+    def forward(self, q, k, v):
+        """``(out (B, L, H, Dv), lse (B, H, L), saved)``; saved: each group's head-sharded (q, k, v, out, lse)."""
+        B, L, H, _ = q.shape
+        out = q.new_empty(B, L, H, v.shape[-1]) if self.chunks > 1 else None
+        lse = torch.empty(B, H, L, dtype=acc_dtype(q.dtype), device=q.device) if self.chunks > 1 else None
+        saved: list[torch.Tensor] = []
+        ins: list = []
+        outs: list = []
+        res: list = []
+        loop = Loop()
 
-def backward_pipelined(do: torch.Tensor, dlse: torch.Tensor | None, saved: tuple[torch.Tensor, ...], kv_heads: int,
-                       group: dist.ProcessGroup | None, engine: Engine, grad_dtype: torch.dtype, chunks: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of ``forward_pipelined`` from ``do (B, L, H, D)`` and optional ``dlse (B, H, L)``.
+        def post_in(i: int) -> None:          # group i+1's inputs move behind group i's kernels
+            hq, hk = self.parts[i]
+            ins.append(loop.post(a2a.post_qkv_seq_to_heads(q[:, :, hq], k[:, :, hk], v[:, :, hk], self.group)))
 
-    Group i+1's dO (and dlse) move behind group i's backward kernels, group i-1's dq/dk/dv behind them
-    too; gradients come back in the input dtypes (Note [Ulysses gradient wire], per group).
-    """
-    B, L, H, D = do.shape
-    parts = head_groups(H, kv_heads, chunks)
-    q_h, k_h = saved[0], saved[1]
-    dq = torch.empty(B, L, H, D, dtype=q_h.dtype, device=do.device)
-    dk = torch.empty(B, L, kv_heads, D, dtype=k_h.dtype, device=do.device)
-    dv = torch.empty(B, L, kv_heads, D, dtype=saved[2].dtype, device=do.device)
-    wire = _grad_wire(q_h.dtype, kv_heads // chunks, dist.get_world_size(group), grad_dtype)
+        def compute(i: int) -> None:
+            (pending,) = ins[i]
+            loop.wait(ins[i])
+            q_h, k_h, v_h = pending.result
+            out_h, lse_h = self.inner.forward(q_h, k_h, v_h)
+            outs.append(loop.post([a2a.post_heads_to_seq(out_h, self.group),
+                                   a2a.post_heads_to_seq(lse_h, self.group, seq_dim=2, head_dim=1)]))
+            saved.extend((q_h, k_h, v_h, out_h, lse_h))
+            if i > 0:                         # group i-1's outputs moved behind group i's kernels
+                land_out(i - 1)
 
-    def post_in(i: int) -> tuple[a2a.Pending[torch.Tensor], a2a.Pending[torch.Tensor] | None]:
-        hq = parts[i][0]
-        return (a2a.post_seq_to_heads(do[:, :, hq], group),
-                None if dlse is None else a2a.post_seq_to_heads(dlse[:, hq], group, seq_dim=2, head_dim=1))
+        def land_out(i: int) -> None:
+            loop.wait(outs[i])
+            o, l = (p.result for p in outs[i])
+            if self.chunks == 1:
+                res.extend((o, l))
+            else:
+                hq = self.parts[i][0]
+                out[:, :, hq], lse[:, hq] = o, l
 
-    def write(hq: slice, hk: slice, grads_p: a2a.Pending[tuple[torch.Tensor, ...]]) -> None:
-        gq, gk, gv = grads_p.wait()
-        dq[:, :, hq], dk[:, :, hk], dv[:, :, hk] = gq, gk, gv        # replica sums (fp32) cast here, once
+        with loop:
+            post_in(0)
+            run_steps(self.chunks, post=lambda i: post_in(i + 1) if i + 1 < self.chunks else None,
+                      compute=compute, loop=loop)
+            land_out(self.chunks - 1)
+        if self.chunks == 1:
+            return res[0], res[1], tuple(saved)
+        return out, lse, tuple(saved)
 
-    nxt, prev = post_in(0), None
-    for i, (hq, hk) in enumerate(parts):
-        (do_p, dlse_p), nxt = nxt, (post_in(i + 1) if i + 1 < chunks else None)
-        q_h, k_h, v_h, out_h, lse_h = saved[5 * i: 5 * i + 5]
-        do_h = do_p.wait()
-        delta_h = None if dlse_p is None else _delta(do_h, out_h, lse_h, dlse_p.wait())
-        dq_h, dk_h, dv_h = engine.backward(do_h, q_h, k_h, v_h, out_h, lse_h, delta_h)
-        posted = (hq, hk, a2a.post_grads_heads_to_seq(dq_h, dk_h, dv_h, kv_heads // chunks, group, wire))
-        del dq_h, dk_h, dv_h
-        if prev is not None:
-            write(*prev)
-        prev = posted
-    write(*prev)
-    return dq, dk, dv
+    def _local_heads(self, hq: slice) -> slice:
+        """This rank's heads of the query-head group ``hq`` (global head indices)."""
+        n = (hq.stop - hq.start) // self.degree
+        return slice(hq.start + self.u * n, hq.start + (self.u + 1) * n)
+
+    def backward(self, b: BackwardInputs):
+        """From the final rows: dO (and dlse when lse is returned) to head-sharded, the inner backward, back."""
+        do, dlse = b.rows.do, b.dlse
+        B, L, H, Dv = do.shape
+        D = b.saved[0].shape[-1]
+        dq = do.new_empty(B, L, H, D) if self.chunks > 1 else None
+        dk = do.new_empty(B, L, self.kv_heads, D) if self.chunks > 1 else None
+        dv = do.new_empty(B, L, self.kv_heads, Dv) if self.chunks > 1 else None
+        wire = _grad_wire(do.dtype, self.kv_heads // self.chunks, self.degree, self.grad_dtype)
+        ins: list = []
+        outs: list = []
+        res: list = []
+        loop = Loop()
+
+        def post_in(i: int) -> None:
+            hq = self.parts[i][0]
+            ins.append(loop.post([a2a.post_seq_to_heads(do[:, :, hq], self.group),
+                                  None if dlse is None else a2a.post_seq_to_heads(dlse[:, hq], self.group, seq_dim=2,
+                                                                                  head_dim=1)]))
+
+        def compute(i: int) -> None:
+            loop.wait(ins[i])
+            do_h, *dlse_h = (p.result for p in ins[i])
+            q_h, k_h, v_h, out_h, lse_h = b.saved[5 * i: 5 * i + 5]
+            if b.sinks is not None:           # the final rows of these heads (Note [Attention sinks])
+                out_h, lse_h = apply_sinks(out_h, lse_h, b.sinks[self._local_heads(self.parts[i][0])])
+            grads = self.inner.backward(GradRows(do_h, out_h, dlse_h[0] if dlse_h else None), q_h, k_h, v_h, lse_h)
+            outs.append(loop.post(a2a.post_grads_heads_to_seq(*grads, self.kv_heads // self.chunks, self.group,
+                                                              wire)))
+            if i > 0:
+                land(i - 1)
+
+        def land(i: int) -> None:
+            loop.wait(outs[i])
+            gq, gk, gv = outs[i][0].result
+            if self.chunks == 1:
+                res.extend((gq, gk, gv))
+            else:                             # replica sums (fp32) cast here, once
+                hq, hk = self.parts[i]
+                dq[:, :, hq], dk[:, :, hk], dv[:, :, hk] = gq, gk, gv
+
+        with loop:
+            post_in(0)
+            run_steps(self.chunks, post=lambda i: post_in(i + 1) if i + 1 < self.chunks else None,
+                      compute=compute, loop=loop)
+            land(self.chunks - 1)
+        if self.chunks == 1:
+            gq, gk, gv = res
+            return gq.to(do.dtype), gk.to(do.dtype), gv.to(do.dtype)
+        return dq, dk, dv

@@ -45,29 +45,16 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.all_gather import AllGather, Handle
-from ..config import AttentionConfig
 from ..errors import rank_suffix
-from ..groups import SeqParallelGroups
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import merge_
-from ..layouts import Layout, make_layout
+from ..layouts import Layout
 from ..layouts.blocks import Rule, Run, Segments, Task, plan
-from ..types import AttnOutput
-from ._autograd import differentiable
+from ..numerics import GradRows, acc_dtype, wire_dtype
+from ..runtime.loop import Loop, run_steps
+from .base import BackwardInputs, Call, Method
 
-NAME = "allgather"
-LAYOUTS = ("contiguous", "zigzag")
-MESH_DIMS = 1
-OPTIONS: dict[str, object] = {"heads_k_stride": None}
-FEATURES = frozenset({"window", "varlen", "padding", "lse_grad"})
-
-__all__ = ["FEATURES", "LAYOUTS", "MESH_DIMS", "NAME", "OPTIONS", "GatherPlan", "attention", "gather_plan",
-           "placement"]
-
-
-def placement(layout: str, groups: SeqParallelGroups) -> tuple[Layout, int]:
-    """Tokens follow ``layout`` over the whole group; this rank holds piece ``groups.index``."""
-    return make_layout(layout, groups.world), groups.index
+__all__ = ["METHOD", "GatherPlan", "gather_plan"]
 
 
 @dataclass(frozen=True)
@@ -101,7 +88,7 @@ def gather_plan(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds:
                 valid_len: int | None) -> GatherPlan:
     """Rank ``rank``'s queries against the whole sequence in global order (Note [Gather into global order])."""
     if layout.segments(rank, seq_len).stride != 1:
-        raise ValueError(f"method={NAME!r} needs a layout of consecutive runs, got {layout.name}")
+        raise ValueError(f"method='allgather' needs a layout of consecutive runs, got {layout.name}")
     q = layout.segments(rank, seq_len).cut(doc_bounds, valid_len)
     k = Segments((Run(0, 0, seq_len),)).cut(doc_bounds, valid_len)
     chunk, order = _chunk_order(layout, seq_len)
@@ -122,147 +109,77 @@ def _permute_chunks(src: torch.Tensor, dst: torch.Tensor, order: tuple[int, ...]
 class _Gathered:
     """Double-buffered all-gather of one KV head chunk at a time, read back in global order.
 
-    Buffers are sequence-major, ``(rows, 2, B, stride, D)`` with K and V packed, so the rank-major gather
-    concatenates along the sequence and the gathered K is the strided view ``(B, S, stride, D)``.
+    Buffers are sequence-major, ``(rows, B, stride, D + Dv)`` with K and V side by side on the last dim (Note
+    [One KV message] in ``_shared``), so the rank-major gather concatenates along the sequence and the
+    gathered K is the view ``(B, S, stride, D)``.
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, stride: int, ag: AllGather, gp: GatherPlan):
-        B, L, Hkv, D = k.shape
-        self.k, self.v, self.stride, self.ag, self.gp = k, v, stride, ag, gp
-        self.rounds = Hkv // stride
-        self.send = k.new_empty(L, 2, B, stride, D)
-        self.recv = [k.new_empty(ag.world * L, 2, B, stride, D) for _ in range(min(2, self.rounds))]
+        B, L, _, D = k.shape
+        self.k, self.v, self.stride, self.ag, self.gp, self.d = k, v, stride, ag, gp, D
+        self.rounds = k.shape[2] // stride
+        self.send = k.new_empty(L, B, stride, D + v.shape[-1])
+        self.recv = [k.new_empty(ag.world * L, B, stride, D + v.shape[-1]) for _ in range(min(2, self.rounds))]
         self.glob = None if gp.order is None else torch.empty_like(self.recv[0])
 
     def post(self, c: int) -> Handle:
         """Pack KV heads of chunk c and post their gather (Note [All-gather pipeline])."""
         hs = slice(c * self.stride, (c + 1) * self.stride)
-        self.send[:, 0].copy_(self.k[:, :, hs].transpose(0, 1))
-        self.send[:, 1].copy_(self.v[:, :, hs].transpose(0, 1))
+        self.send[..., : self.d].copy_(self.k[:, :, hs].transpose(0, 1))
+        self.send[..., self.d:].copy_(self.v[:, :, hs].transpose(0, 1))
         return self.ag.gather(self.send, self.recv[c % len(self.recv)])
 
     def kv(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chunk c's gathered ``k, v (B, S, stride, D)`` in global order (after its handle's ``wait``)."""
+        """Chunk c's gathered ``k (B, S, stride, D), v (B, S, stride, Dv)`` in global order (after its wait)."""
         buf = self.recv[c % len(self.recv)]
         if self.glob is not None:
             _permute_chunks(buf, self.glob, self.gp.order)
             buf = self.glob
-        return buf[:, 0].transpose(0, 1), buf[:, 1].transpose(0, 1)
-
-
-def _setup(q: torch.Tensor, k: torch.Tensor, cfg: AttentionConfig, groups: SeqParallelGroups,
-           needs_delta: bool = False):
-    layout, index = placement(cfg.layout, groups)
-    gp = gather_plan(layout, index, q.shape[1] * groups.world, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
-    runner = TaskRunner(cfg.kernel, cfg.scale(q.shape[-1]), deterministic=cfg.deterministic,
-                        needs_delta=needs_delta)
-    stride = _stride(cfg, k.shape[2])
-    return gp, runner, stride, q.shape[2] // k.shape[2]
-
-
-def _forward(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups):
-    """Forward: ``(out (B, L, H, D) in q.dtype, lse (B, H, L) fp32)`` (Note [All-gather pipeline])."""
-    gp, runner, stride, G = _setup(q, k, cfg, groups)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    B, L, H, D = q.shape
-    tasks = runner.prepare(gp.tasks, q[:, :, : stride * G], k[:, :, :stride])   # the same for every chunk
-    direct = _disjoint(tasks)           # every row in at most one call: write results, no fp32 merge buffer
-    out = torch.zeros(B, L, H, D, dtype=q.dtype if direct else acc, device=q.device)
-    lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
-    gathered = _Gathered(k, v, stride, AllGather(groups.group), gp)
-    handle = gathered.post(0)
-    for c in range(gathered.rounds):
-        handle.wait()
-        if c + 1 < gathered.rounds:
-            handle = gathered.post(c + 1)              # in flight while chunk c computes
-        kc, vc = gathered.kv(c)
-        qh = slice(c * stride * G, (c + 1) * stride * G)
-        qc = q[:, :, qh]
-        for t in tasks:
-            o, l = runner.forward(qc, kc, vc, t)
-            if direct:
-                out[:, t.q, qh] = o
-                lse[:, qh, t.q] = l
-            else:
-                merge_(out[:, t.q, qh], lse[:, qh, t.q], o, l)
-    return out.to(q.dtype), lse
-
-
-@functools.lru_cache(maxsize=256)
-def _disjoint(tasks: tuple[Task, ...]) -> bool:
-    """No query row is in two calls (always so for a global-order plan unless varlen packing interleaves)."""
-    spans = sorted((t.q_start, t.q_stop) for t in tasks)
-    return all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
-
-
-def _backward(do, q, k, v, out, lse, dlse, cfg: AttentionConfig, groups: SeqParallelGroups):
-    """Backward: re-gather per head chunk, local block backward, fp32 dK/dV reduce-scattered to owners."""
-    delta = None
-    if dlse is not None:       # d lse_i / d s_ij = P_ij: a gradient on lse shifts Delta by -dlse
-        delta = (do.to(lse.dtype) * out.to(lse.dtype)).sum(-1).transpose(1, 2) - dlse.to(lse.dtype)
-    gp, runner, stride, G = _setup(q, k, cfg, groups, needs_delta=delta is not None)
-    ag = AllGather(groups.group)
-    gathered = _Gathered(k, v, stride, ag, gp)
-    grads = _DKV(k, stride, ag.world, gathered.rounds, gp.order, cfg.grad_dtype)
-    dq = torch.zeros(q.shape, dtype=grads.acc_dtype, device=q.device)
-    tasks = runner.prepare(gp.tasks, q[:, :, : stride * G], k[:, :, :stride])
-    handle = gathered.post(0)
-    for c in range(gathered.rounds):
-        handle.wait()
-        if c + 1 < gathered.rounds:
-            handle = gathered.post(c + 1)
-        kc, vc = gathered.kv(c)
-        qh = slice(c * stride * G, (c + 1) * stride * G)
-        qc, doc_, oc = q[:, :, qh], do[:, :, qh], out[:, :, qh]
-        dkv = grads.start(c)
-        for t in tasks:
-            gq, gk, gv = runner.backward(doc_, qc, kc, vc, oc, lse[:, qh], t,
-                                         None if delta is None else delta[:, qh])
-            dq[:, t.q, qh] += gq
-            dkv[t.k, 0] += gk.transpose(0, 1)
-            dkv[t.k, 1] += gv.transpose(0, 1)
-        grads.post(c, ag)
-    dk, dv = grads.finish(k.dtype)
-    return dq.to(q.dtype), dk, dv
+        return buf[..., : self.d].transpose(0, 1), buf[..., self.d:].transpose(0, 1)
 
 
 class _DKV:
     """fp32 dK/dV of the gathered buffer per head chunk, and their pipelined reduce-scatter to the owners.
 
-    ``start(c)`` gives chunk c's zeroed global-order accumulator ``(S, 2, B, stride, D)``; ``post(c)``
-    brings it to rank order in the wire dtype (a copy only when the order or the dtype differs) and posts
-    the reduce-scatter into ``out[c]``; ``finish`` waits and returns ``dk, dv (B, L, Hkv, D)``.
+    ``start(c)`` gives chunk c's zeroed global-order accumulator ``(S, B, stride, D + Dv)``; ``post(c)`` brings
+    it to rank order in the wire dtype (a copy only when the order or the dtype differs) and posts the
+    reduce-scatter into ``out[c]``; ``finish`` waits and returns ``dk (B, L, Hkv, D), dv (B, L, Hkv, Dv)``.
     """
 
-    def __init__(self, k: torch.Tensor, stride: int, world: int, rounds: int, order: tuple[int, ...] | None,
-                 grad_dtype: torch.dtype):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, stride: int, world: int, rounds: int,
+                 order: tuple[int, ...] | None, grad_dtype: torch.dtype, loop: Loop):
         B, L, _, D = k.shape
-        self.acc_dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
-        self.wire = self.acc_dtype if grad_dtype == torch.float32 else grad_dtype
-        self.order, self.shape = order, (B, L, k.shape[2], D)
+        F = D + v.shape[-1]
+        self.acc_dtype = acc_dtype(k.dtype)
+        self.wire = wire_dtype(grad_dtype, k.dtype)
+        self.order, self.shape, self.d, self.loop = order, (B, L, k.shape[2], D, v.shape[-1]), D, loop
         self.direct = order is None and self.wire == self.acc_dtype      # reduce-scatter the accumulator
         nbuf = min(2, rounds)
-        self.acc = [k.new_empty(world * L, 2, B, stride, D, dtype=self.acc_dtype)
+        self.acc = [k.new_empty(world * L, B, stride, F, dtype=self.acc_dtype)
                     for _ in range(nbuf if self.direct else 1)]
         self.send = [] if self.direct else [torch.empty_like(self.acc[0], dtype=self.wire) for _ in range(nbuf)]
         self.stage = (torch.empty_like(self.acc[0], dtype=self.wire)
                       if order is not None and self.wire != self.acc_dtype else None)
-        self.out = k.new_empty(rounds, L, 2, B, stride, D, dtype=self.wire)
+        self.out = k.new_empty(rounds, L, B, stride, F, dtype=self.wire)
         self.pending: list[Handle | None] = [None] * nbuf
+
+    def _wait(self, slot: int) -> None:
+        h = self.pending[slot]
+        if h is not None:
+            self.loop.wait([h])
+            self.pending[slot] = None
 
     def start(self, c: int) -> torch.Tensor:
         slot = c % len(self.pending)
-        if self.direct and self.pending[slot] is not None:
-            self.pending[slot].wait()                  # its reduce-scatter still reads this accumulator
-        buf = self.acc[c % len(self.acc)]
-        return buf.zero_()
+        if self.direct:
+            self._wait(slot)                   # its reduce-scatter still reads this accumulator
+        return self.acc[c % len(self.acc)].zero_()
 
-    def post(self, c: int, ag: AllGather) -> None:
+    def post(self, c: int, ag: AllGather) -> Handle:
         slot = c % len(self.pending)
         buf = self.acc[c % len(self.acc)]
         if not self.direct:
-            if self.pending[slot] is not None:
-                self.pending[slot].wait()
+            self._wait(slot)
             send = self.send[slot]
             if self.order is None:
                 send.copy_(buf)
@@ -273,14 +190,15 @@ class _DKV:
                 _permute_chunks(self.stage, send, _inverse(self.order))
             buf = send
         self.pending[slot] = ag.reduce_scatter(buf, self.out[c])
+        return self.pending[slot]
 
     def finish(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        for h in self.pending:
-            if h is not None:
-                h.wait()
-        B, L, Hkv, D = self.shape
-        g = self.out.permute(2, 3, 1, 0, 4, 5).reshape(2, B, L, Hkv, D)   # (n, L, 2, B, s, D) -> (2, B, L, Hkv, D)
-        return g[0].to(dtype), g[1].to(dtype)
+        for slot in range(len(self.pending)):
+            self._wait(slot)
+        B, L, Hkv, D, Dv = self.shape
+        g = self.out.permute(2, 1, 0, 3, 4)                # (n, L, B, s, F) -> (B, L, n, s, F)
+        g = g.reshape(B, L, Hkv, D + Dv)
+        return g[..., :D].to(dtype), g[..., D:].to(dtype)
 
 
 @functools.lru_cache(maxsize=64)
@@ -291,8 +209,15 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(inv)
 
 
-def _stride(cfg: AttentionConfig, kv_heads: int) -> int:
-    s = cfg.option("heads_k_stride")
+@functools.lru_cache(maxsize=256)
+def _disjoint(tasks: tuple[Task, ...]) -> bool:
+    """No query row is in two calls (always so for a global-order plan unless varlen packing interleaves)."""
+    spans = sorted((t.q_start, t.q_stop) for t in tasks)
+    return all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+
+def _stride(options, kv_heads: int) -> int:
+    s = dict(options).get("heads_k_stride")
     if s is None:
         return kv_heads
     if isinstance(s, bool) or not isinstance(s, int) or s < 1 or kv_heads % s:
@@ -301,8 +226,106 @@ def _stride(cfg: AttentionConfig, kv_heads: int) -> int:
     return s
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
-              groups: SeqParallelGroups) -> AttnOutput:
-    """All-gather KV attention on local shards ``(B, L, H, D)``; differentiable in q, k, v (and through lse)."""
-    _stride(cfg, k.shape[2])                  # validate the option before any collective
-    return differentiable(q, k, v, cfg, groups, _forward, _backward)
+def _check(call: Call) -> None:
+    _stride(call.cfg.options, call.k_shape[2])
+
+
+class _Engine:
+    """All-gather KV per head chunk (Note [All-gather pipeline]) on the runtime's ``run_steps``."""
+
+    saves = False
+
+    def __init__(self, call: Call):
+        cfg = call.cfg
+        self.gp = gather_plan(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
+        self.runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
+        self.stride = _stride(cfg.options, call.k_shape[2])
+        self.G = call.q_shape[2] // call.k_shape[2]
+        self.groups, self.grad_dtype = call.groups, cfg.grad_dtype
+
+    def _heads(self, c: int) -> slice:
+        return slice(c * self.stride * self.G, (c + 1) * self.stride * self.G)
+
+    def forward(self, q, k, v):
+        """``(out (B, L, H, Dv) in q.dtype, lse (B, H, L) fp32)``."""
+        runner, G, stride = self.runner, self.G, self.stride
+        B, L, H, _ = q.shape
+        acc = acc_dtype(q.dtype)
+        tasks = runner.prepare(self.gp.tasks, q[:, :, : stride * G], k[:, :, :stride])   # the same for every chunk
+        direct = _disjoint(tasks)       # every row in at most one call: write results, no fp32 merge buffer
+        out = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype if direct else acc, device=q.device)
+        lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
+        gathered = _Gathered(k, v, stride, AllGather(self.groups.group), self.gp)
+        with Loop() as loop:
+            handles = [loop.post(gathered.post(0))]
+
+            def compute(c: int) -> None:
+                kc, vc = gathered.kv(c)
+                qh = self._heads(c)
+                qc = q[:, :, qh]
+                for t in tasks:
+                    o, l = runner.forward(qc, kc, vc, t)
+                    if direct:
+                        out[:, t.q, qh] = o
+                        lse[:, qh, t.q] = l
+                    else:
+                        merge_(out[:, t.q, qh], lse[:, qh, t.q], o, l)
+
+            def post(c: int):
+                loop.wait(handles[c])             # chunk c arrived (and its send buffer is free again)
+                if c + 1 < gathered.rounds:       # chunk c+1's gather in flight while chunk c computes
+                    handles.append(loop.post(gathered.post(c + 1)))
+                return None
+
+            run_steps(gathered.rounds, post=post, compute=compute, loop=loop)
+        return out.to(q.dtype), lse
+
+    def backward(self, b: BackwardInputs):
+        """Re-gather per head chunk, local block backward, fp32 dK/dV reduce-scattered to the owners."""
+        q, k, v, rows = b.q, b.k, b.v, b.rows
+        runner, G, stride = self.runner, self.G, self.stride
+        ag = AllGather(self.groups.group)
+        gathered = _Gathered(k, v, stride, ag, self.gp)
+        dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+        tasks = runner.prepare(self.gp.tasks, q[:, :, : stride * G], k[:, :, :stride])
+        with Loop() as loop:
+            grads = _DKV(k, v, stride, ag.world, gathered.rounds, self.gp.order, self.grad_dtype, loop)
+            handles = [loop.post(gathered.post(0))]
+            d = k.shape[-1]
+
+            def compute(c: int) -> None:
+                kc, vc = gathered.kv(c)
+                qh = self._heads(c)
+                hrows = GradRows(rows.do[:, :, qh], rows.out[:, :, qh], None if rows.dlse is None
+                                 else rows.dlse[:, qh])
+                dkv = grads.start(c)
+                for t in tasks:
+                    gq, gk, gv = runner.backward(hrows, q[:, :, qh], kc, vc, b.lse[:, qh], t)
+                    dq[:, t.q, qh] += gq
+                    dkv[t.k, ..., :d] += gk.transpose(0, 1)
+                    dkv[t.k, ..., d:] += gv.transpose(0, 1)
+
+            def post(c: int):
+                loop.wait(handles[c])
+                if c + 1 < gathered.rounds:
+                    handles.append(loop.post(gathered.post(c + 1)))
+                return None
+
+            def post_after(c: int) -> None:   # chunk c's reduce-scatter runs behind chunk c+1 (waited by _DKV)
+                loop.post(grads.post(c, ag))
+
+            run_steps(gathered.rounds, post=post, compute=compute, post_after=post_after, loop=loop)
+            dk, dv = grads.finish(k.dtype)
+        return dq.to(q.dtype), dk, dv
+
+
+METHOD = Method(
+    name="allgather",
+    summary="all-gather K, V per head chunk; reduce-scatter dK/dV (fp32)",
+    layouts=("contiguous", "zigzag"),
+    options={"heads_k_stride": None},
+    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",
+                        "document_layouts"}),
+    check=_check,
+    engine=_Engine,
+)

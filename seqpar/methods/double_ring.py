@@ -2,7 +2,11 @@
 
 The SP group of W ranks is read as W_o nodes ("windows") of ``node_size`` = w ranks: group rank
 ``R = t * w + p`` is position p of window t. Nodes are only a reading of group ranks, so one host can test
-any node size; no process groups are created (pure P2P on the group passed in).
+any node size. ``node_size`` defaults to torchrun's ``LOCAL_WORLD_SIZE`` when it divides the group.
+
+The inner and outer rings talk on two process groups of their own over the same ranks (created once per
+group, on first use, among its members only), so on NCCL an inner hop never queues behind an inter-node
+transfer on one communicator.
 
 Note [Double ring]
     Forward. At outer step j rank (t, p) starts an inner pass with ``cur``, the KV that began the
@@ -26,27 +30,26 @@ Note [Double ring]
 from __future__ import annotations
 
 import functools
+import os
+import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..comm.ring import Exchange
 from ..config import AttentionConfig
 from ..errors import rank_suffix
-from ..groups import SeqParallelGroups
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator
-from ..layouts import Layout, make_layout
+from ..layouts import Layout
 from ..layouts.blocks import Rule, Task, plan
-from ..types import AttnOutput
-from ._autograd import differentiable
-from ._shared import acc_dtype, delta_of, wire_dtype
+from ..numerics import acc_dtype, wire_dtype
+from ..runtime.loop import Double, Loop, run_steps
+from ._shared import pack_kv, unpack_kv
+from .base import BackwardInputs, Call, Method
 
-NAME = "double_ring"
-LAYOUTS = ("zigzag", "contiguous")
-MESH_DIMS = 1
-OPTIONS: dict[str, object] = {"node_size": None}
-FEATURES = frozenset({"window", "varlen", "padding", "lse_grad"})
+__all__ = ["METHOD", "Peers", "node_size_of", "peers", "schedule", "source"]
 
 
 @dataclass(frozen=True)
@@ -88,133 +91,193 @@ def schedule(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tu
                  for j in range(W // node_size))
 
 
-def _p2p(ex: Exchange, me: int, send: torch.Tensor, to: int, recv: torch.Tensor, frm: int) -> None:
+_LINKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # never keeps a group alive
+
+
+def _timeout(group):
+    """``group``'s timeout (the links inherit it, so a fault is bounded the same way), or None."""
+    for dev in ("cuda", "cpu"):
+        try:
+            return group._get_backend(torch.device(dev)).options._timeout
+        except Exception:           # no backend for that device type, or one without options
+            continue
+    return None
+
+
+def _links(group) -> tuple:
+    """(inner, outer) process groups over ``group``'s ranks: created once per group, among its members only,
+    with its timeout."""
+    if group not in _LINKS:
+        ranks = list(dist.get_process_group_ranks(group))
+        kw = {"timeout": t} if (t := _timeout(group)) is not None else {}
+        _LINKS[group] = tuple(dist.new_group(ranks, use_local_synchronization=True, **kw) for _ in range(2))
+    return _LINKS[group]
+
+
+def _p2p(ex: Exchange, me: int, send: torch.Tensor, to: int, recv: torch.Tensor, frm: int) -> Exchange:
     if to == me:
         recv.copy_(send)
     else:
         ex.send(send, to).recv(recv, frm)
-
-
-def _forward_loop(q, k, v, group, rank: int, tasks, pr: Peers, runner: TaskRunner):
-    acc = Accumulator(q)
-    n_out, w = len(tasks), len(tasks[0])
-    cur = torch.stack((k, v))
-    onext = torch.empty_like(cur)
-    spare = [torch.empty_like(cur), torch.empty_like(cur)] if w > 1 else []
-    oex = Exchange(group).commit()
-    for j in range(n_out):
-        oex.wait()                                    # the hand-off posted a whole inner pass ago
-        if j > 0:
-            cur, onext = onext, cur
-        oex = Exchange(group)
-        if j + 1 < n_out:
-            _p2p(oex, rank, cur, pr.outer_next, onext, pr.outer_prev)
-        oex.commit()
-        x = cur
-        for s in range(w):
-            if s + 1 < w:
-                iex = Exchange(group)
-                _p2p(iex, rank, x, pr.inner_next, spare[s % 2], pr.inner_prev)
-                iex.commit()
-            for t in runner.prepare(tasks[j][s], q, x[0]):
-                acc.add(t.q, *runner.forward(q, x[0], x[1], t))
-            if s + 1 < w:
-                iex.wait()
-                x = spare[s % 2]
-    return acc.result(q.dtype)
-
-
-def _backward_loop(do, q, k, v, out, lse, group, rank: int, tasks, pr: Peers, runner: TaskRunner,
-                   grad_dtype: torch.dtype, delta):
-    n_out, w = len(tasks), len(tasks[0])
-    dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
-    cur = torch.stack((k, v))
-    onext = torch.empty_like(cur)
-    spare = [torch.empty_like(cur), torch.empty_like(cur)] if w > 1 else []
-    wire = wire_dtype(grad_dtype, q.dtype)
-    dkv, dkv_in, tot, tot_in = (torch.empty(cur.shape, dtype=wire, device=q.device) for _ in range(4))
-    for j in range(n_out):
-        if j > 0:
-            cur, onext = onext, cur
-        oex = Exchange(group)
-        if j + 1 < n_out:
-            _p2p(oex, rank, cur, pr.outer_next, onext, pr.outer_prev)
-        if j > 0:                                     # the running total of the block we will end with
-            _p2p(oex, rank, tot, pr.outer_next, tot_in, pr.outer_prev)
-        oex.commit()
-        x, dex = cur, None
-        dkv.zero_()
-        for s in range(w):
-            more = s + 1 < w
-            if more:
-                iex = Exchange(group)
-                _p2p(iex, rank, x, pr.inner_next, spare[s % 2], pr.inner_prev)
-                iex.commit()
-            if dex is not None:
-                dex.wait()                            # the running dK/dV of the block now held
-                dkv, dkv_in = dkv_in, dkv
-            for t in runner.prepare(tasks[j][s], q, x[0]):
-                gq, gk, gv = runner.backward(do, q, x[0], x[1], out, lse, t, delta)
-                dq[:, t.q] += gq
-                dkv[0][:, t.k] += gk
-                dkv[1][:, t.k] += gv
-            if more:
-                dex = Exchange(group)
-                _p2p(dex, rank, dkv, pr.inner_next, dkv_in, pr.inner_prev)
-                dex.commit()
-                iex.wait()
-                x = spare[s % 2]
-        oex.wait()
-        if j > 0:
-            torch.add(dkv, tot_in, out=tot)
-        else:
-            tot.copy_(dkv)
-    home = Exchange(group)
-    _p2p(home, rank, tot, pr.home_to, tot_in, pr.home_from)
-    home.commit()
-    home.wait()
-    return dq.to(q.dtype), tot_in[0].to(k.dtype), tot_in[1].to(v.dtype)
-
-
-def placement(layout: str, groups: SeqParallelGroups) -> tuple[Layout, int]:
-    """Tokens follow ``layout`` over the whole group; this rank holds piece ``groups.index``."""
-    return make_layout(layout, groups.world), groups.index
+    return ex
 
 
 def node_size_of(cfg: AttentionConfig, world: int) -> int:
-    """The validated ``node_size`` option (ranks per node; it must divide the group size)."""
+    """The ``node_size`` option (ranks per node, dividing the group size); default torchrun's
+    ``LOCAL_WORLD_SIZE`` when it divides the group."""
     w = cfg.option("node_size")
     if w is None:
-        raise ValueError(f"method='double_ring' needs node_size (ranks per node, dividing the group size {world}), "
-                         f"got None{rank_suffix()}")
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        if local.isdigit() and int(local) >= 1 and world % int(local) == 0:
+            return int(local)
+        raise ValueError(f"method='double_ring' needs node_size (ranks per node, dividing the group size {world}; "
+                         f"the default, torchrun's LOCAL_WORLD_SIZE, is {local or 'unset'}), got None"
+                         f"{rank_suffix()}")
     if not isinstance(w, int) or isinstance(w, bool) or w < 1 or world % w:
         raise ValueError(f"node_size must be a positive int dividing the group size {world}, got {w!r}"
                          f"{rank_suffix()}")
     return w
 
 
-def _setup(q, cfg: AttentionConfig, groups: SeqParallelGroups, needs_delta: bool = False):
-    w = node_size_of(cfg, groups.world)
-    layout, index = placement(cfg.layout, groups)
-    tasks = schedule(layout, index, q.shape[1] * groups.world, cfg.rule, cfg.cu_seqlens, cfg.valid_len, w)
-    runner = TaskRunner(cfg.kernel, cfg.scale(q.shape[-1]), deterministic=cfg.deterministic,
-                        needs_delta=needs_delta)
-    return index, tasks, peers(index, groups.world, w), runner
+class _Engine:
+    """Passes of the inner ring, the outer hand-off posted a whole pass ahead (Note [Double ring])."""
+
+    saves = False
+
+    def __init__(self, call: Call):
+        cfg = call.cfg
+        self.w = node_size_of(cfg, call.groups.world)
+        self.rank, self.groups = call.index, call.groups
+        self.tasks = schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len,
+                              self.w)
+        self.pr = peers(call.index, call.groups.world, self.w)
+        self.runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
+        self.grad_dtype = cfg.grad_dtype
+
+    def _groups(self) -> tuple:
+        group = self.groups.group
+        return _links(group) if dist.get_world_size(group) > 1 else (group, group)
+
+    def forward(self, q, k, v):
+        inner, outer = self._groups()
+        runner, tasks, pr, me, w, d = self.runner, self.tasks, self.pr, self.rank, self.w, q.shape[-1]
+        acc = Accumulator(q, v.shape[-1])
+        cur = Double(pack_kv(k, v))                      # cur: this pass's start block; nxt: the outer receive
+        x = Double(torch.empty_like(cur.cur))            # the inner double buffer
+        with Loop() as loop:
+            handoff: list = []
+            for j in range(len(tasks)):
+                loop.wait(handoff)                       # the hand-off posted a whole inner pass ago
+                if j > 0:
+                    cur.swap()
+                handoff = loop.post(_p2p(Exchange(outer), me, cur.cur, pr.outer_next, cur.nxt, pr.outer_prev)
+                                    if j + 1 < len(tasks) else None)
+                held = [cur.cur]
+
+                def compute(s: int, j=j, held=held) -> None:
+                    kc, vc = unpack_kv(held[0], d)
+                    for t in runner.prepare(tasks[j][s], q, kc):
+                        acc.add(t.q, *runner.forward(q, kc, vc, t))
+
+                def post(s: int, held=held):
+                    if s + 1 >= w:
+                        return None
+                    return _p2p(Exchange(inner), me, held[0], pr.inner_next, x.nxt, pr.inner_prev)
+
+                def land(s: int, held=held) -> None:
+                    if s + 1 < w:
+                        x.swap()
+                        held[0] = x.cur
+
+                run_steps(w, post=post, compute=compute, land=land, loop=loop)
+        return acc.result(q.dtype)
+
+    def backward(self, b: BackwardInputs):
+        inner, outer = self._groups()
+        q, k, v, rows, lse = b.q, b.k, b.v, b.rows, b.lse
+        runner, tasks, pr, me, w, d = self.runner, self.tasks, self.pr, self.rank, self.w, q.shape[-1]
+        acc = acc_dtype(q.dtype)
+        wire = wire_dtype(self.grad_dtype, q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        cur = Double(pack_kv(k, v))
+        x = Double(torch.empty_like(cur.cur))
+        dkv = torch.empty(cur.cur.shape, dtype=acc, device=q.device)         # the pass's running sum, fp32
+        dkv_wire = Double(torch.empty(cur.cur.shape, dtype=wire, device=q.device))
+        total = torch.empty(cur.cur.shape, dtype=acc, device=q.device)       # the block's total over windows
+        tot_wire = Double(torch.empty(cur.cur.shape, dtype=wire, device=q.device))
+        grads: list = []
+        with Loop() as loop:
+            for j in range(len(tasks)):
+                if j > 0:
+                    cur.swap()
+                ex = Exchange(outer)
+                if j + 1 < len(tasks):
+                    _p2p(ex, me, cur.cur, pr.outer_next, cur.nxt, pr.outer_prev)
+                if j > 0:                                 # the running total of the block we will end with
+                    tot_wire.cur.copy_(total)
+                    _p2p(ex, me, tot_wire.cur, pr.outer_next, tot_wire.nxt, pr.outer_prev)
+                outer_h = loop.post(ex)
+                held = [cur.cur]
+
+                def compute(s: int, j=j, held=held) -> None:
+                    kc, vc = unpack_kv(held[0], d)
+                    ts = runner.prepare(tasks[j][s], q, kc)
+                    grads[:] = [(t, runner.backward(rows, q, kc, vc, lse, t)) for t in ts]
+                    for t, (gq, _, _) in grads:
+                        dq[:, t.q] += gq
+
+                def accumulate(s: int) -> None:
+                    if s > 0:                             # the running dK/dV of the block now held
+                        dkv.copy_(dkv_wire.nxt)
+                    else:
+                        dkv.zero_()
+                    dk_, dv_ = unpack_kv(dkv, d)
+                    for t, (_, gk, gv) in grads:
+                        dk_[:, t.k] += gk
+                        dv_[:, t.k] += gv
+                    grads.clear()
+
+                def post_after(s: int):
+                    if s + 1 >= w:
+                        return None
+                    dkv_wire.cur.copy_(dkv)               # fp32 sums cast only into the wire buffer
+                    return _p2p(Exchange(inner), me, dkv_wire.cur, pr.inner_next, dkv_wire.nxt, pr.inner_prev)
+
+                def post(s: int, held=held):
+                    if s + 1 >= w:
+                        return None
+                    return _p2p(Exchange(inner), me, held[0], pr.inner_next, x.nxt, pr.inner_prev)
+
+                def land(s: int, held=held) -> None:
+                    if s + 1 < w:
+                        x.swap()
+                        held[0] = x.cur
+
+                run_steps(w, post=post, compute=compute, accumulate=accumulate, post_after=post_after, land=land,
+                          loop=loop)
+                loop.wait(outer_h)
+                if j > 0:
+                    torch.add(dkv, tot_wire.nxt, out=total)
+                else:
+                    total.copy_(dkv)
+            tot_wire.cur.copy_(total)
+            home = loop.post(_p2p(Exchange(outer), me, tot_wire.cur, pr.home_to, tot_wire.nxt, pr.home_from))
+            loop.wait(home)
+        dk, dv = unpack_kv(tot_wire.nxt, d)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _forward(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups):
-    index, tasks, pr, runner = _setup(q, cfg, groups)
-    return _forward_loop(q, k, v, groups.group, index, tasks, pr, runner)
+def _check(call: Call) -> None:
+    node_size_of(call.cfg, call.groups.world)
 
 
-def _backward(do, q, k, v, out, lse, dlse, cfg: AttentionConfig, groups: SeqParallelGroups):
-    delta = None if dlse is None else delta_of(do, out, dlse, lse.dtype)
-    index, tasks, pr, runner = _setup(q, cfg, groups, needs_delta=delta is not None)
-    return _backward_loop(do, q, k, v, out, lse, groups.group, index, tasks, pr, runner, cfg.grad_dtype, delta)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
-              groups: SeqParallelGroups) -> AttnOutput:
-    """Double-ring attention on local shards ``(B, L, H, D)``; differentiable in q, k, v (and through lse)."""
-    node_size_of(cfg, groups.world)                   # validate before any communication
-    return differentiable(q, k, v, cfg, groups, _forward, _backward)
+METHOD = Method(
+    name="double_ring",
+    summary="inner ring per node, outer ring across nodes",
+    layouts=("zigzag", "contiguous"),
+    options={"node_size": None},
+    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",
+                        "document_layouts"}),
+    check=_check,
+    engine=_Engine,
+)

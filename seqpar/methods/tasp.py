@@ -21,30 +21,21 @@ every piece of a rank is cut into W-1 sub-chunks, so the local length must be a 
 
 from __future__ import annotations
 
-import torch
-
 from ..comm import topology
 from ..config import AttentionConfig
 from ..errors import rank_suffix
-from ..groups import SeqParallelGroups
 from ..kernels.executor import TaskRunner
 from ..layouts import Layout, make_layout
 from ..layouts.subchunks import Subchunked
-from ..types import AttnOutput
 from . import _tasp
-from ._autograd import differentiable
-from ._shared import delta_of
+from .base import BackwardInputs, Call, Method
 
-NAME = "tasp"
-LAYOUTS = ("zigzag", "contiguous")
-CAUSAL_LAYOUTS = ("zigzag",)          # sub-chunked zigzag keeps every round balanced (ALGORITHMS.md §8.2)
-MESH_DIMS = 1
-OPTIONS: dict[str, object] = {"schedule": "auto"}
-FEATURES = frozenset({"window", "varlen", "padding", "lse_grad"})
+__all__ = ["METHOD", "SCHEDULES", "resolve_schedule"]
+
 SCHEDULES = ("auto", "cycles", "direct")
 
 
-def placement(layout: str, groups: SeqParallelGroups) -> tuple[Layout, int]:
+def _placement(layout: str, groups, documents=None) -> tuple[Layout, int]:
     """``layout`` over the group with every per-rank piece cut into W-1 sub-chunks (same token placement)."""
     W = groups.world
     return Subchunked(W, base=make_layout(layout, W), parts=max(W - 1, 1)), groups.index
@@ -52,7 +43,7 @@ def placement(layout: str, groups: SeqParallelGroups) -> tuple[Layout, int]:
 
 def resolve_schedule(cfg: AttentionConfig, world: int) -> str:
     """The schedule this call runs ("cycles" or "direct"); raises for input TASP cannot serve."""
-    name = cfg.option("schedule", OPTIONS["schedule"])
+    name = cfg.option("schedule", "auto")
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {list(SCHEDULES)} for method='tasp', got {name!r}{rank_suffix()}")
     if name == "cycles" and not topology.has_cycles(world):
@@ -61,28 +52,31 @@ def resolve_schedule(cfg: AttentionConfig, world: int) -> str:
     return "direct" if name == "auto" else name
 
 
-def _setup(q: torch.Tensor, cfg: AttentionConfig, groups: SeqParallelGroups, needs_delta: bool = False):
-    layout, index = placement(cfg.layout, groups)
-    kind = resolve_schedule(cfg, groups.world)
-    tp = _tasp.schedule(layout, index, q.shape[1] * groups.world, cfg.rule, cfg.cu_seqlens, cfg.valid_len, kind)
-    runner = TaskRunner(cfg.kernel, cfg.scale(q.shape[-1]), deterministic=cfg.deterministic,
-                        needs_delta=needs_delta)
-    return tp, runner
+class _Engine:
+    saves = False
+
+    def __init__(self, call: Call):
+        cfg = call.cfg
+        kind = resolve_schedule(cfg, call.groups.world)
+        tp = _tasp.schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len, kind)
+        runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
+        self.tasp = _tasp.Tasp(call.groups, tp, runner, cfg.grad_dtype)
+
+    def forward(self, q, k, v):
+        return self.tasp.forward(q, k, v)
+
+    def backward(self, b: BackwardInputs):
+        return self.tasp.backward(b.rows, b.q, b.k, b.v, b.lse)
 
 
-def _forward(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups):
-    tp, runner = _setup(q, cfg, groups)
-    return _tasp.forward(q, k, v, groups.group, tp, runner)
-
-
-def _backward(do, q, k, v, out, lse, dlse, cfg: AttentionConfig, groups: SeqParallelGroups):
-    delta = None if dlse is None else delta_of(do, out, dlse, lse.dtype)
-    tp, runner = _setup(q, cfg, groups, needs_delta=delta is not None)
-    return _tasp.backward(do, q, k, v, out, lse, groups.group, tp, runner, cfg.grad_dtype, delta)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
-              groups: SeqParallelGroups) -> AttnOutput:
-    """TASP attention on local shards ``(B, L, H, D)``; differentiable in q, k, v (and through lse)."""
-    resolve_schedule(cfg, groups.world)               # validate before any communication
-    return differentiable(q, k, v, cfg, groups, _forward, _backward)
+METHOD = Method(
+    name="tasp",
+    summary="KV split over W-1 links per round (Hamiltonian cycles or staggered direct all-to-all)",
+    layouts=("zigzag", "contiguous"),
+    causal_layouts=("zigzag",),        # sub-chunked zigzag keeps every round balanced (ALGORITHMS.md §8.2)
+    options={"schedule": "auto"},
+    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap"}),
+    placement=_placement,
+    check=lambda call: resolve_schedule(call.cfg, call.groups.world) and None,
+    engine=_Engine,
+)

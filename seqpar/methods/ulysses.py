@@ -19,54 +19,43 @@ c head groups so each group's transfers run behind its neighbours' kernels (Note
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
-from ..config import AttentionConfig
-from ..groups import SeqParallelGroups
 from ..layouts import Contiguous, Layout
-from ..types import AttnOutput
 from . import _ulysses
-from ._autograd import differentiable
+from .base import Call, Method
 
-NAME = "ulysses"
-LAYOUTS = ("contiguous",)
-MESH_DIMS = 1
-OPTIONS: dict[str, object] = {"head_chunks": 1}
-FEATURES = frozenset({"window", "varlen", "padding", "lse_grad"})
+__all__ = ["METHOD"]
 
 
-def placement(layout: str, groups: SeqParallelGroups) -> tuple[Layout, int]:
+def _placement(layout: str, groups, documents=None) -> tuple[Layout, int]:
     """Tokens in global order (the all-to-all concatenates pieces): rank ``groups.index`` holds piece index."""
     return Contiguous(groups.world), groups.index
 
 
-def check(q: torch.Tensor, k: torch.Tensor, cfg: AttentionConfig, groups: SeqParallelGroups) -> int:
-    """Head-count rules, checked before any collective (the same error on every rank); returns the number
-    of head groups ``head_chunks`` resolves to."""
-    _ulysses.check_heads(q.shape[2], k.shape[2], groups.world)
-    return _ulysses.resolve_head_chunks(cfg.option("head_chunks", 1), q.shape[2], k.shape[2], groups.world)
+def _chunks(call: Call) -> int:
+    """Head-count rules, checked before any collective (the same error on every rank); the number of head
+    groups ``head_chunks`` resolves to."""
+    H, Hkv, W = call.q_shape[2], call.k_shape[2], call.groups.world
+    _ulysses.check_heads(H, Hkv, W)
+    return _ulysses.resolve_head_chunks(call.cfg.option("head_chunks", 1), H, Hkv, W)
 
 
-def _forward(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups, chunks: int):
-    engine = _ulysses.LocalEngine(cfg, q.shape[1] * groups.world, q.shape[-1])
-    if chunks == 1:
-        return _ulysses.forward(q, k, v, groups.group, engine)
-    return _ulysses.forward_pipelined(q, k, v, groups.group, engine, chunks)
+def _engine(call: Call) -> _ulysses.Sandwich:
+    return _ulysses.Sandwich(call, "group", _ulysses.LocalEngine(call), _chunks(call))
 
 
-def _backward(do, dlse, saved, kv_heads: int, cfg: AttentionConfig, groups: SeqParallelGroups, chunks: int):
-    q_h = saved[0]                                      # (B, S, h, D): the whole sequence
-    engine = _ulysses.LocalEngine(cfg, q_h.shape[1], q_h.shape[-1])
-    if chunks == 1:
-        return _ulysses.backward(do, dlse, saved, kv_heads, groups.group, engine, cfg.grad_dtype)
-    return _ulysses.backward_pipelined(do, dlse, saved, kv_heads, groups.group, engine, cfg.grad_dtype, chunks)
+def _saved_meta(q_shape, k_shape, v_shape, dtype, groups, options) -> list:
+    chunks = _ulysses.resolve_head_chunks(dict(options).get("head_chunks", 1), q_shape[2], k_shape[2], groups.world)
+    return _ulysses.saved_meta(q_shape, k_shape, v_shape, dtype, groups.world, chunks)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
-              groups: SeqParallelGroups) -> AttnOutput:
-    """Ulysses attention on local shards ``(B, L, H, D)``; differentiable in q, k, v (and through lse)."""
-    chunks = check(q, k, cfg, groups)
-    return differentiable(q, k, v, cfg, groups, functools.partial(_forward, chunks=chunks),
-                          functools.partial(_backward, chunks=chunks), saving=True)
+METHOD = Method(
+    name="ulysses",
+    summary="all-to-all sequence <-> heads (q, k, v packed in one)",
+    layouts=("contiguous",),
+    options={"head_chunks": 1},
+    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap"}),
+    placement=_placement,
+    check=_chunks,
+    engine=_engine,
+    saved_meta=_saved_meta,
+)

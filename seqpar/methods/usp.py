@@ -26,86 +26,72 @@ prefer U <= Hkv.
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
 from ..comm.ring import Ring
-from ..config import AttentionConfig
-from ..groups import SeqParallelGroups
 from ..kernels.executor import TaskRunner
 from ..layouts import Layout, Nested, make_layout
-from ..types import AttnOutput
+from ..numerics import acc_dtype
 from . import _passkv, _ulysses
-from ._autograd import differentiable
+from .base import Call, Method
 
-NAME = "usp"
-LAYOUTS = ("contiguous", "zigzag", "stripe")
-MESH_DIMS = 2
-OPTIONS: dict[str, object] = {"head_chunks": 1}
-FEATURES = frozenset({"window", "varlen", "padding", "lse_grad"})
+__all__ = ["METHOD"]
 
 
-def placement(layout: str, groups: SeqParallelGroups) -> tuple[Layout, int]:
+def _placement(layout: str, groups, documents=None) -> tuple[Layout, int]:
     """``layout`` over the R ring ranks, each ring rank's tokens split contiguously over its U ranks."""
-    outer = make_layout(layout, groups.ring_size)
+    outer = make_layout(layout, groups.ring_size, documents)
     return Nested(groups.world, outer=outer, inner=groups.ulysses_size), groups.index
 
 
-def check(q: torch.Tensor, k: torch.Tensor, cfg: AttentionConfig, groups: SeqParallelGroups) -> int:
+def _chunks(call: Call) -> int:
     """Head-count rules for the Ulysses axis, checked before any collective (the same error on every rank);
-    returns the number of head groups ``head_chunks`` resolves to."""
-    U = groups.ulysses_size
-    _ulysses.check_heads(q.shape[2], k.shape[2], U, world=groups.world)
-    return _ulysses.resolve_head_chunks(cfg.option("head_chunks", 1), q.shape[2], k.shape[2], U)
+    the number of head groups ``head_chunks`` resolves to."""
+    U = call.groups.ulysses_size
+    _ulysses.check_heads(call.q_shape[2], call.k_shape[2], U, world=call.groups.world)
+    return _ulysses.resolve_head_chunks(call.cfg.option("head_chunks", 1), call.q_shape[2], call.k_shape[2], U)
 
 
-class _RingEngine:
+class _RingInner:
     """The pass-KV ring over the ring group on head-sharded tensors ``(B, S/R, h, D)``."""
 
-    def __init__(self, cfg: AttentionConfig, groups: SeqParallelGroups, seq_len: int, head_dim: int):
-        outer = make_layout(cfg.layout, groups.ring_size)
+    def __init__(self, call: Call):
+        cfg, groups = call.cfg, call.groups
+        outer = make_layout(cfg.layout, groups.ring_size, cfg.cu_seqlens)
         rho = groups.index // groups.ulysses_size
-        self.cfg, self.scale = cfg, cfg.scale(head_dim)
-        self.sched = _passkv.schedule(outer, rho, seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
-        self.ring = Ring(groups.ring)
-
-    def _runner(self, needs_delta: bool = False) -> TaskRunner:
-        return TaskRunner(self.cfg.kernel, self.scale, deterministic=self.cfg.deterministic,
-                          needs_delta=needs_delta)
+        sched = _passkv.schedule(outer, rho, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
+        runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
+        self.ring = _passkv.PassKV(Ring(groups.ring), sched, runner, cfg.grad_dtype)
 
     def forward(self, q, k, v):
-        return _passkv.forward(q, k, v, self.ring, self.sched, self._runner())
+        return self.ring.forward(q, k, v)
 
-    def backward(self, do, q, k, v, out, lse, delta):
-        return _passkv.backward(do, q, k, v, out, lse, self.ring, self.sched, self._runner(delta is not None),
-                                self.cfg.grad_dtype, delta, result_dtype=_ulysses.acc_dtype(q.dtype))
-
-
-def _engine(cfg: AttentionConfig, groups: SeqParallelGroups, seq_len: int, head_dim: int) -> _ulysses.Engine:
-    if groups.ring_size == 1:     # plain Ulysses: never the ring engine (yunchang defect 13)
-        return _ulysses.LocalEngine(cfg, seq_len, head_dim)
-    return _RingEngine(cfg, groups, seq_len, head_dim)
+    def backward(self, rows, q, k, v, lse):
+        return self.ring.backward(rows, q, k, v, lse, result_dtype=acc_dtype(q.dtype))
 
 
-def _forward(q, k, v, cfg: AttentionConfig, groups: SeqParallelGroups, chunks: int):
-    engine = _engine(cfg, groups, q.shape[1] * groups.world, q.shape[-1])
-    if chunks == 1:
-        return _ulysses.forward(q, k, v, groups.ulysses, engine)
-    return _ulysses.forward_pipelined(q, k, v, groups.ulysses, engine, chunks)
+def _engine(call: Call) -> _ulysses.Sandwich:
+    if call.groups.ring_size == 1:          # plain Ulysses: never the ring engine (yunchang defect 13)
+        inner = _ulysses.LocalEngine(call)
+    else:
+        inner = _RingInner(call)
+    return _ulysses.Sandwich(call, "ulysses", inner, _chunks(call))
 
 
-def _backward(do, dlse, saved, kv_heads: int, cfg: AttentionConfig, groups: SeqParallelGroups, chunks: int):
-    engine = _engine(cfg, groups, do.shape[1] * groups.world, do.shape[-1])
-    if chunks == 1:
-        return _ulysses.backward(do, dlse, saved, kv_heads, groups.ulysses, engine, cfg.grad_dtype)
-    return _ulysses.backward_pipelined(do, dlse, saved, kv_heads, groups.ulysses, engine, cfg.grad_dtype, chunks)
+def _saved_meta(q_shape, k_shape, v_shape, dtype, groups, options) -> list:
+    U = groups.ulysses_size
+    chunks = _ulysses.resolve_head_chunks(dict(options).get("head_chunks", 1), q_shape[2], k_shape[2], U)
+    return _ulysses.saved_meta(q_shape, k_shape, v_shape, dtype, U, chunks)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: AttentionConfig,
-              groups: SeqParallelGroups) -> AttnOutput:
-    """USP attention on local shards ``(B, L, H, D)`` in the ``Nested`` placement; differentiable in q, k, v
-    (and through lse)."""
-    chunks = check(q, k, cfg, groups)
-    return differentiable(q, k, v, cfg, groups, functools.partial(_forward, chunks=chunks),
-                          functools.partial(_backward, chunks=chunks), saving=True)
+METHOD = Method(
+    name="usp",
+    summary="Ulysses inside, ring across",
+    layouts=("contiguous", "zigzag", "stripe"),
+    mesh_dims=2,
+    options={"head_chunks": 1},
+    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",
+                        "document_layouts"}),
+    placement=_placement,
+    check=_chunks,
+    engine=_engine,
+    saved_meta=_saved_meta,
+)

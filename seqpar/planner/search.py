@@ -62,8 +62,8 @@ class _Info:
 
 def _info(name: str) -> _Info:
     if name in _methods.available():
-        mod = _methods.get(name)
-        return _Info(tuple(mod.LAYOUTS), int(mod.MESH_DIMS), tuple(mod.OPTIONS), frozenset(mod.FEATURES), True)
+        m = _methods.get(name)
+        return _Info(tuple(m.layouts), int(m.mesh_dims), tuple(m.options), frozenset(m.features), True)
     layouts, dims, opts = _SPEC[name]
     return _Info(layouts, dims, opts, None, False)
 

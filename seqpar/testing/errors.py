@@ -24,6 +24,9 @@ def call_and_report(kind: str, kwargs: dict[str, Any], shapes: dict[str, tuple],
     mesh = kw.pop("mesh_2d", None)
     if mesh is not None:
         kw["mesh"] = seqpar.make_mesh(ulysses=mesh, device_type="cpu")
+    sinks = kw.pop("sinks_shape", None)
+    if sinks is not None:
+        kw["sinks"] = torch.zeros(sinks)
     tensors = {n: torch.zeros(*s, dtype=getattr(torch, dtypes.get(n, "float32"))) for n, s in shapes.items()}
     try:
         if kind == "attention":

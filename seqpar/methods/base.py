@@ -1,0 +1,240 @@
+"""What a method declares, and the registry every reader uses.
+
+Each method module ends with one ``METHOD = Method(...)``: its name, the layouts it accepts (and which of them
+serve causal masks), its mesh dimensions, its options with defaults, the features it serves, where its tokens
+live (``placement``), the engine it builds for a planned call, its cost model and the configurations the
+planner, the benchmark and the demo should try. Nothing else in seqpar keeps a list of methods: the API
+validates against these declarations, ``method="auto"`` and ``seqpar.plan`` enumerate ``candidates`` and
+predict with ``cost``, ``python -m seqpar.bench`` times ``bench_specs`` and the demo runs ``demo_cases``.
+Adding a method is its module (ending in ``METHOD = Method(...)``, listed in ``BUILTIN``) and its tests;
+``register`` adds one from anywhere (tests register a toy method this way).
+
+Note [Engines]
+    A planned call (``seqpar.runtime.call``) builds the method's engine once per call signature: schedules,
+    kernel choices per kind of block, buffer shapes and the communication plan live in it, so a steady-state
+    call only launches kernels and communication. The contract:
+
+        engine.forward(q, k, v) -> (out, lse) or (out, lse, saved)       out (B, L, H, Dv), lse (B, H, L)
+        engine.backward(b: BackwardInputs) -> (dq, dk, dv)
+
+    ``out``/``lse`` are the merged rows before attention sinks (the runtime applies sinks, Note [Attention
+    sinks] in ``seqpar.numerics``). ``saved`` (engines with ``saves = True``) replaces the default saved
+    ``(q, k, v)``. Backward gets the FINAL rows (sinks included) as ``seqpar.numerics.GradRows``; whether a gradient
+    reaches lse is the agreed fact ``b.lse_grad`` (``return_lse``), never this rank's local observation, so
+    every rank exchanges the same messages (a rank whose lse got no gradient sends zeros).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Protocol
+
+import torch
+
+from ..config import AttentionConfig
+from ..errors import rank_suffix
+from ..groups import SeqParallelGroups
+from ..layouts import Layout, make_layout
+from ..numerics import GradRows
+
+__all__ = ["BUILTIN", "FEATURES", "BackwardInputs", "Call", "Engine", "Method", "available", "causal_layouts", "get",
+           "register", "ring_placement", "unregister"]
+
+#: every feature a method may declare; the API refuses a call that uses one its method does not declare
+FEATURES = ("window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "document_layouts")
+
+#: the built-in methods, by module (imported on first use, so importing seqpar stays cheap)
+BUILTIN = ("ring", "allgather", "ulysses", "usp", "tokenring", "tasp", "double_ring")
+
+
+@dataclass(frozen=True)
+class Call:
+    """Everything a method's engine is built from: fixed by the call signature.
+
+    Attributes:
+        q_shape, k_shape, v_shape: local shapes ``(B, L, H, D)``, ``(B, L, Hkv, D)``, ``(B, L, Hkv, Dv)``.
+        dtype, device: of q, k and v.
+        cfg: the validated options.
+        groups: the process groups.
+        layout, index: this rank's placement (``Method.placement``).
+        grad: a backward will follow (inputs require grad).
+        lse_grad: lse is returned, so a gradient may reach it (agreed on every rank).
+    """
+
+    q_shape: tuple[int, ...]
+    k_shape: tuple[int, ...]
+    v_shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    cfg: AttentionConfig
+    groups: SeqParallelGroups
+    layout: Layout
+    index: int
+    grad: bool
+    lse_grad: bool
+
+    @property
+    def seq_len(self) -> int:
+        """The global (padded) length: local rows times ranks."""
+        return self.q_shape[1] * self.groups.world
+
+    @property
+    def head_dim(self) -> int:
+        return self.q_shape[-1]
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_shape[-1]
+
+    @property
+    def scale(self) -> float:
+        return self.cfg.scale(self.head_dim)
+
+
+@dataclass
+class BackwardInputs:
+    """What an engine's backward gets (Note [Engines]).
+
+    Attributes:
+        rows: the final local rows (``do``, ``out`` with sinks applied, the lse gradient if any).
+        lse: the final lse ``(B, H, L)``.
+        q, k, v: the local inputs (None for engines that save their own tensors).
+        saved: the engine's own saved tensors (``saves = True``), else ().
+        sinks: the sink logits ``(H,)`` or None.
+        lse_grad: whether lse gradients are part of this call's messages (``return_lse``, agreed).
+    """
+
+    rows: GradRows
+    lse: torch.Tensor
+    q: torch.Tensor | None
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    saved: tuple[torch.Tensor, ...]
+    sinks: torch.Tensor | None
+    lse_grad: bool
+
+    @property
+    def dlse(self) -> torch.Tensor | None:
+        """The lse gradient as the messages carry it: zeros where this rank's lse got none (when agreed)."""
+        d = self.rows.dlse
+        if d is None and self.lse_grad:
+            return torch.zeros_like(self.lse)
+        return d
+
+
+class Engine(Protocol):
+    """A method's planned schedule (Note [Engines])."""
+
+    saves: bool
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]: ...
+
+    def backward(self, b: BackwardInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def _no_check(call: Call) -> None:
+    return None
+
+
+def ring_placement(layout: str, groups: SeqParallelGroups, documents: tuple[int, ...] | None = None
+                   ) -> tuple[Layout, int]:
+    """Tokens follow ``layout`` over the whole group; this rank holds piece ``groups.index``."""
+    return make_layout(layout, groups.world, documents), groups.index
+
+
+@dataclass(frozen=True, kw_only=True)
+class Method:
+    """A sequence-parallel method's declaration (module docstring)."""
+
+    name: str
+    """The ``method=`` string."""
+    summary: str
+    """One line: what moves (README status table, demo, plan output)."""
+    layouts: tuple[str, ...]
+    """Layouts it accepts; ``layout=None`` means zigzag where listed, else the first."""
+    causal_layouts: tuple[str, ...] | None = None
+    """The layouts that serve causal masks, when not all of ``layouts`` do."""
+    mesh_dims: int = 1
+    """1 (a group or 1D mesh) or 2 (a ("ulysses", "ring") mesh)."""
+    options: Mapping[str, Any] = field(default_factory=dict)
+    """Method options and their defaults; any other option is an error."""
+    features: frozenset[str] = frozenset()
+    """The subset of ``FEATURES`` it serves."""
+    placement: Callable[..., tuple[Layout, int]] = ring_placement
+    """``(layout name, groups, documents) -> (Layout, index)``: where this rank's tokens live."""
+    check: Callable[[Call], None] = _no_check
+    """Method rules (options, head counts) checked before any collective; raise with the reason."""
+    engine: Callable[[Call], Engine]
+    """Builds the planned engine for one call signature."""
+    cost: Callable[..., Any] | None = None
+    """``(Problem, Candidate, Machine) -> Prediction``: the planner's model (``seqpar.planner.model``)."""
+    candidates: Callable[..., list] | None = None
+    """``(Problem, Topology, layout | None, ulysses | None) -> [Candidate]``: configurations worth predicting."""
+    bench_specs: Callable[..., list] | None = None
+    """``(Preset, world) -> [(layout, options, ulysses)]``: configurations the benchmark times."""
+    demo_cases: Callable[[int], list] | None = None
+    """``world -> [dict of Case fields]``: rows of ``python -m seqpar demo``."""
+    saved_meta: Callable[..., list] | None = None
+    """For engines that save their own tensors: ``(q_shape, k_shape, v_shape, dtype, groups, options) ->
+    [(shape, dtype)]`` - shape arithmetic only (symbolic under torch.compile)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
+        unknown = sorted(set(self.features) - set(FEATURES))
+        if unknown:
+            raise ValueError(f"features must be a subset of {list(FEATURES)}, got {unknown}")
+        if self.mesh_dims not in (1, 2):
+            raise ValueError(f"mesh_dims must be 1 or 2, got {self.mesh_dims!r}")
+
+    @property
+    def serves_causal(self) -> tuple[str, ...]:
+        return self.layouts if self.causal_layouts is None else self.causal_layouts
+
+    def default_layout(self) -> str:
+        """``layout=None``: zigzag (causally balanced) where accepted, else the first layout."""
+        return "zigzag" if "zigzag" in self.layouts else self.layouts[0]
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def _load_builtins() -> None:
+    for name in BUILTIN:
+        if name not in _REGISTRY:
+            _REGISTRY[name] = importlib.import_module(f"seqpar.methods.{name}").METHOD
+
+
+def register(method: Method) -> Method:
+    """Make ``method`` available to ``seqpar.attention``, the planner, the benchmark and the demo."""
+    if not isinstance(method, Method):
+        raise TypeError(f"method must be a seqpar.methods.Method, got {type(method).__name__}")
+    _load_builtins()
+    _REGISTRY[method.name] = method
+    return method
+
+
+def unregister(name: str) -> None:
+    """Remove a registered method (built-in methods come back on next use)."""
+    _REGISTRY.pop(name, None)
+
+
+def available() -> list[str]:
+    """Names ``seqpar.attention(method=...)`` accepts."""
+    _load_builtins()
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Method:
+    """The declaration of ``name``; ValueError listing the valid names otherwise."""
+    _load_builtins()
+    if name not in _REGISTRY:
+        raise ValueError(f"method must be one of {available()}, got {name!r}{rank_suffix()}")
+    return _REGISTRY[name]
+
+
+def causal_layouts(method: Method) -> tuple[str, ...]:
+    """The layouts of ``method`` that serve causal=True."""
+    return method.serves_causal

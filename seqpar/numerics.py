@@ -1,0 +1,141 @@
+"""The numeric rules every schedule follows, each written once: accumulation dtype, wire dtype, Delta, the lse
+gradient, attention sinks.
+
+    acc_dtype(x.dtype)                     fp32 (fp64 for fp64 inputs): every running sum and merge
+    wire_dtype(grad_dtype, x.dtype)        gradient partials on the wire; running sums stay in acc_dtype
+    GradRows(do, out, dlse)                what a kernel backward needs about the final rows: Delta, or (dO, O)
+                                           with the lse gradient folded in (Note [Folding the lse gradient])
+    apply_sinks / sink_grad                gpt-oss style sinks on the final rows (Note [Attention sinks])
+
+Note [Folding the lse gradient]
+    A gradient on lse adds ``dlse_i P_ij`` to ``dS_ij`` (``d lse_i / d s_ij = P_ij``), which is the ordinary
+    backward with ``Delta_i = rowsum(dO_i O_i) - dlse_i``. Kernels that take Delta (reference, flex) get it
+    directly. Fused kernels (cuDNN, FA2, FA3) recompute Delta from the O they are given and use O for
+    nothing else, so we hand them ``O' = O - dlse * w / |w|^2`` and ``dO' = w``: then ``rowsum(w O') =
+    rowsum(w O) - dlse`` exactly in real arithmetic. ``w = dO`` on every row whose ``|dO|`` is at least
+    ``tau = max(|dlse| 2^-k, floor)``; a row with a smaller (or zero) dO gets ``w = dO + tau e_0``, which
+    perturbs that row's dV and dP contribution by at most ``tau`` - below the dtype's resolution of the
+    result (k = 20 for fp32/bf16 range, 12 for fp16's). ``|O' - O| <= |dlse| / |w| <= 2^k`` keeps O' in
+    range. Measured on an H100 (bf16, cuDNN, ``benchmarks/results/2026-11-23-h100-probe``): dq/dk/dv errors
+    against fp64 within 1.1x of the plain backward's, with and without zero dO rows, at the cost of one
+    elementwise pass over (dO, O) per call instead of a second kernel.
+
+Note [Attention sinks]
+    A sink is one learned logit per query head that joins every row's softmax denominator (gpt-oss):
+    ``L_i = logaddexp(lse_i, sink_h)`` and ``out_i = exp(lse_i - L_i) * out_i`` - a virtual key whose value is
+    zero. It enters once per row, on the final merged row (never per block), so every method gets it from
+    the same place: the owner of the row after its last merge. Backward needs nothing new from kernels:
+    with the final ``(out, L)`` every block's gradient is exact (the virtual key contributes ``dS = -P_sink
+    Delta`` to nothing but the sink), and ``d sink_h = -sum_i exp(sink_h - L_i) Delta_i`` over this rank's
+    rows (a parameter gradient: the sequence-parallel gradient reduction sums it over ranks, like every other
+    parameter's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["GradRows", "acc_dtype", "apply_sinks", "delta", "sink_grad", "wire_dtype"]
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: fp64 for fp64 inputs, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def wire_dtype(grad_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """Gradient partials on the wire: ``grad_dtype``, widened to fp64 for fp64 inputs when it is fp32.
+
+    Only the bytes that travel use it: running sums stay in ``acc_dtype`` and are cast into the wire buffer.
+    """
+    return acc_dtype(dtype) if grad_dtype == torch.float32 else grad_dtype
+
+
+def delta(do_BSHD: torch.Tensor, out_BSHD: torch.Tensor, dlse_BHS: torch.Tensor | None) -> torch.Tensor:
+    """``Delta = rowsum(dO * O) - dlse`` as ``(B, H, S)`` in the accumulation dtype."""
+    acc = acc_dtype(out_BSHD.dtype)
+    d = (do_BSHD.to(acc) * out_BSHD.to(acc)).sum(-1).transpose(1, 2)
+    return d if dlse_BHS is None else d - dlse_BHS.to(acc)
+
+
+#: per dtype: (k, floor) of Note [Folding the lse gradient]; fp16's range (65504, min normal 2^-14) is the tight one
+_FOLD = {torch.float16: (12, 2.0 ** -14)}
+
+
+def _fold(do_BSHD: torch.Tensor, out_BSHD: torch.Tensor, dlse_BHS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dO', O')`` in the input dtype with ``rowsum(dO' O') = rowsum(dO O) - dlse`` (Note above)."""
+    acc = acc_dtype(out_BSHD.dtype)
+    k, floor = _FOLD.get(out_BSHD.dtype, (20, 2.0 ** -100))
+    do, out = do_BSHD.to(acc), out_BSHD.to(acc)
+    dl = dlse_BHS.to(acc).transpose(1, 2).unsqueeze(-1)                        # (B, S, H, 1)
+    tau = (dl.abs() * 2.0 ** -k).clamp_min(floor)
+    n2 = (do * do).sum(-1, keepdim=True)
+    small = n2 < tau * tau
+    w = do.clone()
+    w[..., :1] += torch.where(small, tau, 0.0)
+    out = out - dl * w / (w * w).sum(-1, keepdim=True)
+    return w.to(do_BSHD.dtype), out.to(out_BSHD.dtype)
+
+
+class GradRows:
+    """The final rows' backward inputs, in the two forms kernels take (Note [Folding the lse gradient]).
+
+    Args:
+        do: ``(B, S, H, Dv)`` the gradient of the output rows.
+        out: ``(B, S, H, Dv)`` the final output rows.
+        dlse: ``(B, H, S)`` the gradient of the final lse, or None.
+    """
+
+    def __init__(self, do: torch.Tensor, out: torch.Tensor | None, dlse: torch.Tensor | None):
+        self.do, self.out, self.dlse = do, out, dlse
+        self._delta: torch.Tensor | None = None
+        self._folded: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def given(do: torch.Tensor, *, delta: torch.Tensor | None = None,
+              folded: tuple[torch.Tensor, torch.Tensor] | None = None) -> GradRows:
+        """Rows that arrived in one of the two forms (pass-Q's travelling bundle): Delta, or (dO', O')."""
+        rows = GradRows(do, None, None)
+        rows._delta, rows._folded = delta, folded
+        return rows
+
+    @property
+    def delta(self) -> torch.Tensor:
+        """``rowsum(dO O) - dlse`` ``(B, H, S)``, computed once."""
+        if self._delta is None:
+            assert self.out is not None, "these rows arrived folded: no Delta without out"
+            self._delta = delta(self.do, self.out, self.dlse)
+        return self._delta
+
+    @property
+    def folded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dO', O')`` for kernels that recompute Delta from O; ``(dO, O)`` when there is no dlse."""
+        if self._folded is None:
+            assert self.out is not None, "these rows arrived as Delta: no folded pair without out"
+            self._folded = (self.do, self.out) if self.dlse is None else _fold(self.do, self.out, self.dlse)
+        return self._folded
+
+
+def apply_sinks(out_BSHD: torch.Tensor, lse_BHS: torch.Tensor, sinks_H: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final rows with per-head sink logits in the denominator (Note [Attention sinks]).
+
+    Args:
+        out_BSHD: merged output ``(B, S, H, Dv)`` (any float dtype).
+        lse_BHS: its lse ``(B, H, S)`` (fp32/fp64; -inf on rows that saw no key).
+        sinks_H: ``(H,)`` sink logits.
+
+    Returns:
+        ``(out * exp(lse - L), L)`` with ``L = logaddexp(lse, sink)``, out in its dtype.
+    """
+    s = sinks_H.to(lse_BHS.dtype).view(1, -1, 1)
+    total = torch.logaddexp(lse_BHS, s)
+    scale = torch.exp(lse_BHS - total).nan_to_num_(0.0)
+    return (out_BSHD * scale.transpose(1, 2).unsqueeze(-1).to(out_BSHD.dtype)), total
+
+
+def sink_grad(rows: GradRows, lse_BHS: torch.Tensor, sinks_H: torch.Tensor) -> torch.Tensor:
+    """``d sink_h = -sum_{b, i} exp(sink_h - L_i) Delta_i`` over this rank's rows, in the sinks' dtype."""
+    s = sinks_H.to(lse_BHS.dtype).view(1, -1, 1)
+    p_sink = torch.exp(s - lse_BHS)
+    return -(p_sink * rows.delta.to(lse_BHS.dtype)).sum((0, 2)).to(sinks_H.dtype)

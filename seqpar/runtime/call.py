@@ -1,0 +1,440 @@
+"""The planned call: everything a call's signature fixes is computed once, kept in a bounded cache.
+
+    plan = planned(q, k, v, sinks, mesh=..., method=..., ...)     # validation, placement, engine, on a miss
+    out, lse = plan(q, k, v, sinks)                                 # launches kernels and transfers only
+
+Note [Planned calls]
+    The signature is what the ranks must agree on and what fixes the work: tensor shapes, dtypes and devices,
+    whether a backward follows, the mesh, the method and its options, the layout, the mask (causal, window,
+    documents, valid length), the scale, the kernel, sinks and softcap, the wire dtype, the flags. On a miss
+    the call is validated (every rule that needs only local facts, with errors naming the argument, the value
+    and the rank), ``method="auto"`` is resolved, the placement and the engine are built (block schedule,
+    kernel per kind of block, the communication plan) and the agreement round is read at once. A hit goes
+    straight to the engine. The cache holds ``CACHE_SIZE`` signatures, least recently used first out; packed
+    batches make a new signature per batch (new ``cu_seqlens``), which is why planning is linear in the
+    documents (``seqpar.layouts.blocks``).
+
+    The agreement round (``seqpar.agreement``, Note [When the round is read]) runs on every call of a group
+    with more than one rank; it is read at once on a miss and every ``check_ranks`` calls (an int), otherwise
+    when it has arrived.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import agreement, methods
+from ..config import AttentionConfig
+from ..errors import rank_suffix
+from ..groups import SeqParallelGroups
+from ..kernels import available_kernels
+from ..layouts import LAYOUTS
+from ..methods.base import Call, Engine, Method
+from ..types import AttnOutput
+from . import op as _op
+
+__all__ = [
+    "CACHE_SIZE",
+    "CHECK_EVERY",
+    "Plan",
+    "attention",
+    "cache_clear",
+    "config",
+    "host_cu_seqlens",
+    "planned",
+    "traced_key",
+    "traced_plan",
+    "traced_saved_meta",
+    "validated",
+]
+
+#: signatures kept (Note [Planned calls])
+CACHE_SIZE = 256
+#: ``check_ranks=True``: the round is read at once every this many calls of a group (and on every new signature)
+CHECK_EVERY = 64
+
+
+@dataclass(eq=False)
+class Plan:
+    """One planned call (Note [Planned calls])."""
+
+    method: Method
+    cfg: AttentionConfig
+    groups: SeqParallelGroups
+    call: Call
+    engine: Engine
+    items: agreement.Items
+    return_lse: bool
+    verify: bool
+
+
+_PLANS: OrderedDict[Any, Plan] = OrderedDict()
+_TRACKERS: dict[int | None, agreement.Tracker] = {}
+_LOCK = threading.Lock()
+_MESH_AT = 11                      # the mesh's position in a plan key
+
+
+def cache_clear() -> None:
+    """Forget every planned call (tests; a process that changes process groups)."""
+    _PLANS.clear()
+
+
+def _forget(mesh_id: int) -> None:
+    """A mesh (or group) went away: drop its plans and its agreement tracker (weakref finalizer)."""
+    with _LOCK:
+        for key in [k for k in _PLANS if k[_MESH_AT].id == mesh_id]:
+            del _PLANS[key]
+        _TRACKERS.pop(mesh_id, None)
+
+
+def _tracker(mesh: Any) -> agreement.Tracker:
+    key = None if mesh is None else id(mesh)
+    t = _TRACKERS.get(key)
+    if t is None or not t.serves(mesh):
+        t = _TRACKERS[key] = agreement.Tracker(mesh)
+        if mesh is not None:
+            weakref.finalize(mesh, _forget, key)
+    return t
+
+
+def _in_recompute() -> bool:
+    """Inside the backward pass (activation-checkpoint recompute): the same call on every rank, no round."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Same:
+    """A cache-key element for a mesh: equal by identity (two DeviceMeshes over the same ranks are equal as
+    values but carry different process groups), holding it by weak reference - a cache must never keep a
+    process group alive (gloo closes a group's connections only when the group object goes away, which the
+    fail-fast recipe of docs/RELIABILITY.md relies on). When the mesh dies its entries are dropped
+    (``_forget``), so an id is never reused by a live entry."""
+
+    __slots__ = ("id", "ref")
+
+    def __init__(self, obj: Any):
+        self.id = None if obj is None else id(obj)
+        self.ref = None if obj is None else weakref.ref(obj)
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.id == self.id and (
+            self.ref is None or (other.ref is not None and other.ref() is self.ref()))
+
+
+def host_cu_seqlens(cu: Any) -> tuple[int, ...] | None:
+    """``cu_seqlens`` as host ints (a CUDA tensor costs one device read); validated as a 1D int tensor."""
+    if cu is None:
+        return None
+    if isinstance(cu, torch.Tensor):
+        if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"cu_seqlens must be a 1D int32 tensor, got {cu.dtype} of shape {tuple(cu.shape)}"
+                            f"{rank_suffix()}")
+        return tuple(cu.tolist())
+    return tuple(int(x) for x in cu)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any, method: str, layout: str | None,
+              causal: bool, softmax_scale: float | None, kernel: str, return_lse: bool,
+              window_size: Any, cu_seqlens: Any, seq_len: int | None, deterministic: bool,
+              grad_dtype: torch.dtype, dropout_p: float, alibi_slopes: Any, softcap: float,
+              sinks: torch.Tensor | None, check_ranks: Any, verify: bool, options: dict[str, Any]):
+    """``seqpar.attention`` (documented there): the cache lookup, then the planned call."""
+    plan = planned(q, k, v, sinks, mesh=mesh, method=method, layout=layout, causal=causal,
+                   softmax_scale=softmax_scale, kernel=kernel, return_lse=return_lse, window_size=window_size,
+                   cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
+                   dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, check_ranks=check_ranks,
+                   verify=verify, options=options)
+    if plan.call.grad:
+        out, lse = _op.Attention.apply(q, k, v, sinks, plan)
+    else:
+        out, lse, _ = _op.forward(plan, q, k, v, sinks)
+    if verify:
+        from .. import verification
+
+        with torch.no_grad():
+            verification.check_sample(q, k, v, out, lse, plan.cfg, plan.groups, plan.method, mesh, sinks=sinks)
+    return AttnOutput(out, lse) if return_lse else out
+
+
+def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size,
+            cu_seqlens, seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, check_ranks, verify,
+            options) -> Plan:
+    """The planned call for these arguments: cached, or built (Note [Planned calls]); runs the round."""
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sinks is not None and sinks.requires_grad))
+    window = tuple(window_size) if isinstance(window_size, list) else window_size
+    try:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grad,
+               None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), _Same(mesh), method, layout,
+               causal, softmax_scale, kernel, return_lse, window, host_cu_seqlens(cu_seqlens), seq_len,
+               deterministic, grad_dtype, dropout_p, alibi_slopes is None, softcap, verify,
+               tuple(options.items()) if options else ())
+        hash(key)
+    except TypeError:
+        key = None                     # an unhashable argument: plan without caching (validation explains it)
+    plan = _PLANS.get(key) if key is not None else None
+    rounds = check_ranks is not False and not _in_recompute()
+    if plan is not None:
+        _PLANS.move_to_end(key)
+        _check_ranks_arg(check_ranks)
+        if rounds and plan.groups.world > 1:
+            _round(plan.items, mesh, check_ranks, q.device, fresh=False)
+        return plan
+    m, cfg, groups, lay, index = validated(
+        q, k, v, sinks, mesh=mesh, method=method, layout=layout, causal=causal, softmax_scale=softmax_scale,
+        kernel=kernel, window_size=window, cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic,
+        grad_dtype=grad_dtype, dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, options=options,
+        grad=grad, check_ranks=check_ranks, round_now=False, extra=lambda: _flag_args(check_ranks, verify, return_lse))
+    items = agreement.attention_signature(q, k, v, cfg, groups, return_lse=return_lse, verify=verify,
+                                          sinks=None if sinks is None else tuple(sinks.shape))
+    if rounds and groups.world > 1:     # before the method's own rules: a disagreement names what differs
+        _round(items, mesh, check_ranks, q.device, fresh=True)
+    call = Call(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, cfg, groups, lay, index, grad,
+                return_lse)
+    m.check(call)                       # the same on every rank now that the signatures agree
+    plan = Plan(m, cfg, groups, call, m.engine(call), items, return_lse, verify)
+    if key is not None:
+        _tracker(mesh)                  # registers the mesh's finalizer (drops these plans with it)
+        with _LOCK:
+            _PLANS[key] = plan
+            if len(_PLANS) > CACHE_SIZE:
+                _PLANS.popitem(last=False)
+    return plan
+
+
+def _round(items: agreement.Items, mesh: Any, check_ranks: Any, device: torch.device, fresh: bool) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"check_ranks must be False for a call captured in a CUDA graph (the agreement round "
+                         f"reads its result on the host), got {check_ranks!r}{rank_suffix()}")
+    tracker = _tracker(mesh)
+    every = CHECK_EVERY if check_ranks is True else int(check_ranks)
+    tracker.round(items, read_now=fresh or (tracker.calls + 1) % every == 0, device=device)
+
+
+def _check_ranks_arg(check_ranks: Any) -> None:
+    if check_ranks is True or check_ranks is False:
+        return
+    if not isinstance(check_ranks, int) or check_ranks < 1:
+        raise TypeError(f"check_ranks must be True, False or a positive int (read the round every N calls), got "
+                        f"{check_ranks!r}{rank_suffix()}")
+
+
+def _flag_args(check_ranks: Any, verify: Any, return_lse: Any) -> None:
+    _check_ranks_arg(check_ranks)
+    for name, value in (("verify", verify), ("return_lse", return_lse)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}{rank_suffix()}")
+
+
+def validated(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kernel, window_size, cu_seqlens,
+              seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, options, grad,
+              check_ranks: Any = True, round_now: bool = True, extra=None, flags: dict | None = None):
+    """Every local check of a call, then (``round_now``) the agreement round read at once:
+    ``(method, cfg, groups, layout, index)``, or the same error on every rank.
+
+    A rank whose validation fails still joins the round (``share_error``) so the others raise too, naming it,
+    instead of waiting in the method's first collective.
+    """
+    try:
+        if extra is not None:
+            extra()
+        check_tensors(q, k, v)
+        if method == "auto":
+            layout = layout or "zigzag"
+            method, options = _auto(q, k, v, mesh, layout, causal, window_size, cu_seqlens, seq_len, kernel,
+                                    grad_dtype, options, grad)
+        m = methods.get(method)
+        layout = layout or m.default_layout()
+        cfg = config(m, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
+                     window_size=window_size, cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic,
+                     grad_dtype=grad_dtype, dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap,
+                     options=options, value_dim=v.shape[-1], head_dim=q.shape[-1], sinks=sinks is not None)
+        groups = SeqParallelGroups.resolve(mesh, m.mesh_dims)
+        lay, index = m.placement(cfg.layout, groups, cfg.cu_seqlens)
+        validate_inputs(q, k, v, sinks, cfg, groups, m, lay)
+    except Exception as err:    # every rank must hear of it; re-raised unchanged below
+        if check_ranks is not False and not _in_recompute():
+            agreement.share_error_tracked(err, _tracker(mesh))
+        raise
+    if round_now:
+        items = agreement.attention_signature(q, k, v, cfg, groups, **(flags or {}))
+        _tracker(mesh).round(items, read_now=True, device=q.device)
+    return m, cfg, groups, lay, index
+
+
+def _auto(q, k, v, mesh, layout, causal, window, cu_seqlens, seq_len, kernel, grad_dtype, options, grad):
+    """``method="auto"``: (method, options) from the planner (Note [Auto is deterministic] in planner.search)."""
+    from .. import planner  # the planner is imported only when asked for
+
+    extra = sorted(set(options) - {"profile"})
+    if extra:
+        raise TypeError(f"method='auto' takes only the option 'profile' (it picks the method's options), got "
+                        f"{extra}{rank_suffix()}")
+    AttentionConfig(window_size=window)                       # validates the window before planning with it
+    dims = 2 if getattr(mesh, "ndim", 1) == 2 else 1
+    groups = SeqParallelGroups.resolve(mesh, dims)
+    used = {"window": window != (-1, -1), "varlen": cu_seqlens is not None, "padding": seq_len is not None,
+            "value_dim": v.shape[-1] != q.shape[-1]}
+    name, chosen, _ = planner.choose(
+        tuple(q.shape), k.shape[2], bool(causal), window, groups.world, dims, layout, options.get("profile"),
+        ulysses=groups.ulysses_size if dims == 2 else None, dtype=q.dtype, device=q.device.type,
+        mode="fwd+bwd" if grad else "fwd", features=[f for f, on in used.items() if on], kernel=kernel,
+        grad_dtype=grad_dtype)
+    return name, chosen
+
+
+def config(m: Method, *, layout, causal, softmax_scale, kernel, window_size, cu_seqlens, seq_len, deterministic,
+           grad_dtype, dropout_p=0.0, alibi_slopes=None, softcap=0.0, options, value_dim=None, head_dim=None,
+           sinks=False) -> AttentionConfig:
+    """The validated ``AttentionConfig`` of a call to ``m`` (errors name the argument, the value, the rank)."""
+    name = m.name
+    unsupported = {"dropout_p": (dropout_p, dropout_p != 0.0), "alibi_slopes": (alibi_slopes, alibi_slopes is not None)}
+    for arg, (value, given) in unsupported.items():
+        if given:
+            raise NotImplementedError(f"{arg} is not supported yet (it needs position-keyed handling in every "
+                                      f"schedule); got {arg}={value!r}{rank_suffix()}")
+    if layout not in all_layouts():
+        raise ValueError(f"layout must be one of {sorted(all_layouts())}, got {layout!r}{rank_suffix()}")
+    if layout not in m.layouts:
+        raise ValueError(f"layout must be one of {list(m.layouts)} for method={name!r}, got {layout!r}"
+                         f"{rank_suffix()}")
+    if kernel not in available_kernels():
+        raise ValueError(f"kernel must be one of {available_kernels()}, got {kernel!r}{rank_suffix()}")
+    unknown = sorted(set(options) - set(m.options))
+    if unknown:
+        raise TypeError(f"method={name!r} takes options {sorted(m.options) or 'none'}, got {unknown}"
+                        f"{rank_suffix()}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}{rank_suffix()}")
+    if causal and layout not in m.serves_causal:
+        ok = m.serves_causal
+        need = f"layout={ok[0]!r}" if len(ok) == 1 else f"a layout in {list(ok)}"
+        raise ValueError(f"method={name!r} with causal=True needs {need}, got layout={layout!r}{rank_suffix()}")
+    window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    need = {"window": window != (-1, -1), "varlen": cu_seqlens is not None, "padding": seq_len is not None,
+            "value_dim": value_dim is not None and head_dim is not None and value_dim != head_dim,
+            "sinks": sinks, "softcap": bool(softcap), "document_layouts": layout not in LAYOUTS}
+    for feature, used in need.items():
+        if used and feature not in m.features:
+            raise NotImplementedError(f"method={name!r} does not support {feature.replace('_', ' ')} yet"
+                                      f"{rank_suffix()}")
+    return AttentionConfig(method=name, layout=layout, causal=causal, window_size=window,
+                           softmax_scale=softmax_scale, kernel=kernel, cu_seqlens=host_cu_seqlens(cu_seqlens),
+                           seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype, softcap=softcap,
+                           options=AttentionConfig.pack_options({**m.options, **options}))
+
+
+def all_layouts() -> Sequence[str]:
+    """Every layout name (plain and per-batch document layouts)."""
+    from .. import layouts
+
+    return getattr(layouts, "ALL_LAYOUTS", tuple(LAYOUTS))
+
+
+def validate_inputs(q, k, v, sinks, cfg: AttentionConfig, groups: SeqParallelGroups, m: Method, layout) -> None:
+    """Every check that needs only local facts; raises the same error on every rank given the same input."""
+    rs = rank_suffix()
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}{rs}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}{rs}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same (batch, seq_local, kv heads), got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}{rs}")
+    (B, L, H, D), (Bk, Lk, Hkv, Dk) = q.shape, k.shape
+    if B != Bk:
+        raise ValueError(f"q and k must have the same batch size, got {B} and {Bk}{rs}")
+    if D != Dk:
+        raise ValueError(f"q and k must have the same head_dim, got {D} and {Dk}{rs}")
+    if L != Lk:
+        raise ValueError(f"q and k must have the same local sequence length (self-attention), got {L} and {Lk}"
+                         f"{rs}")
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"heads ({H}) must be a multiple of kv heads ({Hkv}) for GQA/MQA, got H={H}, Hkv={Hkv}{rs}")
+    if L == 0 or B == 0:
+        raise ValueError(f"q must have at least one token and one batch row, got shape {tuple(q.shape)}{rs}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (H,):
+            what = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise ValueError(f"sinks must be a floating tensor of shape ({H},) (one logit per query head), got "
+                             f"{what}{rs}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}{rs}")
+    total = L * groups.world
+    if total % layout.divisor:
+        per = layout.divisor // groups.world if layout.divisor % groups.world == 0 else None
+        hint = f"a multiple of {per}" if per else f"such that {groups.world} * seq_local is a multiple of " \
+                                                  f"{layout.divisor}"
+        raise ValueError(f"local sequence length must be {hint} for the {cfg.layout} layout of method="
+                         f"{cfg.method!r} over {groups.world} ranks, got {L}{rs}")
+    valid = cfg.valid_len
+    if valid is not None and not 0 < valid <= total:
+        raise ValueError(f"seq_len / cu_seqlens[-1] must be in [1, {total}] (the global length), got {valid}{rs}")
+    if cfg.cu_seqlens is not None and cfg.seq_len is None and cfg.cu_seqlens[-1] != total:
+        raise ValueError(f"cu_seqlens must end at the global length {total} (or pass seq_len for padded shards), "
+                         f"got {cfg.cu_seqlens[-1]}{rs}")
+
+
+def check_tensors(q, k, v) -> None:
+    rs = rank_suffix()
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}{rs}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4D (batch, seq_local, heads, head_dim), got shape "
+                             f"{tuple(t.shape)}{rs}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must have a floating dtype, got {t.dtype}{rs}")
+
+
+# ------------------------------------------------------------------------------------------ under torch.compile
+
+_TRACED: dict[str, dict[str, Any]] = {}
+
+
+@torch.compiler.assume_constant_result
+def traced_key(mesh: Any, method: str, layout: str | None, causal: bool, softmax_scale: float | None, kernel: str,
+               window_size: tuple[int, int], seq_len: int | None, deterministic: bool, grad_dtype: torch.dtype,
+               softcap: float, check_ranks: Any, options: tuple[tuple[str, Any], ...]) -> str:
+    """Intern the non-tensor arguments of a traced call as a string key (Note [Tracing seqpar.attention])."""
+    args = dict(mesh=mesh, method=method, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
+                window_size=tuple(window_size), seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
+                softcap=softcap, check_ranks=check_ranks, options=dict(options))
+    for key, known in _TRACED.items():
+        if known == args:
+            return key
+    key = f"seqpar-call-{len(_TRACED)}"
+    _TRACED[key] = args
+    return key
+
+
+def traced_plan(key: str, q, k, v, sinks, cu_seqlens) -> Plan:
+    """The planned call behind a custom-op call (its arguments were interned by ``traced_key``)."""
+    a = _TRACED[key]
+    return planned(q, k, v, sinks, mesh=a["mesh"], method=a["method"], layout=a["layout"], causal=a["causal"],
+                   softmax_scale=a["softmax_scale"], kernel=a["kernel"], return_lse=True, window_size=a["window_size"],
+                   cu_seqlens=cu_seqlens, seq_len=a["seq_len"], deterministic=a["deterministic"],
+                   grad_dtype=a["grad_dtype"], dropout_p=0.0, alibi_slopes=None, softcap=a["softcap"],
+                   check_ranks=a["check_ranks"], verify=False, options=a["options"])
+
+
+def traced_saved_meta(key: str, q, k, v) -> list[tuple[tuple[Any, ...], torch.dtype]]:
+    """Shapes and dtypes of what the method's engine saves for backward (fake tensors; shapes may be symbolic)."""
+    a = _TRACED[key]
+    if a["method"] == "auto":
+        raise NotImplementedError(f"method='auto' is not supported under torch.compile (it chooses from concrete "
+                                  f"shapes): name the method{rank_suffix()}")
+    m = methods.get(a["method"])
+    if m.saved_meta is None:
+        return []
+    groups = SeqParallelGroups.resolve(a["mesh"], m.mesh_dims)
+    return m.saved_meta(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, groups, a["options"])
