@@ -217,3 +217,39 @@ def test_every_layout_name_builds():
     for name in ALL_LAYOUT_NAMES:
         lay = make_layout(name, 2, (0, 4, 8))
         assert lay.name == name and lay.world == 2
+
+
+# ---- shard_info ----
+
+def test_shard_info_for_document_layouts():
+    from seqpar.layouts.varlen import shard_info
+
+    cu = (0, 8, 24, 32)
+    for cls, world in ((DocContiguous, 4), (DocZigzag, 2), (DocZigzag, 4)):
+        lay = cls(world, cu)
+        local_cu = lay.local_cu_seqlens()
+        assert local_cu == tuple(c // world for c in cu)                            # ring-flash-attn's local cu
+        for r in range(world):
+            info = shard_info(lay, r, 32)
+            for d, (a, b) in enumerate(itertools.pairwise(local_cu)):
+                assert info.documents[a:b].tolist() == [d] * (b - a)
+            # segments are runs of consecutive positions: doc_zigzag's two chunks of a document are two
+            assert set(local_cu) <= set(info.cu_seqlens.tolist())
+            one = cls is DocContiguous or r == world - 1                  # rank W-1's chunks W-1 and W touch
+            assert len(info.cu_seqlens) - 1 == (len(cu) - 1) * (1 if one else 2)
+            assert torch.equal(info.positions, lay.positions(r, 32))
+            docs = torch.tensor([bisect.bisect_right(cu, int(p)) - 1 for p in info.positions])
+            assert torch.equal(info.documents, docs)
+            assert torch.equal(info.positions_in_document, info.positions - torch.tensor(cu)[docs])
+            assert not info.pad_mask.any() and info.padded_len == 32
+    lay = Balanced(4, (0, 3, 10, 21))                                               # 21 valid, padded to 24
+    infos = [shard_info(lay, r, 21) for r in range(4)]
+    assert [int(i.pad_mask.sum()) for i in infos] != [0] * 4 and sum(int(i.pad_mask.sum()) for i in infos) == 3
+    assert all(i.padded_len == 24 and i.positions.numel() == 6 for i in infos)
+    for i in infos:
+        for a, b in itertools.pairwise(i.cu_seqlens.tolist()):                      # one document per segment
+            assert len(set(i.documents[a:b].tolist())) == 1
+            assert i.max_seqlen >= b - a
+    assert shard_info(lay, 0, 21, cu_seqlens=[0, 3, 10, 21]).seq_len == 21
+    with pytest.raises(ValueError, match=r"cu_seqlens must be the documents the balanced layout was built for"):
+        shard_info(lay, 0, 21, cu_seqlens=[0, 10, 21])

@@ -4,7 +4,7 @@
 ``make_layout(name, world, cu_seqlens)`` one of ``DOCUMENT_LAYOUTS`` (placed per batch from the global
 document boundaries, ``layouts.documents``); ``Layout.documents`` says which kind a layout is. ``Nested``
 composes a ring layout with a contiguous Ulysses split (USP). ``blocks.plan`` turns two ranks' positions
-and a visibility rule into kernel calls.
+and a visibility rule into kernel calls; ``work.work`` counts each rank's attention work.
 """
 
 from __future__ import annotations

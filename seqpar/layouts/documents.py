@@ -116,16 +116,6 @@ class DocumentLayout(Layout):
             raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at the valid length (>= 1) "
                              f"for {self.described()}, got {_shown(bounds)}")
 
-    def _require_documents_divisible(self) -> None:
-        """Every document must split into ``world * pieces`` equal parts (DocContiguous, DocZigzag)."""
-        m = self.divisor
-        for d, (a, b) in enumerate(itertools.pairwise(self.bounds)):
-            if (b - a) % m:
-                what = "W" if self.pieces == 1 else f"{self.pieces}W"
-                raise ValueError(f"document {d} has length {b - a}, not a multiple of {what} = {m} for "
-                                 f"{self.described()} (cu_seqlens[{d}:{d + 2}] = ({a}, {b}); pad each document "
-                                 f"to a multiple of {m}, or use the balanced layout)")
-
     def check_len(self, seq_len: int, what: str = "global sequence length") -> None:
         if seq_len < self.bounds[-1]:
             raise ValueError(f"{what} must be at least the documents' end cu_seqlens[-1] = {self.bounds[-1]} for "
@@ -140,15 +130,31 @@ class DocumentLayout(Layout):
 
 
 @dataclass(frozen=True)
-class DocContiguous(DocumentLayout):
+class _EvenSplit(DocumentLayout):
+    """Every document cut into ``world * pieces`` equal parts (ring-flash-attn's varlen conventions)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        m = self.divisor
+        for d, (a, b) in enumerate(itertools.pairwise(self.bounds)):
+            if (b - a) % m:
+                what = "W" if self.pieces == 1 else f"{self.pieces}W"
+                raise ValueError(f"document {d} has length {b - a}, not a multiple of {what} = {m} for "
+                                 f"{self.described()} (cu_seqlens[{d}:{d + 2}] = ({a}, {b}); pad each document "
+                                 f"to a multiple of {m}, or use the balanced layout)")
+
+    def local_cu_seqlens(self) -> tuple[int, ...]:
+        """``cu_seqlens // W``: rows ``[cu[d], cu[d+1])`` of every rank are document d's (what ring-flash-attn's
+        varlen functions take; end padding rows follow the last document)."""
+        return tuple(c // self.world for c in self.bounds)
+
+
+@dataclass(frozen=True)
+class DocContiguous(_EvenSplit):
     """Rank r holds part r of W equal parts of every document, documents in order (ring-flash-attn varlen)."""
 
     name: ClassVar[str] = "doc_contiguous"
     pieces: ClassVar[int] = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._require_documents_divisible()
 
     def segments(self, rank: int, seq_len: int) -> Segments:
         self.check_len(seq_len)
@@ -156,15 +162,11 @@ class DocContiguous(DocumentLayout):
 
 
 @dataclass(frozen=True)
-class DocZigzag(DocumentLayout):
+class DocZigzag(_EvenSplit):
     """Rank r holds chunks r and 2W-1-r of 2W equal chunks of every document (ring-flash-attn zigzag varlen)."""
 
     name: ClassVar[str] = "doc_zigzag"
     pieces: ClassVar[int] = 2
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._require_documents_divisible()
 
     def segments(self, rank: int, seq_len: int) -> Segments:
         self.check_len(seq_len)
