@@ -2,11 +2,12 @@
 
 A plain layout (contiguous, zigzag, stripe) cuts the packed row without looking at the documents, so its
 causal work follows them: a token sees only its own document, so its work is its position inside the
-document plus one, and zigzag's chunk pairs no longer add up (busiest rank / mean 2.1 at W = 8 on 128K rows
-of ~2K documents, ``benchmarks/results/balance-2026-11-23.txt``). A document layout places tokens knowing
-the documents. Its fields are ``world`` and ``bounds``, the global ``cu_seqlens`` (0 first, non-decreasing,
-the valid length last); the sharded length may exceed ``bounds[-1]`` by end padding, placed too, as
-document -1. A new batch means a new layout object (frozen, hashable: it keys the methods' plan caches).
+document plus one, and zigzag's chunk pairs no longer add up (busiest rank / mean 2.0 on average, 3.6 at
+worst, at W = 8 on 128K rows of ~2K documents, ``benchmarks/results/balance-2026-11-23.txt``). A document
+layout places tokens knowing the documents. Its fields are ``world`` and ``bounds``, the global
+``cu_seqlens`` (0 first, non-decreasing, the valid length last); the sharded length may exceed
+``bounds[-1]`` by end padding, placed too, as document -1. A new batch means a new layout object (frozen,
+hashable: it keys the methods' plan caches).
 
 Documents a (8 tokens), b (4), c (4) over W = 2, tokens named by document and offset::
 
@@ -44,21 +45,23 @@ Note [Balanced layout]
        either end gives its OUTER tokens (head and tail, like zigzag) and keeps its middle, whose density
        is the item's, so the pool stays sorted. In a sorted pool the densest k tokens weigh at least the
        average and the lightest k at most (an average of averages sorted the same way), so the rank's work
-       crosses the target as j goes from 0 to k and the bisection lands within one token's weight of it;
+       crosses the target as j goes from 0 to k and the bisection lands within about a token's weight of it;
        the last rank takes what is left.
     4. Each rank's pieces are ordered by global position (adjacent ones merge into one run).
-    Result: tokens exactly C on every rank; work within a few token weights of the mean (measured busiest
-    / mean <= 1.0003, W = 4..16). Whole short documents stay on one rank (no cross-rank blocks); each rank
-    cuts at most two pool items, each into a head and a tail piece. The long/short threshold trades runs
-    for per-step balance: a cut item's cross-rank pairs fall on one or two ring steps, a zigzag-split one
-    on all of them equally; C / 4 keeps the pass-KV lockstep bound (sum over steps of the busiest rank)
-    within ~1.2x of the mean where C would give up to ~2.2x.
+    Result: tokens exactly C on every rank; work within a few token weights of the mean (busiest / mean
+    <= 1.0002 on 128K rows at W = 4, 8, 16, ``benchmarks/results/balance-2026-11-23.txt``). Whole short
+    documents stay on one rank (no cross-rank blocks); each rank cuts at most two pool items, each into a
+    head and a tail piece. The long/short threshold trades runs for per-step balance: a cut item's
+    cross-rank pairs fall on one or two ring steps of one rank, a zigzag-split document's on every step of
+    every rank equally. Measured on the same rows (the pass-KV lockstep bound: the sum over ring steps of
+    the busiest rank's work, over the mean total), splitting documents longer than C / 4 gives at worst
+    1.17 with 17-47 runs per rank; longer than C / 2, 1.72; longer than C, 2.29 with 10-19 runs per rank.
     Cost: O(D log D) for the sort of D documents, O(log S log D) per rank for the bisection, and the
     pieces emitted (2W per long document, O(D + W) otherwise): O(D log D + W log S log D) before output.
     Why not a solver: exact token counts and balance within a token's weight are already reached by a
     sort and W bisections, deterministically (integer keys and integer targets, no float ties); an ILP
-    or bin-packing search would add a dependency and run time per batch to gain nothing on balance, and
-    the heuristics it replaces (greedy LPT by work) miss the exact token constraint by up to 10% of work.
+    or bin-packing search would add a dependency and run time per batch to gain nothing on balance. A
+    greedy by work under the exact token capacity (tried first) left the busiest rank up to 11% over.
 """
 
 from __future__ import annotations
