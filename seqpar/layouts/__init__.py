@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from .base import Layout, Nested
 from .blocks import Rule, Run, Segments, Task, group_varlen, plan
 from .contiguous import Contiguous
@@ -30,7 +32,7 @@ DOCUMENT_LAYOUTS: dict[str, type[DocumentLayout]] = {"balanced": Balanced, "doc_
 ALL_LAYOUT_NAMES: tuple[str, ...] = (*LAYOUTS, *DOCUMENT_LAYOUTS)
 
 
-def make_layout(name: str, world: int, cu_seqlens: Sequence[int] | None = None) -> Layout:
+def make_layout(name: str, world: int, cu_seqlens: Sequence[int] | torch.Tensor | None = None) -> Layout:
     """The layout called ``name`` over ``world`` ranks; ValueError listing the valid names otherwise.
 
     A document layout needs the batch's global ``cu_seqlens`` (a sequence or 1-D tensor of ints); a plain

@@ -108,7 +108,8 @@ def _segments(pieces: Iterable[tuple[int, int]]) -> Segments:
 class DocumentLayout(Layout):
     """Base class: a placement computed from the global document boundaries ``bounds`` (``cu_seqlens``)."""
 
-    bounds: tuple[int, ...] = ()
+    #: the global ``cu_seqlens``: document d is ``[bounds[d], bounds[d+1])``, the valid length last
+    bounds: tuple[int, ...]
     documents: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
