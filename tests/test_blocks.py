@@ -164,3 +164,20 @@ def test_plan_cost_is_linear_in_documents(monkeypatch, rule):
         counts.append(sum(_evaluations(monkeypatch, segs[r], segs[(r - s) % 4], rule)
                           for r in range(4) for s in range(4)))
     assert counts[1] <= 2.2 * counts[0] and counts[2] <= 2.2 * counts[1], counts
+
+
+def test_group_varlen_calls_stay_few_with_many_documents():
+    """group_varlen scans its open groups per task: with rows and keys in document order (every layout's own
+    rows) a step of 1000 documents packs into a handful of calls, so grouping stays linear in the tasks."""
+    from seqpar.layouts import Balanced
+
+    rng = random.Random(3)
+    seq = 1 << 15
+    bounds = _bounds(rng, seq, 999)
+    for lay in (Contiguous(4), Zigzag(4), Stripe(4), Balanced(4, tuple(bounds))):
+        segs = [lay.segments(r, seq).cut(bounds) for r in range(4)]
+        for rule in (Rule(True), Rule(False), Rule(True, (64, 0)), Rule(False, (16, 16))):
+            for r in range(4):
+                for s in range(4):
+                    tasks = plan(segs[r], segs[(r - s) % 4], rule)
+                    assert len(group_varlen(tasks)) <= 6, (lay, rule, r, s)
