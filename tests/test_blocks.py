@@ -106,3 +106,78 @@ def test_gathered_buffer_and_nested():
 def test_cut_marks_padding():
     seg = Contiguous(2).segments(1, 8).cut([0, 3, 6])
     assert [(r.glob, r.length, r.doc) for r in seg.runs] == [(4, 2, 1), (6, 2, -1)]
+
+
+def _bounds(rng: random.Random, valid: int, docs: int) -> list[int]:
+    return [0, *sorted(rng.sample(range(1, valid), min(docs, valid - 1))), valid]
+
+
+def test_many_small_documents_match_the_dense_mask():
+    """Dozens of documents (empty ones too) per rank, gathered buffers, windows and padding."""
+    rng = random.Random(1)
+    for _ in range(150):
+        world = rng.choice([1, 2, 3, 4, 8])
+        lay = rng.choice([Contiguous, Zigzag, Stripe])(world)
+        seq = lay.divisor * rng.randint(4, 12)
+        valid = rng.randint(seq // 2, seq)
+        bounds = _bounds(rng, valid, rng.randint(valid // 4, valid // 2 + 1))
+        bounds[1:1] = [bounds[1]] * rng.randint(0, 2)                    # empty documents
+        rule = Rule(rng.random() < 0.7, (rng.choice([-1, 0, 2, 9]), rng.choice([-1, 0, 3])))
+        r, j = rng.randrange(world), rng.randrange(world)
+        q = lay.segments(r, seq).cut(bounds)
+        if rng.random() < 0.3:
+            k = Segments.concat([lay.segments(x, seq) for x in range(world)]).cut(bounds)
+        else:
+            k = lay.segments(j, seq).cut(bounds)
+        _check(q, k, rule)
+
+
+def _evaluations(monkeypatch, q: Segments, k: Segments, rule: Rule) -> int:
+    """Band evaluations (pair bands and clipped candidates) one plan() makes."""
+    from seqpar.layouts import blocks
+
+    count = 0
+
+    def counted(fn):
+        def wrapper(*args):
+            nonlocal count
+            count += 1
+            return fn(*args)
+        return wrapper
+
+    with monkeypatch.context() as m:
+        m.setattr(blocks, "_pair_band", counted(blocks._pair_band))
+        m.setattr(blocks, "_clip", counted(blocks._clip))
+        plan(q, k, rule)
+    return count
+
+
+@pytest.mark.parametrize("rule", [Rule(True), Rule(False), Rule(True, (64, 0))])
+def test_plan_cost_is_linear_in_documents(monkeypatch, rule):
+    """Doubling the documents at most ~doubles the band evaluations (the full matrix would quadruple them)."""
+    rng = random.Random(2)
+    lay, seq = Zigzag(4), 1 << 15
+    counts = []
+    for docs in (250, 500, 1000):
+        bounds = _bounds(rng, seq, docs)
+        segs = [lay.segments(r, seq).cut(bounds) for r in range(4)]
+        counts.append(sum(_evaluations(monkeypatch, segs[r], segs[(r - s) % 4], rule)
+                          for r in range(4) for s in range(4)))
+    assert counts[1] <= 2.2 * counts[0] and counts[2] <= 2.2 * counts[1], counts
+
+
+def test_group_varlen_calls_stay_few_with_many_documents():
+    """group_varlen scans its open groups per task: with rows and keys in document order (every layout's own
+    rows) a step of 1000 documents packs into a handful of calls, so grouping stays linear in the tasks."""
+    from seqpar.layouts import Balanced
+
+    rng = random.Random(3)
+    seq = 1 << 15
+    bounds = _bounds(rng, seq, 999)
+    for lay in (Contiguous(4), Zigzag(4), Stripe(4), Balanced(4, tuple(bounds))):
+        segs = [lay.segments(r, seq).cut(bounds) for r in range(4)]
+        for rule in (Rule(True), Rule(False), Rule(True, (64, 0)), Rule(False, (16, 16))):
+            for r in range(4):
+                for s in range(4):
+                    tasks = plan(segs[r], segs[(r - s) % 4], rule)
+                    assert len(group_varlen(tasks)) <= 6, (lay, rule, r, s)

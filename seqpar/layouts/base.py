@@ -28,6 +28,9 @@ class Layout:
     name: ClassVar[str] = "layout"
     #: pieces of the sequence per rank: the global length must be a multiple of ``world * pieces``
     pieces: ClassVar[int] = 1
+    #: True for document layouts (``seqpar.layouts.documents``): the placement depends on the batch's
+    #: global ``cu_seqlens``, so the layout is built per batch
+    documents: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.world, int) or self.world < 1:

@@ -12,16 +12,24 @@ documents; padding is document -1, which sees nothing and is seen by nothing.
 Note [Block planning]
     1. For every (query run, key run) pair, the visible set is a band ``lo <= j - i <= hi`` in run-local
        coordinates (same document only): positions are affine in the local index with the same stride,
-       and every rule (causal, window) bounds ``key_pos - query_pos``.
+       and every rule (causal, window) bounds ``key_pos - query_pos``. Only same-document pairs are
+       evaluated (key runs are bucketed by document), so the empty pairs of different documents cost nothing.
     2. Try to cover all non-empty pairs with ONE call: the bounding rows x columns with a single band,
-       verified against every pair inside, empty ones included. Zigzag's diagonal step (front and back
-       chunks, both in global order) and its off-diagonal steps each become one call this way.
+       verified against every pair inside, empty ones included. The band meets an interval of key runs on
+       each query run (key runs are consecutive), found by bisection; the call is exact iff that interval
+       holds exactly the run's non-empty pairs, each clipped to its own band, so the empty pairs inside are
+       proven empty without visiting them. Zigzag's diagonal step (front and back chunks, both in global
+       order) and its off-diagonal steps each become one call this way.
     3. Otherwise one call per query run, its key runs grouped greedily left to right by the same test.
     4. Trim each call to the bounding box of what it shows. A trimmed band always has
        ``lo <= n - m <= hi`` (n key rows, m query rows), so it is a flash-attn bottom-right window, and a
        band with ``lo`` unbounded is "full" plus a top-left causal square that cuDNN serves.
     Rows of a call that see nothing are trimmed away; rows no call covers keep (out, lse) = (0, -inf).
-    ``tests/test_blocks.py`` checks all of this against a dense mask for random layouts and rules.
+    Cost: O(K + (Q + P) log K) for Q query runs, K key runs and P same-document pairs (plus g^2 for a
+    query run whose g key runs are grouped in step 3). With a bounded number of runs per document on each
+    side that is O(runs log runs); the full (query run x key run) matrix was quadratic in the documents.
+    ``tests/test_blocks.py`` checks all of this against a dense mask for random layouts and rules, and
+    counts band evaluations to pin the cost.
 """
 
 from __future__ import annotations
@@ -95,11 +103,15 @@ class Segments:
         """Split runs at document boundaries (global ``cu_seqlens``) and mark positions past the end as pad.
 
         Document d covers global positions ``doc_bounds[d]:doc_bounds[d+1]``; positions at or past the last
-        bound (or ``valid_len`` when there are no documents) are padding, doc -1.
+        bound (or ``valid_len`` when there are no documents) are padding, doc -1. One bisection per run piece
+        out, so O(pieces log D) for D documents (a list or tuple of bounds is read in place, not copied).
         """
         if doc_bounds is None and valid_len is None:
             return self
-        bounds = list(doc_bounds) if doc_bounds is not None else [0, valid_len]
+        if doc_bounds is None:
+            bounds: Sequence[int] = (0, valid_len)
+        else:
+            bounds = doc_bounds if isinstance(doc_bounds, (list, tuple)) else tuple(doc_bounds)
         if valid_len is not None and bounds[-1] != valid_len:
             raise ValueError(f"documents must end at the valid length {valid_len}, got {bounds[-1]}")
         out: list[Run] = []
@@ -182,28 +194,58 @@ def _pair_band(qr: Run, kr: Run, stride: int, lo_g: int | None, hi_g: int | None
 
 
 class _Grid:
-    """The (query run x key run) matrix of effective bands."""
+    """The non-empty bands of the (query run x key run) matrix, found document by document.
+
+    Pairs of different documents, or with padding, show nothing, so only same-document pairs are
+    evaluated: with a bounded number of runs per document on each side this is linear in the runs
+    (Note [Block planning] step 1), where the full matrix is quadratic in the documents.
+    """
 
     def __init__(self, q: Segments, k: Segments, rule: Rule):
         if q.stride != k.stride:
             raise ValueError(f"query and key segments must share a stride, got {q.stride} and {k.stride}")
         lo_g, hi_g = rule.delta_bounds()
         self.q, self.k = q.runs, k.runs
-        self.bands = [[_pair_band(qr, kr, q.stride, lo_g, hi_g) for kr in k.runs] for qr in q.runs]
+        self.k_start = [r.local for r in k.runs]
+        self.k_end = [r.end for r in k.runs]
+        by_doc: dict[int, list[int]] = {}
+        for j, kr in enumerate(k.runs):
+            if kr.doc >= 0:
+                by_doc.setdefault(kr.doc, []).append(j)
+        #: per query run, its non-empty ``(key run, band)`` pairs in key order
+        self.rows: list[list[tuple[int, tuple[int, int]]]] = [
+            [(j, b) for j in by_doc.get(qr.doc, ()) if (b := _pair_band(qr, k.runs[j], q.stride, lo_g, hi_g))]
+            for qr in q.runs]
+        self.row_keys = [[j for j, _ in row] for row in self.rows]
 
     def merged(self, i0: int, i1: int, j0: int, j1: int) -> tuple[int, int] | None:
-        """The single call band covering runs i0..i1 x j0..j1 exactly, or None if there is none."""
+        """The single call band covering runs i0..i1 x j0..j1 exactly, or None if there is none.
+
+        The candidate spans the non-empty pairs' bands. It is exact iff, on every query run, the key runs
+        whose block it meets are exactly that run's non-empty pairs, each clipped to its own band. Key runs
+        are consecutive, so the runs a band meets are an interval, found by bisection: the empty pairs
+        between are never visited (Note [Block planning] step 2).
+        """
         q0, k0 = self.q[i0].local, self.k[j0].local
-        cands = [(b[0] + s, b[1] + s) for i in range(i0, i1 + 1) for j in range(j0, j1 + 1)
-                 if (b := self.bands[i][j]) is not None
-                 for s in [(self.k[j].local - k0) - (self.q[i].local - q0)]]
+        spans = []
+        for i in range(i0, i1 + 1):
+            a, b = bisect.bisect_left(self.row_keys[i], j0), bisect.bisect_right(self.row_keys[i], j1)
+            spans.append((a, b))
+        cands = [(band[0] + s, band[1] + s) for i, (a, b) in zip(range(i0, i1 + 1), spans)
+                 for j, band in self.rows[i][a:b] for s in [(self.k[j].local - k0) - (self.q[i].local - q0)]]
         if not cands:
             return None
         lo, hi = min(c[0] for c in cands), max(c[1] for c in cands)
-        for i in range(i0, i1 + 1):
-            for j in range(j0, j1 + 1):
-                s = (self.k[j].local - k0) - (self.q[i].local - q0)
-                if _clip(lo - s, hi - s, self.q[i].length, self.k[j].length) != self.bands[i][j]:
+        for i, (a, b) in zip(range(i0, i1 + 1), spans):
+            x, m = self.q[i].local - q0, self.q[i].length
+            ja = max(j0, bisect.bisect_left(self.k_end, lo + x + k0 + 1))      # first key run the band meets
+            jb = min(j1, bisect.bisect_right(self.k_start, hi + x + m - 1 + k0) - 1)   # and the last
+            pairs = self.rows[i][a:b]
+            if len(pairs) != max(0, jb - ja + 1) or (pairs and (pairs[0][0], pairs[-1][0]) != (ja, jb)):
+                return None
+            for j, band in pairs:
+                s = (self.k[j].local - k0) - x
+                if _clip(lo - s, hi - s, m, self.k[j].length) != band:
                     return None
         return lo, hi
 
@@ -223,16 +265,16 @@ class _Grid:
 def plan(q: Segments, k: Segments, rule: Rule) -> tuple[Task, ...]:
     """The kernel calls that compute queries ``q`` against keys ``k`` under ``rule`` (Note [Block planning])."""
     g = _Grid(q, k, rule)
-    rows = [i for i in range(len(g.q)) if any(b is not None for b in g.bands[i])]
-    cols = [j for j in range(len(g.k)) if any(g.bands[i][j] is not None for i in rows)]
+    rows = [i for i, row in enumerate(g.rows) if row]
     if not rows:
         return ()
-    whole = g.merged(rows[0], rows[-1], cols[0], cols[-1])
+    j0, j1 = min(g.row_keys[i][0] for i in rows), max(g.row_keys[i][-1] for i in rows)
+    whole = g.merged(rows[0], rows[-1], j0, j1)
     if whole is not None:
-        return (g.task(rows[0], rows[-1], cols[0], cols[-1], whole),)
+        return (g.task(rows[0], rows[-1], j0, j1, whole),)
     tasks = []
     for i in rows:
-        mine = [j for j in cols if g.bands[i][j] is not None]
+        mine = g.row_keys[i]
         start = 0
         while start < len(mine):
             end = start
@@ -250,6 +292,9 @@ def group_varlen(tasks: Sequence[Task]) -> tuple[Task, ...]:
 
     Returns Band tasks unchanged where a group would hold a single task. Used by kernels with a varlen
     path when a step has many small per-document tasks (one launch instead of one per document).
+    Each task joins the first open group it fits: O(T log T + T G) for T tasks and G calls out. When
+    queries and keys are both in document order (every layout's own rows), a later document's task fits
+    any group of its window, so G is bounded by the windows times the tasks of one document.
     """
     groups: list[tuple[tuple[int, int], list[Task]]] = []
     for t in sorted(tasks, key=lambda t: (t.q_start, t.k_start)):

@@ -4,7 +4,8 @@ Packed training streams concatenate documents; attention never crosses a documen
 ``cu_seqlens``), and RoPE restarts at each document's first token. A layout moves tokens between ranks, so
 the model needs, per rank and in local row order, each token's global position, its position inside its
 document and which local rows form one piece of one document. ``shard_info`` gives exactly that, from the
-layout's positions alone (pure index math, no communication).
+layout's positions alone (pure index math, no communication). A document layout (``layouts.documents``)
+carries its documents, so ``cu_seqlens`` may be left out for it.
 
 Example: 10 tokens, documents ``[0, 3) [3, 10)``, zigzag over W = 2 (4 chunks of 3 after padding to 12)::
 
@@ -25,6 +26,7 @@ import torch
 
 from .base import Layout
 from .blocks import Run
+from .documents import DocumentLayout, _shown
 
 __all__ = ["ShardInfo", "contiguous_gather_segments", "padded_len", "shard_info"]
 
@@ -81,9 +83,15 @@ def shard_info(layout: Layout, rank: int, seq_len: int, cu_seqlens: Sequence[int
         layout: the token layout (a method's placement).
         rank: the piece of the layout this rank holds.
         seq_len: valid global length; the sharded tensors are padded at the end to ``padded_len``.
-        cu_seqlens: global document boundaries (0 first, ``seq_len`` last); None = one document.
+        cu_seqlens: global document boundaries (0 first, ``seq_len`` last); None = one document, or the
+            documents a document layout was built for (given, they must be those).
         device: where the returned tensors live.
     """
+    if isinstance(layout, DocumentLayout):
+        if cu_seqlens is not None and tuple(int(c) for c in cu_seqlens) != layout.bounds:
+            raise ValueError(f"cu_seqlens must be the documents the {layout.name} layout was built for "
+                             f"({_shown(layout.bounds)}), got {_shown(tuple(int(c) for c in cu_seqlens))}")
+        cu_seqlens = layout.bounds
     bounds = [0, seq_len] if cu_seqlens is None else [int(c) for c in cu_seqlens]
     if seq_len < 1 or bounds[0] != 0 or bounds[-1] != seq_len or any(b < a for a, b in itertools.pairwise(bounds)):
         raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at seq_len={seq_len}, got "

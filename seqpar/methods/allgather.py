@@ -322,7 +322,7 @@ class _Engine:
 METHOD = Method(
     name="allgather",
     summary="all-gather K, V per head chunk; reduce-scatter dK/dV (fp32)",
-    layouts=("contiguous", "zigzag"),
+    layouts=("contiguous", "zigzag", "balanced", "doc_zigzag", "doc_contiguous"),
     options={"heads_k_stride": None},
     features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",
                         "document_layouts"}),

@@ -274,7 +274,7 @@ def _check(call: Call) -> None:
 METHOD = Method(
     name="double_ring",
     summary="inner ring per node, outer ring across nodes",
-    layouts=("zigzag", "contiguous"),
+    layouts=("zigzag", "contiguous", "balanced", "doc_zigzag", "doc_contiguous"),
     options={"node_size": None},
     features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",
                         "document_layouts"}),

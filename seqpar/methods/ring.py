@@ -77,7 +77,7 @@ class _Engine:
 METHOD = Method(
     name="ring",
     summary="K, V around a ring (pass-KV), dK/dV one step behind",
-    layouts=("contiguous", "zigzag", "stripe"),
+    layouts=("contiguous", "zigzag", "stripe", "balanced", "doc_zigzag", "doc_contiguous"),
     options={"head_chunks": 1},
     features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",
                         "document_layouts"}),

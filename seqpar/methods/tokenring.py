@@ -41,7 +41,7 @@ class _Engine:
 METHOD = Method(
     name="tokenring",
     summary="Q travels (pass-Q), partial outputs return directly",
-    layouts=("zigzag", "contiguous", "stripe"),
+    layouts=("zigzag", "contiguous", "stripe", "balanced", "doc_zigzag", "doc_contiguous"),
     features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",
                         "document_layouts"}),
     engine=_Engine,

@@ -85,7 +85,7 @@ def _saved_meta(q_shape, k_shape, v_shape, dtype, groups, options) -> list:
 METHOD = Method(
     name="usp",
     summary="Ulysses inside, ring across",
-    layouts=("contiguous", "zigzag", "stripe"),
+    layouts=("contiguous", "zigzag", "stripe", "balanced", "doc_zigzag", "doc_contiguous"),
     mesh_dims=2,
     options={"head_chunks": 1},
     features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",

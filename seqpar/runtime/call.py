@@ -337,7 +337,7 @@ def all_layouts() -> Sequence[str]:
     """Every layout name (plain and per-batch document layouts)."""
     from .. import layouts
 
-    return getattr(layouts, "ALL_LAYOUTS", tuple(LAYOUTS))
+    return layouts.ALL_LAYOUT_NAMES
 
 
 def validate_inputs(q, k, v, sinks, cfg: AttentionConfig, groups: SeqParallelGroups, m: Method, layout) -> None:

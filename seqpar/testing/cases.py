@@ -107,9 +107,10 @@ def run_case(case: Case) -> dict[str, Any]:
     mesh = _mesh(case)
     q, k, v, do, dlse = (t.to(dev) for t in make_inputs(case))
     where = {"mesh": mesh, "method": case.method, "layout": case.layout}
-    ql, kl, vl = (seqpar.shard(t, **where).requires_grad_() for t in (q, k, v))
-    dol = seqpar.shard(do, **where)
-    dlsel = seqpar.shard(dlse, dim=2, **where)
+    docs = {"cu_seqlens": case.cu_seqlens}         # document layouts place tokens from them (others ignore them)
+    ql, kl, vl = (seqpar.shard(t, **where, **docs).requires_grad_() for t in (q, k, v))
+    dol = seqpar.shard(do, **where, **docs)
+    dlsel = seqpar.shard(dlse, dim=2, **where, **docs)
     t0 = time.perf_counter()
     res = seqpar.attention(ql, kl, vl, causal=case.causal, window_size=case.window, cu_seqlens=case.cu_seqlens,
                            seq_len=case.valid_len, kernel=case.kernel, softmax_scale=case.scale, return_lse=True,
@@ -122,7 +123,7 @@ def run_case(case: Case) -> dict[str, Any]:
     t2 = time.perf_counter()
     out = {"out": res.out, "lse": res.lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
     local = {k_: t.detach().cpu() for k_, t in out.items()}
-    local["positions"] = seqpar.positions(case.seq_len, **where).cpu()
+    local["positions"] = seqpar.positions(case.seq_len, **where, **docs).cpu()
     local["times"] = (t1 - t0, t2 - t1)
     return local
 
