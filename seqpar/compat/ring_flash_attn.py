@@ -48,11 +48,9 @@ Note [llama3 varlen: ring-flash-attn's prepare step]
     the GLOBAL boundaries as ``cu_seqlens_q = cu_seqlens_k`` (``local_k_slice`` None, or the slice prepare
     gives) - seqpar's own form, which also takes ``layout="zigzag"`` (keyword) to balance causal work.
 
-Note [Host reads under torch.compile]
-    Boundaries given as tensors are read on the host (one read per call; a CUDA tensor costs a sync) by a
-    function excluded from tracing, so a compiled caller graph-breaks there instead of tracing Python
-    branches on unbacked integers (``GuardOnDataDependentSymNode`` under ``capture_scalar_outputs``).
-    ``llama3_flash_attn_prepare_cu_seqlens`` is excluded as a whole: it is host index math.
+torch.compile: every seqpar call here, the host reads of boundary tensors and the body of
+``llama3_flash_attn_prepare_cu_seqlens`` run eagerly (Note [Compat adapters under torch.compile] in
+``seqpar.compat._eager``): a compiled caller graph-breaks there, never on an unbacked integer.
 """
 
 from __future__ import annotations
@@ -65,10 +63,10 @@ from typing import Any
 
 import torch
 
-from ..api import attention
 from ..errors import rank_suffix
 from ..groups import SeqParallelGroups
 from ..integrations.hf_ring_flash import substitute_hf_flash_attn, update_ring_flash_attn_params
+from ._eager import attention
 
 __all__ = [
     "llama3_flash_attn_prepare_cu_seqlens", "llama3_flash_attn_varlen_func", "llama3_flash_attn_varlen_kvpacked_func",
@@ -135,7 +133,7 @@ stripe_flash_attn_func, stripe_flash_attn_kvpacked_func, stripe_flash_attn_qkvpa
 
 @torch.compiler.disable
 def _host(cu: Any, what: str) -> tuple[int, ...]:
-    """Host ints of boundaries given as a 1D integer tensor or a sequence (Note [Host reads under torch.compile])."""
+    """Host ints of boundaries given as a 1D integer tensor or a sequence (eager under torch.compile)."""
     if isinstance(cu, torch.Tensor):
         if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{what} must be a 1D int32 tensor, got {cu.dtype} of shape {tuple(cu.shape)}"
@@ -291,7 +289,6 @@ def _rfa_prepare(cu: tuple[int, ...], causal: bool, rank: int, world: int):
     return cu_q, cu_k, max_q, max_k, (k_lo, k_hi)
 
 
-@torch.compiler.disable
 def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal: bool, rank: int, world_size: int):
     """ring-flash-attn's llama3 preparation step, its return values exactly (Note [llama3 varlen: ...]).
 
@@ -307,6 +304,13 @@ def llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal: bool, rank: int, wo
         longest of each (ints), and ``slice(k_lo, k_hi)`` of the gathered keys. The global boundaries behind
         them are recorded for ``llama3_flash_attn_varlen_func`` in this process.
     """
+    return _prepare(cu_seqlens, causal, rank, world_size)
+
+
+@torch.compiler.disable
+def _prepare(cu_seqlens, causal: bool, rank: int, world_size: int):
+    """``llama3_flash_attn_prepare_cu_seqlens``'s body, excluded from tracing even when the public function is
+    compiled (``torch.compile`` unwraps a disabled function it is given directly)."""
     cu = _host(cu_seqlens, "cu_seqlens")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}{rank_suffix()}")

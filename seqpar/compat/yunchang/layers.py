@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from ...api import attention
 from ...errors import rank_suffix
+from .._eager import attention
 from .globals import PROCESS_GROUP
 from .kernels import AttnType, seqpar_kernel
 

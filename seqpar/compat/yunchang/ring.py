@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ...api import attention
 from ...errors import rank_suffix
 from .. import ring_flash_attn as rfa
+from .._eager import attention
 from .kernels import AttnType, seqpar_kernel
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from ports.reference import assert_close, flash_attn_qkvpacked_func  # was: from flash_attn import (the latter)
+from ports.common import assert_close, flash_attn_qkvpacked_func  # was: from flash_attn import (the latter)
 from utils import log, run_script, set_seed
 
 from seqpar.compat.ring_flash_attn import ring_flash_attn_qkvpacked_func  # was: from ring_flash_attn import ...
