@@ -39,7 +39,8 @@ Note [Registry, not patch]
     re-registered, so models loaded with ``attn_implementation="flash_attention_2"`` run seqpar as they run
     ring-flash-attn; that replaces transformers' FA2 function in this process (``name=`` picks another entry).
     Elsewhere (CPU, or GPUs without flash-attn, where transformers refuses "flash_attention_2") the adapter
-    registers ``"ring_flash_attn"`` and returns that name.
+    registers ``"seqpar_ring_attn"`` and returns that name (transformers takes any name containing "flash" for a
+    flash-attention kernel to load).
 
 State: ring-flash-attn's API is stateful (the boundaries are set per step, outside the model); the boundaries
 are kept per process group in this module, read on the host once per update. The attention function is
@@ -62,7 +63,7 @@ from .huggingface import _BENIGN, _REFUSED, _UNSET, _eager, _short, _window
 
 __all__ = ["substitute_hf_flash_attn", "update_ring_flash_attn_params"]
 
-FALLBACK_NAME = "ring_flash_attn"
+FALLBACK_NAME = "seqpar_ring_attn"        # transformers treats any name containing "flash" as a flash kernel
 _DOCUMENTS: dict[Any, tuple[int, ...]] = {}       # process group -> global boundaries of the current step
 _UNDERSTOOD = _BENIGN | {"is_causal"}       # cu_seq_lens_q/_k are checked against the current boundaries
 
@@ -108,7 +109,7 @@ def substitute_hf_flash_attn(process_group: Any = None, heads_k_stride: int | No
             of the packed batch, rank order = chunk order.
         heads_k_stride: KV heads gathered per round (must divide the model's KV heads; None = all at once).
         name: the ``attn_implementation`` entry to register (default: ``"flash_attention_2"`` where the
-            flash-attn package is installed, else ``"ring_flash_attn"``; Note [Registry, not patch]).
+            flash-attn package is installed, else ``"seqpar_ring_attn"``; Note [Registry, not patch]).
         check_positions: check once per forward that ``position_ids`` are this rank's global positions or
             positions within the current documents (Note [What the substituted attention honours]).
 
