@@ -103,16 +103,14 @@ def log(msg: str, a: torch.Tensor, rank0_only: bool = False) -> None:
         dist.barrier()
 
 
-def run_script(main: Callable[[], None], argv: list[str], namespace: dict, compiled: tuple[str, ...],
-               backend: str = "inductor") -> None:
-    """``torchrun script.py *argv`` inside a pool worker: ``argv == ["compile"]`` compiles ``compiled`` first,
-    with ``backend`` (upstream: the default, inductor)."""
+def run_script(main: Callable[[], None], argv: list[str], namespace: dict, compiled: tuple[str, ...]) -> None:
+    """``torchrun script.py *argv`` inside a pool worker: ``argv == ["compile"]`` compiles ``compiled`` first."""
     saved = {name: namespace[name] for name in compiled}
     try:
         if len(argv) > 0 and argv[0] == "compile":
             torch._dynamo.config.capture_scalar_outputs = True
             for name in compiled:
-                namespace[name] = torch.compile(namespace[name], backend=backend)
+                namespace[name] = torch.compile(namespace[name])
         main()
     finally:
         namespace.update(saved)
