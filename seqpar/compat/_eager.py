@@ -20,4 +20,7 @@ __all__ = ["attention"]
 
 REASON = "seqpar.compat: seqpar.attention runs eagerly (host-side schedules over collectives)"
 
-attention = torch.compiler.disable(_attention, recursive=True, reason=REASON)
+try:
+    attention = torch.compiler.disable(_attention, recursive=True, reason=REASON)
+except TypeError:                          # torch < 2.8: no reason argument
+    attention = torch.compiler.disable(_attention, recursive=True)
