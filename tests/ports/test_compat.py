@@ -41,11 +41,29 @@ def _layer_case(layer, ring_impl_type: str, q, k, v, dout, causal: bool, rd: int
         assert_close(f"{ring_impl_type} {name}", mine.grad, extract(theirs.grad, rank, world, rd=rd, ud=ud))
 
 
+def _yunchang_extract(kind: str, x: torch.Tensor, rank: int, rd: int, ud: int) -> torch.Tensor:
+    """yunchang 0.6.4's extraction with Ulysses groups on consecutive ranks (rank = ring rank * ud + u)."""
+    rho, u = divmod(rank, ud)
+    if kind == "basic":
+        return x.chunk(rd * ud, dim=1)[rank]
+    if kind == "zigzag":
+        chunks = x.chunk(2 * rd, dim=1)
+        return torch.cat([chunks[rho], chunks[2 * rd - 1 - rho]], dim=1).chunk(ud, dim=1)[u]
+    b, s = x.shape[:2]
+    strided = x.reshape(b, s // rd, rd, -1).transpose(1, 2).reshape(b, s, *x.shape[2:])
+    return strided.chunk(rd * ud, dim=1)[rank]
+
+
 def placements(_: int) -> None:
     """W = 4, U = R = 2, both placements x every ring_impl_type, causal and not; GQA (2 KV heads) and MQA."""
     rank, world = dist.get_rank(), dist.get_world_size()
     for low in (True, False):
         yc.set_seq_parallel_pg(2, 2, rank, world, use_ulysses_low=low)
+        if low:                                   # the same tokens as yunchang's helpers give
+            x = torch.arange(2 * 48 * 3.0).reshape(2, 48, 3)
+            for kind in ("basic", "zigzag", "strip"):
+                assert torch.equal(yc.EXTRACT_FUNC_DICT[kind](x, rank, world, rd=2, ud=2),
+                                   _yunchang_extract(kind, x, rank, 2, 2)), kind
         for ring_impl_type, causal, kv_heads in (("basic", True, 4), ("zigzag", True, 2), ("strip", True, 1),
                                                  ("basic", False, 2)):
             q, k, v, dout = _inputs(48, 4, kv_heads)
