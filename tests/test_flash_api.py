@@ -172,6 +172,7 @@ def _error_worker(_: int) -> list[str]:
         lambda: flash_api.ring_flash_attn_varlen_func(q, q, q, [0, 24], 24),                # GLOBAL cu, doc layout
         lambda: flash_api.llama3_flash_attn_varlen_func(q, q, q, [0, 8], [0, 9], 8, 9, 1, slice(15, 24),
                                                         causal=True),                      # not from prepare
+        lambda: flash_api.zigzag_ring_flash_attn_varlen_func(q, q, q, [0, 3, 8], 5),         # odd local length
     ]
     for call in calls:
         try:
@@ -199,4 +200,6 @@ def test_errors_name_the_rule(pools):
     assert msgs[9].startswith("ValueError: cu_seqlens_q, cu_seqlens_k and local_k_slice must be what "
                               "llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal=True, rank=2, world_size=3) "
                               "returned in this process"), msgs[9]
+    assert msgs[10].startswith("ValueError: every document must have an even number of local tokens with "
+                               "layout='doc_zigzag'"), msgs[10]
     assert all("(rank 2 of 3)" in m for m in msgs), msgs

@@ -188,6 +188,11 @@ def _document_cu(cu_seqlens, total_local: int, world: int, layout: str) -> tuple
             f"cu_seqlens[-1]={cu[-1] if cu else None}; for the GLOBAL boundaries of a packed stream split as a "
             f"whole pass layout='contiguous' or 'zigzag'{rank_suffix()}")
     _check_rising(cu, "cu_seqlens", total_local, "total_local")
+    odd = [i for i, (a, b) in enumerate(itertools.pairwise(cu)) if (b - a) % 2]
+    if layout == "doc_zigzag" and odd:
+        raise ValueError(f"every document must have an even number of local tokens with layout='doc_zigzag' (its "
+                         f"chunks r and 2W-1-r; the document's length a multiple of 2W = {2 * world}), got odd "
+                         f"lengths in documents {odd[:8]} of cu_seqlens={list(cu[:12])}{rank_suffix()}")
     return tuple(world * c for c in cu)
 
 
