@@ -22,9 +22,8 @@ Note [ring-flash-attn's varlen conventions]
 
     So every document length divides by W (2W for zigzag) and rank r's local boundaries are the global ones
     divided by W: seqpar runs ``seqpar.attention(layout="doc_contiguous" | "doc_zigzag",
-    cu_seqlens=W * cu_seqlens)``, and ``seqpar.shard`` / ``unshard`` with the same layout and global
-    boundaries place tokens the same way. Boundaries that cannot be this rank's (not ending at
-    ``total_local``) raise.
+    cu_seqlens=W * cu_seqlens)`` (``seqpar.layouts.documents``). Boundaries that cannot be this rank's (not
+    ending at ``total_local``; for zigzag, a document with an odd local length) raise.
 
     seqpar's own convention stays available with ``layout="contiguous" | "zigzag"`` (keyword): then
     ``cu_seqlens`` are the GLOBAL boundaries of the packed stream and the stream is split as a whole
