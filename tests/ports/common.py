@@ -30,26 +30,24 @@ __all__ = ["assert_close", "flash_attn_func", "flash_attn_qkvpacked_func", "flas
            "run_script"]
 
 
+@torch.compiler.disable
 def _dense(q_BSHD, k_BSHD, v_BSHD, causal, window_size, softmax_scale, cu_seqlens=None):
-    """(out (B, S, H, D) in q's dtype, lse (B, H, S) fp32; fp64 for fp64 inputs), differentiable."""
+    """(out (B, S, H, D) in q's dtype, lse (B, H, S) fp32; fp64 for fp64 inputs), differentiable.
+
+    Opaque to torch.compile, as flash-attn's kernels are (custom operators): a compiled caller runs it eagerly.
+    """
     S, H, D = q_BSHD.shape[1:]
     scale = D ** -0.5 if softmax_scale is None else softmax_scale
     G = H // k_BSHD.shape[2]
     q, k, v = (t.to(torch.float64) for t in (q_BSHD, k_BSHD, v_BSHD))
     k, v = k.repeat_interleave(G, dim=2), v.repeat_interleave(G, dim=2)
-    vis = _mask(S, causal, tuple(window_size), cu_seqlens, q.device)
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
+    vis = dense_mask(S, causal=causal, window=tuple(window_size), cu_seqlens=cu, device=q.device)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k).mul(scale).masked_fill(~vis, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
     out = torch.einsum("bhqk,bkhd->bqhd", p, v)
     return out.to(q_BSHD.dtype), lse.to(torch.float64 if q_BSHD.dtype == torch.float64 else torch.float32)
-
-
-@torch.compiler.disable
-def _mask(S: int, causal: bool, window: tuple[int, int], cu_seqlens, device) -> torch.Tensor:
-    """The dense visibility, built on the host: opaque to torch.compile as flash-attn's kernels are."""
-    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens
-    return dense_mask(S, causal=causal, window=window, cu_seqlens=cu, device=device)
 
 
 def _plain(dropout_p, softcap, alibi_slopes) -> None:
