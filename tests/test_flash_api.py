@@ -1,4 +1,4 @@
-"""ring-flash-attn style names (``seqpar.flash_api``) against the dense oracle, varlen and packed included.
+"""ring-flash-attn style names (``seqpar.flash_api`` = ``seqpar.compat.ring_flash_attn``) against the dense oracle.
 
 Each name is called exactly as a ring-flash-attn user would (local shards, flash-attn arguments,
 ``return_attn_probs=True``), and out, lse, dq, dk, dv are judged like every method test. PEERS.md §1:
@@ -14,7 +14,6 @@ from conftest import assert_all_ok
 
 import seqpar
 from seqpar import flash_api
-from seqpar.layouts.varlen import contiguous_gather_segments
 from seqpar.testing import Case, check_case, make_inputs
 
 LAYOUT = {"ring": "contiguous", "zigzag_ring": "zigzag", "stripe": "stripe"}
@@ -41,14 +40,14 @@ def _call(name: str, case: Case, q, k, v, extra: dict):
     if not varlen:
         return fn(*head, **kw)
     cu = torch.tensor(case.cu_seqlens or (0, case.seq_len), dtype=torch.int32)
-    if _family(name) != "llama3":
-        return fn(*head, cu, int((cu[1:] - cu[:-1]).max()), **kw)
+    if _family(name) != "llama3":              # seqpar's stream convention: global boundaries, layout= keyword
+        return fn(*head, cu, int((cu[1:] - cu[:-1]).max()), layout=case.layout, **kw)
+    stride = dict(case.options).get("heads_k_stride")
+    if case.layout != "contiguous":            # global boundaries in both slots, no slice
+        return fn(*head, cu, cu, None, None, stride, None, layout=case.layout, **kw)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     cu_q, cu_k, max_q, max_k, k_slice = flash_api.llama3_flash_attn_prepare_cu_seqlens(cu, case.causal, rank, world)
-    if case.layout != "contiguous":
-        k_slice = None
-    return fn(*head, cu_q, cu_k, max_q, max_k, dict(case.options).get("heads_k_stride"), k_slice,
-              layout=case.layout, **kw)
+    return fn(*head, cu_q, cu_k, max_q, max_k, stride, k_slice, **kw)        # ring-flash-attn's per-rank values
 
 
 def _worker(case: Case, name: str, extra: dict) -> dict:
@@ -141,14 +140,16 @@ def test_llama3_prepare_matches_ring_flash_attn_values():
         3: (([0, 1, 4], [0, 3, 6], 3, 3, (10, 16)), ([0, 3, 6], 3, (10, 16))),
     }
     for rank, ((cq, ck, mq, mk, sl), (ck_n, mk_n, sl_n)) in want.items():
-        assert contiguous_gather_segments(cu.tolist(), True, rank, 4) == (cq, ck, mq, mk, sl)
-        assert contiguous_gather_segments(cu.tolist(), False, rank, 4) == (cq, ck_n, mq, mk_n, sl_n)
-        g_q, g_k, max_q, max_k, k_slice = flash_api.llama3_flash_attn_prepare_cu_seqlens(cu, True, rank, 4)
-        assert g_q is cu and g_k is cu, "seqpar keeps the GLOBAL boundaries in the cu_seqlens slots"
-        assert (max_q, max_k, k_slice) == (mq, mk, slice(*sl))
-    # a document boundary exactly on a rank edge
-    assert contiguous_gather_segments([0, 4, 16], True, 1, 4) == ([0, 4], [0, 4], 4, 4, (4, 8))
-    with pytest.raises(ValueError, match="multiple of the world size 4 for a contiguous split, got 15 \\(pad to 16\\)"):
+        for causal, (k_want, max_k, span) in ((True, (ck, mk, sl)), (False, (ck_n, mk_n, sl_n))):
+            cu_q, cu_k, max_q, got_max_k, k_slice = flash_api.llama3_flash_attn_prepare_cu_seqlens(cu, causal, rank, 4)
+            assert cu_q.dtype == cu_k.dtype == torch.int32
+            assert (cu_q.tolist(), cu_k.tolist(), max_q, got_max_k, k_slice) == (cq, k_want, mq, max_k, slice(*span))
+    # a document boundary exactly on a rank edge, and an empty document (kept, as ring-flash-attn keeps it)
+    assert flash_api.llama3_flash_attn_prepare_cu_seqlens([0, 4, 16], True, 1, 4)[:2][0].tolist() == [0, 4]
+    cu_q, cu_k, *_ = flash_api.llama3_flash_attn_prepare_cu_seqlens([0, 4, 4, 8], True, 1, 2)
+    assert (cu_q.tolist(), cu_k.tolist()) == ([0, 0, 4], [0, 0, 4])
+    with pytest.raises(ValueError, match="must be a multiple of world_size=4 for a contiguous split, got 15 "
+                                         "\\(pad to 16\\)"):
         flash_api.llama3_flash_attn_prepare_cu_seqlens([0, 15], True, 0, 4)
 
 
@@ -158,15 +159,20 @@ def _error_worker(_: int) -> list[str]:
     q = torch.randn(8, 4, 8)
     msgs = []
     calls = [
-        lambda: flash_api.ring_flash_attn_varlen_func(q, q, q, [0, 3, 8], 5),              # LOCAL cu_seqlens
-        lambda: flash_api.ring_flash_attn_varlen_func(q, q, q, [0, 24], 24, dropout_p=0.1),
+        lambda: flash_api.ring_flash_attn_varlen_func(q, q, q, [0, 3, 8], 5, layout="contiguous"),  # local cu
+        lambda: flash_api.ring_flash_attn_varlen_func(q, q, q, [0, 24], 24, dropout_p=0.1, layout="contiguous"),
         lambda: flash_api.llama3_flash_attn_varlen_func(q, q, q, [0, 24], [0, 12, 24], 24, 24, 1, None),
         lambda: flash_api.llama3_flash_attn_varlen_func(q, q, q, [0, 24], [0, 24], 24, 24, 1, slice(0, 9),
                                                         causal=True),
         lambda: flash_api.zigzag_ring_flash_attn_varlen_func(q, q, q, [0, 24], 0),
         lambda: flash_api.stripe_flash_attn_varlen_func(q[None], q[None], q[None], [0, 24], 24),
-        lambda: flash_api.ring_flash_attn_varlen_func(q, q, q, [0, 24], 24, alibi_slopes=torch.ones(4)),
+        lambda: flash_api.ring_flash_attn_varlen_func(q, q, q, [0, 24], 24, alibi_slopes=torch.ones(4),
+                                                      layout="contiguous"),
         lambda: flash_api.zigzag_ring_flash_attn_func(q[None, :7], q[None, :7], q[None, :7], causal=True),
+        lambda: flash_api.ring_flash_attn_varlen_func(q, q, q, [0, 24], 24),                # GLOBAL cu, doc layout
+        lambda: flash_api.llama3_flash_attn_varlen_func(q, q, q, [0, 8], [0, 9], 8, 9, 1, slice(15, 24),
+                                                        causal=True),                      # not from prepare
+        lambda: flash_api.zigzag_ring_flash_attn_varlen_func(q, q, q, [0, 3, 8], 5),         # odd local length
     ]
     for call in calls:
         try:
@@ -181,7 +187,7 @@ def test_errors_name_the_rule(pools):
     msgs = pools(3).run(_error_worker, 0)[2]
     assert msgs[0].startswith("ValueError: cu_seqlens must be the GLOBAL document boundaries ending at the global "
                               "length 24 (3 ranks x 8 local tokens"), msgs[0]
-    assert "ring-flash-attn takes per-rank cu_seqlens" in msgs[0]
+    assert "ring-flash-attn's per-rank cu_seqlens" in msgs[0]
     assert msgs[1].startswith("NotImplementedError: dropout_p is not supported yet"), msgs[1]
     assert msgs[2].startswith("NotImplementedError: cu_seqlens_k must equal cu_seqlens_q"), msgs[2]
     assert msgs[3].startswith("ValueError: local_k_slice must be slice(0, 24) for this rank's documents"), msgs[3]
@@ -189,4 +195,11 @@ def test_errors_name_the_rule(pools):
     assert msgs[5].startswith("ValueError: q must be (total_local, heads, head_dim) in the varlen functions"), msgs[5]
     assert msgs[6].startswith("NotImplementedError: alibi_slopes is not supported yet"), msgs[6]
     assert msgs[7].startswith("ValueError: local sequence length must be"), msgs[7]
+    assert msgs[8].startswith("ValueError: cu_seqlens must be this rank's LOCAL document boundaries ending at "
+                              "total_local=8"), msgs[8]
+    assert msgs[9].startswith("ValueError: cu_seqlens_q, cu_seqlens_k and local_k_slice must be what "
+                              "llama3_flash_attn_prepare_cu_seqlens(cu_seqlens, causal=True, rank=2, world_size=3) "
+                              "returned in this process"), msgs[9]
+    assert msgs[10].startswith("ValueError: every document must have an even number of local tokens with "
+                               "layout='doc_zigzag'"), msgs[10]
     assert all("(rank 2 of 3)" in m for m in msgs), msgs
