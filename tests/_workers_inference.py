@@ -26,9 +26,10 @@ def cache_inputs(spec: dict[str, Any], total: int) -> list[dict[str, torch.Tenso
     B, H, Hkv, D = spec.get("batch", 1), spec.get("heads", 4), spec.get("kv_heads", 2), spec.get("head_dim", 8)
     Dv = spec.get("value_head_dim", D)
     dt = getattr(torch, spec.get("dtype", "float64"))
-    return [{"q": torch.randn(B, total, H, D, generator=g).to(dt), "k": torch.randn(B, total, Hkv, D, generator=g).to(dt),
-             "v": torch.randn(B, total, Hkv, Dv, generator=g).to(dt), "sinks": torch.randn(H, generator=g)}
-            for _ in range(spec.get("layers", 2))]
+    return [{"q": torch.randn(B, total, H, D, generator=g).to(dt),
+             "k": torch.randn(B, total, Hkv, D, generator=g).to(dt),
+             "v": torch.randn(B, total, Hkv, Dv, generator=g).to(dt),
+             "sinks": torch.randn(H, generator=g)} for _ in range(spec.get("layers", 2))]
 
 
 def _mesh(spec: dict[str, Any]):
@@ -91,13 +92,13 @@ def _static(cache: ShardedKVCache, n: int, data, spec, pieces) -> None:
     dec.close()
 
 
-def model_config(family: str, dtype: torch.dtype = torch.float32, **over: Any):
+def model_config(family: str, **over: Any):
     """A tiny config of ``family`` (GQA 4/2 heads, head_dim 8, hidden 32, 2 layers, vocab 64)."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=8, max_position_embeddings=512, attention_dropout=0.0,
-                  tie_word_embeddings=False, dtype=dtype, pad_token_id=0, eos_token_id=None, bos_token_id=None)
+                  tie_word_embeddings=False, pad_token_id=0, eos_token_id=None, bos_token_id=None)
     if family == "llama":
         cfg = tf.LlamaConfig(**common)
     elif family == "mistral":            # every layer slides
@@ -112,10 +113,11 @@ def model_config(family: str, dtype: torch.dtype = torch.float32, **over: Any):
 
 
 def build(family: str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """The model of ``family`` from ``seed`` (initialised in fp32 whatever ``dtype``: the same weights)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(model_config(family, dtype), attn_implementation="sdpa").to(dtype)
+    model = AutoModelForCausalLM.from_config(model_config(family), attn_implementation="sdpa").to(dtype)
     return model.eval()
 
 

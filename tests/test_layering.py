@@ -12,6 +12,7 @@ FORBIDDEN = {
     "layouts": {"methods", "kernels", "comm", "api", "modules", "integrations", "bench", "planner", "groups",
                 "torch.distributed"},
     "methods": {"api", "modules", "integrations", "bench"},
+    "inference": {"methods", "modules", "integrations", "bench", "planner"},   # attention through api only
 }
 BASE = {"types", "errors", "masks", "config"}
 
