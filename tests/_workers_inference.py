@@ -160,3 +160,12 @@ def generate_run(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             turns.append({"sequences": res.sequences, "logits": torch.stack(res.logits, 1)})
         out.append({"turns": turns, "memory": cache.kv.memory()})
     return out
+
+
+def bench_run(baseline: bool) -> list[dict]:
+    """``seqpar.bench.inference`` on CPU with the tiny preset: eager and static decode (and, on 1 rank, the
+    transformers baseline with ``check``: its greedy tokens must equal seqpar's)."""
+    from seqpar.bench.inference import BenchConfig, run
+
+    cfg = BenchConfig(preset="tiny", contexts=(40,), new_tokens=4, device="cpu", baseline=baseline, check=baseline)
+    return run(cfg, echo=False)

@@ -13,6 +13,9 @@ Multi-process (gloo, W = 1, 2, 3, 4, 8; one pool call per world size, every case
   ``model.generate`` on one process on every rank; every step's logits are within 1e-5 of the same model in
   fp64 (the fp32 oracle rule).
 
+- ``seqpar.bench.inference`` on CPU (W = 1 with the transformers baseline, W = 2): the eager and the static
+  (graph-capturable) decode steps give the same greedy tokens as transformers.
+
 Single-process: the positions bookkeeping, the planner on cache slices against dense visibility, the pass rule
 and the device-masked local step.
 """
@@ -27,7 +30,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _workers_inference import build, cache_inputs, cache_run, generate_run, prompt
+from _workers_inference import bench_run, build, cache_inputs, cache_run, generate_run, prompt
 
 from seqpar.inference import choose_extend_pass
 from seqpar.inference._local import SlotMask, attend_block
@@ -185,17 +188,21 @@ def _check_generate(spec: dict, per_rank: list[dict]) -> list[str]:
 def test_cache_and_generate_match_one_process(pools, world):
     """All cases of one world size in one pool call: the cache against the oracle, generate against one process."""
     cspecs, gspecs = _cache_specs(world), _generate_specs(world)
-    results = pools(world).run(_run_both, cspecs, gspecs)
+    results = pools(world).run(_run_all, cspecs, gspecs, world in (1, 2), world == 1)
     problems = []
     for i, spec in enumerate(cspecs):
         problems += _check_cache(spec, [r[0][i] for r in results])
     for i, spec in enumerate(gspecs):
         problems += _check_generate(spec, [r[1][i] for r in results])
+    if results[0][2]:                    # the benchmark's paths: eager and static decode give the same tokens
+        runs = [rec for rec in results[0][2] if rec["kind"] == "seqpar"]
+        if len({str(rec["tokens"]) for rec in runs}) != 1 or len(runs) != 2:
+            problems.append(f"benchmark (W={world}): eager and static decode differ: {runs}")
     assert not problems, "\n".join(problems)
 
 
-def _run_both(cspecs: list[dict], gspecs: list[dict]) -> tuple[list, list]:
-    return cache_run(cspecs), generate_run(gspecs)
+def _run_all(cspecs: list[dict], gspecs: list[dict], bench: bool, baseline: bool) -> tuple[list, list, list]:
+    return cache_run(cspecs), generate_run(gspecs), bench_run(baseline) if bench else []
 
 
 # -- single process ------------------------------------------------------------------------------------------

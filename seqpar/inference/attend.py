@@ -63,20 +63,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, layer: int,
 
 
 def _check_query(q: torch.Tensor, cache, layer: int, sinks: torch.Tensor | None) -> None:
-    rs = rank_suffix()
     c = cache.chunk
     k, _ = c.stored[layer]
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(f"q must be a 4D tensor (batch, tokens, heads, head_dim), got "
-                         f"{getattr(q, 'shape', type(q).__name__)}{rs}")
+                         f"{getattr(q, 'shape', type(q).__name__)}{rank_suffix()}")
     if q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
         raise ValueError(f"q must be (batch, tokens, heads, head_dim) = ({k.shape[0]}, {k.shape[1]}, a multiple of "
-                         f"{k.shape[2]}, {k.shape[3]}) to match k, got {tuple(q.shape)}{rs}")
+                         f"{k.shape[2]}, {k.shape[3]}) to match k, got {tuple(q.shape)}{rank_suffix()}")
     if q.dtype != k.dtype or q.device != k.device:
-        raise ValueError(f"q must have k's dtype and device ({k.dtype}, {k.device}), got {q.dtype}, {q.device}{rs}")
+        raise ValueError(f"q must have k's dtype and device ({k.dtype}, {k.device}), got {q.dtype}, {q.device}"
+                         f"{rank_suffix()}")
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.shape[2],)):
         raise ValueError(f"sinks must be a tensor of shape ({q.shape[2]},) (one logit per head), got "
-                         f"{getattr(sinks, 'shape', type(sinks).__name__)}{rs}")
+                         f"{getattr(sinks, 'shape', type(sinks).__name__)}{rank_suffix()}")
 
 
 def attend_stored(q: torch.Tensor, cache, layer: int, *, softmax_scale: float | None = None,

@@ -199,7 +199,7 @@ class ShardedKVCache:
         self.length = 0
         self.starts: tuple[int, ...] = (0,) * batch
         self.chunk: Chunk | None = None
-        self._pairs: dict[tuple, Pairs] = {}
+        self._pairs: dict[tuple, Any] = {}                 # the open chunk's plans, by window and eviction
         self._static: Any = None
         if self.spec.shapes_known:
             for i in range(layers):
@@ -393,10 +393,9 @@ class ShardedKVCache:
             self._allocate(layer, k.shape[2], k.shape[3], v.shape[3], k.dtype, k.device, 2 * n)
         if c.sharded:
             rows_k, rows_v = k[:, :c.valid], v[:, :c.valid]
-        else:
-            own = [i for i in range(c.tokens) if (c.start + i) % self.world == self.index]
-            idx = torch.tensor(own, dtype=torch.long, device=k.device)
-            rows_k, rows_v = k.index_select(1, idx), v.index_select(1, idx)
+        else:                                                # tokens i0, i0 + W, ... are this rank's
+            i0 = (self.index - c.start) % self.world
+            rows_k, rows_v = k[:, i0::self.world], v[:, i0::self.world]
         at = self._reserve(layer, rows_k.shape[1])
         assert lay.k is not None and lay.v is not None
         lay.k[at:at + rows_k.shape[1]] = rows_k.transpose(0, 1)
@@ -404,26 +403,24 @@ class ShardedKVCache:
         c.stored[layer] = (k, v)
 
     def _open(self, layer: int, what: str) -> Chunk:
-        rs = rank_suffix()
         if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.spec.layers:
-            raise ValueError(f"layer must be an int in [0, {self.spec.layers}), got {layer!r}{rs}")
+            raise ValueError(f"layer must be an int in [0, {self.spec.layers}), got {layer!r}{rank_suffix()}")
         if self.chunk is None:
-            raise RuntimeError(f"{what} needs an open chunk: call begin_prefill or begin_decode first{rs}")
+            raise RuntimeError(f"{what} needs an open chunk: call begin_prefill or begin_decode first{rank_suffix()}")
         return self.chunk
 
     def _check_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, c: Chunk) -> None:
-        rs = rank_suffix()
         L = c.positions.numel()
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"{name} must be a 4D tensor (batch, tokens, kv_heads, head_dim), got "
-                                 f"{getattr(t, 'shape', type(t).__name__)}{rs}")
+                                 f"{getattr(t, 'shape', type(t).__name__)}{rank_suffix()}")
             if t.shape[0] != self.spec.batch or t.shape[1] != L:
                 raise ValueError(f"{name} must have batch {self.spec.batch} and {L} tokens (this rank's rows of the "
-                                 f"chunk), got shape {tuple(t.shape)}{rs}")
+                                 f"chunk), got shape {tuple(t.shape)}{rank_suffix()}")
         if k.shape[2] != v.shape[2] or k.dtype != v.dtype or k.device != v.device:
             raise ValueError(f"k and v must share kv heads, dtype and device, got {tuple(k.shape)} {k.dtype} "
-                             f"{k.device} and {tuple(v.shape)} {v.dtype} {v.device}{rs}")
+                             f"{k.device} and {tuple(v.shape)} {v.dtype} {v.device}{rank_suffix()}")
         lay, spec = self.layers[layer], self.spec
         want = (spec.kv_heads, spec.head_dim, spec.value_head_dim or spec.head_dim, spec.dtype)
         if lay.k is not None and lay.v is not None:
@@ -431,7 +428,7 @@ class ShardedKVCache:
         got = (k.shape[2], k.shape[3], v.shape[3], k.dtype)
         if any(w is not None and w != g for w, g in zip(want, got)):
             raise ValueError(f"k, v of layer {layer} must have (kv_heads, head_dim, value_head_dim, dtype) = "
-                             f"{want}, got {got}{rs}")
+                             f"{want}, got {got}{rank_suffix()}")
 
     # -- planning ------------------------------------------------------------------------------------------
 
@@ -452,9 +449,13 @@ class ShardedKVCache:
         """Per row group, the tasks of the open decode chunk's queries against this rank's live slice."""
         c = self.chunk
         assert c is not None
-        groups = self.rows[self.index].segment_groups(self.layers[layer].evicted[self.index])
-        rule = Rule(causal=True, window=(window, 0))
-        return tuple(pair_tasks(c.queries[0], groups, rule, g.bounds(c.end)) for g in self.row_groups)
+        first = self.layers[layer].evicted[self.index]
+        key = ("decode", window, first)
+        if key not in self._pairs:
+            groups = self.rows[self.index].segment_groups(first)
+            rule = Rule(causal=True, window=(window, 0))
+            self._pairs[key] = tuple(pair_tasks(c.queries[0], groups, rule, g.bounds(c.end)) for g in self.row_groups)
+        return self._pairs[key]
 
     def static_decode(self):
         """Graph-capturable decode steps (``decode.StaticDecode``, Note [Static decode step]); a collective."""
@@ -467,6 +468,11 @@ class ShardedKVCache:
         if self.length == 0 or any(lay.k is None for lay in self.layers):
             raise ValueError(f"static_decode needs a prompt in every layer first, got {self.length} tokens{rs}")
         self._static = StaticDecode(self, torch.tensor(self.starts, dtype=torch.long))
+        return self._static
+
+    @property
+    def static_step(self) -> Any:
+        """The running ``StaticDecode`` (between ``static_decode()`` and its ``close()``), else None."""
         return self._static
 
     def _close_static(self, dec: Any, n: int) -> None:

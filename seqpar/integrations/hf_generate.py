@@ -28,7 +28,9 @@ from its first real token, as transformers computes them. Not supported (refused
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,7 +45,7 @@ try:
 except ImportError as e:   # pragma: no cover - depends on the environment
     raise ImportError(f"seqpar.integrations.hf_generate needs transformers >= 4.56 (Cache with layers): {e}") from e
 
-__all__ = ["SeqparCache", "generate"]
+__all__ = ["SeqparCache", "generate", "prefill", "serving"]
 
 _counter = itertools.count()
 
@@ -70,16 +72,23 @@ class SeqparCache(Cache):
         super().__init__(layers=[])
         self.kv = kv
         self._returned: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         return f"SeqparCache(length={self.kv.length}, layers={self.kv.spec.layers}, world={self.kv.world})"
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``key_states (B, Hkv, L, D)``, ``value_states (B, Hkv, L, Dv)`` of ``layer_idx``; return them."""
-        if self.kv.chunk is None:
-            self.kv.begin_decode(key_states.shape[2])
-        self.kv.store(layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2))
+        """Store ``key_states (B, Hkv, L, D)``, ``value_states (B, Hkv, L, Dv)`` of ``layer_idx``; return them.
+
+        During a static decode (``kv.static_decode()``) the step's k, v are written by its ``attend`` instead.
+        """
+        if self.kv.static_step is not None:
+            self._pending[layer_idx] = (key_states, value_states)
+        else:
+            if self.kv.chunk is None:
+                self.kv.begin_decode(key_states.shape[2])
+            self.kv.store(layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2))
         self._returned[layer_idx] = key_states
         return key_states, value_states
 
@@ -94,8 +103,13 @@ class SeqparCache(Cache):
             raise NotImplementedError(f"a KV cache serves causal attention only, got is_causal=False in layer "
                                       f"{layer_idx}{rank_suffix()}")
         del self._returned[layer_idx]
-        return attend_stored(query.transpose(1, 2), self.kv, layer_idx, softmax_scale=scaling, window_size=window,
-                             sinks=sinks)
+        q = query.transpose(1, 2)
+        step = self.kv.static_step
+        if step is not None:
+            k, v = self._pending.pop(layer_idx)
+            return step.attend(q, k.transpose(1, 2), v.transpose(1, 2), layer_idx, softmax_scale=scaling,
+                               window_size=window, sinks=sinks)
+        return attend_stored(q, self.kv, layer_idx, softmax_scale=scaling, window_size=window, sinks=sinks)
 
     def check_padding(self, attention_mask: torch.Tensor) -> None:
         """The model's 2D padding mask must be the cache's left padding (one host read per forward)."""
@@ -174,8 +188,6 @@ def generate(model: Any, input_ids: torch.Tensor, *, mesh: Any = None, method: s
     Returns:
         What ``model.generate`` returns (the cache, if returned, is the ``SeqparCache``).
     """
-    from .huggingface import enable
-
     rs = rank_suffix()
     _refuse(generate_kwargs)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
@@ -188,20 +200,60 @@ def generate(model: Any, input_ids: torch.Tensor, *, mesh: Any = None, method: s
         layers = model.config.get_text_config().num_hidden_layers
         cache = SeqparCache(ShardedKVCache(layers=layers, batch=input_ids.shape[0], mesh=mesh, max_len=max_len,
                                            kernel=kernel, passes=passes))
-    _check_continuation(cache, input_ids, starts)
-    handle = enable(mesh, method=method, layout=layout or default_layout(methods.get(method)), kernel=kernel,
-                    name=f"seqpar_generate_{next(_counter)}", check_positions=False)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(handle.name)
-    handle.kv_cache = cache
-    try:
-        with torch.no_grad():
-            _prefill(model, cache, input_ids, starts, method, layout, prefill_chunk, method_options or {})
+    _check_continuation(cache, input_ids, starts, mesh=mesh, kernel=kernel, passes=passes, max_len=max_len)
+    with serving(model, cache, method=method, layout=layout):
+        prefill(model, cache, input_ids[:, :-1], method=method, layout=layout, chunk=prefill_chunk, starts=starts,
+                method_options=method_options)
         return model.generate(input_ids, attention_mask=mask, past_key_values=cache, **generate_kwargs)
+
+
+@contextlib.contextmanager
+def serving(model: Any, cache: SeqparCache, *, method: str = "ring", layout: str | None = None
+            ) -> Iterator[SeqparCache]:
+    """For the duration, ``model`` attends through ``cache`` (a temporary ``attn_implementation``).
+
+    What ``generate`` uses; engines that drive the model themselves (a benchmark, a server loop) use it with
+    ``prefill`` and then call the model with ``past_key_values=cache`` (decode: replicated tokens, RoPE
+    positions ``cache.kv.length - start``; or a static step, ``cache.kv.static_decode()``).
+    """
+    from .huggingface import enable
+
+    kv = cache.kv
+    handle = enable(kv.mesh, method=method, layout=layout or default_layout(methods.get(method)),
+                    kernel=kv.spec.kernel, name=f"seqpar_generate_{next(_counter)}", check_positions=False)
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(handle.name)
+        handle.kv_cache = cache
+        yield cache
     finally:
         handle.kv_cache = None
         model.set_attn_implementation(previous)
         handle.disable()
+
+
+def prefill(model: Any, cache: SeqparCache, input_ids: torch.Tensor, *, method: str = "ring",
+            layout: str | None = None, chunk: int | None = None, starts: tuple[int, ...] | None = None,
+            method_options: dict[str, Any] | None = None) -> None:
+    """Run ``model`` over the tokens of ``input_ids (B, T)`` the cache lacks, sharded, in chunks of ``chunk``.
+
+    Call it inside ``serving``, on every rank with the same global ids. ``starts``: each row's first real token
+    (left padding), with the cache's first tokens only. Only the decoder runs (``model.base_model``): no logits.
+    """
+    kv = cache.kv
+    end = input_ids.shape[1]
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a positive int or None, got {chunk!r}{rank_suffix()}")
+    if end < kv.length:
+        raise ValueError(f"input_ids must hold at least the {kv.length} cached tokens, got {end}{rank_suffix()}")
+    step = chunk or max(end - kv.length, 1)
+    with torch.no_grad():
+        for a in range(kv.length, end, step):
+            b = min(end, a + step)
+            c = kv.begin_prefill(b - a, method=method, layout=layout, starts=starts if kv.length == 0 else None,
+                                 **(method_options or {}))
+            model.base_model(input_ids=c.take(input_ids[:, a:b]), position_ids=c.position_ids.to(input_ids.device),
+                             past_key_values=cache, use_cache=True)
 
 
 def _refuse(kwargs: dict[str, Any]) -> None:
@@ -239,30 +291,19 @@ def _left_padding(mask: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
     return starts
 
 
-def _check_continuation(cache: SeqparCache, input_ids: torch.Tensor, starts: tuple[int, ...]) -> None:
+def _check_continuation(cache: SeqparCache, input_ids: torch.Tensor, starts: tuple[int, ...], **given: Any) -> None:
     rs = rank_suffix()
     if not isinstance(cache, SeqparCache):
         raise TypeError(f"past_key_values must be a SeqparCache from an earlier generate, got "
                         f"{type(cache).__name__}{rs}")
     kv = cache.kv
+    held = {"mesh": kv.mesh, "kernel": kv.spec.kernel, "passes": kv.spec.passes, "max_len": kv.spec.max_len}
+    for name, value in given.items():
+        if value is not held[name] and value != held[name]:
+            raise ValueError(f"{name} must be the cache's ({held[name]!r}) when past_key_values is given, got "
+                             f"{value!r}{rs}")
     if kv.spec.batch != input_ids.shape[0]:
         raise ValueError(f"input_ids must have the cache's batch {kv.spec.batch}, got {input_ids.shape[0]}{rs}")
     if kv.length and (kv.length >= input_ids.shape[1] or kv.starts != starts):
         raise ValueError(f"input_ids must extend the cached {kv.length} tokens with the same left padding "
                          f"{kv.starts}, got {input_ids.shape[1]} tokens starting at {starts}{rs}")
-
-
-def _prefill(model: Any, cache: SeqparCache, input_ids: torch.Tensor, starts: tuple[int, ...], method: str,
-             layout: str | None, chunk: int | None, options: dict[str, Any]) -> None:
-    """Every prompt token but the last, sharded, in chunks (Note [Generate with a sharded prompt])."""
-    kv = cache.kv
-    end = input_ids.shape[1] - 1
-    step = end if chunk is None else chunk
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"prefill_chunk must be a positive int or None, got {chunk!r}{rank_suffix()}")
-    device = input_ids.device
-    for a in range(kv.length, end, step):
-        b = min(end, a + step)
-        c = kv.begin_prefill(b - a, method=method, layout=layout, starts=starts if kv.length == 0 else None, **options)
-        model.base_model(input_ids=c.take(input_ids[:, a:b]), position_ids=c.position_ids.to(device),
-                         past_key_values=cache, use_cache=True)

@@ -59,8 +59,8 @@ from ..config import AttentionConfig
 from ..errors import rank_suffix
 from ..groups import SeqParallelGroups
 
-__all__ = ["Handle", "SPLoss", "SeqparCache", "all_reduce_gradients", "enable", "generate", "reduce_loss",
-           "sequence_parallel_loss", "shard_batch", "token_loss_sum"]
+__all__ = ["Handle", "SPLoss", "SeqparCache", "all_reduce_gradients", "enable", "generate", "prefill",
+           "reduce_loss", "sequence_parallel_loss", "serving", "shard_batch", "token_loss_sum"]
 
 DEFAULT_NAME = "seqpar"
 _UNSET = object()
@@ -791,4 +791,4 @@ def _group_size(groups: list[Any]) -> int:
     return math.prod(dist.get_world_size(g) for g in groups)
 
 
-from .hf_generate import SeqparCache, generate  # noqa: E402  (long-context inference over a sharded KV cache)
+from .hf_generate import SeqparCache, generate, prefill, serving  # noqa: E402  (long-context inference over a sharded KV cache)
