@@ -26,6 +26,7 @@ its largest context by the causal FLOP ratio (S^2) and marked so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -200,8 +201,14 @@ def decode_static(model, cache, first_BN: torch.Tensor, steps: int, graph: bool)
 
     with torch.no_grad():
         warm = 2 if graph else 0
-        for _ in range(min(warm, steps)):
-            step()
+        side = torch.cuda.Stream() if graph else None
+        if side is not None:                     # warm-up on a side stream, as CUDA-graph capture wants
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for _ in range(min(warm, steps)):
+                step()
+        if side is not None:
+            torch.cuda.current_stream().wait_stream(side)
         if graph and steps > warm:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):

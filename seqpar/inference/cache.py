@@ -348,7 +348,9 @@ class ShardedKVCache:
 
     def _allocate(self, i: int, kv_heads: int, head_dim: int, value_head_dim: int, dtype: torch.dtype,
                   device: torch.device, rows: int = 0) -> None:
-        cap = self.rank_capacity + 1 if self.rank_capacity is not None else max(rows, 16)   # + the scratch row
+        """Layer i's buffers: a static cache's rows per rank and its scratch row; a dynamic cache's ``rows``
+        and 1/16 more (at least 64) to grow into."""
+        cap = self.rank_capacity + 1 if self.rank_capacity is not None else rows + max(64, rows // 16)
         B = self.spec.batch
         lay = self.layers[i]
         lay.spare = 1 if self.static else 0
@@ -389,8 +391,7 @@ class ShardedKVCache:
         self._check_kv(layer, k, v, c)
         lay = self.layers[layer]
         if lay.k is None:
-            n = self.rows[self.index].total
-            self._allocate(layer, k.shape[2], k.shape[3], v.shape[3], k.dtype, k.device, 2 * n)
+            self._allocate(layer, k.shape[2], k.shape[3], v.shape[3], k.dtype, k.device, self.rows[self.index].total)
         if c.sharded:
             rows_k, rows_v = k[:, :c.valid], v[:, :c.valid]
         else:                                                # tokens i0, i0 + W, ... are this rank's
