@@ -349,8 +349,8 @@ class ShardedKVCache:
     def _allocate(self, i: int, kv_heads: int, head_dim: int, value_head_dim: int, dtype: torch.dtype,
                   device: torch.device, rows: int = 0) -> None:
         """Layer i's buffers: a static cache's rows per rank and its scratch row; a dynamic cache's ``rows``
-        and 1/16 more (at least 64) to grow into."""
-        cap = self.rank_capacity + 1 if self.rank_capacity is not None else rows + max(64, rows // 16)
+        and room to grow (``_grown``)."""
+        cap = self.rank_capacity + 1 if self.rank_capacity is not None else _grown(0, rows)
         B = self.spec.batch
         lay = self.layers[i]
         lay.spare = 1 if self.static else 0
@@ -372,7 +372,7 @@ class ShardedKVCache:
             raise ValueError(f"a static cache holds {lay.capacity} rows per rank (max_len={self.spec.max_len}, "
                              f"spare_rows={self.spec.spare_rows}), got {keep + n} live rows in layer {i}: give a "
                              f"larger max_len{rank_suffix()}")
-        cap = lay.k.shape[0] if keep + n <= lay.capacity else max(2 * lay.capacity, keep + n)
+        cap = lay.k.shape[0] if keep + n <= lay.capacity else _grown(lay.capacity, keep + n)
         live_k, live_v = lay.k[first - lay.base:stop - lay.base], lay.v[first - lay.base:stop - lay.base]
         if cap == lay.k.shape[0]:                            # dead rows dropped; live rows to the front
             k, v, live_k, live_v = lay.k, lay.v, live_k.clone(), live_v.clone()
@@ -499,6 +499,12 @@ class ShardedKVCache:
         c.attended.add(layer)
         if len(c.attended) == self.spec.layers:
             self._commit()
+
+
+def _grown(capacity: int, need: int) -> int:
+    """A dynamic cache's next capacity: 1/8 above what is needed (at least 64 rows) and above the old one, so
+    reallocations are geometric (amortised O(1) copies per row) while memory stays within 1.125x the rows."""
+    return max(need, capacity) + max(64, max(need, capacity) // 8)
 
 
 def host_gather(groups: SeqParallelGroups, value: int) -> list[int]:
