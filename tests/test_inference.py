@@ -79,21 +79,21 @@ def _cache_specs(world: int) -> list[dict]:
 
 
 def _generate_specs(world: int) -> list[dict]:
-    """Generation cases at ``world`` ranks (together: every family, batch 1 and 2 with left padding, lengths
-    the layouts do not divide, chunked prefill, second turns by pass-KV, pass-Q and the bytes rule, greedy and
-    seeded sampling, 1D and 2D meshes)."""
+    """Generation cases at ``world`` ranks (together: every family, batch 1 and 2 with left padding, prefills
+    the layout divides (S - 1 = 16 at W = 4, 8; 24 at W = 3) and does not, chunked prefill, second turns by
+    pass-KV, pass-Q and the bytes rule, greedy and seeded sampling, 1D and 2D meshes)."""
     return {
         1: [{"family": "llama", "seq": 13},
             {"family": "mistral", "seq": 23, "batch": 2, "pad": (0, 4), "chunk": 7, "sample": True, "sample_seed": 3}],
         2: [{"family": "qwen3", "seq": 17, "chunk": 6, "passes": "q", "turns": (5,)},
             {"family": "llama", "seq": 19, "sample": True, "turns": (4,), "passes": "kv", "batch": 2, "pad": (3, 0)}],
-        3: [{"family": "mistral", "seq": 23, "batch": 2, "pad": (0, 4), "new": 7},
+        3: [{"family": "mistral", "seq": 25, "batch": 2, "pad": (0, 4), "new": 7},
             {"family": "llama", "seq": 14, "chunk": 5, "turns": (6,)}],
-        4: [{"family": "qwen3", "seq": 16, "method": "usp", "layout": "zigzag", "ulysses": 2, "batch": 2,
+        4: [{"family": "qwen3", "seq": 17, "method": "usp", "layout": "zigzag", "ulysses": 2, "batch": 2,
              "pad": (0, 5)},
             {"family": "llama", "seq": 15, "method": "ulysses", "layout": "contiguous", "turns": (3,)}],
         8: [{"family": "llama", "seq": 21, "chunk": 9, "sample": True, "batch": 2, "pad": (2, 0)},
-            {"family": "mistral", "seq": 20, "turns": (6,)}],
+            {"family": "mistral", "seq": 17, "turns": (6,)}],
     }[world]
 
 

@@ -289,7 +289,9 @@ def _header(cfg: BenchConfig) -> dict:
     import seqpar
 
     dev = torch.cuda.get_device_name() if cfg.device == "cuda" else platform.processor() or platform.machine()
-    return {"kind": "header", "host": platform.node(), "device": dev, "world": dist.get_world_size(),
+    gib = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30 \
+        if cfg.device == "cuda" else 0.0
+    return {"kind": "header", "host": platform.node(), "device": dev, "device_gib": gib, "world": dist.get_world_size(),
             "torch": torch.__version__, "transformers": transformers.__version__, "seqpar": seqpar.__version__,
             "cuda": torch.version.cuda, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
             "config": asdict(cfg), "preset": asdict(PRESETS[cfg.preset]),
@@ -348,7 +350,7 @@ def run(cfg: BenchConfig, out: str | None = None, echo: bool = True) -> list[dic
 
 def report(paths: list[str]) -> str:
     """A markdown table from benchmark records of any number of runs (1 GPU and W GPUs)."""
-    rows = []
+    rows, device_gib = [], {}
     for path in paths:
         with open(path) as f:
             recs = [json.loads(line) for line in f if line.strip()]
@@ -356,6 +358,7 @@ def report(paths: list[str]) -> str:
         for r in recs:
             if r["kind"] == "header":
                 world = r["world"]
+                device_gib[world] = r.get("device_gib", 0.0)
             else:
                 rows.append({**r, "world": world})
     one = {r["context"]: r["prefill_ms"] for r in rows if r["world"] == 1 and r["kind"] == "seqpar"}
@@ -378,7 +381,26 @@ def report(paths: list[str]) -> str:
         lines.append(f"| {r['world']} | {_si(r['context'])} | {r['kind']} {r['decode']} | "
                      f"{r['prefill_ms'] / 1e3:.2f} | {vs} | {eff} | {r['decode_tok_s']:.0f} | {vs1} | "
                      f"{r['kv_gib_rank']:.2f} | {r['peak_gib']:.1f} |")
-    return "\n".join(lines)
+    return "\n".join(lines + _largest(rows, device_gib))
+
+
+def _largest(rows: list[dict], device_gib: dict[int, float]) -> list[str]:
+    """Per GPU count, the largest context that fits, extrapolated linearly from the peak memory of its two
+    largest measured contexts (seqpar, eager decode): an estimate, said to be one."""
+    out = []
+    for world in sorted(device_gib):
+        pts = sorted((r["context"], r["peak_gib"]) for r in rows
+                     if r["world"] == world and r["kind"] == "seqpar" and r["decode"] == "eager" and r["peak_gib"])
+        if len(pts) < 2 or not device_gib[world]:
+            continue
+        (s1, m1), (s2, m2) = pts[-2], pts[-1]
+        per_token = (m2 - m1) / (s2 - s1)
+        if per_token > 0:
+            top = s2 + (device_gib[world] - m2) / per_token
+            out.append(f"- {world} GPU(s): about {_si(int(top) >> 20 << 20) if top >= 1 << 20 else int(top)} tokens "
+                       f"fit (estimated: {per_token * 2**30 / 1024:.1f} KiB of peak memory per token beyond "
+                       f"{_si(s2)}, {device_gib[world]:.0f} GiB per GPU)")
+    return ["", *out] if out else []
 
 
 def _si(n: int) -> str:
