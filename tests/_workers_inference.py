@@ -169,3 +169,59 @@ def bench_run(baseline: bool) -> list[dict]:
 
     cfg = BenchConfig(preset="tiny", contexts=(40,), new_tokens=4, device="cpu", baseline=baseline, check=baseline)
     return run(cfg, echo=False)
+
+
+def cache_errors() -> list[tuple[str, str]]:
+    """Misuses of the cache and of generate, each run on this rank: ``(exception type, message)`` of each."""
+    from seqpar.integrations import huggingface as sp_hf
+
+    def new(**kw: Any) -> ShardedKVCache:
+        return ShardedKVCache(layers=2, batch=1, **kw)
+
+    def decode_empty() -> None:
+        new().begin_decode()
+
+    def bad_shape() -> None:
+        c = new()
+        c.begin_prefill(8)
+        c.store(0, torch.zeros(1, 3, 2, 8), torch.zeros(1, 3, 2, 8))
+
+    def layer_missing() -> None:
+        c = new()
+        chunk = c.begin_prefill(8)
+        kv = torch.zeros(1, chunk.positions.numel(), 2, 8)
+        attend(torch.zeros(1, kv.shape[1], 4, 8), kv, kv, c, 0)
+        c.begin_decode()
+
+    def window_changes() -> None:
+        c = new()
+        for window in ((-1, -1), (3, 0)):
+            chunk = c.begin_prefill(8) if c.length == 0 else c.begin_decode()
+            kv = torch.zeros(1, chunk.positions.numel(), 2, 8)
+            for layer in range(2):
+                attend(torch.zeros(1, kv.shape[1], 4, 8), kv, kv, c, layer, window_size=window)
+
+    def static_full() -> None:
+        c = new(max_len=8, spare_rows=0)
+        c.begin_prefill(24)
+        kv = torch.zeros(1, 12, 2, 8)
+        c.store(0, kv, kv)
+
+    def beams() -> None:
+        sp_hf.generate(build("llama"), torch.ones(1, 6, dtype=torch.long), num_beams=2, max_new_tokens=2)
+
+    def right_padding() -> None:
+        sp_hf.generate(build("llama"), torch.ones(1, 6, dtype=torch.long),
+                       attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0]]), max_new_tokens=2)
+
+    cases = [decode_empty, bad_shape, layer_missing, window_changes, static_full, beams, right_padding,
+             lambda: new(passes="x"), lambda: new().begin_prefill(8, starts=(0, 1))]
+    out = []
+    for case in cases:
+        try:
+            case()
+        except Exception as e:   # the parent inspects the type and the message
+            out.append((type(e).__name__, str(e)))
+        else:
+            out.append(("", ""))
+    return out

@@ -13,6 +13,9 @@ Multi-process (gloo, W = 1, 2, 3, 4, 8; one pool call per world size, every case
   ``model.generate`` on one process on every rank; every step's logits are within 1e-5 of the same model in
   fp64 (the fp32 oracle rule).
 
+- misuses raise "X must Y, got Z (rank r of W)" on every rank (W = 2): decoding an empty cache, wrong
+  shapes, a chunk left open, a window that changes, a full static cache, beam search, right padding, bad
+  options.
 - ``seqpar.bench.inference`` on CPU (W = 1 with the transformers baseline, W = 2): the eager and the static
   (graph-capturable) decode steps give the same greedy tokens as transformers.
 
@@ -30,7 +33,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _workers_inference import bench_run, build, cache_inputs, cache_run, generate_run, prompt
+from _workers_inference import bench_run, build, cache_errors, cache_inputs, cache_run, generate_run, prompt
 
 from seqpar.inference import choose_extend_pass
 from seqpar.inference._local import SlotMask, attend_block
@@ -188,7 +191,7 @@ def _check_generate(spec: dict, per_rank: list[dict]) -> list[str]:
 def test_cache_and_generate_match_one_process(pools, world):
     """All cases of one world size in one pool call: the cache against the oracle, generate against one process."""
     cspecs, gspecs = _cache_specs(world), _generate_specs(world)
-    results = pools(world).run(_run_all, cspecs, gspecs, world in (1, 2), world == 1)
+    results = pools(world).run(_run_all, cspecs, gspecs, world in (1, 2), world == 1, world == 2)
     problems = []
     for i, spec in enumerate(cspecs):
         problems += _check_cache(spec, [r[0][i] for r in results])
@@ -198,11 +201,37 @@ def test_cache_and_generate_match_one_process(pools, world):
         runs = [rec for rec in results[0][2] if rec["kind"] == "seqpar"]
         if len({str(rec["tokens"]) for rec in runs}) != 1 or len(runs) != 2:
             problems.append(f"benchmark (W={world}): eager and static decode differ: {runs}")
+    for r, res in enumerate(results):
+        problems += _check_errors(res[3], r, world)
     assert not problems, "\n".join(problems)
 
 
-def _run_all(cspecs: list[dict], gspecs: list[dict], bench: bool, baseline: bool) -> tuple[list, list, list]:
-    return cache_run(cspecs), generate_run(gspecs), bench_run(baseline) if bench else []
+def _run_all(cspecs: list[dict], gspecs: list[dict], bench: bool, baseline: bool, errors: bool
+             ) -> tuple[list, list, list, list]:
+    return (cache_run(cspecs), generate_run(gspecs), bench_run(baseline) if bench else [],
+            cache_errors() if errors else [])
+
+
+# what each misuse in ``cache_errors`` must raise, on every rank, naming the rank
+ERRORS = [
+    ("ValueError", ["must hold a prompt before decoding"]),
+    ("ValueError", ["k must have batch 1 and", "tokens (this rank's rows of the chunk), got shape (1, 3, 2, 8)"]),
+    ("RuntimeError", ["every layer must store and attend the open chunk", "layers [1] missing of 2"]),
+    ("ValueError", ["window_size of layer 0 must stay (-1, 0)", "got (3, 0)"]),
+    ("ValueError", ["a static cache holds 4 rows per rank", "give a larger max_len"]),
+    ("NotImplementedError", ["beam search is not supported", "num_beams=2"]),
+    ("NotImplementedError", ["attention_mask must be left padding", "row 0: [1, 1, 1, 1, 0, 0]"]),
+    ("ValueError", ["passes must be 'auto', 'kv' or 'q', got 'x'"]),
+    ("ValueError", ["starts must be 1 non-negative ints (one per batch row), got (0, 1)"]),
+]
+
+
+def _check_errors(got: list[tuple[str, str]], rank: int, world: int) -> list[str]:
+    problems = []
+    for (etype, fragments), (name, msg) in zip(ERRORS, got):
+        if name != etype or any(f not in msg for f in fragments) or f"(rank {rank} of {world})" not in msg:
+            problems.append(f"rank {rank}: expected {etype} with {fragments}, got {name}: {msg}")
+    return problems
 
 
 # -- single process ------------------------------------------------------------------------------------------
