@@ -34,7 +34,6 @@ sees nothing before its start. GQA/MQA: K and V keep their Hkv heads; V may have
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,12 +44,11 @@ from ..api import _placement
 from ..errors import rank_suffix
 from ..groups import SeqParallelGroups
 from ..layouts.blocks import Rule, Run, Segments
+from .choice import PassDecision
 from .plans import Pairs, RowGroup, pair_tasks, plan_pairs
 from .rows import RankRows
 
 __all__ = ["CacheSpec", "Chunk", "ShardedKVCache"]
-
-log = logging.getLogger("seqpar.inference")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +61,7 @@ class CacheSpec:
     """Sequences per batch (B)."""
     max_len: int | None = None
     """Static cache: the most tokens (global, all ranks) it will hold; buffers are preallocated and never
-    reallocated. None: dynamic (buffers grow by doubling)."""
+    reallocated. None: dynamic (buffers grow by 1/8 when full, ``_grown``)."""
     spare_rows: int = 256
     """Static cache: rows per rank beyond ``ceil(max_len / W)`` (a chunk in a layout can put up to
     ``divisor / W`` rows more on one rank than an even split; decode tokens are round-robin)."""
@@ -130,7 +128,7 @@ class Chunk:
     options: dict[str, Any] = field(default_factory=dict)
     padded: int = 0
     queries: tuple[Segments, ...] = ()
-    passes: dict[int, Any] = field(default_factory=dict)
+    passes: dict[int, PassDecision] = field(default_factory=dict)
     stored: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     attended: set[int] = field(default_factory=set)
 
@@ -391,7 +389,8 @@ class ShardedKVCache:
         self._check_kv(layer, k, v, c)
         lay = self.layers[layer]
         if lay.k is None:
-            self._allocate(layer, k.shape[2], k.shape[3], v.shape[3], k.dtype, k.device, self.rows[self.index].total)
+            self._allocate(layer, k.shape[2], k.shape[3], v.shape[3], k.dtype, k.device,
+                           self.rows[self.index].total)
         if c.sharded:
             rows_k, rows_v = k[:, :c.valid], v[:, :c.valid]
         else:                                                # tokens i0, i0 + W, ... are this rank's
@@ -455,7 +454,8 @@ class ShardedKVCache:
         if key not in self._pairs:
             groups = self.rows[self.index].segment_groups(first)
             rule = Rule(causal=True, window=(window, 0))
-            self._pairs[key] = tuple(pair_tasks(c.queries[0], groups, rule, g.bounds(c.end)) for g in self.row_groups)
+            self._pairs[key] = tuple(pair_tasks(c.queries[0], groups, rule, g.bounds(c.end))
+                                     for g in self.row_groups)
         return self._pairs[key]
 
     def static_decode(self):

@@ -31,8 +31,9 @@ class RowGroup:
     rows: tuple[int, ...] | None
 
     def bounds(self, end: int) -> tuple[int, ...]:
-        """Document bounds: padding ``[0, start)`` and the text ``[start, end)``; ``end`` on is padding."""
-        return (0, self.start, end) if self.start > 0 else (0, end)
+        """Document bounds up to ``end``: padding ``[0, start)`` and the text ``[start, end)`` (one document
+        when the row has no padding, or nothing but padding, before ``end``)."""
+        return (0, self.start, end) if 0 < self.start < end else (0, end)
 
 
 @dataclass(frozen=True)

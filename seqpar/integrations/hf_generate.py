@@ -2,9 +2,9 @@
 
     import seqpar.integrations.huggingface as sp_hf
 
-    out = sp_hf.generate(model, input_ids, mesh=mesh, method="ring", max_new_tokens=256)   # on every rank
-    # == model.generate(input_ids, max_new_tokens=256) on one process, the same on every rank
-    out2 = sp_hf.generate(model, torch.cat([out, reply], 1), past_key_values=cache, ...)   # next turn
+    kw = dict(mesh=mesh, method="ring", max_new_tokens=256, return_dict_in_generate=True)
+    out = sp_hf.generate(model, input_ids, **kw)      # on every rank: == model.generate(input_ids, ...) on one
+    out2 = sp_hf.generate(model, torch.cat([out.sequences, reply], 1), past_key_values=out.past_key_values, **kw)
 
 Note [Generate with a sharded prompt]
     Every rank passes the same global ``input_ids``. The prompt minus its last token is prefilled sharded
@@ -29,7 +29,6 @@ from its first real token, as transformers computes them. Not supported (refused
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,8 +45,6 @@ except ImportError as e:   # pragma: no cover - depends on the environment
     raise ImportError(f"seqpar.integrations.hf_generate needs transformers >= 4.56 (Cache with layers): {e}") from e
 
 __all__ = ["SeqparCache", "generate", "prefill", "serving"]
-
-_counter = itertools.count()
 
 _REFUSED = {
     "num_beams": (1, "beam search"),
@@ -189,7 +186,7 @@ def generate(model: Any, input_ids: torch.Tensor, *, mesh: Any = None, method: s
         What ``model.generate`` returns (the cache, if returned, is the ``SeqparCache``).
     """
     rs = rank_suffix()
-    _refuse(generate_kwargs)
+    _refuse(model, generate_kwargs)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         raise ValueError(f"input_ids must be a (batch, seq) integer tensor, got "
                          f"{getattr(input_ids, 'shape', type(input_ids).__name__)}{rs}")
@@ -220,7 +217,7 @@ def serving(model: Any, cache: SeqparCache, *, method: str = "ring", layout: str
 
     kv = cache.kv
     handle = enable(kv.mesh, method=method, layout=layout or default_layout(methods.get(method)),
-                    kernel=kv.spec.kernel, name=f"seqpar_generate_{next(_counter)}", check_positions=False)
+                    kernel=kv.spec.kernel, name=f"seqpar_cache_{id(cache)}", check_positions=False)
     previous = model.config._attn_implementation
     try:
         model.set_attn_implementation(handle.name)
@@ -256,9 +253,10 @@ def prefill(model: Any, cache: SeqparCache, input_ids: torch.Tensor, *, method: 
                              past_key_values=cache, use_cache=True)
 
 
-def _refuse(kwargs: dict[str, Any]) -> None:
+def _refuse(model: Any, kwargs: dict[str, Any]) -> None:
+    config = kwargs.get("generation_config") or model.generation_config
     for key, (default, what) in _REFUSED.items():
-        value = kwargs.get(key, default)
+        value = kwargs.get(key, getattr(config, key, default))
         if value != default and value is not None:
             raise NotImplementedError(f"{what} is not supported by seqpar's sharded generate, got {key}={value!r}"
                                       f"{rank_suffix()}")
