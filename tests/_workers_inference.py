@@ -105,6 +105,10 @@ def model_config(family: str, **over: Any):
         cfg = tf.MistralConfig(**common, sliding_window=6)
     elif family == "qwen3":              # q/k norms; layer 1 slides
         cfg = tf.Qwen3Config(**common, use_sliding_window=True, sliding_window=5, max_window_layers=1)
+    elif family == "gpt_oss":            # attention sinks, a sliding layer, mixture of experts
+        cfg = tf.GptOssConfig(**{**common, "intermediate_size": 32, "max_position_embeddings": 131072},  # its YaRN
+                              num_local_experts=4, num_experts_per_tok=2,
+                              sliding_window=6, layer_types=["sliding_attention", "full_attention"])
     else:
         raise ValueError(family)
     for k, v in over.items():
@@ -117,7 +121,12 @@ def build(family: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(model_config(family), attn_implementation="sdpa").to(dtype)
+    attn = "eager" if family == "gpt_oss" else "sdpa"               # transformers' gpt-oss sinks: eager
+    model = AutoModelForCausalLM.from_config(model_config(family), attn_implementation=attn).to(dtype)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.normal_(generator=torch.Generator().manual_seed(seed))   # sinks that matter
     return model.eval()
 
 
