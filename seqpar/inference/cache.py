@@ -273,10 +273,11 @@ class ShardedKVCache:
         padded = -(-seq_len // lay.divisor) * lay.divisor
         P = self.length
         segs = [lay.segments(j, padded) for j in range(self.world)]
-        for j, seg in enumerate(segs):
-            pos = [P + p for p in seg.positions() if p < seq_len]
-            self.rows[j].append(pos)
-        mine = torch.tensor([P + p for p in segs[self.index].positions()], dtype=torch.long)
+        for j, seg in enumerate(segs):                       # valid rows only: padding is at the end
+            self.rows[j].append_runs([(P + r.glob, min(r.length, -(-(seq_len - r.glob) // seg.stride)), seg.stride)
+                                      for r in seg.runs if r.glob < seq_len])
+        mine = torch.cat([P + r.glob + segs[self.index].stride * torch.arange(r.length)
+                          for r in segs[self.index].runs])
         queries = tuple(Segments(tuple(Run(r.local, r.glob + P, r.length) for r in seg.runs), seg.stride)
                         for seg in segs)
         mode = "fill" if P == 0 else "extend"

@@ -105,11 +105,9 @@ class StaticDecode:
         self.mine = torch.zeros((), dtype=torch.bool, device=device)
         self.fill = torch.empty(cache.spec.layers, dtype=torch.long, device=device)
         self.slot_pos = torch.full((cache.spec.layers, self.scratch + 1), -1, dtype=torch.long, device=device)
-        rows = cache.rows[me]
         for i, lay in enumerate(cache.layers):
             first, stop = cache.live(i)
-            pos = rows.positions(lay.base)[: stop - lay.base]
-            self.slot_pos[i, first - lay.base:stop - lay.base] = torch.tensor(pos[first - lay.base:], device=device)
+            self.slot_pos[i, first - lay.base:stop - lay.base] = cache.rows[me].positions_tensor(first, device)
             self.fill[i] = stop - lay.base
         free = min(self.scratch - (cache.live(i)[1] - lay.base) for i, lay in enumerate(cache.layers))
         self.steps_left = W * min(host_gather(cache.groups, free))

@@ -22,6 +22,8 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ..layouts.blocks import Run, Segments
 
 __all__ = ["Piece", "RankRows", "segments_of"]
@@ -80,21 +82,26 @@ class RankRows:
 
     def append(self, positions: Sequence[int]) -> None:
         """Append rows holding ``positions`` (increasing, after every cached position)."""
-        if not positions:
-            return
-        if self.pieces and positions[0] <= self.pieces[-1].last_pos:
-            raise ValueError(f"appended positions must follow the cached ones, got {positions[0]} after "
-                             f"{self.pieces[-1].last_pos}")
-        new = [Piece(p.row + self.total, p.pos, p.length, p.stride) for p in segments_of(positions)]
-        if self.pieces:
-            last, first = self.pieces[-1], new[0]
-            step = first.pos - last.last_pos
-            fits = (last.length == 1 or step == last.stride) and (first.length == 1 or first.stride == step)
-            if fits:
-                self.pieces[-1] = Piece(last.row, last.pos, last.length + first.length, step)
-                new = new[1:]
-        self.pieces.extend(new)
-        self.total += len(positions)
+        self.append_runs([(p.pos, p.length, p.stride) for p in segments_of(positions)])
+
+    def append_runs(self, runs: Sequence[tuple[int, int, int]]) -> None:
+        """Append arithmetic runs ``(first position, length, stride)`` of rows, in position order (a layout's
+        segments: O(runs), never a loop over tokens)."""
+        for pos, length, stride in runs:
+            if length <= 0:
+                continue
+            if self.pieces and pos <= self.pieces[-1].last_pos:
+                raise ValueError(f"appended positions must follow the cached ones, got {pos} after "
+                                 f"{self.pieces[-1].last_pos}")
+            if self.pieces:
+                last = self.pieces[-1]
+                step = pos - last.last_pos
+                if (last.length == 1 or step == last.stride) and (length == 1 or stride == step):
+                    self.pieces[-1] = Piece(last.row, last.pos, last.length + length, step)
+                    self.total += length
+                    continue
+            self.pieces.append(Piece(self.total, pos, length, stride if length > 1 else 1))
+            self.total += length
 
     def first_row_at(self, position: int) -> int:
         """The first row whose position is ``>= position`` (``total`` when there is none)."""
@@ -131,3 +138,9 @@ class RankRows:
     def positions(self, first_row: int = 0) -> list[int]:
         """Every position from ``first_row`` on, in row order (tests and small checks)."""
         return [p.pos + p.stride * i for p in self.pieces for i in range(p.length) if p.row + i >= first_row]
+
+    def positions_tensor(self, first_row: int = 0, device: torch.device | str | None = None) -> torch.Tensor:
+        """``positions(first_row)`` as an int64 tensor, built per piece (no loop over tokens)."""
+        parts = [p.pos + p.stride * torch.arange(max(first_row - p.row, 0), p.length, device=device)
+                 for p in self.pieces if p.end_row > first_row]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=device)
