@@ -34,7 +34,7 @@ pytest.importorskip("transformers")
 
 from _workers_inference import bench_run, build, cache_errors, cache_inputs, cache_run, generate_run, prompt
 
-from seqpar.inference import choose_extend_pass
+from seqpar.inference import choose_extend_pass, plan_inference
 from seqpar.inference._local import SlotMask, attend_block
 from seqpar.inference.plans import RowGroup, pair_tasks
 from seqpar.inference.rows import RankRows
@@ -290,6 +290,10 @@ def test_extend_pass_rule():
     assert long.choice == "kv" and short.choice == "q"
     assert "pass-KV" in long.reason and "100.0%" in long.reason and "above" in long.reason
     assert "pass-Q" in short.reason and "below" in short.reason and short.q_bytes < short.kv_bytes
+    plan = plan_inference(context=1 << 20, new_tokens=4096, world=8, layers=32, heads=32, kv_heads=8, head_dim=128)
+    assert plan.kv_bytes_per_rank == 2 * 32 * (1 << 17) * 8 * 128 * 2          # Llama-3-8B shape: 16 GiB / rank
+    assert plan.decode_bytes_per_layer == 8 * 32 * 129 * 4 and plan.extend.choice == "q"
+    assert "16.00 GiB per rank" in str(plan) and "pass-Q" in str(plan)
 
 
 def test_slot_mask_step_equals_band_kernel():

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from .attend import attend, attend_stored
 from .cache import CacheSpec, Chunk, ShardedKVCache
-from .choice import PassDecision, choose_extend_pass
+from .choice import InferencePlan, PassDecision, choose_extend_pass, plan_inference
 from .decode import StaticDecode
 
-__all__ = ["CacheSpec", "Chunk", "PassDecision", "ShardedKVCache", "StaticDecode", "attend", "attend_stored",
-           "choose_extend_pass"]
+__all__ = ["CacheSpec", "Chunk", "InferencePlan", "PassDecision", "ShardedKVCache", "StaticDecode", "attend",
+           "attend_stored", "choose_extend_pass", "plan_inference"]

@@ -23,7 +23,7 @@ import torch
 
 from ..passes import choose_pass
 
-__all__ = ["PassDecision", "choose_extend_pass"]
+__all__ = ["InferencePlan", "PassDecision", "choose_extend_pass", "plan_inference"]
 
 
 @dataclass(frozen=True)
@@ -64,3 +64,39 @@ def choose_extend_pass(*, batch: int, new_tokens: int, cached_tokens: int, world
               f"{pc.kv_bytes} B. New tokens are {share:.1%} of the attended context (T/(T+P)), {side} "
               f"2 Hkv / (H (1 + 2/(D e))) = {bar:.1%}")
     return PassDecision(pc.choice, pc.kv_bytes, pc.q_bytes, reason)
+
+
+@dataclass(frozen=True)
+class InferencePlan:
+    """What serving a context of ``context`` tokens on ``world`` ranks costs, per rank (``plan_inference``)."""
+
+    world: int
+    context: int
+    kv_bytes_per_rank: int
+    """The cache's bytes on one rank (all layers; round-robin decode keeps ranks within a token)."""
+    decode_bytes_per_layer: int
+    """What one decode step's merge moves per layer and rank: W partials of ``B H (Dv + 1)`` fp32 floats."""
+    extend: PassDecision
+    """How a chunk of ``new_tokens`` extending the cache attends to it."""
+
+    def __str__(self) -> str:
+        return (f"{self.context} tokens on {self.world} ranks: KV {self.kv_bytes_per_rank / 2**30:.2f} GiB per "
+                f"rank; decode all-gathers {self.decode_bytes_per_layer} B per layer per rank (independent of the "
+                f"context); extension: {self.extend.reason}")
+
+
+def plan_inference(*, context: int, new_tokens: int, world: int, layers: int, heads: int, kv_heads: int,
+                   head_dim: int, batch: int = 1, dtype: torch.dtype = torch.bfloat16) -> InferencePlan:
+    """The inference cases of the planner: cache memory per rank, decode traffic, and the extension pass.
+
+    Args:
+        context: tokens cached (P) before a chunk of ``new_tokens`` (T) extends them.
+        world, layers, heads, kv_heads, head_dim, batch, dtype: W, layers, H, Hkv, D, B, the cache's dtype.
+    """
+    e = torch.finfo(dtype).bits // 8
+    per_rank = -(-context // world)
+    kv = 2 * layers * batch * per_rank * kv_heads * head_dim * e
+    gather = world * batch * heads * (head_dim + 1) * 4
+    ext = choose_extend_pass(batch=batch, new_tokens=new_tokens, cached_tokens=context + new_tokens, world=world,
+                             heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+    return InferencePlan(world, context, kv, gather, ext)
