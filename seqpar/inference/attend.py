@@ -120,8 +120,7 @@ def _fill(q: torch.Tensor, cache, layer: int, left: int, scale: float) -> tuple[
                            cu_seqlens=bounds if len(bounds) > 2 else None,
                            seq_len=c.tokens if c.padded != c.tokens else None, return_lse=True, **c.options)
         acc.add(gi, slice(0, q.shape[1]), res.out, res.lse)
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return acc.result(dt)
+    return acc.result(q.dtype)                    # one group: seqpar.attention's own output, never widened
 
 
 def decision(cache, layer: int, q: torch.Tensor) -> PassDecision:
@@ -157,5 +156,4 @@ def _extend(q: torch.Tensor, cache, layer: int, left: int, scale: float) -> tupl
         pass_kv(q, k_SBHD, v_SBHD, lengths, pairs, peers, acc, scale, cache.spec.kernel)
     else:
         pass_q(q, k_SBHD, v_SBHD, pairs, peers, acc, scale, cache.spec.kernel)
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return acc.result(dt)
+    return acc.result(q.dtype)

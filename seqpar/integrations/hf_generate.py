@@ -181,6 +181,8 @@ def generate(model: Any, input_ids: torch.Tensor, *, mesh: Any = None, method: s
         past_key_values: a ``SeqparCache`` from an earlier call (multi-turn); its batch and padding must match.
         attention_mask: ``(B, S)`` left padding (default: inferred from ``pad_token_id``, as transformers does).
         **generate_kwargs: passed to ``model.generate`` (greedy, sampling, logits processors, stopping, ...).
+            Sampling draws from the global RNG: seed every rank alike (``torch.manual_seed(s)``) and every rank
+            draws the same tokens.
 
     Returns:
         What ``model.generate`` returns (the cache, if returned, is the ``SeqparCache``).
