@@ -325,8 +325,10 @@ def run(cfg: BenchConfig, out: str | None = None, echo: bool = True) -> list[dic
     model = build_model(PRESETS[cfg.preset], device)
     records = [_header(cfg)]
     _emit(records[0], out, echo)
-    _seqpar_context(model, BenchConfig(**{**asdict(cfg), "new_tokens": 2}), min(cfg.contexts), mesh, device,
-                    static=False)                                                  # warm-up
+    warm = BenchConfig(**{**asdict(cfg), "new_tokens": 2})                        # warm-ups: kernels, allocator
+    _seqpar_context(model, warm, min(cfg.contexts), mesh, device, static=False)
+    if cfg.baseline:
+        _baseline_context(model, warm, min(cfg.contexts), device)
     for S in cfg.contexts:
         modes = [False, True] if cfg.graph else [False]
         base = _baseline_context(model, cfg, S, device) if cfg.baseline else None
