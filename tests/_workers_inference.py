@@ -75,7 +75,8 @@ def _cache_case(spec: dict[str, Any]) -> dict[str, Any]:
             pieces[layer].append((chunk.positions[keep], out[:, keep]))
         passes.append({layer: d.choice for layer, d in chunk.passes.items()})
     return {"out": [(torch.cat([p for p, _ in ps]), torch.cat([o for _, o in ps], 1)) for ps in pieces],
-            "passes": passes, "memory": cache.memory(), "length": cache.length}
+            "passes": passes, "memory": cache.memory(), "length": cache.length,
+            "appended": cache.rows[cache.index].total}
 
 
 def _static(cache: ShardedKVCache, n: int, data, spec, pieces) -> None:

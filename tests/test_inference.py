@@ -69,6 +69,10 @@ def _cache_specs(world: int) -> list[dict]:
          "chunks": [("prefill", 12, zig), ("static", 5), ("decode", 1), ("prefill", 6, zig), ("static", 2)],
          "max_len": 48, "windows": {0: 4}, "batch": 2, "starts": (2, 0), "sinks": True},
     ]
+    if world == 2:
+        specs.append({"label": "sliding windows evict: live rows stay at the window, storage stops growing",
+                      "chunks": [("prefill", 40, zig)] + [("decode", 1)] * 160, "windows": {0: 4, 1: 4},
+                      "evicts": 4})
     if world == 4:
         fills = [_fill("allgather"), _fill("ulysses", "contiguous"), _fill("usp", "zigzag"), _fill("tokenring"),
                  _fill("tasp"), _fill("double_ring", node_size=2)]
@@ -134,6 +138,14 @@ def _check_cache(spec: dict, per_rank: list[dict]) -> list[str]:
         err = rel_error(got, want)
         if not err <= CACHE_TOL:
             problems.append(f"{spec['label']} (W={len(per_rank)}): layer {layer} error {err:.2e}")
+    if "evicts" in spec:                 # every layer keeps exactly the last w positions, over all ranks
+        live = sum(res["memory"]["rows"] for res in per_rank)
+        row_bytes = 2 * spec.get("kv_heads", 2) * spec.get("head_dim", 8) * 8 * spec.get("layers", 2)
+        unevicted = max(res["appended"] for res in per_rank) * row_bytes
+        if live != spec.get("layers", 2) * spec["evicts"] or any(res["memory"]["allocated"] >= unevicted
+                                                                 for res in per_rank):
+            problems.append(f"{spec['label']}: {live} live rows, allocated "
+                            f"{[res['memory']['allocated'] for res in per_rank]} B against {unevicted} B unevicted")
     return problems
 
 
