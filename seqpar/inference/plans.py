@@ -7,9 +7,10 @@ layer's left window; a batch row that starts late (left padding, ``start > 0``) 
 start one more document, so its real tokens never see the padding (``Segments.cut``).
 
 ``Pairs`` holds, for every (query owner i, slice owner j), the tasks of every row group: pass-KV runs
-``tasks[me][j]`` as slice j visits, pass-Q runs ``tasks[i][me]`` as owner i's queries visit, decode runs
-``tasks[0][me]`` (the queries are the same everywhere). Every rank computes the same ``Pairs``, so every rank
-agrees on which transfers carry nothing and on how many steps a pass needs.
+``tasks[me][j]`` as slice j visits, pass-Q runs ``tasks[i][me]`` as owner i's queries visit. Every rank
+computes the same ``Pairs``, so every rank agrees on which transfers carry nothing and on how many steps a pass
+needs. Decode needs only its own slice's tasks (``ShardedKVCache.decode_tasks``: the queries are the same
+everywhere).
 """
 
 from __future__ import annotations
