@@ -50,6 +50,7 @@ from .flash_api import (
     zigzag_ring_flash_attn_varlen_qkvpacked_func,
 )
 from .groups import SeqParallelGroups, make_mesh
+from .inference import ShardedKVCache as ShardedKVCache  # long-context inference: seqpar.inference
 from .linear_api import linear_attention, linear_methods
 from .modules import (
     SequenceParallelAttention,

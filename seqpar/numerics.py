@@ -128,7 +128,7 @@ def apply_sinks(out_BSHD: torch.Tensor, lse_BHS: torch.Tensor, sinks_H: torch.Te
     Returns:
         ``(out * exp(lse - L), L)`` with ``L = logaddexp(lse, sink)``, out in its dtype.
     """
-    s = sinks_H.to(lse_BHS.dtype).view(1, -1, 1)
+    s = sinks_H.to(device=lse_BHS.device, dtype=lse_BHS.dtype).view(1, -1, 1)
     total = torch.logaddexp(lse_BHS, s)
     scale = torch.exp(lse_BHS - total).nan_to_num_(0.0)
     return (out_BSHD * scale.transpose(1, 2).unsqueeze(-1).to(out_BSHD.dtype)), total

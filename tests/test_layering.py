@@ -13,6 +13,7 @@ FORBIDDEN = {
     "layouts": {"methods", "kernels", "comm", "api", "modules", "integrations", "bench", "planner", "groups",
                 "torch.distributed", "runtime"},
     "methods": {"api", "modules", "integrations", "bench"},
+    "inference": {"methods", "modules", "integrations", "bench", "planner"},   # attention through api only
 }
 # modules below the methods inside a package the methods may import only in part
 BELOW_METHODS = {"runtime.loop": {"methods", "api", "planner", "runtime.call", "runtime.op"}}

@@ -20,6 +20,7 @@ What the model asks for and what seqpar does with it (Note [What the attention f
     position_ids                            -> checked against this rank's global positions (RoPE already applied)
     attention_mask (any tensor)             -> ValueError: shard_batch turns padding into documents instead
     dropout > 0, output_attentions, softcap, sinks, a KV cache with past tokens -> NotImplementedError
+    (except seqpar's own cache under ``generate``: its tokens, sinks and left padding are honoured)
 
 Nothing is global in seqpar: the ``Handle`` returned by ``enable`` holds the configuration and is captured by the
 functions it registers. ``handle.disable()`` (or leaving ``with enable(...):``) restores what was registered
@@ -58,8 +59,8 @@ from ..config import AttentionConfig
 from ..errors import rank_suffix
 from ..groups import SeqParallelGroups
 
-__all__ = ["Handle", "SPLoss", "all_reduce_gradients", "enable", "reduce_loss", "sequence_parallel_loss",
-           "shard_batch", "token_loss_sum"]
+__all__ = ["Handle", "SPLoss", "SeqparCache", "all_reduce_gradients", "enable", "generate", "prefill",
+           "reduce_loss", "sequence_parallel_loss", "serving", "shard_batch", "token_loss_sum"]
 
 DEFAULT_NAME = "seqpar"
 _UNSET = object()
@@ -157,6 +158,7 @@ class Handle:
         self._pos_seen: tuple[Any, Any] = (None, None)
         self._glob: dict[tuple[int, str], torch.Tensor] = {}
         self.attention_fn = _eager(self._attention)
+        self.kv_cache: Any = None   # a hf_generate.SeqparCache while generate() runs: its tokens go to it
 
     # -- registry ------------------------------------------------------------------------------------------
 
@@ -196,6 +198,9 @@ class Handle:
         Without a registered mask function transformers would drop a user's 2D ``attention_mask`` silently
         for an unknown implementation; registering this one makes that an error instead.
         """
+        if attention_mask is not None and self.kv_cache is not None:     # seqpar's KV cache: its left padding
+            self.kv_cache.check_padding(attention_mask)
+            return None
         if attention_mask is not None:
             raise ValueError(
                 f"attention_mask must be None with attn_implementation={self.name!r}, got a tensor of shape "
@@ -217,7 +222,15 @@ class Handle:
             attention_mask: must be None (see ``_mask``); a 4D mask raises as well.
         """
         where = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
+        cached = self.kv_cache is not None and self.kv_cache.serves(getattr(module, "layer_idx", None), key)
+        sinks = kwargs.pop("s_aux", None) if cached else None          # seqpar's KV cache applies sinks
         self._refuse(where, attention_mask, dropout, kwargs)
+        if cached:                                                     # seqpar's KV cache: prefill or decode
+            if sliding_window is _UNSET:
+                sliding_window = getattr(module, "sliding_window", None)
+            causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+            return self.kv_cache.attention(module.layer_idx, query, causal=causal, scaling=scaling,
+                                           window=_window(sliding_window, causal, where), sinks=sinks), None
         if key.shape[2] != query.shape[2]:
             raise NotImplementedError(
                 f"decoding with a KV cache is not supported by attn_implementation={self.name!r} (query length "
@@ -773,3 +786,6 @@ def _reduce_groups(mesh: Any) -> list[Any]:
 
 def _group_size(groups: list[Any]) -> int:
     return math.prod(dist.get_world_size(g) for g in groups)
+
+
+from .hf_generate import SeqparCache, generate, prefill, serving  # noqa: E402  (long-context inference over a sharded KV cache)

@@ -1,0 +1,308 @@
+"""transformers' ``generate`` over a sequence-sharded KV cache: a sharded prompt, decode on every rank.
+
+    import seqpar.integrations.huggingface as sp_hf
+
+    kw = dict(mesh=mesh, method="ring", max_new_tokens=256, return_dict_in_generate=True)
+    out = sp_hf.generate(model, input_ids, **kw)      # on every rank: == model.generate(input_ids, ...) on one
+    out2 = sp_hf.generate(model, torch.cat([out.sequences, reply], 1), past_key_values=out.past_key_values, **kw)
+
+Note [Generate with a sharded prompt]
+    Every rank passes the same global ``input_ids``. The prompt minus its last token is prefilled sharded
+    (``ShardedKVCache.begin_prefill``: each rank runs the model on its share of the tokens, at their global
+    RoPE positions; attention is ``seqpar.attention`` with ``method``/``layout`` on an empty cache, pass-KV or
+    pass-Q on a cache a previous turn filled), in chunks of ``prefill_chunk`` tokens. Then transformers' own
+    ``generate`` runs unchanged on every rank with the global ids and the prefilled cache: as for any cache
+    reuse, it feeds only the tokens the cache lacks - the last prompt token - so every forward it makes is a
+    decode step whose tokens every rank has; each layer attends to the sharded cache and merges exactly
+    (Note [Exact decode merge] in ``seqpar.inference.decode``). Logits are then bitwise identical on every
+    rank, so greedy search, sampling with the same seed, logits processors and stopping criteria agree
+    everywhere and match one process up to rounding. Nothing of transformers is patched: ``SeqparCache`` is a
+    ``transformers.Cache``, and the model runs under a temporary ``attn_implementation`` whose function sends
+    the cache's own tokens to it (other caches keep raising).
+
+Padding: a batch's rows may start late (left padding, the layout for generation; ``attention_mask`` given or
+inferred from ``pad_token_id`` as transformers does); a row never sees its padding, and RoPE positions count
+from its first real token, as transformers computes them. Not supported (refused): beam search,
+``num_return_sequences > 1``, assisted decoding, ``inputs_embeds``, right padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from .. import methods
+from ..errors import rank_suffix
+from ..inference import ShardedKVCache, attend_stored
+
+try:
+    from transformers import Cache
+except ImportError as e:   # pragma: no cover - depends on the environment
+    raise ImportError(f"seqpar.integrations.hf_generate needs transformers >= 4.56 (Cache with layers): {e}") from e
+
+__all__ = ["SeqparCache", "generate", "prefill", "serving"]
+
+_REFUSED = {
+    "num_beams": (1, "beam search"),
+    "num_return_sequences": (1, "num_return_sequences > 1"),
+    "assistant_model": (None, "assisted decoding"),
+    "prompt_lookup_num_tokens": (None, "prompt-lookup decoding"),
+    "inputs_embeds": (None, "inputs_embeds (pass input_ids)"),
+    "cache_implementation": (None, "cache_implementation (the cache is seqpar's)"),
+    "use_cache": (True, "use_cache=False (the sharded cache is the point)"),
+}
+
+
+class SeqparCache(Cache):
+    """transformers' ``Cache`` over a ``seqpar.inference.ShardedKVCache`` (``kv``).
+
+    ``update`` stores this rank's share of the new tokens' K/V (a decode step's tokens when no prompt chunk
+    is open) and returns them unchanged; the attention function of the model's temporary implementation then
+    recognises them (``serves``) and attends to the whole sharded cache (``attention``).
+    """
+
+    def __init__(self, kv: ShardedKVCache):
+        super().__init__(layers=[])
+        self.kv = kv
+        self._returned: dict[int, torch.Tensor] = {}
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __repr__(self) -> str:
+        return f"SeqparCache(length={self.kv.length}, layers={self.kv.spec.layers}, world={self.kv.world})"
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``key_states (B, Hkv, L, D)``, ``value_states (B, Hkv, L, Dv)`` of ``layer_idx``; return them.
+
+        During a static decode (``kv.static_decode()``) the step's k, v are written by its ``attend`` instead.
+        """
+        if self.kv.static_step is not None:
+            self._pending[layer_idx] = (key_states, value_states)
+        else:
+            if self.kv.chunk is None:
+                self.kv.begin_decode(key_states.shape[2])
+            self.kv.store(layer_idx, key_states.transpose(1, 2), value_states.transpose(1, 2))
+        self._returned[layer_idx] = key_states
+        return key_states, value_states
+
+    def serves(self, layer_idx: Any, key: torch.Tensor) -> bool:
+        """Whether ``key`` is what ``update`` just returned for ``layer_idx`` (this cache's tokens)."""
+        return self._returned.get(layer_idx) is key
+
+    def attention(self, layer_idx: int, query: torch.Tensor, *, causal: bool, scaling: float | None,
+                  window: tuple[int, int], sinks: torch.Tensor | None) -> torch.Tensor:
+        """``query (B, H, L, D)`` against the sharded cache: ``(B, L, H, Dv)``, the same as transformers' own."""
+        if not causal:
+            raise NotImplementedError(f"a KV cache serves causal attention only, got is_causal=False in layer "
+                                      f"{layer_idx}{rank_suffix()}")
+        del self._returned[layer_idx]
+        q = query.transpose(1, 2)
+        step = self.kv.static_step
+        if step is not None:
+            k, v = self._pending.pop(layer_idx)
+            return step.attend(q, k.transpose(1, 2), v.transpose(1, 2), layer_idx, softmax_scale=scaling,
+                               window_size=window, sinks=sinks)
+        return attend_stored(q, self.kv, layer_idx, softmax_scale=scaling, window_size=window, sinks=sinks)
+
+    def check_padding(self, attention_mask: torch.Tensor) -> None:
+        """The model's 2D padding mask must be the cache's left padding (one host read per forward)."""
+        mask = attention_mask.to(torch.bool)
+        starts = torch.tensor(self.kv.starts, device=mask.device)
+        want = torch.arange(mask.shape[-1], device=mask.device)[None, :] >= starts[:, None]
+        if mask.dim() != 2 or mask.shape[0] != len(self.kv.starts) or not torch.equal(mask, want):
+            raise NotImplementedError(
+                f"attention_mask must be the left padding the cache was filled with (rows start at {self.kv.starts}),"
+                f" got a mask of shape {tuple(mask.shape)} that differs: padding inside a row or a changed batch is "
+                f"not supported{rank_suffix()}")
+
+    def get_seq_length(self, layer_idx: int | None = 0) -> int:
+        return self.kv.length
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.kv.length
+
+    def get_mask_sizes(self, query: Any, layer_idx: int = 0) -> tuple[int, int]:
+        """``(kv_length, kv_offset)``: every cached token and the new ones (``query``: a length or positions)."""
+        n = query if isinstance(query, int) else int(query.shape[-1])
+        return self.kv.length + n, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1 if self.kv.spec.max_len is None else self.kv.spec.max_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv.spec.batch
+
+    def _refused(self, what: str) -> None:
+        raise NotImplementedError(f"{what} is not supported by seqpar's sharded cache{rank_suffix()}")
+
+    def reset(self) -> None:
+        self._refused("reset (make a new cache)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._refused("crop (assisted decoding)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._refused("reorder_cache (beam search)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._refused("batch_repeat_interleave (num_return_sequences, beam search)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._refused("batch_select_indices")
+
+
+def generate(model: Any, input_ids: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: str | None = None,
+             kernel: str = "auto", passes: str = "auto", prefill_chunk: int | None = None, max_len: int | None = None,
+             past_key_values: SeqparCache | None = None, attention_mask: torch.Tensor | None = None,
+             method_options: dict[str, Any] | None = None, **generate_kwargs: Any) -> Any:
+    """``model.generate(input_ids, **generate_kwargs)`` with the prompt and the KV cache sharded over ``mesh``.
+
+    Call it on every rank with the same arguments (Note [Generate with a sharded prompt]).
+
+    Args:
+        model: a transformers causal LM (any attention implementation; seqpar's is used for the call).
+        input_ids: ``(B, S)`` the global prompt, the same on every rank (with ``past_key_values``: the whole
+            conversation so far, the cached part included).
+        mesh: the sequence-parallel group (DeviceMesh, 2D for ``usp``; ProcessGroup; None = world).
+        method, layout, method_options: how the first prompt chunk is attended (``seqpar.attention``).
+        kernel: local kernel ("auto" or a name).
+        passes: "auto", "kv" or "q": how later chunks attend to the cache (``CacheSpec.passes``).
+        prefill_chunk: prefill at most this many tokens per forward (None: the whole prompt at once).
+        max_len: a static cache of this many tokens (None: dynamic).
+        past_key_values: a ``SeqparCache`` from an earlier call (multi-turn); its batch and padding must match.
+        attention_mask: ``(B, S)`` left padding (default: inferred from ``pad_token_id``, as transformers does).
+        **generate_kwargs: passed to ``model.generate`` (greedy, sampling, logits processors, stopping, ...).
+            Sampling draws from the global RNG: seed every rank alike (``torch.manual_seed(s)``) and every rank
+            draws the same tokens.
+
+    Returns:
+        What ``model.generate`` returns (the cache, if returned, is the ``SeqparCache``).
+    """
+    rs = rank_suffix()
+    _refuse(model, generate_kwargs)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError(f"input_ids must be a (batch, seq) integer tensor, got "
+                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}{rs}")
+    mask = attention_mask if attention_mask is not None else _inferred_mask(model, input_ids, generate_kwargs)
+    starts = _left_padding(mask, input_ids.shape)
+    cache = past_key_values
+    if cache is None:
+        layers = model.config.get_text_config().num_hidden_layers
+        cache = SeqparCache(ShardedKVCache(layers=layers, batch=input_ids.shape[0], mesh=mesh, max_len=max_len,
+                                           kernel=kernel, passes=passes))
+    _check_continuation(cache, input_ids, starts, mesh=mesh, kernel=kernel, passes=passes, max_len=max_len)
+    with serving(model, cache, method=method, layout=layout):
+        prefill(model, cache, input_ids[:, :-1], method=method, layout=layout, chunk=prefill_chunk, starts=starts,
+                method_options=method_options)
+        return model.generate(input_ids, attention_mask=mask, past_key_values=cache, **generate_kwargs)
+
+
+@contextlib.contextmanager
+def serving(model: Any, cache: SeqparCache, *, method: str = "ring", layout: str | None = None
+            ) -> Iterator[SeqparCache]:
+    """For the duration, ``model`` attends through ``cache`` (a temporary ``attn_implementation``).
+
+    What ``generate`` uses; engines that drive the model themselves (a benchmark, a server loop) use it with
+    ``prefill`` and then call the model with ``past_key_values=cache`` (decode: replicated tokens, RoPE
+    positions ``cache.kv.length - start``; or a static step, ``cache.kv.static_decode()``).
+    """
+    from .huggingface import enable
+
+    kv = cache.kv
+    handle = enable(kv.mesh, method=method, layout=layout or methods.get(method).default_layout(),
+                    kernel=kv.spec.kernel, name=f"seqpar_cache_{id(cache)}", check_positions=False)
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(handle.name)
+        handle.kv_cache = cache
+        yield cache
+    finally:
+        handle.kv_cache = None
+        model.set_attn_implementation(previous)
+        handle.disable()
+
+
+def prefill(model: Any, cache: SeqparCache, input_ids: torch.Tensor, *, method: str = "ring",
+            layout: str | None = None, chunk: int | None = None, starts: tuple[int, ...] | None = None,
+            method_options: dict[str, Any] | None = None) -> None:
+    """Run ``model`` over the tokens of ``input_ids (B, T)`` the cache lacks, sharded, in chunks of ``chunk``.
+
+    Call it inside ``serving``, on every rank with the same global ids. ``starts``: each row's first real token
+    (left padding), with the cache's first tokens only. Only the decoder runs (``model.base_model``): no logits.
+    """
+    kv = cache.kv
+    end = input_ids.shape[1]
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a positive int or None, got {chunk!r}{rank_suffix()}")
+    if end < kv.length:
+        raise ValueError(f"input_ids must hold at least the {kv.length} cached tokens, got {end}{rank_suffix()}")
+    step = chunk or max(end - kv.length, 1)
+    with torch.no_grad():
+        for a in range(kv.length, end, step):
+            b = min(end, a + step)
+            c = kv.begin_prefill(b - a, method=method, layout=layout, starts=starts if kv.length == 0 else None,
+                                 **(method_options or {}))
+            model.base_model(input_ids=c.take(input_ids[:, a:b]), position_ids=c.position_ids.to(input_ids.device),
+                             past_key_values=cache, use_cache=True)
+
+
+def _refuse(model: Any, kwargs: dict[str, Any]) -> None:
+    config = kwargs.get("generation_config") or model.generation_config
+    for key, (default, what) in _REFUSED.items():
+        value = kwargs.get(key, getattr(config, key, default))
+        if value != default and value is not None:
+            raise NotImplementedError(f"{what} is not supported by seqpar's sharded generate, got {key}={value!r}"
+                                      f"{rank_suffix()}")
+
+
+def _inferred_mask(model: Any, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+    """transformers' rule: padding where ``input_ids == pad_token_id`` if it occurs and is not an EOS token."""
+    config = kwargs.get("generation_config") or model.generation_config
+    pad = kwargs.get("pad_token_id", config.pad_token_id)
+    eos = kwargs.get("eos_token_id", config.eos_token_id)
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    ones = torch.ones_like(input_ids)
+    if pad is None or pad in eos or not bool((input_ids == pad).any()):
+        return ones
+    return (input_ids != pad).long()
+
+
+def _left_padding(mask: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
+    """Each row's first real token; the mask must be zeros then ones in every row."""
+    rs = rank_suffix()
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"attention_mask must have input_ids' shape {tuple(shape)}, got "
+                         f"{getattr(mask, 'shape', type(mask).__name__)}{rs}")
+    valid = mask.to(torch.bool).cpu()
+    starts = tuple(int(shape[1] - row.sum()) for row in valid)
+    for b, s in enumerate(starts):
+        if s >= shape[1] - 1 or not bool(valid[b, s:].all()):
+            raise NotImplementedError(f"attention_mask must be left padding with at least 2 real tokens per row, got "
+                                      f"row {b}: {valid[b].int().tolist()[:16]}{rs}")
+    return starts
+
+
+def _check_continuation(cache: SeqparCache, input_ids: torch.Tensor, starts: tuple[int, ...], **given: Any) -> None:
+    rs = rank_suffix()
+    if not isinstance(cache, SeqparCache):
+        raise TypeError(f"past_key_values must be a SeqparCache from an earlier generate, got "
+                        f"{type(cache).__name__}{rs}")
+    kv = cache.kv
+    held = {"mesh": kv.mesh, "kernel": kv.spec.kernel, "passes": kv.spec.passes, "max_len": kv.spec.max_len}
+    for name, value in given.items():
+        if value is not held[name] and value != held[name]:
+            raise ValueError(f"{name} must be the cache's ({held[name]!r}) when past_key_values is given, got "
+                             f"{value!r}{rs}")
+    if kv.spec.batch != input_ids.shape[0]:
+        raise ValueError(f"input_ids must have the cache's batch {kv.spec.batch}, got {input_ids.shape[0]}{rs}")
+    if kv.length and (kv.length >= input_ids.shape[1] or kv.starts != starts):
+        raise ValueError(f"input_ids must extend the cached {kv.length} tokens with the same left padding "
+                         f"{kv.starts}, got {input_ids.shape[1]} tokens starting at {starts}{rs}")
