@@ -97,7 +97,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
 def _traced(q, k, v, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size, cu_seqlens,
             seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, sinks, check_ranks, verify, options):
     """``attention`` under ``torch.compile``: one custom op (Note [Tracing seqpar.attention] in runtime.op)."""
-    from .runtime.op import custom_ops
+    from .runtime.op import attention_op
 
     if dropout_p or alibi_slopes is not None or verify:
         raise NotImplementedError(f"dropout_p, alibi_slopes and verify=True are not supported under torch.compile"
@@ -106,7 +106,7 @@ def _traced(q, k, v, mesh, method, layout, causal, softmax_scale, kernel, return
         cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int32)
     key = _call.traced_key(mesh, method, layout, causal, softmax_scale, kernel, tuple(window_size), seq_len,
                            deterministic, grad_dtype, float(softcap), check_ranks, tuple(sorted(options.items())))
-    out, lse, _ = custom_ops()["forward"](q, k, v, sinks, cu_seqlens, key)
+    out, lse, _ = attention_op(q, k, v, sinks, cu_seqlens, key)
     return AttnOutput(out, lse) if return_lse else out
 
 

@@ -401,20 +401,42 @@ def check_tensors(q, k, v) -> None:
 _TRACED: dict[str, dict[str, Any]] = {}
 
 
+def _mesh_description(mesh: Any) -> str:
+    import torch.distributed as dist
+
+    if mesh is None:
+        return "default-group"
+    if isinstance(mesh, dist.ProcessGroup):
+        return f"group{tuple(dist.get_process_group_ranks(mesh))}"
+    if hasattr(mesh, "mesh_dim_names"):
+        return f"mesh{tuple(mesh.mesh_dim_names or ())}{mesh.mesh.tolist()}"
+    return type(mesh).__name__
+
+
 @torch.compiler.assume_constant_result
 def traced_key(mesh: Any, method: str, layout: str | None, causal: bool, softmax_scale: float | None, kernel: str,
                window_size: tuple[int, int], seq_len: int | None, deterministic: bool, grad_dtype: torch.dtype,
                softcap: float, check_ranks: Any, options: tuple[tuple[str, Any], ...]) -> str:
-    """Intern the non-tensor arguments of a traced call as a string key (Note [Tracing seqpar.attention])."""
+    """Intern the non-tensor arguments of a traced call as a string key (Note [Tracing seqpar.attention]).
+
+    The key spells the arguments out, so the same key means the same call in every process (compiled graphs
+    are cached on disk and shared between processes); two different mesh objects over the same ranks get
+    ``#1``, ``#2`` ... in the order they first appear.
+    """
     args = dict(mesh=mesh, method=method, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
                 window_size=tuple(window_size), seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
                 softcap=softcap, check_ranks=check_ranks, options=dict(options))
-    for key, known in _TRACED.items():
-        if known == args:
+    text = ";".join(f"{k}={v!r}" for k, v in args.items() if k != "mesh") + f";mesh={_mesh_description(mesh)}"
+    n = 0
+    while True:
+        key = text if n == 0 else f"{text}#{n}"
+        known = _TRACED.get(key)
+        if known is None:
+            _TRACED[key] = args
             return key
-    key = f"seqpar-call-{len(_TRACED)}"
-    _TRACED[key] = args
-    return key
+        if known["mesh"] is mesh and known == args:
+            return key
+        n += 1
 
 
 def traced_plan(key: str, q, k, v, sinks, cu_seqlens) -> Plan:

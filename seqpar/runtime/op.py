@@ -29,7 +29,7 @@ import torch
 from ..methods.base import BackwardInputs
 from ..numerics import GradRows, acc_dtype, apply_sinks, sink_grad
 
-__all__ = ["Attention", "backward", "forward"]
+__all__ = ["Attention", "attention_op", "backward", "backward_op", "forward"]
 
 
 def forward(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
@@ -82,9 +82,21 @@ class Attention(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------------------------- custom ops
-# Registered on first use (``custom_ops()``), so importing seqpar defines no operators.
+# Defined at import (never inside a trace); explicit schemas: the annotations here are strings.
 
-_OPS: dict[str, Any] = {}
+def _unaliased(outs: list[torch.Tensor], inputs: list[torch.Tensor | None]):
+    """``outs`` with no tensor sharing storage with an input or another output (a custom op's rule), each
+    contiguous as the fake implementations declare: copies only where needed."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
+    fixed = []
+    for t in outs:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen or not t.is_contiguous():
+            t = t.clone(memory_format=torch.contiguous_format)
+            ptr = t.untyped_storage().data_ptr()
+        seen.add(ptr)
+        fixed.append(t)
+    return fixed
 
 
 def _out_meta(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,53 +104,62 @@ def _out_meta(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return q.new_empty(B, L, H, v.shape[-1]), q.new_empty(B, H, L, dtype=acc_dtype(q.dtype))
 
 
-def custom_ops() -> dict[str, Any]:
-    """``{"forward": op, "backward": op}``: ``seqpar::attention`` and its backward (Note above)."""
-    if _OPS:
-        return _OPS
-    from .call import traced_plan, traced_saved_meta
+@torch.library.custom_op("seqpar::attention", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? cu_seqlens, str key) "
+                                "-> (Tensor, Tensor, Tensor[])")
+def attention_op(q, k, v, sinks, cu_seqlens, key):
+    from .call import traced_plan
 
-    @torch.library.custom_op("seqpar::attention", mutates_args=())
-    def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                     cu_seqlens: torch.Tensor | None, key: str
-                     ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        plan = traced_plan(key, q, k, v, sinks, cu_seqlens)
-        out, lse, saved = forward(plan, q, k, v, sinks)
-        return out, lse, [t.clone() if t is q or t is k or t is v else t for t in saved]
+    plan = traced_plan(key, q, k, v, sinks, cu_seqlens)
+    out, lse, saved = forward(plan, q, k, v, sinks)
+    out, lse, *saved = _unaliased([out, lse, *saved], [q, k, v, sinks, cu_seqlens])
+    return out, lse, saved
 
-    @attention_op.register_fake
-    def _(q, k, v, sinks, cu_seqlens, key):
-        out, lse = _out_meta(q, v)
-        return out, lse, [q.new_empty(shape, dtype=dtype) for shape, dtype in traced_saved_meta(key, q, k, v)]
 
-    @torch.library.custom_op("seqpar::attention_backward", mutates_args=())
-    def backward_op(dout: torch.Tensor, dlse: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
-                    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, saved: list[torch.Tensor],
-                    sinks: torch.Tensor | None, cu_seqlens: torch.Tensor | None, key: str,
-                    sinks_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        plan = traced_plan(key, q, k, v, sinks, cu_seqlens)
-        dq, dk, dv, ds = backward(plan, dout, dlse, out, lse, q, k, v, tuple(saved), sinks, sinks_grad)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous(), ds
+@attention_op.register_fake
+def _(q, k, v, sinks, cu_seqlens, key):
+    from .call import traced_saved_meta
 
-    @backward_op.register_fake
-    def _(dout, dlse, out, lse, q, k, v, saved, sinks, cu_seqlens, key, sinks_grad):
-        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-                torch.empty_like(sinks) if sinks is not None and sinks_grad else None)
+    out, lse = _out_meta(q, v)
+    return out, lse, [q.new_empty(shape, dtype=dtype) for shape, dtype in traced_saved_meta(key, q, k, v)]
 
-    def setup_context(ctx, inputs, output):
-        q, k, v, sinks, cu, key = inputs
-        out, lse, saved = output
-        ctx.save_for_backward(q, k, v, sinks, cu, out, lse, *saved)
-        ctx.key = key
 
-    def backward_rule(ctx, dout, dlse, dsaved):
-        q, k, v, sinks, cu, out, lse, *saved = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv, ds = backward_op(dout, dlse, out, lse, q, k, v, list(saved), sinks, cu, ctx.key,
-                                     bool(ctx.needs_input_grad[3]))
-        return dq, dk, dv, ds, None, None
+@torch.library.custom_op("seqpar::attention_backward", mutates_args=(),
+                         schema="(Tensor dout, Tensor? dlse, Tensor out, Tensor lse, Tensor q, Tensor k, Tensor v, "
+                                "Tensor[] saved, Tensor? sinks, Tensor? cu_seqlens, str key, bool sinks_grad) "
+                                "-> (Tensor, Tensor, Tensor, Tensor)")
+def backward_op(dout, dlse, out, lse, q, k, v, saved, sinks, cu_seqlens, key, sinks_grad):
+    """``(dq, dk, dv, dsinks)``; dsinks is an empty tensor when there are no sinks (schemas have no optional
+    outputs)."""
+    from .call import traced_plan
 
-    attention_op.register_autograd(backward_rule, setup_context=setup_context)
-    _OPS.update(forward=attention_op, backward=backward_op)
-    return _OPS
+    plan = traced_plan(key, q, k, v, sinks, cu_seqlens)
+    dq, dk, dv, ds = backward(plan, dout, dlse, out, lse, q, k, v, tuple(saved), sinks, sinks_grad)
+    dq, dk, dv, ds = _unaliased([dq, dk, dv, q.new_empty(0) if ds is None else ds],
+                                [dout, dlse, out, lse, q, k, v, *saved, sinks, cu_seqlens])
+    return dq, dk, dv, ds
+
+
+@backward_op.register_fake
+def _(dout, dlse, out, lse, q, k, v, saved, sinks, cu_seqlens, key, sinks_grad):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(sinks) if sinks is not None and sinks_grad else q.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, sinks, cu, key = inputs
+    out, lse, saved = output
+    ctx.save_for_backward(q, k, v, sinks, cu, out, lse, *saved)
+    ctx.key = key
+
+
+def _backward_rule(ctx, dout, dlse, dsaved):
+    q, k, v, sinks, cu, out, lse, *saved = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    grad_sinks = sinks is not None and bool(ctx.needs_input_grad[3])
+    dq, dk, dv, ds = backward_op(dout, dlse, out, lse, q, k, v, list(saved), sinks, cu, ctx.key, grad_sinks)
+    return dq, dk, dv, ds if grad_sinks else None, None, None
+
+
+attention_op.register_autograd(_backward_rule, setup_context=_setup_context)
