@@ -14,9 +14,9 @@ Note [Folding the lse gradient]
     nothing else, so we hand them ``O' = O - dlse * w / |w|^2`` and ``dO' = w``: then ``rowsum(w O') =
     rowsum(w O) - dlse`` exactly in real arithmetic. ``w = dO`` on every row whose ``|dO|`` is at least
     ``tau = max(|dlse| 2^-k, floor)``; a row with a smaller (or zero) dO gets ``w = dO + tau e_0``, which
-    perturbs that row's dV and dP contribution by at most ``tau`` - below the dtype's resolution of the
-    result (k = 20 for fp32/bf16 range, 12 for fp16's). ``|O' - O| <= |dlse| / |w| <= 2^k`` keeps O' in
-    range. Measured on an H100 (bf16, cuDNN, ``benchmarks/results/2026-11-23-h100-probe``): dq/dk/dv errors
+    perturbs that row's dV and dP contribution by at most ``tau`` - far below the dtype's resolution of the
+    result (k = 30 for fp32 and bf16, 60 for fp64, 12 for fp16's narrow range). ``|O' - O| <= |dlse| / |w| <=
+    2^k`` keeps O' in range. Measured on an H100 (bf16, cuDNN, ``benchmarks/results/2026-11-23-h100-probe``): dq/dk/dv errors
     against fp64 within 1.1x of the plain backward's, with and without zero dO rows, at the cost of one
     elementwise pass over (dO, O) per call instead of a second kernel.
 
@@ -59,13 +59,13 @@ def delta(do_BSHD: torch.Tensor, out_BSHD: torch.Tensor, dlse_BHS: torch.Tensor 
 
 
 #: per dtype: (k, floor) of Note [Folding the lse gradient]; fp16's range (65504, min normal 2^-14) is the tight one
-_FOLD = {torch.float16: (12, 2.0 ** -14)}
+_FOLD = {torch.float16: (12, 2.0 ** -14), torch.float64: (60, 2.0 ** -900)}
 
 
 def _fold(do_BSHD: torch.Tensor, out_BSHD: torch.Tensor, dlse_BHS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dO', O')`` in the input dtype with ``rowsum(dO' O') = rowsum(dO O) - dlse`` (Note above)."""
     acc = acc_dtype(out_BSHD.dtype)
-    k, floor = _FOLD.get(out_BSHD.dtype, (20, 2.0 ** -100))
+    k, floor = _FOLD.get(out_BSHD.dtype, (30, 2.0 ** -100))
     do, out = do_BSHD.to(acc), out_BSHD.to(acc)
     dl = dlse_BHS.to(acc).transpose(1, 2).unsqueeze(-1)                        # (B, S, H, 1)
     tau = (dl.abs() * 2.0 ** -k).clamp_min(floor)

@@ -72,10 +72,14 @@ def test_delta_replaces_out_in_backward():
         torch.testing.assert_close(x, y)
 
 
-def test_auto_on_cpu_is_the_reference_and_named_kernels_refuse_with_reasons():
+def test_auto_on_cpu_and_named_kernels_refuse_with_reasons():
     call = KernelCall.of(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), Band(None, 0))
-    assert select("auto", call).name == "reference"
-    for name in ("cudnn", "flash", "efficient", "flex", "flash_attn", "sdpa"):
+    assert select("auto", call).name == "cpu_flash"
+    band = KernelCall.of(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), Band(-2, 0))
+    assert select("auto", band).name == "reference"                # windows: the reference kernel
+    assert select("auto", KernelCall.of(torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), Band(None, 0),
+                                        deterministic=True)).name == "reference"
+    for name in ("cudnn", "flash", "efficient", "flex", "flash_attn", "flash_attn3", "sdpa"):
         with pytest.raises(UnsupportedInputError) as e:
             select(name, call)
         assert "CUDA" in str(e.value)
@@ -96,3 +100,67 @@ def test_gpu_kernels_declare_mask_limits():
     fp32 = KernelCall("cuda", torch.float32, 64, 8, 8, "causal")
     assert KERNELS["efficient"].not_supported_reasons(fp32) == []
     assert KERNELS["cudnn"].not_supported_reasons(fp32)
+
+
+def test_auto_never_picks_the_reference_kernel_on_cuda():
+    call = KernelCall("cuda", torch.bfloat16, 512, 8, 8, "full")      # nothing fused serves head dim 512
+    with pytest.raises(UnsupportedInputError) as e:
+        select("auto", call)
+    assert "never picks the reference kernel on a GPU" in str(e.value)
+
+
+def test_cudnn_and_fa2_declare_value_dims_and_softcap():
+    mla = KernelCall("cuda", torch.bfloat16, 192, 16, 16, "causal", value_dim=128)
+    assert KERNELS["flash"].not_supported_reasons(mla) == []          # V zero-padded to 192
+    capped = KernelCall("cuda", torch.bfloat16, 128, 16, 16, "causal", softcap=True)
+    for name in ("cudnn", "flash", "efficient"):
+        assert any("softcap" in r for r in KERNELS[name].not_supported_reasons(capped)), name
+    assert not any("softcap" in r for r in KERNELS["flex"].not_supported_reasons(capped))
+
+
+def test_flash_attn3_is_declared_and_refuses_without_its_package():
+    call = KernelCall("cuda", torch.bfloat16, 128, 16, 16, "causal")
+    why = KERNELS["flash_attn3"].not_supported_reasons(call)
+    assert any("flash_attn_interface" in r or "Hopper" in r or "CUDA" in r for r in why), why
+    assert "cuda" not in KERNELS["flash_attn3"].auto_rank                 # named only: no measurement says faster
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("mask", [Band(), Band(None, 0), Band(None, 3)])
+def test_cpu_flash_matches_the_reference(dtype, mask):
+    """Forward and backward (from the final out and lse, with an lse gradient folded in), GQA, Dv != D."""
+    from seqpar.numerics import GradRows
+
+    torch.manual_seed(3)
+    q, do = torch.randn(2, 6, 4, 8, dtype=dtype), torch.randn(2, 6, 4, 4, dtype=dtype)
+    k, v = torch.randn(2, 9, 2, 8, dtype=dtype), torch.randn(2, 9, 2, 4, dtype=dtype)
+    dlse = torch.randn(2, 4, 6)
+    ref, cpu = KERNELS["reference"], KERNELS["cpu_flash"]
+    want, got = ref.forward(q, k, v, mask, 0.3), cpu.forward(q, k, v, mask, 0.3)
+    tol = {"atol": 2e-2, "rtol": 2e-2} if dtype == torch.bfloat16 else {}
+    torch.testing.assert_close(got.out.to(want.out.dtype), want.out, **tol)
+    torch.testing.assert_close(got.lse, want.lse, **tol)
+    out = want.out.to(dtype)
+    rows = GradRows(do, out, dlse)
+    a = ref.backward(do, q, k, v, None, want.lse, mask, 0.3, delta=rows.delta)
+    b = cpu.backward(*rows.folded[:1], q, k, v, rows.folded[1], want.lse, mask, 0.3)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(y.to(x.dtype), x, **({"atol": 5e-2, "rtol": 5e-2} if tol else {}))
+
+
+def test_folding_the_lse_gradient_is_exact_in_fp64():
+    """Note [Folding the lse gradient]: (dO', O') give the reference backward the Delta - dlse it would get."""
+    from seqpar.numerics import GradRows
+
+    torch.manual_seed(4)
+    q, k, v = torch.randn(1, 5, 2, 8, dtype=torch.float64), *(torch.randn(1, 7, 2, 8, dtype=torch.float64)
+                                                              for _ in range(2))
+    do = torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    do[:, 2] = 0                                                      # a row whose dO is zero
+    ref = KERNELS["reference"]
+    out, lse = ref.forward(q, k, v, Band(), 0.4)
+    rows = GradRows(do, out, torch.randn(1, 2, 5, dtype=torch.float64))
+    with_delta = ref.backward(do, q, k, v, None, lse, Band(), 0.4, delta=rows.delta)
+    folded = ref.backward(rows.folded[0], q, k, v, rows.folded[1], lse, Band(), 0.4)
+    for x, y in zip(with_delta, folded):
+        torch.testing.assert_close(y, x, atol=1e-12, rtol=1e-10)

@@ -10,7 +10,7 @@ CPU. ``merge`` holds MERGE and the fp32 accumulator.
 
 from __future__ import annotations
 
-from . import flash_attn, flex, reference, sdpa  # noqa: F401  (registers the kernels)
+from . import cpu, flash_attn, flex, reference, sdpa  # noqa: F401  (registers the kernels)
 from .base import KERNELS, Kernel, KernelCall, available_kernels, mask_kind, select
 from .merge import Accumulator, merge_
 from .reference import attention_reference

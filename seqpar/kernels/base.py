@@ -142,7 +142,7 @@ def select(name: str, call: KernelCall) -> Kernel:
         why = kernel.not_supported_reasons(call)
         if not why:
             log.info("kernel=%s -> %s for %s", name, kernel.name, call)
-            if name == "auto" and reasons:
+            if name == "auto" and reasons and call.device != "cpu":     # CPU runs are for correctness
                 _warn_slower(kernel, call, reasons)
             return kernel
         reasons[kernel.name] = why

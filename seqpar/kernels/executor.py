@@ -80,7 +80,8 @@ class TaskRunner:
         return True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, task: Task) -> AttnOutput:
-        qs, ks, vs = q[:, task.q], k[:, task.k], v[:, task.k]
+        qs = q if task.q_start == 0 and task.q_stop == q.shape[1] else q[:, task.q]   # no view when whole
+        ks, vs = (k, v) if task.k_start == 0 and task.k_stop == k.shape[1] else (k[:, task.k], v[:, task.k])
         return self.kernel_for(qs, ks, task, v.shape[-1]).forward(qs, ks, vs, task.mask, self.scale,
                                                                    softcap=self.softcap)
 

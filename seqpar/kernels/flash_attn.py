@@ -22,6 +22,7 @@ import torch
 from ..masks import Mask, Varlen, bottom_right_window
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, band_of, register
+from .sdpa import pad_dim
 
 __all__ = ["FlashAttn3Kernel", "FlashAttnKernel"]
 
@@ -72,7 +73,7 @@ def _fa3():
 
 def _padded(*xs: torch.Tensor) -> tuple[int, list[torch.Tensor]]:
     n = max(x.shape[-1] for x in xs)
-    return n, [x if x.shape[-1] == n else torch.nn.functional.pad(x, (0, n - x.shape[-1])) for x in xs]
+    return n, [pad_dim(x, n) for x in xs]
 
 
 def _reasons(call: KernelCall, module_reason) -> list[str]:

@@ -37,7 +37,8 @@ from ..types import AttnOutput
 from .base import Kernel, KernelCall, band_of, register
 from .merge import merge_
 
-__all__ = ["CudnnKernel", "EfficientKernel", "FlashKernel"]
+__all__ = ["CudnnKernel", "EfficientKernel", "FlashKernel", "causal_parts", "cudnn_max_head_dim", "merge_parts",
+           "pad_dim", "split_backward"]
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -71,12 +72,12 @@ def _gpu_reasons(call: KernelCall, dtypes: tuple[torch.dtype, ...], max_dim: int
     return r
 
 
-def _pad_dim(x: torch.Tensor, n: int) -> torch.Tensor:
+def pad_dim(x: torch.Tensor, n: int) -> torch.Tensor:
     """``x`` with its last dim zero-padded to ``n`` (a copy) or ``x`` itself."""
     return x if x.shape[-1] == n else torch.nn.functional.pad(x, (0, n - x.shape[-1]))
 
 
-def _causal_parts(band: Band, n: int) -> list[tuple[slice, bool]]:
+def causal_parts(band: Band, n: int) -> list[tuple[slice, bool]]:
     """A band with ``lo`` unbounded as (key slice, top-left causal?) calls: full keys [0, hi) + causal rest."""
     if band.is_full:
         return [(slice(0, n), False)]
@@ -86,7 +87,7 @@ def _causal_parts(band: Band, n: int) -> list[tuple[slice, bool]]:
     return [(slice(0, band.hi), False), (slice(band.hi, n), True)]
 
 
-def _merge_parts(parts: list[AttnOutput]) -> AttnOutput:
+def merge_parts(parts: list[AttnOutput]) -> AttnOutput:
     if len(parts) == 1:
         return parts[0]
     out, lse = parts[0].out.float(), parts[0].lse.clone()
@@ -95,9 +96,9 @@ def _merge_parts(parts: list[AttnOutput]) -> AttnOutput:
     return AttnOutput(out, lse)
 
 
-def _split_backward(fn, do, q, k, v, out, lse, band: Band):
+def split_backward(fn, do, q, k, v, out, lse, band: Band):
     """Backward of a split band: dq sums over parts, dk/dv concatenate along keys."""
-    grads = [fn(do, q, k[:, ks], v[:, ks], out, lse, causal) for ks, causal in _causal_parts(band, k.shape[1])]
+    grads = [fn(do, q, k[:, ks], v[:, ks], out, lse, causal) for ks, causal in causal_parts(band, k.shape[1])]
     if len(grads) == 1:
         return grads[0]
     return (sum(g[0].float() for g in grads), torch.cat([g[1] for g in grads], 1), torch.cat([g[2] for g in grads], 1))
@@ -151,12 +152,12 @@ class CudnnKernel(Kernel):
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
         band = band_of(mask)
-        return _merge_parts([self._fwd(q, k[:, ks], v[:, ks], causal, scale)
-                             for ks, causal in _causal_parts(band, k.shape[1])])
+        return merge_parts([self._fwd(q, k[:, ks], v[:, ks], causal, scale)
+                             for ks, causal in causal_parts(band, k.shape[1])])
 
     def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
                  deterministic=False):
-        return _split_backward(lambda *a: self._bwd(*a, scale=scale), do, q, k, v, out, lse, band_of(mask))
+        return split_backward(lambda *a: self._bwd(*a, scale=scale), do, q, k, v, out, lse, band_of(mask))
 
 
 @functools.lru_cache(maxsize=256)
@@ -183,7 +184,7 @@ class FlashKernel(Kernel):
     def _padded(q, k, v):
         """FA2 needs one head dim for q, k and v: zero-pad the smaller (zeros change no score, no output)."""
         n = max(q.shape[-1], v.shape[-1])
-        return _pad_dim(q, n), _pad_dim(k, n), _pad_dim(v, n)
+        return pad_dim(q, n), pad_dim(k, n), pad_dim(v, n)
 
     @staticmethod
     def _window(mask: Mask, m: int, n: int) -> tuple[bool, int | None, int | None]:
@@ -220,7 +221,7 @@ class FlashKernel(Kernel):
         rng, unused = _rng(q.device)
         lse_k = lse.masked_fill(lse == -_INF, _INF)
         q, k, v = self._padded(q, k, v)
-        do, out = _pad_dim(do, q.shape[-1]), _pad_dim(out, q.shape[-1])
+        do, out = pad_dim(do, q.shape[-1]), pad_dim(out, q.shape[-1])
         with _deterministic(deterministic):
             if isinstance(mask, Band):
                 g = aten._flash_attention_backward(do, q, k, v, out, lse_k.contiguous(), None, None, m, n, 0.0,
@@ -281,12 +282,12 @@ class EfficientKernel(Kernel):
         return dq, dk, dv
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
-        return _merge_parts([self._fwd(q, k[:, ks], v[:, ks], causal, scale)
-                             for ks, causal in _causal_parts(band_of(mask), k.shape[1])])
+        return merge_parts([self._fwd(q, k[:, ks], v[:, ks], causal, scale)
+                             for ks, causal in causal_parts(band_of(mask), k.shape[1])])
 
     def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
                  deterministic=False):
-        return _split_backward(lambda *a: self._bwd(*a, scale), do, q, k, v, out, lse, band_of(mask))
+        return split_backward(lambda *a: self._bwd(*a, scale), do, q, k, v, out, lse, band_of(mask))
 
 
 register(CudnnKernel())
