@@ -14,11 +14,12 @@ Note [Folding the lse gradient]
     nothing else, so we hand them ``O' = O - dlse * w / |w|^2`` and ``dO' = w``: then ``rowsum(w O') =
     rowsum(w O) - dlse`` exactly in real arithmetic. ``w = dO`` on every row whose ``|dO|`` is at least
     ``tau = max(|dlse| 2^-k, floor)``; a row with a smaller (or zero) dO gets ``w = dO + tau e_0``, which
-    perturbs that row's dV and dP contribution by at most ``tau`` - far below the dtype's resolution of the
-    result (k = 30 for fp32 and bf16, 60 for fp64, 12 for fp16's narrow range). ``|O' - O| <= |dlse| / |w| <=
-    2^k`` keeps O' in range. Measured on an H100 (bf16, cuDNN, ``benchmarks/results/2026-11-23-h100-probe``): dq/dk/dv errors
-    against fp64 within 1.1x of the plain backward's, with and without zero dO rows, at the cost of one
-    elementwise pass over (dO, O) per call instead of a second kernel.
+    perturbs that row's dV and dP contribution by at most ``tau`` - far below the dtype's resolution of
+    the result (k = 30 for fp32 and bf16, 60 for fp64, 12 for fp16's narrow range). ``|O' - O| <= |dlse| /
+    |w| <= 2^k`` keeps O' in range. Measured on an H100 (bf16, cuDNN,
+    ``benchmarks/results/2026-11-23-h100-probe``): dq/dk/dv errors against fp64 within 1.1x of the plain
+    backward's, with and without zero dO rows. On CUDA the fold is one fused kernel (``torch.compile`` of the
+    same function: it reads dO, O and dlse once and writes dO', O' once) instead of a second attention kernel.
 
 Note [Attention sinks]
     A sink is one learned logit per query head that joins every row's softmax denominator (gpt-oss):
@@ -32,6 +33,8 @@ Note [Attention sinks]
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -64,6 +67,18 @@ _FOLD = {torch.float16: (12, 2.0 ** -14), torch.float64: (60, 2.0 ** -900)}
 
 def _fold(do_BSHD: torch.Tensor, out_BSHD: torch.Tensor, dlse_BHS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dO', O')`` in the input dtype with ``rowsum(dO' O') = rowsum(dO O) - dlse`` (Note above)."""
+    if do_BSHD.is_cuda:
+        return _fused_fold()(do_BSHD, out_BSHD, dlse_BHS)
+    return _fold_eager(do_BSHD, out_BSHD, dlse_BHS)
+
+
+@functools.lru_cache(maxsize=1)
+def _fused_fold():
+    return torch.compile(_fold_eager, dynamic=True)
+
+
+def _fold_eager(do_BSHD: torch.Tensor, out_BSHD: torch.Tensor, dlse_BHS: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     acc = acc_dtype(out_BSHD.dtype)
     k, floor = _FOLD.get(out_BSHD.dtype, (30, 2.0 ** -100))
     do, out = do_BSHD.to(acc), out_BSHD.to(acc)

@@ -195,4 +195,4 @@ def test_bad_options_raise_before_any_collective(pools):
         assert m.startswith("ValueError: heads_k_stride must be None or a positive divisor of the KV heads (4)"), m
         assert "(rank 1 of 2)" in m
     assert msgs[4].startswith("TypeError: method='allgather' takes options ['heads_k_stride']"), msgs[4]
-    assert msgs[5].startswith("ValueError: layout must be one of ['contiguous', 'zigzag']"), msgs[5]
+    assert msgs[5].startswith("ValueError: layout must be one of ['contiguous', 'zigzag', 'balanced'"), msgs[5]

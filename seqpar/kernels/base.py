@@ -15,6 +15,12 @@ The lse gradient: a kernel with ``takes_delta`` uses ``delta = rowsum(dO O) - dl
 others recompute Delta from ``out``, and callers hand them ``seqpar.numerics.GradRows.folded`` (Note
 [Folding the lse gradient]) - so every kernel serves a gradient through lse at its own speed.
 
+Note [Direct calls]
+    When a whole call is one block on one rank (W = 1, or a window that needs no other rank) and nothing but
+    ``out`` is wanted (no lse, no sinks), a kernel whose aten op PyTorch already differentiates (cuDNN, FA2,
+    the CPU flash op) is called as it is, so its backward runs as PyTorch's own C++ autograd node: the host
+    cost of ``F.scaled_dot_product_attention``, nothing of seqpar's Python per backward.
+
 Each kernel declares what it serves in ``not_supported_reasons(call)``; ``select`` walks the candidates and
 either returns one or raises ``UnsupportedInputError`` with every kernel's reasons. ``kernel="auto"`` never
 picks ``reference`` on CUDA, and logs a one-time warning when it picks a kernel other than the fastest one
@@ -92,6 +98,15 @@ class Kernel(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float, *,
                 softcap: float = 0.0) -> AttnOutput:
         """Block forward: ``out (B, Sq, H, Dv)``, ``lse (B, H, Sq)`` fp32; rows seeing no key: 0 and -inf."""
+
+    def direct(self, mask: Mask) -> bool:
+        """Whether ``autograd_forward`` serves a whole call with this mask (Note [Direct calls])."""
+        return False
+
+    def autograd_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
+                         scale: float) -> torch.Tensor:
+        """``out (B, S, H, Dv)`` through an aten op that PyTorch's autograd differentiates (Note [Direct calls])."""
+        raise NotImplementedError(f"kernel {self.name!r} has no differentiable whole-call op")
 
     @abstractmethod
     def backward(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

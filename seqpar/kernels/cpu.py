@@ -59,6 +59,17 @@ class CpuFlashKernel(Kernel):
                                                                      0.0, causal, scale=scale)
         return _t(g[0]), _t(g[1]), _t(g[2])
 
+    def direct(self, mask: Mask) -> bool:
+        band = band_of(mask)
+        return band.is_full or (band.lo is None and band.hi == 0)
+
+    def autograd_forward(self, q, k, v, mask: Mask, scale: float) -> torch.Tensor:
+        if q.shape[-1] != v.shape[-1]:
+            raise NotImplementedError("the CPU flash op needs one head dim; use the kernel path")
+        o, _ = aten._scaled_dot_product_flash_attention_for_cpu(_t(q), _t(k), _t(v), 0.0, not band_of(mask).is_full,
+                                                               scale=scale)
+        return _t(o)
+
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
         dv = v.shape[-1]
         n = max(q.shape[-1], dv)

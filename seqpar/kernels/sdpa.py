@@ -150,6 +150,15 @@ class CudnnKernel(Kernel):
             q.shape[1], k.shape[1], 0.0, causal, scale=scale)
         return _t(g[0]), _t(g[1]), _t(g[2])
 
+    def direct(self, mask: Mask) -> bool:
+        return isinstance(mask, Band) and (mask.is_full or (mask.lo is None and mask.hi == 0))
+
+    def autograd_forward(self, q, k, v, mask: Mask, scale: float) -> torch.Tensor:
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        res = aten._scaled_dot_product_cudnn_attention(_t(q), _t(k), _t(v), None, grad, 0.0, not band_of(mask).is_full,
+                                                       False, scale=scale)
+        return _t(res[0])
+
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
         band = band_of(mask)
         return merge_parts([self._fwd(q, k[:, ks], v[:, ks], causal, scale)
@@ -196,6 +205,17 @@ class FlashKernel(Kernel):
     @staticmethod
     def _packed(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+    def direct(self, mask: Mask) -> bool:
+        return isinstance(mask, Band)
+
+    def autograd_forward(self, q, k, v, mask: Mask, scale: float) -> torch.Tensor:
+        if q.shape[-1] != v.shape[-1]:
+            raise NotImplementedError("FA2's differentiable op needs one head dim; use the kernel path")
+        m, n = q.shape[1], k.shape[1]
+        causal, wl, wr = self._window(mask, m, n)
+        return aten._flash_attention_forward(q, k, v, None, None, m, n, 0.0, causal, False, scale=scale,
+                                             window_size_left=wl, window_size_right=wr)[0]
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
         B, m, H, _ = q.shape

@@ -62,6 +62,13 @@ class PassKV:
     def __init__(self, ring: Ring, sched: Schedule, runner: TaskRunner, grad_dtype: torch.dtype):
         self.ring, self.sched, self.runner, self.grad_dtype = ring, sched, runner, grad_dtype
 
+    def direct(self, call):
+        """The whole call as one kernel call through PyTorch's autograd, when the ring has one step (W = 1)."""
+        if self.sched.n_steps != 1:
+            return None
+        return self.runner.direct(self.sched.steps[0], call.q_shape, call.k_shape, call.v_shape, call.dtype,
+                                  call.device)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out (B, L, H, Dv) in q.dtype, lse (B, H, L) fp32)``."""
         acc = Accumulator(q, v.shape[-1])

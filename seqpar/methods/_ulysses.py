@@ -190,6 +190,9 @@ class LocalEngine:
         self.tasks = local_tasks(call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
         self.runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
 
+    def direct(self, call: Call):
+        return self.runner.direct(self.tasks, call.q_shape, call.k_shape, call.v_shape, call.dtype, call.device)
+
     def forward(self, q, k, v):
         acc = Accumulator(q, v.shape[-1])
         for t in self.runner.prepare(self.tasks, q, k):
@@ -224,6 +227,11 @@ class Sandwich:
         self.u = dist.get_rank(group)
         self.parts = head_groups(call.q_shape[2], call.k_shape[2], chunks)
         self.kv_heads, self.grad_dtype = call.k_shape[2], call.cfg.grad_dtype
+
+    def direct(self, call: Call):
+        """At Ulysses degree 1 (and one head group) the whole call is the inner engine's direct call."""
+        inner = getattr(self.inner, "direct", None)
+        return inner(call) if self.degree == 1 and self.chunks == 1 and inner is not None else None
 
     @property
     def group(self) -> dist.ProcessGroup | None:

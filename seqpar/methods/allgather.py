@@ -243,6 +243,12 @@ class _Engine:
         self.G = call.q_shape[2] // call.k_shape[2]
         self.groups, self.grad_dtype = call.groups, cfg.grad_dtype
 
+    def direct(self, call: Call):
+        """One rank, one head chunk: the whole call as one kernel call through PyTorch's autograd."""
+        if call.groups.world != 1 or self.stride != call.k_shape[2]:
+            return None
+        return self.runner.direct(self.gp.tasks, call.q_shape, call.k_shape, call.v_shape, call.dtype, call.device)
+
     def _heads(self, c: int) -> slice:
         return slice(c * self.stride * self.G, (c + 1) * self.stride * self.G)
 

@@ -50,6 +50,9 @@ class _Engine:
         self.ring = _passkv.PassKV(Ring(call.groups.group), sched, runner, cfg.grad_dtype)
         self.parts = head_groups(call.q_shape[2], call.k_shape[2], cfg.option("head_chunks", 1))
 
+    def direct(self, call: Call):
+        return self.ring.direct(call) if len(self.parts) == 1 else None
+
     def forward(self, q, k, v):
         if len(self.parts) == 1:
             return self.ring.forward(q, k, v)

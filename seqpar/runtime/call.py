@@ -73,6 +73,9 @@ class Plan:
     items: agreement.Items
     return_lse: bool
     verify: bool
+    direct: Any = None
+    """``f(q, k, v) -> out`` when the whole call is one kernel call PyTorch differentiates (Note [Direct calls]
+    in ``seqpar.kernels.base``): W = 1, out only, no sinks."""
 
 
 _PLANS: OrderedDict[Any, Plan] = OrderedDict()
@@ -153,6 +156,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any, m
                    cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
                    dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, check_ranks=check_ranks,
                    verify=verify, options=options)
+    if plan.direct is not None:
+        return plan.direct(q, k, v)
     if plan.call.grad:
         out, lse = _op.Attention.apply(q, k, v, sinks, plan)
     else:
@@ -201,7 +206,10 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
     call = Call(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, cfg, groups, lay, index, grad,
                 return_lse)
     m.check(call)                       # the same on every rank now that the signatures agree
-    plan = Plan(m, cfg, groups, call, m.engine(call), items, return_lse, verify)
+    engine = m.engine(call)
+    direct = getattr(engine, "direct", None)
+    plan = Plan(m, cfg, groups, call, engine, items, return_lse, verify,
+                direct(call) if direct is not None and not (return_lse or verify or sinks is not None) else None)
     if key is not None:
         _tracker(mesh)                  # registers the mesh's finalizer (drops these plans with it)
         with _LOCK:
