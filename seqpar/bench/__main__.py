@@ -25,15 +25,17 @@ import torch.distributed as dist
 
 from .. import methods
 from .presets import PRESETS, TABLE, MethodSpec, Preset, method_specs
-from .report import console_table, load, plot, readme_table
+from .report import console_table, load, plot, readme_table, suite_table
 from .runners import limit_runner, ours_runner, peer_runners
+from .suites import SUITES
 from .timing import exposed_comm_ms, peak_mem_gib, reset_peak, time_ms
 
 
 def _args(argv):
     ap = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m seqpar.bench", description=__doc__)
     ap.add_argument("--preset", action="append", default=[],
-                    help=f"preset name, 'table' (the performance table) or 'all'; known: {', '.join(PRESETS)}")
+                    help=f"preset name, 'table' (the performance table), 'all', a suite ({', '.join(SUITES)}, "
+                         f"'inference': seqpar.bench.inference's small model); known presets: {', '.join(PRESETS)}")
     ap.add_argument("--peers", action="store_true", help="also time the peers (needs .peers/ on PYTHONPATH)")
     ap.add_argument("--methods", default="", help="comma-separated labels or method names to keep (default all)")
     ap.add_argument("--modes", default="", help="restrict modes, e.g. fwd+bwd")
@@ -46,6 +48,7 @@ def _args(argv):
     ap.add_argument("--tag", default="", help="file name tag")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--nccl-high-priority", type=int, default=1, help="NCCL on high-priority streams (1/0)")
+    ap.add_argument("--small", action="store_true", help="suites at 1/64 of their sizes (a CPU smoke run)")
     ap.add_argument("--cpu-gloo", action="store_true",
                     help="process group 'cpu:gloo,cuda:nccl' (seqpar's agreement round then needs no device sync)")
     return ap.parse_args(argv)
@@ -239,6 +242,8 @@ class Bench:
 def _select(names: list[str]) -> list[Preset]:
     out: list[str] = []
     for n in names or ["table"]:
+        if n in SUITES or n == "inference":
+            continue
         out += list(TABLE) if n == "table" else (list(PRESETS) if n == "all" else [n])
     unknown = [n for n in out if n not in PRESETS]
     if unknown:
@@ -251,17 +256,25 @@ def main(argv: list[str] | None = None) -> int:
     presets = _select(args.preset)
     if "RANK" not in os.environ:
         raise SystemExit("launch with torchrun: torchrun --nproc-per-node N -m seqpar.bench ...")
+    if "inference" in args.preset:
+        from .inference import main as inference_main
+        inference_main(["--out", str(Path(args.out) / "inference.jsonl"), "--baseline"])
+        if set(args.preset) == {"inference"}:
+            return 0
     bench = Bench(args)
     for preset in presets:
         if bench.over_budget():
             break
         bench.run_preset(preset)
+    for name in args.preset:
+        if name in SUITES and not bench.over_budget():
+            SUITES[name](bench)
     if args.scaling and not bench.over_budget():
         bench.run_scaling()
     dist.barrier()
     if bench.rank == 0:
         rows = load([bench.path])
-        table = console_table(rows)
+        table = console_table(rows) + "\n\n" + suite_table(rows)
         print(table)
         print()
         print(readme_table(rows))

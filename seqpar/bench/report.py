@@ -27,12 +27,35 @@ def _ok(r: dict) -> bool:
     return r.get("time_ms") is not None and not r.get("error")
 
 
+def _suite(r: dict) -> bool:
+    """A suite row (``seqpar.bench.suites``): compared by ratio to a single-GPU PyTorch kernel, not efficiency."""
+    return "ratio" in r or r.get("method", "").startswith("sdpa:")
+
+
+def suite_table(rows: list[dict]) -> str:
+    """Suite rows: time against the single-GPU PyTorch kernel on the same work, host time, the target."""
+    head = f"{'preset':18} {'mode':8} {'W':>2} {'method':22} {'ms':>9} {'kernel ms':>9} {'ratio':>6} {'host us':>7} ok"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "ratio" not in r and not (r.get("error") and r.get("limit_ms")):
+            continue
+        if not _ok(r):
+            lines.append(f"{r['preset']:18} {r['mode']:8} {r['world_size']:>2} {r['method']:22} failed: "
+                         f"{str(r.get('error'))[:70]}")
+            continue
+        host = r.get("host_us")
+        lines.append(f"{r['preset']:18} {r['mode']:8} {r['world_size']:>2} {r['method']:22} {r['time_ms']:9.3f} "
+                     f"{r['limit_ms']:9.3f} {r['ratio']:6.3f} {'' if host is None else f'{host:7.1f}'} "
+                     f"{'yes' if r.get('within_target') else 'NO'}")
+    return "\n".join(lines)
+
+
 def console_table(rows: list[dict]) -> str:
     """Every record: preset, mode, method, time, efficiency, memory, exposed communication."""
     head = f"{'preset':18} {'mode':8} {'W':>2} {'method':36} {'ms':>10} {'eff':>6} {'GiB':>6} {'exp.comm ms':>11}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        if r.get("method", "").startswith("limit"):
+        if r.get("method", "").startswith("limit") or _suite(r):
             continue
         if not _ok(r):
             lines.append(f"{r['preset']:18} {r['mode']:8} {r['world_size']:>2} {r['method']:36} "
@@ -40,7 +63,8 @@ def console_table(rows: list[dict]) -> str:
             continue
         exp = r.get("exposed_comm_ms")
         lines.append(f"{r['preset']:18} {r['mode']:8} {r['world_size']:>2} {r['method']:36} {r['time_ms']:10.2f} "
-                     f"{r['efficiency']:6.3f} {r['peak_mem_gib']:6.2f} {'' if exp is None else f'{exp:11.2f}'}")
+                     f"{r.get('efficiency', float('nan')):6.3f} {r.get('peak_mem_gib', 0.0):6.2f} "
+                     f"{'' if exp is None else f'{exp:11.2f}'}")
     return "\n".join(lines)
 
 
@@ -48,7 +72,7 @@ def best_rows(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
     """Per (preset, mode, world): the best seqpar record and the best peer record."""
     best: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in rows:
-        if not _ok(r) or r["method"].startswith("limit") or r.get("scaling"):
+        if not _ok(r) or r["method"].startswith("limit") or r.get("scaling") or _suite(r):
             continue
         key = (r["preset"], r["mode"], r["world_size"])
         side = "peer" if r["method"].startswith("peer:") else "ours"
@@ -63,7 +87,7 @@ def readme_table(rows: list[dict]) -> str:
            "| target |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (preset, mode, world), b in best_rows(rows).items():
         ours, peer = b.get("ours"), b.get("peer")
-        if ours is None:
+        if ours is None or "efficiency" not in ours:
             continue
         tgt = ours.get("target")
         peer_cells = (f"{peer['time_ms']:.2f} ms ({peer['method'][5:]}) | {peer['efficiency']:.3f}" if peer

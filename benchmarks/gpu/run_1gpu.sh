@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One GPU, the whole session's measurements in parts (each well inside one device call):
+#   bash benchmarks/gpu/run_1gpu.sh tests      GPU tests: runtime (cuDNN probe, lse gradient, CUDA graphs, compile)
+#                                              and the kernel conformance suite
+#   bash benchmarks/gpu/run_1gpu.sh overhead   python -m seqpar.bench --preset overhead --preset heads
+#   bash benchmarks/gpu/run_1gpu.sh packed     python -m seqpar.bench --preset packed --peers
+#   bash benchmarks/gpu/run_1gpu.sh inference  python -m seqpar.bench.inference (1M-token context, vs transformers)
+# Device machine, repo root, with .peers carried (../shared/peers). Logs and JSON lines go to $OUT/results.tgz.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+FINAL=${OUT:-/tmp/seqpar-out}; OUT=/tmp/seqpar-results; mkdir -p "$OUT" "$FINAL"
+trap 'tar -czf "$FINAL/results-$(date +%H%M%S).tgz" -C "$OUT" .' EXIT
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(), 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+python3 -m pip install -q --no-index --no-deps --target .peers/site .peers/*.whl > /dev/null 2>&1
+export PYTHONPATH=$PWD:$PWD/.peers/site:$PWD/.peers/shim:$PWD/.peers
+for part in "$@"; do
+  case "$part" in
+    tests)
+      timeout 400 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_kernels.py -q -rs \
+        -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; echo "== gpu tests rc=$?"
+      grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | head -n 30 | cut -c1-300 ;;
+    overhead)
+      timeout 400 torchrun --nproc-per-node 1 -m seqpar.bench --preset overhead --preset heads --out "$OUT" \
+        --tag overhead-heads > "$OUT/bench_overhead_heads.log" 2>&1; echo "== overhead/heads rc=$?"
+      grep "^\[" "$OUT/bench_overhead_heads.log" | tail -n 60 | cut -c1-200 ;;
+    packed)
+      timeout 500 torchrun --nproc-per-node 1 -m seqpar.bench --preset packed --peers --out "$OUT" --tag packed \
+        > "$OUT/bench_packed.log" 2>&1; echo "== packed rc=$?"
+      grep "^\[" "$OUT/bench_packed.log" | tail -n 60 | cut -c1-200 ;;
+    inference)
+      timeout 500 torchrun --nproc-per-node 1 -m seqpar.bench.inference --preset small --contexts 32k,128k,1m \
+        --new-tokens 64 --baseline --out "$OUT/inference_1gpu.jsonl" > "$OUT/inference_1gpu.log" 2>&1
+      echo "== inference rc=$?"
+      grep -v "^W11" "$OUT/inference_1gpu.log" | tail -n 25 | cut -c1-250
+      python3 -m seqpar.bench.inference --report "$OUT/inference_1gpu.jsonl" | tee "$OUT/inference_1gpu.md" ;;
+  esac
+done

@@ -1,0 +1,36 @@
+"""Packed rows for the benchmarks: document lengths from two stated distributions, from a fixed seed.
+
+  lognormal   lognormal lengths with mean about 2K tokens (mu = ln 2048 - 1/2, sigma 1); the row's end cuts the
+              last document;
+  long-tail   a pretraining mix: 80% of the documents as above, 20% Pareto(alpha 1.1) from 8K, up to the
+              whole row.
+
+``multiple`` rounds every document up to a multiple (ring-flash-attn's zigzag varlen needs each document to
+divide by 2W); the last one takes what is left, rounded down, and the row ends with padding if needed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+__all__ = ["DISTRIBUTIONS", "packed_row"]
+
+DISTRIBUTIONS = ("lognormal", "long-tail")
+
+
+def packed_row(seq_len: int, distribution: str, seed: int, multiple: int = 1) -> tuple[int, ...]:
+    """Global ``cu_seqlens`` of one packed row of ``seq_len`` tokens (module docstring)."""
+    if distribution not in DISTRIBUTIONS:
+        raise ValueError(f"distribution must be one of {list(DISTRIBUTIONS)}, got {distribution!r}")
+    rng = random.Random(seed)
+    mu, bounds = math.log(2048) - 0.5, [0]
+    while seq_len - bounds[-1] >= multiple:
+        if distribution == "long-tail" and rng.random() < 0.2:
+            n = 8192 * rng.paretovariate(1.1)
+        else:
+            n = rng.lognormvariate(mu, 1.0)
+        n = -(-max(1, round(n)) // multiple) * multiple
+        room = (seq_len - bounds[-1]) // multiple * multiple
+        bounds.append(bounds[-1] + min(n, room))
+    return tuple(bounds)

@@ -1,0 +1,389 @@
+"""Benchmark suites that mean something at any world size, W = 1 included: ``--preset overhead|heads|packed``.
+
+Every row times seqpar beside the single-GPU PyTorch kernel on the same work, in the same run:
+
+overhead  per-call cost: ring, ulysses and allgather on ``S`` tokens per GPU (1K, 4K, 16K; GQA 32/8, head dim
+          128, bf16, causal) against cuDNN SDPA on S tokens, forward and forward+backward, and the host time
+          of one steady-state forward call (the Python and launch time, measured without synchronising while
+          the GPU drains a backlog). Targets: within max(3%, 20 us) of SDPA; host time <= 60 us.
+heads     head shapes: D in {64, 80, 96, 128, 192, 256} and (Dqk, Dv) = (192, 128), each with and without a
+          gradient through lse, 16K tokens per GPU (GQA 32/8, bf16, causal), forward+backward, against the
+          fastest of PyTorch's fused kernels on the same shape (F.sdpa with cuDNN or FA2). Target: <= 1.05x.
+packed    packed training: rows of 128K and 1M tokens (``seqpar.bench.packing``: lognormal and long-tail, fixed
+          seeds) on zigzag and balanced layouts against the single-GPU varlen kernel (FA2 varlen) on the whole
+          row divided by W; per-rank work max/mean; peak memory; the peers' varlen paths with ``--peers``.
+
+Records are the benchmark's JSON lines (``preset``, ``method``, ``mode``, ``time_ms``, ``limit_ms``, ...) plus
+suite fields (``host_us``, ``ratio``, ``work_max_over_mean``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..layouts import Rule, make_layout
+from ..layouts.work import work
+from .packing import DISTRIBUTIONS, packed_row
+from .timing import peak_mem_gib, reset_peak, time_ms
+
+__all__ = ["SUITES", "host_us", "run_heads", "run_overhead", "run_packed"]
+
+aten = torch.ops.aten
+
+
+def host_us(fn: Callable[[], object], n: int = 200) -> float:
+    """Host microseconds per call of ``fn`` (no synchronisation inside the timed loop; the GPU queue absorbs the
+    launches). The median of 5 loops of ``n`` calls."""
+    for _ in range(20):
+        fn()
+    _sync()
+    out = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out.append((time.perf_counter() - t0) / n * 1e6)
+        _sync()
+    return sorted(out)[2]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _scaled(bench: Any, n: int) -> int:
+    """``n`` tokens, or n / 64 with ``--small`` (a CPU smoke run of the suite's code)."""
+    return n // 64 if bench.args.small else n
+
+
+def _randn(shape, device, dtype, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(*shape, device=device, dtype=dtype, generator=g)
+
+
+def _sdpa(q, k, v, backend):
+    """F.sdpa with one backend on BSHD tensors (transposed views, as models call it)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(backend if q.is_cuda else SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True, enable_gqa=q.shape[2] != k.shape[2]).transpose(1, 2)
+
+
+def _modes(fwd, bwd_out, inputs, grads):
+    def fb():
+        outs = bwd_out()
+        return torch.autograd.grad(outs, inputs, grads)
+    return {"fwd": lambda: _nograd(fwd), "fwd+bwd": fb}
+
+
+def _nograd(fn):
+    with torch.no_grad():
+        return fn()
+
+
+def run_overhead(bench: Any) -> None:
+    """``--preset overhead`` (module docstring)."""
+
+    _self_groups()
+    for S in (1024, 4096, 16384):
+        _overhead_at(bench, _scaled(bench, S))
+        _empty_cache()
+
+
+def _overhead_at(bench: Any, S: int) -> None:
+    from torch.nn.attention import SDPBackend
+
+    import seqpar
+
+    dev, W = bench.device, bench.world
+    B, H, Hkv, D = 1, 32, 8, 128
+    q, k, v = (_randn((B, S, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv)))
+    do = _randn((B, S, H, D), dev, torch.bfloat16, 9)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    preset = f"overhead-{S // 1024}k"
+    base = {}
+    if bench.rank == 0:
+        sd = _modes(lambda: _sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION),
+                    lambda: _sdpa(qg, kg, vg, SDPBackend.CUDNN_ATTENTION), (qg, kg, vg), do)
+        for mode, fn in sd.items():
+            base[mode] = time_ms(fn, dev, warmup=5, iters=20, group=_self_group())
+        base["host_us"] = host_us(lambda: _nograd(lambda: _sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION)))
+    base = _broadcast(base, dev)
+    for mode in ("fwd", "fwd+bwd"):
+        bench.write({"preset": preset, "method": "sdpa:cudnn-1gpu", "mode": mode, "world_size": 1,
+                     "seq_len": S, "time_ms": base[mode], "host_us": base["host_us"] if mode == "fwd" else None})
+    for method in ("ring", "ulysses", "allgather"):
+        kw = {"method": method, "causal": True}
+        ours = _modes(lambda kw=kw: seqpar.attention(q, k, v, **kw),
+                      lambda kw=kw: seqpar.attention(qg, kg, vg, **kw), (qg, kg, vg), do)
+        host = host_us(lambda kw=kw: _nograd(lambda: seqpar.attention(q, k, v, **kw)))
+        for mode, fn in ours.items():
+            t = time_ms(fn, dev, warmup=5, iters=20)
+            limit = base[mode]
+            ok = t <= max(limit * 1.03, limit + 0.020)
+            bench.write({"preset": preset, "method": method, "mode": mode, "world_size": W, "seq_len": S * W,
+                         "time_ms": t, "limit_ms": limit, "ratio": t / limit, "within_target": ok,
+                         "host_us": host if mode == "fwd" else None})
+            host_note = f", host {host:.1f} us (SDPA {base['host_us']:.1f})" if mode == "fwd" else ""
+            bench.log(f"{preset} {method} {mode}: {t:.3f} ms vs SDPA {limit:.3f} ({t / limit:.3f}x){host_note}")
+
+
+HEAD_SHAPES = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128))
+
+
+def run_heads(bench: Any) -> None:
+    """``--preset heads`` (module docstring)."""
+
+    _self_groups()
+    for dqk, dv in HEAD_SHAPES:
+        _heads_at(bench, dqk, dv)
+        _empty_cache()
+
+
+def _heads_at(bench: Any, dqk: int, dv: int) -> None:
+    from torch.nn.attention import SDPBackend
+
+    import seqpar
+
+    dev, W = bench.device, bench.world
+    S, B, H, Hkv = _scaled(bench, 16384), 1, 32, 8
+    preset = f"heads-{dqk}" + (f"-v{dv}" if dv != dqk else "")
+    q, k = _randn((B, S, H, dqk), dev, torch.bfloat16, 1), _randn((B, S, Hkv, dqk), dev, torch.bfloat16, 2)
+    v, do = _randn((B, S, Hkv, dv), dev, torch.bfloat16, 3), _randn((B, S, H, dv), dev, torch.bfloat16, 4)
+    dlse = _randn((B, H, S), dev, torch.float32, 5)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    best, fastest = float("inf"), None
+    if bench.rank == 0:
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            def fb(backend=backend):
+                return torch.autograd.grad(_sdpa(qg, kg, vg, backend), (qg, kg, vg), do)
+            try:
+                t = time_ms(fb, dev, warmup=3, iters=10, group=_self_group())
+            except Exception as e:                # a backend that does not serve the shape
+                bench.log(f"{preset} sdpa:{name}: {type(e).__name__}: {str(e)[:100]}")
+                continue
+            bench.write({"preset": preset, "method": f"sdpa:{name}-1gpu", "mode": "fwd+bwd", "world_size": 1,
+                         "seq_len": S, "head_dim": dqk, "value_dim": dv, "time_ms": t})
+            if t < best:
+                best, fastest = t, name
+    best = _broadcast({"t": best}, dev)["t"]
+    for lse_grad in (False, True):
+        def fb(lse_grad=lse_grad):
+            if lse_grad:
+                out, lse = seqpar.attention(qg, kg, vg, method="ring", return_lse=True)
+                return torch.autograd.grad((out, lse), (qg, kg, vg), (do, dlse))
+            return torch.autograd.grad(seqpar.attention(qg, kg, vg, method="ring"), (qg, kg, vg), do)
+        reset_peak(dev)
+        try:
+            t, err = time_ms(fb, dev, warmup=3, iters=10), None
+        except Exception as e:
+            t, err = None, f"{type(e).__name__}: {str(e)[:300]}"
+        rec = {"preset": preset, "method": "ring" + ("+lse_grad" if lse_grad else ""), "mode": "fwd+bwd",
+               "world_size": W, "seq_len": S * W, "head_dim": dqk, "value_dim": dv, "time_ms": t,
+               "limit_ms": best, "fastest_pytorch": fastest, "peak_mem_gib": peak_mem_gib(dev)}
+        if t is not None:
+            rec.update(ratio=t / best, within_target=t <= 1.05 * best)
+        if err:
+            rec["error"] = err
+        bench.write(rec)
+        bench.log(f"{preset} lse_grad={lse_grad}: {t if t is None else round(t, 2)} ms vs {fastest} "
+                  f"{best:.2f} ms{'' if t is None else f' ({t / best:.3f}x)'}{' ' + err if err else ''}")
+
+
+def run_packed(bench: Any) -> None:
+    """``--preset packed`` (module docstring)."""
+
+    _self_groups()
+    for total in (131072, 1 << 20):
+        for dist_name in DISTRIBUTIONS:
+            _packed_at(bench, _scaled(bench, total), dist_name)
+
+
+def _packed_at(bench: Any, total: int, dist_name: str) -> None:
+    import seqpar
+
+    dev, W = bench.device, bench.world
+    H, Hkv, D = 32, 8, 128
+    cu = packed_row(total, dist_name, seed=7, multiple=2 * W)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    preset = f"packed-{total // 1024}k-{dist_name}"
+    limit = _varlen_limit(bench, total, cu, H, Hkv, D)
+    for method, layout in (("ring", "zigzag"), ("ring", "balanced"), ("allgather", "zigzag"),
+                           ("allgather", "balanced"), ("ulysses", "contiguous")):
+        where = {"method": method, "layout": layout, "cu_seqlens": cu}
+        imbalance = 1.0                                 # Ulysses: every rank sees every token of its heads
+        if method != "ulysses":
+            per_rank = work(make_layout(layout, W, cu), total, Rule(True), cu)
+            imbalance = max(per_rank) * W / max(sum(per_rank), 1)
+
+        def build(where=where):
+            full = [_randn((1, total, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv, H))]
+            q, k, v, do = (seqpar.shard(t, **where) for t in full)
+            del full
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            kw = {"method": where["method"], "layout": where["layout"], "cu_seqlens": cu_t,
+                  "check_ranks": W == 1}
+            return _modes(lambda: seqpar.attention(q, k, v, **kw),
+                          lambda: seqpar.attention(qg, kg, vg, **kw), (qg, kg, vg), do)
+        _time_rows(bench, preset, f"{method}/{layout}", build, limit,
+                   {"work_max_over_mean": imbalance, "documents": len(cu) - 1})
+    if bench.args.peers:
+        for label, factory in _peer_varlen(bench, total, cu, H, Hkv, D).items():
+            _time_rows(bench, preset, label, factory, limit, {"documents": len(cu) - 1})
+
+
+def _varlen_limit(bench: Any, total: int, cu: tuple[int, ...], H: int, Hkv: int, D: int) -> dict[str, float]:
+    """The single-GPU FA2 varlen kernel on the whole row (rank 0 times it, every rank gets it), per mode."""
+    dev = bench.device
+    res: dict[str, float] = {}
+    if bench.rank == 0:
+        q, k, v, do = (_randn((total, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv, H)))
+        cu_d = torch.tensor(cu, dtype=torch.int32, device=dev)
+        mx = max(b - a for a, b in itertools.pairwise(cu))
+        tot = cu[-1]
+        q, k, v, do = q[:tot], k[:tot], v[:tot], do[:tot]
+
+        def fwd():
+            return aten._flash_attention_forward(q, k, v, cu_d, cu_d, mx, mx, 0.0, True, False)
+
+        def fb():
+            o, lse, rng, unused, _ = fwd()
+            return aten._flash_attention_backward(do, q, k, v, o, lse, cu_d, cu_d, mx, mx, 0.0, True, rng, unused)
+        if dev.type != "cuda":                 # a CPU smoke run: the reference kernel's varlen path
+            fwd, fb = _reference_varlen(q, k, v, do, cu)
+        for mode, fn in (("fwd", fwd), ("fwd+bwd", fb)):
+            res[mode] = time_ms(fn, dev, warmup=2, iters=5, group=_self_group())
+        del q, k, v, do
+        _empty_cache()
+    res = _broadcast(res, dev)
+    for mode, t in res.items():
+        bench.write({"preset": f"packed-{total // 1024}k", "method": "limit:fa2-varlen-1gpu", "mode": mode,
+                     "world_size": 1, "seq_len": total, "time_ms": t, "documents": len(cu) - 1})
+    return res
+
+
+def _reference_varlen(q, k, v, do, cu):
+    from ..kernels import KERNELS
+    from ..masks import Varlen
+
+    mask, ref = Varlen(cu, cu, (-1, 0)), KERNELS["reference"]
+    q4, k4, v4, do4 = (t.unsqueeze(0) for t in (q, k, v, do))
+
+    def fwd():
+        return ref.forward(q4, k4, v4, mask, q.shape[-1] ** -0.5)
+
+    def fb():
+        o, lse = fwd()
+        return ref.backward(do4, q4, k4, v4, o, lse, mask, q.shape[-1] ** -0.5)
+    return fwd, fb
+
+
+def _peer_varlen(bench: Any, total: int, cu: tuple[int, ...], H: int, Hkv: int, D: int) -> dict[str, Callable]:
+    """ring-flash-attn's varlen paths on the same row: zigzag varlen (per-document zigzag) and llama3."""
+    from .runners import _rfa
+
+    dev, W, rank = bench.device, bench.world, bench.rank
+    out: dict[str, Callable] = {}
+
+    def inputs(layout: str):
+        """This rank's rows (T, H, D) of the row in ring-flash-attn's sharding of ``layout``."""
+        full = [_randn((total, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv, H))]
+        idx = make_layout(layout, W, cu).positions(rank, total, dev)
+        return [t.index_select(0, idx) for t in full]
+
+    def zigzag():
+        rfa = _rfa()
+        q, k, v, do = inputs("doc_zigzag")
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        local = torch.tensor(cu, dtype=torch.int32, device=dev) // W
+        mx = max(b - a for a, b in itertools.pairwise(cu)) // W
+
+        def call(q, k, v):
+            return rfa.zigzag_ring_flash_attn_varlen_func(q, k, v, local, mx, causal=True)
+        return _modes(lambda: call(q, k, v), lambda: call(qg, kg, vg), (qg, kg, vg), do)
+
+    def llama3():
+        rfa = _rfa()
+        q, k, v, do = inputs("contiguous")
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        cq, ck, mq, mk, sl = rfa.llama3_flash_attn_prepare_cu_seqlens(
+            torch.tensor(cu, dtype=torch.int32, device=dev), True, rank, W)
+
+        def call(q, k, v):
+            return rfa.llama3_flash_attn_varlen_func(q, k, v, cq, ck, mq, mk, heads_k_stride=1, local_k_slice=sl,
+                                                     causal=True)
+        return _modes(lambda: call(q, k, v), lambda: call(qg, kg, vg), (qg, kg, vg), do)
+    out["peer:ring-flash-attn/zigzag-varlen"] = zigzag
+    out["peer:ring-flash-attn/llama3-varlen"] = llama3
+    return out
+
+
+_SELF: list = []
+
+
+def _self_groups() -> None:
+    """One group per rank holding that rank alone (collective: every rank calls it at a suite's start), so rank 0
+    can time the single-GPU limit with barriers of its own."""
+    if dist.is_initialized() and dist.get_world_size() > 1 and not _SELF:
+        _SELF.extend(dist.new_group([r]) for r in range(dist.get_world_size()))
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _self_group():
+    return _SELF[dist.get_rank()] if _SELF else None
+
+
+def _time_rows(bench: Any, preset: str, label: str, build: Callable[[], dict], limit: dict[str, float],
+               extra: dict) -> None:
+    """Build a runner on every rank, time each mode (the slowest rank's median), record it against ``limit``."""
+    W = bench.world
+    try:
+        runner, err = build(), None
+    except Exception as e:                      # recorded, never fatal: a peer that cannot run this row
+        runner, err = None, f"{type(e).__name__}: {str(e)[:300]}"
+    if not bench._agree(err is None):
+        for mode in limit:
+            bench.write({"preset": preset, "method": label, "mode": mode, "world_size": W,
+                         "error": err or "failed on another rank", **extra})
+        return
+    for mode, fn in runner.items():
+        reset_peak(bench.device)
+        try:
+            t, err = time_ms(fn, bench.device, warmup=2, iters=5), None
+        except Exception as e:
+            t, err = None, f"{type(e).__name__}: {str(e)[:300]}"
+        if not bench._agree(err is None):
+            bench.write({"preset": preset, "method": label, "mode": mode, "world_size": W,
+                         "error": err or "failed on another rank", **extra})
+            continue
+        lim = limit[mode] / W
+        bench.write({"preset": preset, "method": label, "mode": mode, "world_size": W, "time_ms": t,
+                     "limit_ms": lim, "efficiency": lim / t, "peak_mem_gib": peak_mem_gib(bench.device), **extra})
+        bench.log(f"{preset} {label} {mode}: {t:.2f} ms, efficiency {lim / t:.3f} vs 1-GPU varlen")
+    del runner
+    _empty_cache()
+
+
+def _broadcast(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Rank 0's dict of floats on every rank (the limit is timed on one GPU)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    obj = [values]
+    dist.broadcast_object_list(obj, src=0)
+    return obj[0]
+
+
+SUITES = {"overhead": run_overhead, "heads": run_heads, "packed": run_packed}
