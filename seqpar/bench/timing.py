@@ -1,7 +1,11 @@
 """Timing as the device method says: warm-up, device events, median of several, the slowest rank.
 
 ``time_ms(fn)`` runs ``fn`` ``warmup`` times, then ``iters`` times between CUDA events (host clock on CPU),
-each iteration preceded by a barrier so ranks start together, and returns the median of the slowest rank.
+each iteration preceded by a barrier so ranks start together, and returns the median of the slowest rank: a
+call that starts on an idle GPU, host time before its first launch included.
+``burst_ms(fns)`` times several functions side by side, as a training step runs them: bursts of back-to-back
+calls between events, the functions interleaved round by round so clocks and neighbours drift alike for all.
+``kernel_ms(fn)`` is the GPU kernel time of one call (from a profile), without the host.
 ``exposed_comm_ms(fn)`` profiles one call and measures how much of the communication kernels' time no
 compute kernel overlapped.
 """
@@ -15,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["exposed_comm_ms", "peak_mem_gib", "rank_median_ms", "reset_peak", "time_ms"]
+__all__ = ["burst_ms", "exposed_comm_ms", "kernel_ms", "peak_mem_gib", "rank_median_ms", "reset_peak", "time_ms"]
 
 
 def _sync(device: torch.device) -> None:
@@ -57,6 +61,62 @@ def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, 
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         med = float(t.item())
     return med
+
+
+def burst_ms(fns: dict[str, Callable[[], object]], device: torch.device, *, burst: int = 10, rounds: int = 7,
+             warmup: int = 3, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Median milliseconds per call of each function in bursts of ``burst`` back-to-back calls, the functions
+    interleaved round by round (every rank runs every function; the slowest rank's median)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if dist.is_initialized():
+                dist.barrier(group=group)
+            _sync(device)
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(burst):
+                    fn()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / burst)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(burst):
+                    fn()
+                times[name].append((time.perf_counter() - t0) * 1e3 / burst)
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    if dist.is_initialized():
+        t = torch.tensor(list(med.values()), dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        med = dict(zip(med, t.tolist()))
+    return med
+
+
+def kernel_ms(fn: Callable[[], object], device: torch.device, *, calls: int = 5) -> tuple[float, list[str]] | None:
+    """GPU kernel milliseconds per call of ``fn`` (the sum of its kernels' durations, from a profile of ``calls``
+    calls) and its kernels' names, longest first; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize(device)
+    per: dict[str, float] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.elapsed_us() > 0:
+            per[ev.name] = per.get(ev.name, 0.0) + ev.time_range.elapsed_us() / 1e3 / calls
+    names = sorted(per, key=per.get, reverse=True)
+    return sum(per.values()), [f"{n[:80]} {per[n] * 1e3:.1f}us" for n in names[:6]]
 
 
 def reset_peak(device: torch.device) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 
 import torch
@@ -47,6 +48,9 @@ def _fa2():
         return None, f"flash_attn is not importable ({type(e).__name__}: {e})"
     if _version(getattr(fa, "__version__", "0")) < _MIN_VERSION:
         return None, f"flash_attn {fa.__version__} is older than {'.'.join(map(str, _MIN_VERSION))}"
+    if importlib.util.find_spec("flash_attn_2_cuda") is None:
+        return None, ("flash_attn has no compiled extension flash_attn_2_cuda: a Python stand-in (such as the "
+                      "peers' shim routing to PyTorch's FA2) is not flash-attn; use kernel='flash'")
     return iface, None
 
 
