@@ -67,29 +67,33 @@ _FOLD = {torch.float16: (12, 2.0 ** -14), torch.float64: (60, 2.0 ** -900)}
 
 def _fold(do_BSHD: torch.Tensor, out_BSHD: torch.Tensor, dlse_BHS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dO', O')`` in the input dtype with ``rowsum(dO' O') = rowsum(dO O) - dlse`` (Note above)."""
-    if do_BSHD.is_cuda:
-        return _fused_fold()(do_BSHD, out_BSHD, dlse_BHS)
-    return _fold_eager(do_BSHD, out_BSHD, dlse_BHS)
+    B, S, H, Dv = do_BSHD.shape
+    k, floor = _FOLD.get(out_BSHD.dtype, (30, 2.0 ** -100))
+    rows = (do_BSHD.reshape(-1, Dv), out_BSHD.reshape(-1, Dv), dlse_BHS.transpose(1, 2).reshape(-1, 1))
+    fold = _fused_fold() if do_BSHD.is_cuda else _fold_rows
+    w, o = fold(*rows, 2.0 ** -k, floor)
+    return w.view(B, S, H, Dv), o.view(B, S, H, Dv)
 
 
 @functools.lru_cache(maxsize=1)
 def _fused_fold():
-    return torch.compile(_fold_eager, dynamic=True)
+    # default shapes: the row count turns dynamic on its second value, the head dim stays static, so the
+    # reduction over a row is one persistent pass (each input read once, each output written once)
+    return torch.compile(_fold_rows)
 
 
-def _fold_eager(do_BSHD: torch.Tensor, out_BSHD: torch.Tensor, dlse_BHS: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    acc = acc_dtype(out_BSHD.dtype)
-    k, floor = _FOLD.get(out_BSHD.dtype, (30, 2.0 ** -100))
-    do, out = do_BSHD.to(acc), out_BSHD.to(acc)
-    dl = dlse_BHS.to(acc).transpose(1, 2).unsqueeze(-1)                        # (B, S, H, 1)
-    tau = (dl.abs() * 2.0 ** -k).clamp_min(floor)
-    n2 = (do * do).sum(-1, keepdim=True)
-    small = n2 < tau * tau
-    w = do.clone()
-    w[..., :1] += torch.where(small, tau, 0.0)
-    out = out - dl * w / (w * w).sum(-1, keepdim=True)
-    return w.to(do_BSHD.dtype), out.to(out_BSHD.dtype)
+def _fold_rows(do: torch.Tensor, out: torch.Tensor, dl: torch.Tensor, rel: float, floor: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fold on ``(N, Dv)`` rows with ``dl (N, 1)``: ``tau = max(|dl| rel, floor)``, ``w = dO + tau e_0`` on
+    rows with ``|dO| < tau``, ``O' = O - dl w / |w|^2`` (``|w|^2`` from ``|dO|^2``: one reduction)."""
+    acc = acc_dtype(out.dtype)
+    g, o, d = do.to(acc), out.to(acc), dl.to(acc)
+    tau = (d.abs() * rel).clamp_min(floor)
+    n2 = (g * g).sum(-1, keepdim=True)
+    bump = torch.where(n2 < tau * tau, tau, torch.zeros_like(tau))
+    w = g + bump * (torch.arange(g.shape[-1], device=g.device) == 0)
+    ww = n2 + bump * (2 * g[:, :1] + bump)
+    return w.to(do.dtype), (o - d * w / ww).to(out.dtype)
 
 
 class GradRows:

@@ -117,6 +117,8 @@ def plot(rows: list[dict], path: str | Path) -> str | None:
     presets = sorted({r["preset"] for r in table})
     scaling = [r for r in rows if _ok(r) and r.get("scaling")]
     n = len(presets) + (1 if scaling else 0)
+    if n == 0:
+        return "no efficiency rows to plot (suite rows are in the suite table)"
     fig, axes = plt.subplots(n, 1, figsize=(12, 3.2 * n), squeeze=False)
     for ax, preset in zip(axes[:, 0], presets):
         sel = [r for r in table if r["preset"] == preset]
