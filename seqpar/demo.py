@@ -23,32 +23,17 @@ __all__ = ["demo_cases", "main"]
 
 
 def demo_cases(world: int, device: str) -> list[Case]:
-    """The demo's problems: a realistic small GQA attention (S = 1024 per process group, 8/2 heads, D = 64)."""
+    """The demo's problems: a realistic small GQA attention (S = 1024 per process group, 8/2 heads, D = 64),
+    with the rows every registered method declares (``Method.demo_cases``), in registry order."""
     dtype = "bfloat16" if device == "cuda" else "float32"
     seq = 256 * world if device == "cuda" else 1024
     base = Case(seq_len=seq, heads=8, kv_heads=2, head_dim=64, dtype=dtype, device=device,
                 kernel="auto", seed=1)
-    have = set(methods.available())
-    cases = [base.with_(method="ring", layout=lay) for lay in ("contiguous", "zigzag", "stripe")]
-    cases.append(base.with_(method="ring", layout="zigzag", causal=False))
-    if "allgather" in have:
-        cases += [base.with_(method="allgather", layout=lay) for lay in ("contiguous", "zigzag")]
-    if "ulysses" in have:
-        cases.append(base.with_(method="ulysses", layout="contiguous"))
-    if "usp" in have and world % 2 == 0 and world > 2:
-        cases += [base.with_(method="usp", layout=lay, ulysses=2) for lay in ("contiguous", "zigzag", "stripe")]
-    if "tokenring" in have:
-        cases.append(base.with_(method="tokenring", layout="zigzag"))
-    if "tasp" in have and world > 1:
-        d = 2 * world * (world - 1)          # TASP cuts each zigzag half into W-1 sub-chunks
-        cases.append(base.with_(method="tasp", layout="zigzag", seq_len=-(-seq // d) * d))
-    if "double_ring" in have and world % 2 == 0 and world > 2:
-        cases.append(base.with_(method="double_ring", layout="zigzag", options=(("node_size", 2),)))
-    docs = _documents(seq)
-    cases.append(base.with_(method="ring", layout="zigzag", cu_seqlens=docs))
-    if "allgather" in have:
-        cases.append(base.with_(method="allgather", layout="zigzag", cu_seqlens=docs))
-    cases.append(base.with_(method="ring", layout="contiguous", window=(seq // 8, 0)))
+    cases = []
+    for name in methods.available():
+        declared = methods.get(name).demo_cases
+        if declared is not None:
+            cases += [base.with_(method=name, **fields) for fields in declared(world, seq, _documents(seq))]
     return cases
 
 
@@ -62,7 +47,7 @@ def linear_cases(world: int, device: str) -> list[LinearCase]:
 
 
 def _documents(seq: int) -> tuple[int, ...]:
-    """Packed documents of uneven lengths, some spanning ranks, one of length 1."""
+    """Packed documents of uneven lengths, some spanning ranks, one of length 1 (what a row may pack)."""
     cuts = [0, seq // 16, seq // 16 + 1, seq // 3, (seq * 5) // 8, seq]
     return tuple(cuts)
 

@@ -16,7 +16,7 @@ import json
 from collections.abc import Sequence
 
 from .profile import builtin_profiles, load_profile
-from .search import ALL_METHODS, plan
+from .search import plan
 from .simulate import plot, simulate, table, to_records
 from .topology import PRESETS
 
@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"host (the profile's node) or one of {sorted(PRESETS)}; default: host when the GPUs fit "
                          "in one node, else nvswitch")
     ap.add_argument("--kernel", default=None, help="local kernel (default: the profile's default kernel)")
-    ap.add_argument("--methods", default="all", help="all, available (merged in this build) or a comma list")
+    ap.add_argument("--methods", default="all", help="all (every registered method with a cost model) or a comma list")
     ap.add_argument("--memory-gib", type=float, default=None, help="per-device memory limit (default: profile)")
     ap.add_argument("--top", type=int, default=None, help="ranking rows to print")
     ap.add_argument("--plot", default=None, help="write a PNG (needs matplotlib)")
@@ -68,14 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m seqpar plan``; returns the exit status."""
     args = _parser().parse_args(list(argv) if argv is not None else None)
     prof = load_profile(args.profile)
-    if args.methods == "available":
-        from .. import methods
-
-        names: tuple[str, ...] | str = tuple(m for m in ALL_METHODS if m in methods.available())
-    elif args.methods == "all":
-        names = "all"
-    else:
-        names = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    names: tuple[str, ...] | str = args.methods if args.methods in ("all", "available") else \
+        tuple(m.strip() for m in args.methods.split(",") if m.strip())
     common = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, batch=args.batch,
                   causal=args.causal, window=tuple(args.window), dtype=args.dtype, grad_dtype=args.grad_dtype,
                   profile=prof, kernel=args.kernel, memory_gib=args.memory_gib)
@@ -111,3 +105,4 @@ def _write_json(path: str, rows) -> None:
     with open(path, "w") as f:
         json.dump(to_records(rows), f, indent=1)
     print(f"wrote {path}")
+

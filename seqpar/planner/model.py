@@ -1,9 +1,19 @@
-"""The cost model: predicted forward and forward+backward time, bytes and peak memory of one method.
+"""The cost model's vocabulary and shared arithmetic: what every method's model is written in.
 
-One function per method (``ring``, ``allgather``, ``ulysses``, ``usp``, ``tokenring``, ``tasp``,
-``double_ring``), each ``(Problem, Candidate, Machine) -> Prediction``, following ALGORITHMS.md §12.2 step
-by step: per schedule step, the critical rank's kernel call (``work.py``), the bytes it moves, the time
-those bytes take on the machine's links (``topology.Network``), and whether the step hides them.
+A method's cost model is ``(Problem, Candidate, Machine) -> Prediction`` and lives in its own module
+(``Method.cost``); this module holds what those models share, and nothing that knows a method by name:
+
+    Problem, Candidate, Prediction, Machine   the question, a configuration, the answer, the hardware
+    Tally, Cost                               one pass accumulated step by step (Note [Step time])
+    steps, gather_blocks_of, whole            the critical rank's calls, dense or packed (Note [Packed batches])
+    passkv                                    the pass-KV ring (ring, and USP's ring over R ranks)
+    a2a_in, head_pipeline, ulysses_mem        Ulysses' all-to-alls, plain or pipelined over head groups
+    ulysses_why_not                           Ulysses' head-count rules (ulysses, usp)
+    base_mem, temps                           memory every schedule holds
+    ccr, pass_bytes, single_gpu_ms            ALGORITHMS.md §7.1 and §12.3 quantities, the yardstick
+
+It imports no method (``tests/test_layering.py``): methods import it, and the planner reaches the methods
+only through the registry (``seqpar.methods``).
 
 Note [Step time]
     On the device, an overlapped step (transfer posted before the compute it hides behind) lasts
@@ -23,35 +33,64 @@ Note [Step time]
     small ones host-bound.
 
 Note [Modelled as implemented]
-    The model follows the code where the code is written (``seqpar/methods/_passkv.py``) and the
-    algorithm notes where it is not yet: pass-KV backward waits for the running dK/dV of a block before
-    computing on it, so each dK/dV hop is exposed (``PASSKV_EXPOSED_DKV``); all-gather re-gathers K and V
-    in backward (one chunk exposed, as in forward) and, on zigzag, permutes each gathered chunk into
-    global order and each fp32 dK/dV chunk back (``index_select``); Ulysses packs q, k, v into one
-    all-to-all and returns out and lse in two (the second, a few hundred KB, costs about the a2a
-    latency); pass-Q partial outputs travel in the input dtype. Steps of pass-Q and TASP take the busiest rank's bytes
-    (lock-step), so TokenRing's "halves after the wrap" lower its total bytes but not its step time.
-    Change the constants below when the code changes; ``seqpar.planner.validate`` shows the effect.
-    Ulysses and USP with ``head_chunks`` > 1 pipeline their all-to-alls over head groups (Note [Head-group
-    pipeline] in ``seqpar.methods._ulysses``): ``_head_pipeline`` models that schedule.
+    The models follow the code where the code is written and the algorithm notes where it is not yet:
+    pass-KV backward waits for the running dK/dV of a block before computing on it, so each dK/dV hop is
+    exposed (``PASSKV_EXPOSED_DKV``); all-gather re-gathers K and V in backward (one chunk exposed, as in
+    forward) and, on layouts other than contiguous, permutes each gathered chunk into global order and
+    each fp32 dK/dV chunk back (``index_select``); Ulysses packs q, k, v into one all-to-all and returns
+    out and lse in two (the second, a few hundred KB, costs about the a2a latency); pass-Q partial outputs
+    travel in the input dtype (``PASSQ_PARTIAL_BYTES``). Steps of pass-Q and TASP take the busiest rank's
+    bytes (lock-step), so TokenRing's "halves after the wrap" lower its total bytes but not its step
+    time. Change the constants below when the code changes; ``seqpar.planner.validate`` shows the effect.
+    Ulysses and USP with ``head_chunks`` > 1 pipeline their all-to-alls over head groups (Note
+    [Head-group pipeline] in ``seqpar.methods._ulysses``): ``head_pipeline`` models that schedule.
 
-Memory (``peak_mem_bytes``) counts what one rank holds at the peak of the pass: inputs, outputs, the
-tensors autograd saves, and each method's buffers (ALGORITHMS.md §12.2 "Memory"); kernel workspaces and
-the caching allocator's slack are not counted.
+Note [Packed batches]
+    A packed batch (``Problem.documents``: the global ``cu_seqlens``, documents ``[a_d, b_d)``) changes the
+    work, never the bytes: a token sees only its own document, so a ring step moves whole blocks (L tokens
+    of KV, Q or partials, the bytes the dense model counts) while each rank's kernel work is what the
+    block planner leaves of the block. With ``rule`` the mask and ``seg_r`` rank r's positions cut at the
+    documents (``Segments.cut``):
+
+        w_r        = layouts.work.work(layout, S, rule, cu)[r]           rank r's visible pairs in the pass
+        p_r(s)     = layouts.work.block_work(seg_r, seg_src(r, s), rule)  rank r's pairs at step s
+        T_comp(s)  = kernel(Block(L, L, max_r p_r(s))) (+ merges)       the step waits for its busiest rank
+        imbalance  = max_r w_r / mean_r w_r      lockstep = sum_s max_r p_r(s) / mean_r w_r
+
+    ``src(r, s)`` is the rank whose block r holds at step s: ``r - s`` on a ring (pass-KV; pass-Q visits
+    the same pairs), the schedule's own map on a double ring. A step's time is then Note [Step time] with
+    that ``T_comp``: the critical rank's compute scales with its work, and a ring pays ``lockstep`` times
+    the balanced compute. All-gather runs one call per rank against the gathered keys,
+    ``Block(L, S, max_r w_r)``; Ulysses runs the whole sequence on H/U heads on every rank,
+    ``Block(S, S, sum_r w_r)`` (balanced by construction). The kernel rate is looked up at the block's
+    size (``Block.tokens``), not at the documents' lengths. A single document covering the sequence is
+    the dense model (``Problem`` drops it). Cost: ``W`` rank works (O(runs log D) each) and ``W x W``
+    block plans (O(runs log runs) each; 64 sampled query ranks beyond 64 ranks), never O(S).
+
+Memory (``base_mem``, ``temps`` and each method's buffers) counts what one rank holds at the peak of the
+pass: inputs, outputs, the tensors autograd saves, and the method's buffers (ALGORITHMS.md §12.2 "Memory");
+kernel workspaces and the caching allocator's slack are not counted.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..layouts import Layout, Rule, Segments, make_layout
+from ..layouts.work import block_work, work
 from .profile import Profile
 from .topology import Group, Network
 from .work import Block, gather_blocks, ring_steps, self_block
 
-__all__ = ["MODELS", "Candidate", "Machine", "Prediction", "Problem", "auto_head_chunks", "ccr", "head_chunk_valid",
-           "pass_bytes", "predict", "single_gpu_ms"]
+__all__ = ["BWD_FLOPS", "PASSKV_EXPOSED_DKV", "PASSQ_PARTIAL_BYTES", "Candidate", "Cost", "Machine", "Prediction",
+           "Problem", "Tally", "a2a_in", "auto_head_chunks", "balance", "base_mem", "ccr", "gather_blocks_of",
+           "head_chunk_valid", "head_chunks", "head_pipeline", "kv_wire_heads", "note_ccr", "packed_steps",
+           "pass_bytes", "passkv", "rank_work", "single_gpu_ms", "steps", "tallies", "temps", "ulysses_mem",
+           "ulysses_why_not", "whole"]
 
 #: pass-KV backward waits for the incoming dK/dV before the step's compute (``_passkv.backward``)
 PASSKV_EXPOSED_DKV = True
@@ -76,6 +115,9 @@ class Problem:
     dtype_bytes: int = 2
     grad_bytes: int = 4
     """Bytes per element of gradient partials on the wire (``grad_dtype``)."""
+    documents: tuple[int, ...] | None = None
+    """A packed batch's global ``cu_seqlens`` (0 first, the valid length last, at most ``seq_len``); None =
+    one document of ``seq_len`` tokens, the dense model (Note [Packed batches])."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "heads", "kv_heads", "head_dim", "batch", "world", "dtype_bytes", "grad_bytes"):
@@ -84,10 +126,22 @@ class Problem:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads must be a multiple of kv_heads, got {self.heads} and {self.kv_heads}")
+        if self.documents is not None:
+            docs = tuple(int(c) for c in self.documents)
+            ordered = all(a <= b for a, b in itertools.pairwise(docs))
+            if len(docs) < 2 or docs[0] != 0 or not ordered or docs[-1] > self.seq_len:
+                raise ValueError(f"documents (cu_seqlens) must start at 0, be non-decreasing and end at most at "
+                                 f"seq_len={self.seq_len}, got {docs[:4]}{'...' if len(docs) > 4 else ''}")
+            object.__setattr__(self, "documents", None if docs == (0, self.seq_len) else docs)
 
     @property
     def group_ratio(self) -> int:
         return self.heads // self.kv_heads
+
+    @property
+    def rule(self) -> Rule:
+        """The mask as the block planner reads it."""
+        return Rule(self.causal, self.window)
 
     def act(self, tokens: float, heads: float, nbytes: float | None = None) -> float:
         """Bytes of a ``(B, tokens, heads, D)`` tensor (input dtype unless ``nbytes``)."""
@@ -98,6 +152,14 @@ class Problem:
         return self.batch * tokens * heads * 4
 
 
+#: how an option shows in a label: (before the layout, format); any other option shows as ``{name}{value}``
+#: after the layout. These are the benchmark's names, which ``seqpar.planner.validate.parse_method`` reads back.
+_LABEL_FORMS = {"schedule": (True, "{}"), "node_size": (True, "n{}"), "heads_k_stride": (False, "stride{}"),
+                "head_chunks": (False, "head_chunks{}")}
+#: option values a label leaves out (defaults that change nothing)
+_UNSHOWN = {"heads_k_stride": None, "head_chunks": 1}
+
+
 @dataclass(frozen=True)
 class Candidate:
     """A method configuration: what ``seqpar.attention`` would be called with."""
@@ -105,28 +167,21 @@ class Candidate:
     method: str
     layout: str = "zigzag"
     ulysses: int = 1
-    """USP's Ulysses degree (its ring degree is ``world // ulysses``); 1 for every other method."""
+    """The Ulysses degree of a 2D method (its ring degree is ``world // ulysses``); 1 for 1D methods."""
     options: tuple[tuple[str, Any], ...] = ()
 
     def option(self, name: str, default: Any = None) -> Any:
         return dict(self.options).get(name, default)
 
-    def label(self, world: int) -> str:
-        """The benchmark's name for it: "ring/zigzag", "usp/u2r2/zigzag", "tasp/direct/zigzag", "ulysses"."""
-        parts = [self.method]
-        if self.method == "usp":
-            parts.append(f"u{self.ulysses}r{world // self.ulysses}")
-        if self.method == "tasp":
-            parts.append(str(self.option("schedule", "direct")))
-        if self.method == "double_ring":
-            parts.append(f"n{self.option('node_size')}")
-        if self.method != "ulysses":
-            parts.append(self.layout)
-        if self.method == "allgather" and self.option("heads_k_stride") is not None:
-            parts.append(f"stride{self.option('heads_k_stride')}")
-        if self.method in ("ulysses", "usp") and self.option("head_chunks", 1) != 1:
-            parts.append(f"head_chunks{self.option('head_chunks')}")
-        return "/".join(parts)
+    def label(self, world: int, show_layout: bool = True) -> str:
+        """The benchmark's name for it: "ring/zigzag", "usp/u2r2/zigzag", "tasp/direct/zigzag", "ulysses"
+        (``show_layout=False``: the planner leaves out the layout of a method that has only one)."""
+        shown = [(k, v) for k, v in self.options if _UNSHOWN.get(k, object()) != v]
+        before = [_LABEL_FORMS[k][1].format(v) for k, v in shown if _LABEL_FORMS.get(k, (False,))[0]]
+        after = [_LABEL_FORMS[k][1].format(v) if k in _LABEL_FORMS else f"{k}{v}" for k, v in shown
+                 if not _LABEL_FORMS.get(k, (False,))[0]]
+        degrees = [f"u{self.ulysses}r{world // self.ulysses}"] if self.ulysses > 1 else []
+        return "/".join([self.method, *degrees, *before, *([self.layout] if show_layout else []), *after])
 
 
 @dataclass(frozen=True)
@@ -147,6 +202,11 @@ class Prediction:
     fwd_exposed_comm_ms: float = 0.0
     compute_ms: float = 0.0
     """Forward+backward kernel and merge time (the part no schedule can remove)."""
+    work_imbalance: float = 1.0
+    """The busiest rank's attention work over the mean (Note [Packed batches]; 1 for the dense model)."""
+    lockstep: float = 1.0
+    """Summed over the steps, the busiest rank's work at each step, over the mean work: what a schedule whose
+    steps wait for their slowest rank pays against a balanced one (Note [Packed batches])."""
 
     def time_ms(self, mode: str) -> float:
         return self.fwd_ms if mode == "fwd" else self.fwd_bwd_ms
@@ -207,7 +267,7 @@ class Machine:
 
 
 @dataclass
-class _Tally:
+class Tally:
     """Accumulates one pass (forward or backward) step by step (Note [Step time])."""
 
     m: Machine
@@ -242,7 +302,7 @@ class _Tally:
         self.ms += comp
         self.compute += comp
 
-    def absorb(self, other: _Tally) -> None:
+    def absorb(self, other: Tally) -> None:
         """Another tally's steps run after this one's, in the same pass."""
         self.ms += other.ms
         self.host += other.host
@@ -255,18 +315,23 @@ class _Tally:
         return call + max(self.ms, self.host) + self.m.profile.host_overlap_loss * min(self.ms, self.host)
 
 
-def _tallies(m: Machine, method: str) -> tuple[_Tally, _Tally]:
+def tallies(m: Machine, method: str) -> tuple[Tally, Tally]:
     """Empty forward and backward tallies whose steps cost ``method``'s fixed step time."""
-    return _Tally(m, m.step_ms(method, "fwd")), _Tally(m, m.step_ms(method, "bwd"))
+    return Tally(m, m.step_ms(method, "fwd")), Tally(m, m.step_ms(method, "bwd"))
 
 
 @dataclass
-class _Cost:
-    fwd: _Tally
-    bwd: _Tally
+class Cost:
+    """A method's forward and backward tallies, peak memory per pass, notes and work balance, before they
+    become a ``Prediction``."""
+
+    fwd: Tally
+    bwd: Tally
     fwd_mem: float
     bwd_mem: float
     notes: list[str] = field(default_factory=list)
+    balance: tuple[float, float] = (1.0, 1.0)
+    """``(work_imbalance, lockstep)`` of the prediction (``balance()``)."""
 
     def prediction(self) -> Prediction:
         f, b = self.fwd, self.bwd
@@ -274,39 +339,117 @@ class _Cost:
         return Prediction(fwd_ms=t_f, fwd_bwd_ms=t_f + t_b, peak_mem_bytes=int(max(self.fwd_mem, self.bwd_mem)),
                           comm_bytes=int(f.sent + b.sent), exposed_comm_ms=f.exposed + b.exposed,
                           notes=tuple(self.notes), fwd_peak_mem_bytes=int(self.fwd_mem),
-                          fwd_comm_bytes=int(f.sent), fwd_exposed_comm_ms=f.exposed, compute_ms=f.compute + b.compute)
+                          fwd_comm_bytes=int(f.sent), fwd_exposed_comm_ms=f.exposed, compute_ms=f.compute + b.compute,
+                          work_imbalance=self.balance[0], lockstep=self.balance[1])
 
 
-def _base_mem(p: Problem) -> tuple[float, float]:
+def base_mem(p: Problem) -> tuple[float, float]:
     """(forward, forward+backward) bytes of the call's own tensors on one rank: inputs, outputs, grads."""
     L, H, Hkv = p.seq_len / p.world, p.heads, p.kv_heads
     qkvo = 2 * p.act(L, H) + 2 * p.act(L, Hkv) + p.rowstat(L, H)
     return qkvo, qkvo + p.act(L, H) + p.act(L, H) + 2 * p.act(L, Hkv)      # + dO, dq, dk, dv
 
 
-def _temps(p: Problem, L: float, heads: float, kv_heads: float) -> float:
+def temps(p: Problem, L: float, heads: float, kv_heads: float) -> float:
     """Backward temporaries every block schedule holds: one block's (dq, dk, dv) and Delta."""
     return p.act(L, heads) + p.act(L, 2 * kv_heads) + p.rowstat(L, heads)
 
 
-# --- pass-KV ring (ring, usp) ------------------------------------------------------------------------
-def _passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads: float, group: Group,
-            method: str) -> _Cost:
+# --- the critical rank's calls, dense or packed (Note [Packed batches]) ---------------------------------------
+def steps(p: Problem, layout: str, ranks: int) -> tuple[Block | None, ...]:
+    """The busiest rank's call at each step of a pass-KV ring of ``ranks`` ranks over ``layout`` (a pass-Q
+    ring visits the same pairs): closed form for one document (``work.ring_steps``), else ``packed_steps``."""
+    if p.documents is None:
+        return ring_steps(layout, ranks, p.seq_len, p.causal, p.window)
+    return packed_steps(p, layout, ranks, lambda r, s: (r - s) % ranks, ranks)
+
+
+def packed_steps(p: Problem, layout: str, ranks: int, source: Callable[[int, int], int], n: int,
+                 trim: bool = True) -> tuple[Block | None, ...]:
+    """Step s's call of the busiest rank, ``Block(L, L, max_r p_r(s))`` with rank r computing against the
+    block of rank ``source(r, s)`` (Note [Packed batches]); None where no rank computes. ``trim`` cuts the
+    trailing steps no rank computes on (a schedule that ends early, as pass-KV does)."""
+    lay = make_layout(layout, ranks, p.documents)
+    L = p.seq_len // ranks
+    out: list[Block | None] = []
+    for s in range(n):
+        most = max(_pairs(lay, p.seq_len, p.rule, p.documents, r, source(r, s)) for r in _sample(ranks))
+        out.append(Block(L, L, most) if most else None)
+    while trim and len(out) > 1 and out[-1] is None:
+        out.pop()
+    return tuple(out)
+
+
+def gather_blocks_of(p: Problem, layout: str) -> tuple[Block, ...]:
+    """The critical rank's calls against the whole gathered sequence (all-gather KV): closed form for one
+    document, else one call with the busiest rank's work (Note [Packed batches])."""
+    if p.documents is None:
+        return gather_blocks(layout, p.world, p.seq_len, p.causal, p.window)
+    w = rank_work(p, layout, p.world)
+    return (Block(p.seq_len // p.world, p.seq_len, max(w)),) if max(w) else ()
+
+
+def whole(p: Problem) -> Block:
+    """The whole sequence against itself: Ulysses' local call and the single-GPU yardstick."""
+    if p.documents is None:
+        return self_block(p.seq_len, p.causal, p.window)
+    return Block(p.seq_len, p.seq_len, sum(rank_work(p, "contiguous", 1)))
+
+
+def rank_work(p: Problem, layout: str, ranks: int) -> list[int]:
+    """Each rank's visible (query, key) pairs over a whole pass (``layouts.work.work``)."""
+    return work(make_layout(layout, ranks, p.documents), p.seq_len, p.rule, p.documents)
+
+
+def balance(p: Problem, layout: str, ranks: int, per_step: tuple[Block | None, ...] | None = None
+            ) -> tuple[float, float]:
+    """``(imbalance, lockstep)`` of Note [Packed batches] for ``ranks`` ranks over ``layout``; ``per_step``
+    the schedule's busiest calls (None: one call per rank, lockstep = imbalance)."""
+    w = rank_work(p, layout, ranks)
+    mean = sum(w) / ranks
+    if not mean:
+        return 1.0, 1.0
+    imbalance = max(w) / mean
+    if per_step is None:
+        return imbalance, imbalance
+    return imbalance, sum(b.pairs for b in per_step if b is not None) / mean
+
+
+@functools.lru_cache(maxsize=64)
+def _segments(layout: Layout, seq_len: int, documents: tuple[int, ...]) -> tuple[Segments, ...]:
+    return tuple(layout.segments(r, seq_len).cut(documents) for r in range(layout.world))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _pairs(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int, ...], q: int, k: int) -> int:
+    segs = _segments(layout, seq_len, documents)
+    return block_work(segs[q], segs[k], rule)
+
+
+def _sample(ranks: int) -> list[int]:
+    if ranks <= 64:
+        return list(range(ranks))
+    return sorted({round(i * (ranks - 1) / 63) for i in range(64)})
+
+
+# --- pass-KV ring (ring, usp) ---------------------------------------------------------------------------------
+def passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads: float, group: Group,
+           method: str) -> Cost:
     """Pass-KV ring of R ranks over S tokens with ``heads`` / ``kv_heads`` per rank (ALGORITHMS.md §3);
     its steps cost ``method``'s fixed step time."""
-    S, L = p.seq_len, p.seq_len / R
-    steps = ring_steps(layout, R, S, p.causal, p.window)
-    n = len(steps)
+    L = p.seq_len / R
+    calls = steps(p, layout, R)
+    n = len(calls)
     kv, dkv = p.act(L, 2 * kv_heads), p.act(L, 2 * kv_heads, p.grad_bytes)
     t_kv, t_dkv = m.comm_ms("ring", kv, group), m.comm_ms("ring", dkv, group)
-    f, b = _tallies(m, method)
-    for s, blk in enumerate(steps):
+    f, b = tallies(m, method)
+    for s, blk in enumerate(calls):
         more = s + 1 < n
         merge = m.merge_ms(p, blk.rows, heads) if (s and blk is not None) else 0.0
         f.step(m.kernel_ms(p, blk, heads) + merge, t_kv if more else 0.0, "ring", kv if more else 0.0)
     f.local(m.hbm_ms(p.act(L, heads, 4 + p.dtype_bytes)))                 # fp32 accumulator -> output dtype
     b.local(m.hbm_ms(p.act(L, heads, 2 * p.dtype_bytes)))                 # Delta = rowsum(dO * O)
-    for s, blk in enumerate(steps):
+    for s, blk in enumerate(calls):
         more = s + 1 < n
         if s and PASSKV_EXPOSED_DKV:
             b.wait(t_dkv)
@@ -315,34 +458,33 @@ def _passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads:
         b.step(m.kernel_ms(p, blk, heads, "bwd") + acc, comm, "ring", (kv + dkv) if more else 0.0)
     if n > 1:
         b.wait(t_dkv, dkv)                                                # the last dK/dV hop home
-    fwd_base, bwd_base = _base_mem(p)
+    fwd_base, bwd_base = base_mem(p)
     acc_f = p.act(L, heads, 4) + p.rowstat(L, heads)
     fwd_mem = 2 * kv + acc_f + p.act(L, heads)                            # stacked KV + next, accumulator, block out
     bwd_mem = p.act(L, heads, 4) + 2 * kv + 2 * p.act(L, 2 * kv_heads, max(4, p.grad_bytes)) \
-        + _temps(p, L, heads, kv_heads)
-    c = _Cost(f, b, fwd_base + fwd_mem, bwd_base + bwd_mem)
+        + temps(p, L, heads, kv_heads)
+    c = Cost(f, b, fwd_base + fwd_mem, bwd_base + bwd_mem)
     if n < R:
-        c.notes.append(f"window truncates the ring to {n} of {R} steps")
-    if p.causal and layout == "contiguous" and p.window == (-1, -1) and R > 1:
+        c.notes.append(f"window truncates the ring to {n} of {R} steps" if p.documents is None else
+                       f"documents end the ring after {n} of {R} steps")
+    if p.documents is not None:
+        c.balance = balance(p, layout, R, calls)
+        c.notes.append(f"busiest rank {c.balance[0]:.2f}x the mean work, steps wait for it: {c.balance[1]:.2f}x")
+    elif p.causal and layout == "contiguous" and p.window == (-1, -1) and R > 1:
         c.notes.append(f"contiguous causal: the last rank does {2 * R - 1} of {R} average units "
                        f"(bound {R / (2 * R - 1):.0%})")
     return c
 
 
-def ring(p: Problem, c: Candidate, m: Machine) -> Prediction:
-    """Pass-KV ring over all W ranks, any layout (ALGORITHMS.md §3, §12.2)."""
-    cost = _passkv(p, m, c.layout, p.world, p.heads, p.kv_heads, Group(p.world), "ring")
-    return _note_ccr(cost, p, m, p.world).prediction()
-
-
-def _note_ccr(cost: _Cost, p: Problem, m: Machine, R: int) -> _Cost:
+def note_ccr(cost: Cost, p: Problem, m: Machine, R: int) -> Cost:
+    """Adds the compute-to-communication ratio of one pass-KV step over R ranks to the notes."""
     if R > 1:
         r = ccr(p, m, R=R)
         cost.notes.append(f"CCR {r:.2f} per zigzag step" + (" (communication-bound)" if r < 1 else ""))
     return cost
 
 
-# --- Ulysses (ulysses, usp) ---------------------------------------------------------------------------
+# --- Ulysses (ulysses, usp) -----------------------------------------------------------------------------------
 def kv_wire_heads(kv_heads: int, U: int) -> int:
     """KV heads a rank sends in the Ulysses all-to-all (ALGORITHMS.md §5.2): Hkv, or U when Hkv | U < ..."""
     return kv_heads if kv_heads % U == 0 else U
@@ -378,7 +520,7 @@ def _a2a_bytes(p: Problem, U: int, L: float, chunks: int = 1) -> _A2A:
                 pack=2 * (p.act(L, H + 2 * hw) + p.act(L, H)))           # pack + unpack, both directions
 
 
-def _a2a_in(p: Problem, m: Machine, U: int, L: float, f: _Tally, b: _Tally) -> None:
+def a2a_in(p: Problem, m: Machine, U: int, L: float, f: Tally, b: Tally) -> None:
     """Ulysses' sequence <-> head all-to-alls on one rank holding L tokens, forward and backward."""
     a = _a2a_bytes(p, U, L)
     for tally, first, last in ((f, a.fwd_in, a.fwd_out), (b, a.bwd_in, a.bwd_out)):
@@ -387,7 +529,6 @@ def _a2a_in(p: Problem, m: Machine, U: int, L: float, f: _Tally, b: _Tally) -> N
         tally.wait(a.ms(m, U, last), sum(last))
 
 
-# [head-group pipeline] ------------------------------------------------------------------------------
 def head_chunk_valid(heads: int, kv_heads: int, U: int, c: int) -> bool:
     """c head groups each keep the slot rules over U (mirrors ``_ulysses.head_chunk_counts``)."""
     if c < 1 or heads % c or kv_heads % c:
@@ -398,8 +539,8 @@ def head_chunk_valid(heads: int, kv_heads: int, U: int, c: int) -> bool:
 
 def auto_head_chunks(heads: int, kv_heads: int, U: int) -> int:
     """``head_chunks="auto"``, as ``seqpar.methods._ulysses.auto_head_chunks`` decides it (a test keeps the two
-    equal; the planner never imports a method's internals): the largest c <= 4 with every group free of KV
-    replication and at least 2 query heads per rank, 1 when U == 1."""
+    equal): the largest c <= 4 with every group free of KV replication and at least 2 query heads per rank,
+    1 when U == 1."""
     if U == 1:
         return 1
     for c in range(4, 1, -1):
@@ -408,14 +549,28 @@ def auto_head_chunks(heads: int, kv_heads: int, U: int) -> int:
     return 1
 
 
+def ulysses_why_not(p: Problem, U: int, chunks: Any) -> list[str]:
+    """The head-count rules of a Ulysses axis of degree U with ``head_chunks=chunks`` (ALGORITHMS.md §5.2,
+    Note [Head-group pipeline]) that ``p`` breaks; empty when it can run."""
+    why = []
+    if p.heads % U:
+        why.append(f"ulysses degree {U} must divide heads={p.heads}")
+    if p.kv_heads % U and U % p.kv_heads:
+        why.append(f"ulysses degree {U} and kv_heads={p.kv_heads} must divide one another")
+    if chunks != "auto" and not (isinstance(chunks, int) and head_chunk_valid(p.heads, p.kv_heads, U, chunks)):
+        why.append(f"head_chunks {chunks!r} must split heads={p.heads} and kv_heads={p.kv_heads} into groups "
+                   f"that keep the slot rules over degree {U}")
+    return why
+
+
 def head_chunks(p: Problem, c: Candidate, U: int) -> int:
     """The candidate's ``head_chunks`` as a group count (1 when absent)."""
     v = c.option("head_chunks", 1)
     return auto_head_chunks(p.heads, p.kv_heads, U) if v == "auto" else int(v)
 
 
-def _head_pipeline(p: Problem, m: Machine, U: int, L: float, chunks: int, eng_f: _Tally, eng_b: _Tally
-                   ) -> tuple[_Tally, _Tally]:
+def head_pipeline(p: Problem, m: Machine, U: int, L: float, chunks: int, eng_f: Tally, eng_b: Tally
+                  ) -> tuple[Tally, Tally]:
     """Forward and backward of ``chunks`` head groups, ``eng_f`` / ``eng_b`` being ONE group's engine.
 
     Group 0's inputs and the last group's outputs are exposed; the others move beside a group's engine
@@ -423,7 +578,7 @@ def _head_pipeline(p: Problem, m: Machine, U: int, L: float, chunks: int, eng_f:
     engine's own steps carrying their fixed costs.
     """
     a = _a2a_bytes(p, U, L, chunks)
-    f, b = _Tally(m), _Tally(m)
+    f, b = Tally(m), Tally(m)
     for tally, eng, first, last in ((f, eng_f, a.fwd_in, a.fwd_out), (b, eng_b, a.bwd_in, a.bwd_out)):
         t_in, t_out = a.ms(m, U, first), a.ms(m, U, last)
         tally.local(m.hbm_ms(chunks * a.pack))
@@ -440,233 +595,18 @@ def _head_pipeline(p: Problem, m: Machine, U: int, L: float, chunks: int, eng_f:
     return f, b
 
 
-def _ulysses_mem(p: Problem, U: int, L: float) -> tuple[float, float]:
+def ulysses_mem(p: Problem, U: int, L: float) -> tuple[float, float]:
+    """(forward, backward) bytes the Ulysses sandwich adds on one rank of degree U holding L tokens."""
     H, hw = p.heads, kv_wire_heads(p.kv_heads, U)
     t = p.act(L, H + 2 * hw)                                              # q, k, v in either sharding
     saved = t + p.act(L, H) + p.rowstat(L, H)                             # head-sharded q, k, v, out, lse
     return 2 * t + 2 * p.act(L, H), saved + 2 * p.act(L, H) + 2 * t
 
 
-def ulysses(p: Problem, c: Candidate, m: Machine) -> Prediction:
-    """All-to-all to head-sharded full sequences, one local call, all-to-all back (ALGORITHMS.md §5)."""
-    U, S, L = p.world, p.seq_len, p.seq_len / p.world
-    chunks = head_chunks(p, c, U)
-    blk = self_block(S, p.causal, p.window)
-    if chunks == 1:
-        f, b = _tallies(m, "ulysses")
-        _a2a_in(p, m, U, L, f, b)
-        f.step(m.kernel_ms(p, blk, p.heads / U))
-        b.step(m.kernel_ms(p, blk, p.heads / U, "bwd"))
-    else:                                                                 # [head-group pipeline]
-        eng_f, eng_b = _tallies(m, "ulysses")
-        eng_f.step(m.kernel_ms(p, blk, p.heads / (U * chunks)))
-        eng_b.step(m.kernel_ms(p, blk, p.heads / (U * chunks), "bwd"))
-        f, b = _head_pipeline(p, m, U, L, chunks, eng_f, eng_b)
-    fb, bb = _base_mem(p)
-    fm, bm = _ulysses_mem(p, U, L)
-    cost = _Cost(f, b, fb + fm, bb + bm)
-    if p.kv_heads % U:
-        cost.notes.append(f"kv_heads={p.kv_heads} < degree {U}: each KV head goes to {U // p.kv_heads} ranks "
-                          f"(on the wire only)")
-    if chunks == 1:
-        cost.notes.append("no overlap: both all-to-alls are exposed; bytes shrink as 1/W")
-    else:
-        cost.notes.append(f"{chunks} head groups pipelined: 1/{chunks} of each all-to-all direction exposed")
-    return cost.prediction()
-
-
-def usp(p: Problem, c: Candidate, m: Machine) -> Prediction:
-    """Ulysses over U (inside a node) x pass-KV ring over R = W/U (ALGORITHMS.md §6)."""
-    U, R = c.ulysses, p.world // c.ulysses
-    L = p.seq_len / p.world
-    hw = kv_wire_heads(p.kv_heads, U)
-    chunks = head_chunks(p, c, U)
-    if chunks > 1:                      # [head-group pipeline]: the ring runs per group, a2a's beside it
-        hwc = kv_wire_heads(p.kv_heads // chunks, U)
-        cost = _passkv(p, m, c.layout, R, p.heads / (U * chunks), hwc / U, Group(R, U), "usp")
-        cost.fwd, cost.bwd = _head_pipeline(p, m, U, L, chunks, cost.fwd, cost.bwd)
-        cost.notes.append(f"{chunks} head groups pipelined: the ring of one group hides the next group's "
-                          f"all-to-all")
-    else:
-        cost = _passkv(p, m, c.layout, R, p.heads / U, hw / U, Group(R, U), "usp")
-        pre_f, pre_b = _Tally(m), _Tally(m)
-        _a2a_in(p, m, U, L, pre_f, pre_b)
-        cost.fwd.absorb(pre_f)
-        cost.bwd.absorb(pre_b)
-    fm, bm = _ulysses_mem(p, U, L)
-    cost.fwd_mem += fm
-    cost.bwd_mem += bm
-    if hw > p.kv_heads:
-        cost.notes.append(f"KV replicated {U // p.kv_heads}x for Ulysses also travels the ring")
-    return _note_ccr(cost, p, m, R).prediction()
-
-
-# --- all-gather KV ------------------------------------------------------------------------------------
-def allgather(p: Problem, c: Candidate, m: Machine) -> Prediction:
-    """All-gather K, V per head chunk; reduce-scatter dK, dV (ALGORITHMS.md §4)."""
-    W, S, L = p.world, p.seq_len, p.seq_len / p.world
-    stride = c.option("heads_k_stride") or p.kv_heads
-    nc = p.kv_heads // stride
-    heads = stride * p.group_ratio
-    blocks = gather_blocks(c.layout, W, S, p.causal, p.window)
-    perm = m.permute_ms(p.batch * S * 2 * stride * p.head_dim) if c.layout == "zigzag" and W > 1 else 0.0
-    cf = sum(m.kernel_ms(p, blk, heads) for blk in blocks) + perm
-    cb = sum(m.kernel_ms(p, blk, heads, "bwd") for blk in blocks) + 2 * perm \
-        + m.hbm_ms(sum(p.act(blk.cols, 2 * stride, 8) for blk in blocks))           # KV into order, dK/dV back
-    g_bytes = (W - 1) * p.act(L, 2 * stride)
-    r_bytes = (W - 1) * p.act(L, 2 * stride, p.grad_bytes)
-    grp = Group(W)
-    t_ag, t_rs = m.comm_ms("allgather", g_bytes, grp), m.comm_ms("reduce_scatter", r_bytes, grp)
-    f, b = _tallies(m, "allgather")
-    f.wait(t_ag, g_bytes)                                                 # the first chunk's gather
-    for i in range(nc):
-        more = i + 1 < nc
-        f.step(cf, t_ag if more else 0.0, "allgather", g_bytes if more else 0.0)
-    b.wait(t_ag, g_bytes)                                                 # backward re-gathers
-    for i in range(nc):
-        comm = (t_ag if i + 1 < nc else 0.0) + (t_rs if i else 0.0)
-        b.step(cb, comm, "allgather", (g_bytes if i + 1 < nc else 0.0) + (r_bytes if i else 0.0))
-    b.wait(t_rs, r_bytes)
-    bufs = 2 if nc > 1 else 1
-    gathered = bufs * p.act(S, 2 * stride)
-    fb, bb = _base_mem(p)
-    cost = _Cost(f, b, fb + gathered + p.act(L, p.heads),
-                 bb + gathered + bufs * p.act(S, 2 * stride, 4) + p.act(L, p.heads, 4))
-    if nc == 1:
-        cost.notes.append("one round: the gather is exposed; the whole sequence's KV is held")
-    else:
-        cost.notes.append(f"{nc} head chunks pipelined (heads_k_stride={stride})")
-    if p.causal and c.layout == "contiguous" and W > 1:
-        cost.notes.append(f"contiguous causal: the last rank does {2 * W - 1} of {W} average units")
-    return cost.prediction()
-
-
-# --- pass-Q (tokenring) -------------------------------------------------------------------------------
-def tokenring(p: Problem, c: Candidate, m: Machine) -> Prediction:
-    """Q travels; partial outputs return directly to their owner (ALGORITHMS.md §7.2, §7.4)."""
-    W, S, L, H = p.world, p.seq_len, p.seq_len / p.world, p.heads
-    layout = "zigzag" if p.causal else c.layout
-    steps = ring_steps(layout, W, S, p.causal, p.window)
-    n = len(steps)
-    q = p.act(L, H)
-    o = p.act(L, H, PASSQ_PARTIAL_BYTES) + p.rowstat(L, H)
-    bundle = 2 * p.act(L, H) + 2 * p.rowstat(L, H)                        # Q, dO, lse, Delta
-    dq = p.act(L, H, p.grad_bytes)
-    share = 0.75 if p.causal else 1.0                                     # halves travel after the wrap
-    f, b = _tallies(m, "tokenring")
-    for s, blk in enumerate(steps):
-        link = (q if s + 1 < n else 0.0) + (o if s >= 2 else 0.0)
-        merge = m.merge_ms(p, L, H) if s >= 2 else 0.0
-        f.step(m.kernel_ms(p, blk, H) + merge, m.comm_ms("ring2", link, Group(W)), "ring2", share * link)
-    if n > 1:
-        f.wait(m.comm_ms("ring", o, Group(W)), share * o)
-        f.local(m.merge_ms(p, L, H))
-    for s, blk in enumerate(steps):
-        link = (bundle if s + 1 < n else 0.0) + (dq if s >= 2 else 0.0)
-        acc = 0.0 if blk is None else m.hbm_ms(p.act(blk.rows, H, 10) + p.act(blk.cols, 2 * p.kv_heads, 10))
-        b.step(m.kernel_ms(p, blk, H, "bwd") + acc, m.comm_ms("ring2", link, Group(W)), "ring2", share * link)
-    if n > 1:
-        b.wait(m.comm_ms("ring", dq, Group(W)), share * dq)
-    fb, bb = _base_mem(p)
-    fwd_mem = 2 * q + 2 * o + p.act(L, H, 4) + p.rowstat(L, H) + p.act(L, H)
-    bwd_mem = 2 * bundle + 2 * dq + p.act(L, H, 4) + p.act(L, 2 * p.kv_heads, 4) + _temps(p, L, H, p.kv_heads)
-    cost = _Cost(f, b, fb + fwd_mem, bb + bwd_mem)
-    ratio = pass_bytes(p, "q", "fwd") / pass_bytes(p, "kv", "fwd")
-    cost.notes.append(f"pass-Q moves {ratio:.2f}x pass-KV's bytes per step (g={p.group_ratio})")
-    return cost.prediction()
-
-
-# --- TASP ---------------------------------------------------------------------------------------------
-def tasp(p: Problem, c: Candidate, m: Machine) -> Prediction:
-    """KV in W-1 sub-chunks over all W-1 links per round (ALGORITHMS.md §8.2-8.5)."""
-    W, S, L = p.world, p.seq_len, p.seq_len / p.world
-    schedule = c.option("schedule", "direct")
-    pattern = "cycles" if schedule == "cycles" else "allpairs"
-    layout = "zigzag" if p.causal else c.layout
-    steps = ring_steps(layout, W, S, p.causal, p.window)
-    n = len(steps)
-    kv, dkv = p.act(L, 2 * p.kv_heads), p.act(L, 2 * p.kv_heads, p.grad_bytes)
-    grp = Group(W)
-    t_kv, t_kvd, t_dkv = (m.comm_ms(pattern, x, grp) for x in (kv, kv + dkv, dkv))
-    extra_launch = m.profile.launch_us * 1e-3 if p.causal else 0.0       # M and P sub-chunks: two calls
-    f, b = _tallies(m, "tasp")
-    for s, blk in enumerate(steps):
-        more = s + 1 < n
-        comp = m.kernel_ms(p, blk, p.heads) + (m.merge_ms(p, blk.rows, p.heads) + extra_launch if s and blk else 0.0)
-        f.step(comp, t_kv if more else 0.0, pattern, kv if more else 0.0)
-    for s, blk in enumerate(steps):
-        more = s + 1 < n
-        back = s >= 2                                                     # partials of round s-1 go home
-        comm = t_kvd if (more and back) else (t_kv if more else (t_dkv if back else 0.0))
-        sent = (kv if more else 0.0) + (dkv if back else 0.0)
-        b.step(m.kernel_ms(p, blk, p.heads, "bwd") + (extra_launch if s else 0.0), comm, pattern, sent)
-    if n > 1:
-        b.wait(t_dkv, dkv)
-    fb, bb = _base_mem(p)
-    acc = p.act(L, p.heads, 4) + p.rowstat(L, p.heads)
-    dkv32 = p.act(L, 2 * p.kv_heads, 4)
-    cost = _Cost(f, b, fb + 3 * kv + acc + p.act(L, p.heads),                # own KV + two receive buffers
-                 bb + 3 * kv + 3 * dkv32 + p.act(L, p.heads, 4) + _temps(p, L, p.heads, p.kv_heads))
-    cost.notes.append(f"{schedule}: every round uses all {W - 1} links of each rank")
-    return cost.prediction()
-
-
-# --- double ring --------------------------------------------------------------------------------------
-def double_ring(p: Problem, c: Candidate, m: Machine) -> Prediction:
-    """Inner ring in a node, outer ring across nodes, hidden behind a whole inner pass (ALGORITHMS.md §9)."""
-    W, S, L = p.world, p.seq_len, p.seq_len / p.world
-    w = int(c.option("node_size"))
-    Wo = W // w
-    steps = list(ring_steps("zigzag", W, S, p.causal, p.window))
-    steps += [None] * (W - len(steps))
-    kv, dkv = p.act(L, 2 * p.kv_heads), p.act(L, 2 * p.kv_heads, p.grad_bytes)
-    inner, outer = Group(w), Group(Wo, w)
-    f, b = _tallies(m, "double_ring")
-    for tally, direction in ((f, "fwd"), (b, "bwd")):
-        pay = kv if direction == "fwd" else kv + dkv
-        t_in, t_out = m.comm_ms("ring", pay, inner), m.comm_ms("ring", pay, outer)
-        last_pass = 0.0
-        for j in range(Wo):
-            if j:
-                tally.wait(max(0.0, t_out - last_pass), pay)
-            last_pass = 0.0
-            for s in range(w):
-                blk = steps[j * w + s]
-                comp = m.kernel_ms(p, blk, p.heads, direction)
-                if direction == "fwd" and (j or s) and blk is not None:
-                    comp += m.merge_ms(p, blk.rows, p.heads)
-                more = s + 1 < w
-                last_pass += tally.step(comp, t_in if more else 0.0, "ring", pay if more else 0.0)
-            if direction == "bwd" and w > 1:
-                tally.wait(m.comm_ms("ring", dkv, inner), dkv)            # dK/dV back to the pass's first rank
-        if direction == "bwd" and Wo > 1:
-            tally.wait(m.comm_ms("ring", dkv, outer), dkv)                # the last outer hop home
-    fb, bb = _base_mem(p)
-    acc = p.act(L, p.heads, 4) + p.rowstat(L, p.heads)
-    dkv32 = p.act(L, 2 * p.kv_heads, 4)
-    cost = _Cost(f, b, fb + 4 * kv + acc + p.act(L, p.heads),                # current, inner next, outer x2
-                 bb + 4 * kv + 4 * dkv32 + p.act(L, p.heads, 4) + _temps(p, L, p.heads, p.kv_heads))
-    t_hide = m.comm_ms("ring", kv, outer)
-    cost.notes.append(f"outer hop {t_hide:.2f} ms hides behind {w} inner steps")
-    return cost.prediction()
-
-
-MODELS: dict[str, Callable[[Problem, Candidate, Machine], Prediction]] = {
-    "ring": ring, "allgather": allgather, "ulysses": ulysses, "usp": usp, "tokenring": tokenring, "tasp": tasp,
-    "double_ring": double_ring,
-}
-
-
-def predict(p: Problem, c: Candidate, m: Machine) -> Prediction:
-    """The prediction of ``c`` (any method in ``MODELS``) on ``p`` and ``m``, per-call fixed costs included."""
-    if c.method not in MODELS:
-        raise ValueError(f"method must be one of {sorted(MODELS)}, got {c.method!r}")
-    return MODELS[c.method](p, c, m)
-
-
+# --- ALGORITHMS.md quantities ---------------------------------------------------------------------------------
 def single_gpu_ms(p: Problem, m: Machine, mode: str) -> float:
     """The yardstick: one GPU's kernel time on the whole problem, divided by W (efficiency = this / time)."""
-    blk = self_block(p.seq_len, p.causal, p.window)
+    blk = whole(p)
     t = m.kernel_ms(p, blk, p.heads)
     if mode != "fwd":
         t += m.kernel_ms(p, blk, p.heads, "bwd")
@@ -697,7 +637,8 @@ def ccr(p: Problem, m: Machine | None = None, *, R: int | None = None, tflops: f
     flops = 4.0 * p.batch * L * L * p.heads * p.head_dim * (0.5 if causal else 1.0)
     kv = p.act(L, 2 * p.kv_heads)
     if tflops is None:
-        assert m is not None
+        if m is None:
+            raise ValueError("ccr needs a Machine or explicit tflops, got neither")
         tflops = m.profile.rate_tflops(m.kernel, "full", "fwd", L / (2 ** 0.5 if causal else 1.0))
     t_comm = kv / (gbps * 1e9) if gbps is not None else (m.comm_ms("ring", kv, Group(R)) * 1e-3 if m else 0.0)
     return (flops / (tflops * 1e12)) / t_comm
