@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 
 from .profile import builtin_profiles, load_profile
@@ -106,3 +107,6 @@ def _write_json(path: str, rows) -> None:
         json.dump(to_records(rows), f, indent=1)
     print(f"wrote {path}")
 
+
+if __name__ == "__main__":
+    sys.exit(main())
