@@ -52,7 +52,6 @@ from ..layouts import Layout
 from ..layouts.blocks import Rule, Run, Segments, Task, plan
 from ..numerics import GradRows, acc_dtype, wire_dtype
 from ..planner import model
-from ..planner.topology import Group
 from ..runtime.loop import Loop, run_steps
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
@@ -335,7 +334,7 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
         + m.hbm_ms(sum(p.act(blk.cols, 2 * stride, 8) for blk in blocks))           # KV into order, dK/dV back
     g_bytes = (W - 1) * p.act(L, 2 * stride)
     r_bytes = (W - 1) * p.act(L, 2 * stride, p.grad_bytes)
-    grp = Group(W)
+    grp = model.Group(W)
     t_ag, t_rs = m.comm_ms("allgather", g_bytes, grp), m.comm_ms("reduce_scatter", r_bytes, grp)
     f, b = model.tallies(m, "allgather")
     f.wait(t_ag, g_bytes)                                                 # the first chunk's gather

@@ -46,7 +46,6 @@ from ..layouts import Layout
 from ..layouts.blocks import Rule, Task, plan
 from ..numerics import acc_dtype, wire_dtype
 from ..planner import model
-from ..planner.topology import Group
 from ..runtime.loop import Double, Loop, run_steps
 from ._shared import pack_kv, unpack_kv
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
@@ -294,7 +293,7 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
     Wo = W // w
     steps = _steps(p, c.layout, w)
     kv, dkv = p.act(L, 2 * p.kv_heads), p.act(L, 2 * p.kv_heads, p.grad_bytes)
-    inner, outer = Group(w), Group(Wo, w)
+    inner, outer = model.Group(w), model.Group(Wo, w)
     f, b = model.tallies(m, "double_ring")
     for tally, direction in ((f, "fwd"), (b, "bwd")):
         pay = kv if direction == "fwd" else kv + dkv

@@ -22,7 +22,6 @@ from ..errors import rank_suffix
 from ..kernels.executor import TaskRunner
 from ..numerics import GradRows
 from ..planner import model
-from ..planner.topology import Group
 from . import _passkv
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
@@ -79,7 +78,7 @@ class _Engine:
 def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Prediction:
     """Pass-KV ring over all W ranks, any layout (ALGORITHMS.md §3, §12.2); ``head_chunks`` is not modelled
     (the same bytes and work in c passes)."""
-    cost = model.passkv(p, m, c.layout, p.world, p.heads, p.kv_heads, Group(p.world), "ring")
+    cost = model.passkv(p, m, c.layout, p.world, p.heads, p.kv_heads, model.Group(p.world), "ring")
     return model.note_ccr(cost, p, m, p.world).prediction()
 
 

@@ -28,7 +28,6 @@ from ..kernels.executor import TaskRunner
 from ..layouts import Layout, make_layout
 from ..layouts.subchunks import Subchunked
 from ..planner import model
-from ..planner.topology import Group
 from . import _tasp
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
@@ -80,7 +79,7 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
     steps = model.steps(p, c.layout, W)
     n = len(steps)
     kv, dkv = p.act(L, 2 * p.kv_heads), p.act(L, 2 * p.kv_heads, p.grad_bytes)
-    grp = Group(W)
+    grp = model.Group(W)
     t_kv, t_kvd, t_dkv = (m.comm_ms(pattern, x, grp) for x in (kv, kv + dkv, dkv))
     extra_launch = m.profile.launch_us * 1e-3 if p.causal else 0.0       # M and P sub-chunks: two calls
     f, b = model.tallies(m, "tasp")

@@ -17,7 +17,6 @@ from __future__ import annotations
 from ..comm.ring import Ring
 from ..kernels.executor import TaskRunner
 from ..planner import model
-from ..planner.topology import Group
 from . import _passq
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
@@ -60,16 +59,16 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
     for s, blk in enumerate(steps):
         link = (q if s + 1 < n else 0.0) + (o if s >= 2 else 0.0)
         merge = m.merge_ms(p, L, H) if s >= 2 else 0.0
-        f.step(m.kernel_ms(p, blk, H) + merge, m.comm_ms("ring2", link, Group(W)), "ring2", share * link)
+        f.step(m.kernel_ms(p, blk, H) + merge, m.comm_ms("ring2", link, model.Group(W)), "ring2", share * link)
     if n > 1:
-        f.wait(m.comm_ms("ring", o, Group(W)), share * o)
+        f.wait(m.comm_ms("ring", o, model.Group(W)), share * o)
         f.local(m.merge_ms(p, L, H))
     for s, blk in enumerate(steps):
         link = (bundle if s + 1 < n else 0.0) + (dq if s >= 2 else 0.0)
         acc = 0.0 if blk is None else m.hbm_ms(p.act(blk.rows, H, 10) + p.act(blk.cols, 2 * p.kv_heads, 10))
-        b.step(m.kernel_ms(p, blk, H, "bwd") + acc, m.comm_ms("ring2", link, Group(W)), "ring2", share * link)
+        b.step(m.kernel_ms(p, blk, H, "bwd") + acc, m.comm_ms("ring2", link, model.Group(W)), "ring2", share * link)
     if n > 1:
-        b.wait(m.comm_ms("ring", dq, Group(W)), share * dq)
+        b.wait(m.comm_ms("ring", dq, model.Group(W)), share * dq)
     fb, bb = model.base_mem(p)
     fwd_mem = 2 * q + 2 * o + p.act(L, H, 4) + p.rowstat(L, H) + p.act(L, H)
     bwd_mem = 2 * bundle + 2 * dq + p.act(L, H, 4) + p.act(L, 2 * p.kv_heads, 4) + model.temps(p, L, H, p.kv_heads)

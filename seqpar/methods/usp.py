@@ -31,7 +31,6 @@ from ..kernels.executor import TaskRunner
 from ..layouts import Layout, Nested, make_layout
 from ..numerics import acc_dtype
 from ..planner import model
-from ..planner.topology import Group
 from . import _passkv, _ulysses
 from .base import LONG_CONTEXT, Call, Method
 
@@ -93,12 +92,12 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
     chunks = model.head_chunks(p, c, U)
     if chunks > 1:                      # [head-group pipeline]: the ring runs per group, a2a's beside it
         hwc = model.kv_wire_heads(p.kv_heads // chunks, U)
-        cost = model.passkv(p, m, c.layout, R, p.heads / (U * chunks), hwc / U, Group(R, U), "usp")
+        cost = model.passkv(p, m, c.layout, R, p.heads / (U * chunks), hwc / U, model.Group(R, U), "usp")
         cost.fwd, cost.bwd = model.head_pipeline(p, m, U, L, chunks, cost.fwd, cost.bwd)
         cost.notes.append(f"{chunks} head groups pipelined: the ring of one group hides the next group's "
                           f"all-to-all")
     else:
-        cost = model.passkv(p, m, c.layout, R, p.heads / U, hw / U, Group(R, U), "usp")
+        cost = model.passkv(p, m, c.layout, R, p.heads / U, hw / U, model.Group(R, U), "usp")
         pre_f, pre_b = model.Tally(m), model.Tally(m)
         model.a2a_in(p, m, U, L, pre_f, pre_b)
         cost.fwd.absorb(pre_f)

@@ -4,6 +4,7 @@ A method's cost model is ``(Problem, Candidate, Machine) -> Prediction`` and liv
 (``Method.cost``); this module holds what those models share, and nothing that knows a method by name:
 
     Problem, Candidate, Prediction, Machine   the question, a configuration, the answer, the hardware
+    Group                                     ranks placed on the topology (``topology.Group``)
     Tally, Cost                               one pass accumulated step by step (Note [Step time])
     steps, gather_blocks_of, whole            the critical rank's calls, dense or packed (Note [Packed batches])
     passkv                                    the pass-KV ring (ring, and USP's ring over R ranks)
@@ -86,11 +87,11 @@ from .profile import Profile
 from .topology import Group, Network
 from .work import Block, gather_blocks, ring_steps, self_block
 
-__all__ = ["BWD_FLOPS", "PASSKV_EXPOSED_DKV", "PASSQ_PARTIAL_BYTES", "Candidate", "Cost", "Machine", "Prediction",
-           "Problem", "Tally", "a2a_in", "auto_head_chunks", "balance", "base_mem", "ccr", "gather_blocks_of",
-           "head_chunk_valid", "head_chunks", "head_pipeline", "kv_wire_heads", "note_ccr", "packed_steps",
-           "pass_bytes", "passkv", "rank_work", "single_gpu_ms", "steps", "tallies", "temps", "ulysses_mem",
-           "ulysses_why_not", "whole"]
+__all__ = ["BWD_FLOPS", "PASSKV_EXPOSED_DKV", "PASSQ_PARTIAL_BYTES", "Candidate", "Cost", "Group", "Machine",
+           "Prediction", "Problem", "Tally", "a2a_in", "auto_head_chunks", "balance", "base_mem", "ccr",
+           "gather_blocks_of", "head_chunk_valid", "head_chunks", "head_pipeline", "kv_wire_heads", "note_ccr",
+           "packed_steps", "pass_bytes", "passkv", "rank_work", "single_gpu_ms", "steps", "tallies", "temps",
+           "ulysses_mem", "ulysses_why_not", "whole"]
 
 #: pass-KV backward waits for the incoming dK/dV before the step's compute (``_passkv.backward``)
 PASSKV_EXPOSED_DKV = True
