@@ -254,6 +254,23 @@ def test_plan_ranks_caches_and_explains():
         plan(seq_len=16384, heads=32, world=4, methods=["nope"])
 
 
+def test_every_declared_layout_is_a_candidate():
+    """The planner reads the declarations: every plain layout a method serves for the mask is ranked
+    (tokenring's stripe and double_ring's contiguous were missing while the planner kept its own list)."""
+    from seqpar.layouts import LAYOUTS
+
+    r = plan(seq_len=1 << 20, heads=32, kv_heads=8, world=16, topology="nvswitch")
+    seen = {(e.candidate.method, e.candidate.layout) for e in r.entries}
+    for name in seqpar.methods.available():
+        m = seqpar.methods.get(name)
+        assert {(name, lay) for lay in m.serves_causal if lay in LAYOUTS} <= seen, name
+    labels = {e.label for e in r.entries if e.ok}
+    assert {"tokenring/stripe", "double_ring/n8/contiguous", "usp/u8r2/stripe"} <= labels
+    stripe = plan(seq_len=16384, heads=32, world=4, layout="stripe")                # what auto ranks for stripe
+    assert {e.candidate.method for e in stripe.entries} == {"ring", "tokenring", "usp"}
+    assert not any(e.candidate.layout == "balanced" for e in r.entries)          # document layouts need documents
+
+
 def test_choose_is_pure_and_filters(caplog):
     with caplog.at_level("INFO", logger="seqpar.planner"):
         a = choose((1, 4096, 32, 128), 8, True, (-1, -1), 4, 1, "zigzag")

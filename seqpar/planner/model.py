@@ -54,19 +54,23 @@ Note [Packed batches]
     documents (``Segments.cut``):
 
         w_r        = layouts.work.work(layout, S, rule, cu)[r]           rank r's visible pairs in the pass
-        p_r(s)     = layouts.work.block_work(seg_r, seg_src(r, s), rule)  rank r's pairs at step s
-        T_comp(s)  = kernel(Block(L, L, max_r p_r(s))) (+ merges)       the step waits for its busiest rank
+        p_r(s)     = M[0, r, src(r, s)], M = block_matrix(...)          rank r's pairs at step s
+        T_comp(s)  = kernel(Block(rows, keys, max_r p_r(s))) (+ merges)  the step waits for its busiest rank
         imbalance  = max_r w_r / mean_r w_r      lockstep = sum_s max_r p_r(s) / mean_r w_r
 
     ``src(r, s)`` is the rank whose block r holds at step s: ``r - s`` on a ring (pass-KV; pass-Q visits
     the same pairs), the schedule's own map on a double ring. A step's time is then Note [Step time] with
     that ``T_comp``: the critical rank's compute scales with its work, and a ring pays ``lockstep`` times
-    the balanced compute. All-gather runs one call per rank against the gathered keys,
+    the balanced compute. ``rows`` and ``keys`` are the busiest rank's query rows and keys that see anything
+    (``M[1]``, ``M[2]``): what its merges and its dK/dV accumulation touch, and the call size its kernel rate
+    is looked up at. All-gather runs one call per rank against the gathered keys,
     ``Block(L, S, max_r w_r)``; Ulysses runs the whole sequence on H/U heads on every rank,
-    ``Block(S, S, sum_r w_r)`` (balanced by construction). The kernel rate is looked up at the block's
-    size (``Block.tokens``), not at the documents' lengths. A single document covering the sequence is
-    the dense model (``Problem`` drops it). Cost: ``W`` rank works (O(runs log D) each) and ``W x W``
-    block plans (O(runs log runs) each; 64 sampled query ranks beyond 64 ranks), never O(S).
+    ``Block(S, S, sum_r w_r)`` (balanced by construction). A single document covering the sequence is
+    the dense model (``Problem`` drops it). ``M[0, r, k]`` is ``layouts.work.block_work``'s count for the
+    block (r's queries, k's keys), all W x W blocks at once (``block_matrix``: each document's run pairs in
+    closed form, vectorised). Cost per batch: ``W`` rank works (O(runs log D) each) and the sum over documents of
+    their runs squared (a document split over every rank: 4 W^2; 64 sampled query ranks beyond 64 ranks),
+    never O(S).
 
 Memory (``base_mem``, ``temps`` and each method's buffers) counts what one rank holds at the peak of the
 pass: inputs, outputs, the tensors autograd saves, and the method's buffers (ALGORITHMS.md §12.2 "Memory");
@@ -81,14 +85,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..layouts import Layout, Rule, Segments, make_layout
-from ..layouts.work import block_work, work
+import torch
+
+from ..layouts import Layout, Rule, make_layout
+from ..layouts.work import work
 from .profile import Profile
 from .topology import Group, Network
 from .work import Block, gather_blocks, ring_steps, self_block
 
 __all__ = ["BWD_FLOPS", "PASSKV_EXPOSED_DKV", "PASSQ_PARTIAL_BYTES", "Candidate", "Cost", "Group", "Machine",
-           "Prediction", "Problem", "Tally", "a2a_in", "auto_head_chunks", "balance", "base_mem", "ccr",
+           "Prediction", "Problem", "Tally", "a2a_in", "auto_head_chunks", "balance", "base_mem", "block_matrix", "ccr",
            "gather_blocks_of", "head_chunk_valid", "head_chunks", "head_pipeline", "kv_wire_heads", "note_ccr",
            "packed_steps", "pass_bytes", "passkv", "rank_work", "single_gpu_ms", "steps", "tallies", "temps",
            "ulysses_mem", "ulysses_why_not", "whole"]
@@ -367,15 +373,16 @@ def steps(p: Problem, layout: str, ranks: int) -> tuple[Block | None, ...]:
 
 def packed_steps(p: Problem, layout: str, ranks: int, source: Callable[[int, int], int], n: int,
                  trim: bool = True) -> tuple[Block | None, ...]:
-    """Step s's call of the busiest rank, ``Block(L, L, max_r p_r(s))`` with rank r computing against the
-    block of rank ``source(r, s)`` (Note [Packed batches]); None where no rank computes. ``trim`` cuts the
-    trailing steps no rank computes on (a schedule that ends early, as pass-KV does)."""
-    lay = make_layout(layout, ranks, p.documents)
+    """Step s's call of the busiest rank, rank r computing against the block of rank ``source(r, s)``: its
+    visible pairs ``max_r p_r(s)``, on the query rows and keys that see any (``block_matrix``, at most L each;
+    Note [Packed batches]); None where no rank computes. ``trim`` cuts the trailing steps no rank computes on
+    (a schedule that ends early, as pass-KV does)."""
+    blocks = block_matrix(make_layout(layout, ranks, p.documents), p.seq_len, p.rule, p.documents)
     L = p.seq_len // ranks
     out: list[Block | None] = []
     for s in range(n):
-        most = max(_pairs(lay, p.seq_len, p.rule, p.documents, r, source(r, s)) for r in _sample(ranks))
-        out.append(Block(L, L, most) if most else None)
+        pairs, rows, keys = max(tuple(int(x) for x in blocks[:, r, source(r, s)]) for r in _sample(ranks))
+        out.append(Block(min(rows, L), min(keys, L), pairs) if pairs else None)
     while trim and len(out) > 1 and out[-1] is None:
         out.pop()
     return tuple(out)
@@ -397,9 +404,14 @@ def whole(p: Problem) -> Block:
     return Block(p.seq_len, p.seq_len, sum(rank_work(p, "contiguous", 1)))
 
 
-def rank_work(p: Problem, layout: str, ranks: int) -> list[int]:
+def rank_work(p: Problem, layout: str, ranks: int) -> tuple[int, ...]:
     """Each rank's visible (query, key) pairs over a whole pass (``layouts.work.work``)."""
-    return work(make_layout(layout, ranks, p.documents), p.seq_len, p.rule, p.documents)
+    return _work(make_layout(layout, ranks, p.documents), p.seq_len, p.rule, p.documents)
+
+
+@functools.lru_cache(maxsize=32)
+def _work(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int, ...] | None) -> tuple[int, ...]:
+    return tuple(work(layout, seq_len, rule, documents))
 
 
 def balance(p: Problem, layout: str, ranks: int, per_step: tuple[Block | None, ...] | None = None
@@ -416,15 +428,69 @@ def balance(p: Problem, layout: str, ranks: int, per_step: tuple[Block | None, .
     return imbalance, sum(b.pairs for b in per_step if b is not None) / mean
 
 
-@functools.lru_cache(maxsize=64)
-def _segments(layout: Layout, seq_len: int, documents: tuple[int, ...]) -> tuple[Segments, ...]:
-    return tuple(layout.segments(r, seq_len).cut(documents) for r in range(layout.world))
+@functools.lru_cache(maxsize=32)
+def block_matrix(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int, ...]) -> torch.Tensor:
+    """For rank r's queries against rank k's keys: ``[0, r, k]`` the visible (query, key) pairs, ``[1, r, k]``
+    the query rows and ``[2, r, k]`` the key rows that see any, int64 ``(3, W, W)`` (rows of ranks outside
+    ``_sample`` are zero beyond 64 ranks).
+
+    Every rank's runs cut at the documents; for each document, every (query run, key run) pair of it counted
+    in closed form (``work.run_pairs``, vectorised) and summed into its (rank, rank) cell. The pairs are
+    ``layouts.work.block_work``'s count for every block at once (a test keeps them equal); the rows and keys
+    are summed over run pairs too (a bound: a run seeing several runs of its document counts once per run),
+    in O(sum over documents of runs^2) integer operations, never O(S).
+    """
+    W = layout.world
+    runs = [(r, run.doc, run.glob, run.length) for r in range(W)
+            for run in layout.segments(r, seq_len).cut(documents).runs if run.doc >= 0]
+    out = torch.zeros(3, W, W, dtype=torch.long)
+    if not runs:
+        return out
+    stride = layout.segments(0, seq_len).stride
+    rank, doc, start, length = torch.tensor(sorted(runs, key=lambda x: x[1]), dtype=torch.long).T.contiguous()
+    first = torch.searchsorted(doc, doc)                              # each run's document's first run
+    count = torch.searchsorted(doc, doc, right=True) - first          # ... and its number of runs
+    sampled = torch.zeros(W, dtype=torch.bool)
+    sampled[_sample(W)] = True
+    q = torch.arange(len(doc))[sampled[rank]]                       # query runs
+    n = count[q]                                                     # key runs (of its document) per query run
+    qi = q.repeat_interleave(n)
+    ki = first[qi] + torch.arange(int(n.sum())) - (torch.cumsum(n, 0) - n).repeat_interleave(n)
+    counts = _run_block_t(length[qi], length[ki], start[ki] - start[qi], stride, *rule.delta_bounds())
+    for i, c in enumerate(counts):
+        out[i].index_put_((rank[qi], rank[ki]), c, accumulate=True)
+    return out
 
 
-@functools.lru_cache(maxsize=1 << 14)
-def _pairs(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int, ...], q: int, k: int) -> int:
-    segs = _segments(layout, seq_len, documents)
-    return block_work(segs[q], segs[k], rule)
+def _upto_t(Lq: torch.Tensor, Lk: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
+    """``work._upto`` on tensors: #{(i, j): i < Lq, j < Lk, j - i <= x}."""
+    if x is None:
+        return Lq * Lk
+    c = x + 1
+    a = (1 - c).clamp(min=0).minimum(Lq)
+    b = (Lk - c).minimum(Lq).maximum(a)
+    n = b - a
+    return n * c + (a + b - 1) * n // 2 + (Lq - b) * Lk
+
+
+def _run_block_t(Lq: torch.Tensor, Lk: torch.Tensor, d: torch.Tensor, stride: int, lo: int | None,
+                 hi: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(pairs, rows, keys)`` of query runs against key runs ``d`` apart, one stride, ``lo <= key - query <=
+    hi``: the pairs are ``work.run_pairs`` on tensors; with ``tlo <= j - i <= thi`` in row units, row i sees a
+    key iff ``-thi <= i <= Lk - 1 - tlo`` and key j is seen iff ``tlo <= j <= Lq - 1 + thi``."""
+    tlo = None if lo is None else -torch.div(d - lo, stride, rounding_mode="floor")      # ceil((lo - d) / s)
+    thi = None if hi is None else torch.div(hi - d, stride, rounding_mode="floor")
+    below = torch.zeros_like(Lq) if tlo is None else _upto_t(Lq, Lk, tlo - 1)
+    pairs = (_upto_t(Lq, Lk, thi) - below).clamp(min=0)
+    zero = torch.zeros_like(Lq)
+    rows = ((Lq - 1 if tlo is None else (Lk - 1 - tlo).minimum(Lq - 1))
+            - (zero if thi is None else (-thi).clamp(min=0)) + 1).clamp(min=0)
+    keys = ((Lk - 1 if thi is None else (Lq - 1 + thi).minimum(Lk - 1))
+            - (zero if tlo is None else tlo.clamp(min=0)) + 1).clamp(min=0)
+    if tlo is not None and thi is not None:
+        empty = tlo > thi
+        pairs, rows, keys = (torch.where(empty, 0, x) for x in (pairs, rows, keys))
+    return pairs, rows, keys
 
 
 def _sample(ranks: int) -> list[int]:
