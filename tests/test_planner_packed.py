@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import random
 import time
 
@@ -22,7 +23,7 @@ import seqpar
 from seqpar.inference import plan_inference
 from seqpar.layouts import Rule, make_layout
 from seqpar.layouts.work import block_work, work
-from seqpar.planner import Candidate, Problem, choose, plan, predict
+from seqpar.planner import Candidate, Problem, choose, plan, predict, search
 from seqpar.planner.model import Machine, block_matrix, steps
 from seqpar.planner.profile import load_profile
 from seqpar.planner.topology import Network, get_topology
@@ -146,7 +147,17 @@ def _auto_packed(case: Case) -> dict:
     q, k, v, do, _ = make_inputs(case)
     where = {"method": "auto", "layout": case.layout, "cu_seqlens": case.cu_seqlens}
     ql, kl, vl = (seqpar.shard(t, **where).requires_grad_() for t in (q, k, v))
-    res = seqpar.attention(ql, kl, vl, causal=case.causal, kernel="reference", return_lse=True, **where)
+    heard: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())           # type: ignore[method-assign]
+    log = logging.getLogger("seqpar.planner")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    search._choose.cache_clear()                                              # logged once per signature
+    try:
+        res = seqpar.attention(ql, kl, vl, causal=case.causal, kernel="reference", return_lse=True, **where)
+    finally:
+        log.removeHandler(handler)
     (res.out.float() * seqpar.shard(do, **where).float()).sum().backward()
     choice = choose(tuple(ql.shape), kl.shape[2], case.causal, (-1, -1), torch.distributed.get_world_size(), 1,
                     case.layout, device="cpu", dtype=ql.dtype, kernel="reference", features=["varlen"],
@@ -156,6 +167,7 @@ def _auto_packed(case: Case) -> dict:
     local["positions"] = seqpar.positions(case.seq_len, **where)
     local["times"] = (0.0, 0.0)
     local["choice"] = choice
+    local["heard"] = heard
     return local
 
 
@@ -166,6 +178,8 @@ def test_auto_on_a_packed_batch(pools):
         results = pools(2).run(_auto_packed, case)
         choices = [r.pop("choice") for r in results]
         assert all(c == choices[0] for c in choices) and layout in seqpar.methods.get(choices[0][0]).layouts
+        heard = results[0].pop("heard") + results[1].pop("heard")            # the runtime planned on the batch
+        assert any(f"-> {choices[0][0]} " in h and "4 documents" in h for h in heard), heard
         reports.append(check_case(case, results))
     assert_all_ok(reports)
 
