@@ -13,13 +13,14 @@ cached per signature (``functools.lru_cache``): every argument is hashable, prof
 declarations included (a method registered again is a new key).
 
 Note [Auto is deterministic]
-    ``choose`` is a pure function of its arguments and a built-in or explicitly passed profile: no
-    measurement, no clock, no rank-dependent input, no communication, and ties break by the candidate's
-    label. Every rank that calls ``seqpar.attention(method="auto")`` with the same shapes (and the same
-    ``cu_seqlens``) therefore makes the same choice. Auto never changes the token layout - the caller already
-    sharded - so it picks among the registered methods whose layouts include the caller's and whose mesh
-    dimensionality matches. A packed batch is ranked with Note [Packed batches] (``seqpar.planner.model``):
-    O(W^2) block plans of O(runs) each per new ``cu_seqlens``, never O(S), and cached per batch.
+    ``choose`` is a pure function of its arguments, a built-in or explicitly passed profile and the registered
+    methods (the same on every rank that imports the same code): no measurement, no clock, no rank-dependent
+    input, no communication, and ties break by the candidate's label. Every rank that calls
+    ``seqpar.attention(method="auto")`` with the same shapes (and the same ``cu_seqlens``) therefore makes the
+    same choice. Auto never changes the token layout - the caller already sharded - so it picks among the
+    registered methods whose layouts include the caller's and whose mesh dimensionality matches. A packed
+    batch is ranked with Note [Packed batches] (``seqpar.planner.model``): per new ``cu_seqlens``, W rank
+    works and the documents' run pairs in closed form, never O(S), cached per batch.
 """
 
 from __future__ import annotations
