@@ -20,6 +20,8 @@ errors, masks, config. ``docs/DESIGN.md`` is the map.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .api import ShardInfo, attention, positions, shard, shard_info, unshard, verify
 from .config import AttentionConfig
 from .errors import RankDisagreementError, UnsupportedInputError, VerificationError
@@ -58,10 +60,19 @@ from .modules import (
     SequenceParallelAttentionQKVPacked,
 )
 from .passes import PassChoice, choose_pass
-from .planner import plan
 from .types import AttnOutput
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``seqpar.plan`` is ``seqpar.planner.plan``, imported on first use (``import seqpar`` stays light)."""
+    if name == "plan":
+        from .planner import plan
+
+        return plan
+    raise AttributeError(f"module 'seqpar' has no attribute {name!r}")
+
 
 __all__ = [
     "AttentionConfig", "AttnOutput", "PassChoice", "RankDisagreementError", "SeqParallelGroups",

@@ -7,7 +7,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"demo": "seqpar.demo"}
+    commands = {"demo": "seqpar.demo", "plan": "seqpar.planner.cli"}
     if not argv or argv[0] not in commands:
         print(f"usage: python -m seqpar {{{','.join(commands)}}} [options]", file=sys.stderr)
         return 2

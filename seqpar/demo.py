@@ -22,47 +22,35 @@ from .testing.linear_cases import LinearCase, check_linear_case, run_linear_case
 __all__ = ["demo_cases", "main"]
 
 
-def demo_cases(world: int, device: str) -> list[Case]:
-    """The demo's problems: a realistic small GQA attention (S = 1024 per process group, 8/2 heads, D = 64)."""
+def demo_cases(world: int, device: str, seq_len: int = 1024) -> list[Case]:
+    """The demo's problems: a realistic small GQA attention (8/2 heads, D = 64; S = ``seq_len`` on CPU, 256 per
+    GPU on CUDA), with the rows every registered method declares (``Method.demo_cases``), in registry order."""
     dtype = "bfloat16" if device == "cuda" else "float32"
-    seq = 256 * world if device == "cuda" else 1024
+    seq = 256 * world if device == "cuda" else seq_len
     base = Case(seq_len=seq, heads=8, kv_heads=2, head_dim=64, dtype=dtype, device=device,
                 kernel="auto", seed=1)
-    have = set(methods.available())
-    cases = [base.with_(method="ring", layout=lay) for lay in ("contiguous", "zigzag", "stripe")]
-    cases.append(base.with_(method="ring", layout="zigzag", causal=False))
-    if "allgather" in have:
-        cases += [base.with_(method="allgather", layout=lay) for lay in ("contiguous", "zigzag")]
-    if "ulysses" in have:
-        cases.append(base.with_(method="ulysses", layout="contiguous"))
-    if "usp" in have and world % 2 == 0 and world > 2:
-        cases += [base.with_(method="usp", layout=lay, ulysses=2) for lay in ("contiguous", "zigzag", "stripe")]
-    if "tokenring" in have:
-        cases.append(base.with_(method="tokenring", layout="zigzag"))
-    if "tasp" in have and world > 1:
-        d = 2 * world * (world - 1)          # TASP cuts each zigzag half into W-1 sub-chunks
-        cases.append(base.with_(method="tasp", layout="zigzag", seq_len=-(-seq // d) * d))
-    if "double_ring" in have and world % 2 == 0 and world > 2:
-        cases.append(base.with_(method="double_ring", layout="zigzag", options=(("node_size", 2),)))
-    docs = _documents(seq)
-    cases.append(base.with_(method="ring", layout="zigzag", cu_seqlens=docs))
-    if "allgather" in have:
-        cases.append(base.with_(method="allgather", layout="zigzag", cu_seqlens=docs))
-    cases.append(base.with_(method="ring", layout="contiguous", window=(seq // 8, 0)))
+    cases = []
+    for name in methods.available():
+        declared = methods.get(name).demo_cases
+        if declared is not None:
+            cases += [base.with_(method=name, **fields) for fields in declared(world, seq, _documents(seq))]
     return cases
 
 
-def linear_cases(world: int, device: str) -> list[LinearCase]:
-    """Linear attention (LASP-2 with per-token and per-dimension gates, LASP-1 as the baseline)."""
+def linear_cases(world: int, device: str, seq_len: int = 1024) -> list[LinearCase]:
+    """Linear attention (LASP-2 with per-token and per-dimension gates, LASP-1 as the baseline), on half the
+    softmax rows' length (its fp64 recurrent oracle is the demo's slowest part)."""
     dtype = "bfloat16" if device == "cuda" else "float32"
-    base = LinearCase(seq_len=512, heads=4, k_dim=32, v_dim=32, dtype=dtype, chunk_size=64, device=device, seed=1)
+    n = seq_len // 2
+    base = LinearCase(seq_len=n, heads=4, k_dim=32, v_dim=32, dtype=dtype, chunk_size=min(64, max(16, n // 8)),
+                      device=device, seed=1)
     return [base.with_(method="lasp2", layout="contiguous", gate="scalar"),
             base.with_(method="lasp2", layout="zigzag", gate="dim"),
             base.with_(method="lasp1", layout="contiguous", gate="const")]
 
 
 def _documents(seq: int) -> tuple[int, ...]:
-    """Packed documents of uneven lengths, some spanning ranks, one of length 1."""
+    """Packed documents of uneven lengths, some spanning ranks, one of length 1 (what a row may pack)."""
     cuts = [0, seq // 16, seq // 16 + 1, seq // 3, (seq * 5) // 8, seq]
     return tuple(cuts)
 
@@ -124,12 +112,12 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 HEADER = ["method", "layout", "mask", "W", "fwd err / limit", "bwd err / limit", "result", "fwd / bwd ms"]
 
 
-def _spawned(world: int) -> list[Any]:
+def _spawned(world: int, seq_len: int) -> list[Any]:
     from .testing.harness import ProcessPool, WorkerError
 
     with ProcessPool(world, timeout=600, threads=max(1, (os.cpu_count() or 2) // world)) as pool:
         reports = []
-        for case in [*demo_cases(world, "cpu"), *linear_cases(world, "cpu")]:
+        for case in [*demo_cases(world, "cpu", seq_len), *linear_cases(world, "cpu", seq_len)]:
             fn = run_linear_case if isinstance(case, LinearCase) else run_case
             try:
                 results: list[Any] = pool.run(fn, case)
@@ -167,11 +155,16 @@ def _launched() -> list[Any] | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m seqpar demo", description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=4, help="processes to spawn without a launcher (default 4)")
+    parser.add_argument("--seq-len", type=int, default=1024,
+                        help="global length of the softmax rows without a launcher (default 1024; smaller is faster)")
     args = parser.parse_args(argv)
+    if args.seq_len < 16 * args.world or args.seq_len % (2 * args.world):
+        parser.error(f"--seq-len must be a multiple of 2 x --world = {2 * args.world} and at least {16 * args.world}, "
+                     f"got {args.seq_len}")
     t0 = time.perf_counter()
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if launched else args.world
-    reports = _launched() if launched else _spawned(world)
+    reports = _launched() if launched else _spawned(world, args.seq_len)
     if reports is None:
         return 0
     print(_table([_row(r, world) for r in reports], HEADER))

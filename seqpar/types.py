@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["METHODS", "AttnOutput"]
+__all__ = ["AttnOutput"]
 
 
 class AttnOutput(NamedTuple):
@@ -33,6 +33,3 @@ class AttnOutput(NamedTuple):
     out: torch.Tensor
     lse: torch.Tensor
 
-
-#: Softmax sequence-parallel methods known to ``seqpar.attention`` (see ``seqpar.methods``).
-METHODS = ("ring", "allgather", "ulysses", "usp", "tokenring", "tasp", "double_ring")

@@ -2,6 +2,8 @@
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "seqpar"
 
@@ -98,3 +100,62 @@ def test_base_modules_import_nothing_above_them():
             lazy = (target, stem) == ("torch.distributed", "errors")
             allowed = target is None or target in BASE | {"layouts"} or lazy
             assert allowed, f"{stem}.py imports {name}"
+
+
+# the planner: methods reach it only through its model (pure arithmetic), it reaches methods only through the registry
+PLANNER_FOR_METHODS = {"seqpar.planner", "seqpar.planner.model"}
+NOT_BELOW_THE_MODEL = ("seqpar.methods", "seqpar.planner.search", "seqpar.runtime", "seqpar.api")
+
+
+def _file(name: str) -> pathlib.Path | None:
+    """The source file of module ``name``, or of its parent when ``name`` is a name imported from it."""
+    for mod in (name, name.rpartition(".")[0]):
+        base = ROOT.parent / mod.replace(".", "/")
+        for path in (base.with_suffix(".py"), base / "__init__.py"):
+            if path.is_file():
+                return path
+    return None
+
+
+def _closure(name: str) -> set[str]:
+    """Every seqpar module ``name`` imports, directly or through the modules it imports."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        path = _file(todo.pop())
+        if path is None or str(path) in seen:
+            continue
+        seen.add(str(path))
+        todo += [n for n in _imports(path) if n.startswith("seqpar.")]
+    return {str(pathlib.Path(p).relative_to(ROOT.parent).with_suffix("")).replace("/", ".").removesuffix(".__init__")
+            for p in seen}
+
+
+def test_methods_import_only_the_planners_model():
+    bad = []
+    for path in (ROOT / "methods").glob("*.py"):
+        bad += [f"methods/{path.name} imports {n}" for n in _imports(path)
+                if _layer(n) == "planner" and n not in PLANNER_FOR_METHODS]
+    assert not bad, "\n".join(bad)
+    below = _closure("seqpar.planner.model") | _closure("seqpar.planner")
+    assert not [m for m in below if m.startswith(NOT_BELOW_THE_MODEL)], sorted(below)
+
+
+def test_planner_reads_methods_through_the_registry():
+    import seqpar.methods
+
+    registry = {"seqpar.methods", *(f"seqpar.methods.{n}" for n in seqpar.methods.__all__)}
+    bad = []
+    for path in (ROOT / "planner").glob("*.py"):
+        bad += [f"planner/{path.name} imports {n}" for n in _imports(path)
+                if _layer(n) == "methods" and n not in registry]
+    assert not bad, "\n".join(bad)
+
+
+def test_import_seqpar_leaves_the_planner_unloaded():
+    """``import seqpar`` (and loading a method) imports no planner search; ``seqpar.plan`` loads it on first use."""
+    code = ("import sys, seqpar; assert not [m for m in sys.modules if m.startswith('seqpar.planner')], 'import'; "
+            "seqpar.methods.get('ring'); assert 'seqpar.planner.search' not in sys.modules, 'method'; "
+            "from seqpar.planner.search import plan; assert seqpar.plan is plan")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

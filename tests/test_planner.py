@@ -16,8 +16,8 @@ from seqpar.layouts import make_layout
 from seqpar.planner import Candidate, Problem, choose, load_profile, plan, predict
 from seqpar.planner import calibrate as cal
 from seqpar.planner.cli import main as plan_main
-from seqpar.planner.cost import Machine, ccr, kv_wire_heads, pass_bytes
 from seqpar.planner.measured import h100_profile, h200_profile
+from seqpar.planner.model import Machine, ccr, kv_wire_heads, pass_bytes
 from seqpar.planner.profile import Profile, builtin_profiles
 from seqpar.planner.topology import Group, Link, Network, Topology, get_topology
 from seqpar.planner.validate import check, parse_method, read_jsonl
@@ -228,11 +228,12 @@ def test_tasp_pays_on_a_mesh_and_double_ring_hides_the_outer_hop():
     assert dr.fwd_ms <= flat.fwd_ms
     r = plan(seq_len=16384, heads=32, world=4, methods=["tasp"])
     assert [e.label for e in r.entries] == ["tasp/direct/zigzag"]            # one node: the direct schedule only
-    r = plan(seq_len=24576, heads=32, world=12, topology=Topology(name="n4", node_size=4, nic=Link(46.0),
-                                                                    nics_per_node=4), methods=["tasp"])
+    S = 26400                                       # TASP's sub-chunks split it at W = 12 and 6: 2W(W-1) divides it
+    r = plan(seq_len=S, heads=32, world=12, topology=Topology(name="n4", node_size=4, nic=Link(46.0),
+                                                               nics_per_node=4), methods=["tasp"])
     assert {e.label for e in r.entries if e.ok} == {"tasp/direct/zigzag", "tasp/cycles/zigzag"}
-    r = plan(seq_len=24576, heads=32, world=6, topology=Topology(name="n2", node_size=2, nic=Link(46.0),
-                                                                   nics_per_node=2), methods=["tasp"])
+    r = plan(seq_len=S, heads=32, world=6, topology=Topology(name="n2", node_size=2, nic=Link(46.0),
+                                                              nics_per_node=2), methods=["tasp"])
     assert "no Hamiltonian" in " ".join(e.why_not[0] for e in r.entries if e.label.startswith("tasp/cycles"))
 
 
@@ -251,6 +252,23 @@ def test_plan_ranks_caches_and_explains():
     assert {e.candidate.method for e in avail.entries} <= set(seqpar.methods.available())
     with pytest.raises(ValueError, match="methods must be names"):
         plan(seq_len=16384, heads=32, world=4, methods=["nope"])
+
+
+def test_every_declared_layout_is_a_candidate():
+    """The planner reads the declarations: every plain layout a method serves for the mask is ranked
+    (tokenring's stripe and double_ring's contiguous were missing while the planner kept its own list)."""
+    from seqpar.layouts import LAYOUTS
+
+    r = plan(seq_len=1 << 20, heads=32, kv_heads=8, world=16, topology="nvswitch")
+    seen = {(e.candidate.method, e.candidate.layout) for e in r.entries}
+    for name in seqpar.methods.available():
+        m = seqpar.methods.get(name)
+        assert {(name, lay) for lay in m.serves_causal if lay in LAYOUTS} <= seen, name
+    labels = {e.label for e in r.entries if e.ok}
+    assert {"tokenring/stripe", "double_ring/n8/contiguous", "usp/u8r2/stripe"} <= labels
+    stripe = plan(seq_len=16384, heads=32, world=4, layout="stripe")                # what auto ranks for stripe
+    assert {e.candidate.method for e in stripe.entries} == {"ring", "tokenring", "usp"}
+    assert not any(e.candidate.layout == "balanced" for e in r.entries)          # document layouts need documents
 
 
 def test_choose_is_pure_and_filters(caplog):

@@ -21,11 +21,11 @@ from _workers_ulysses import call_error
 from conftest import assert_all_ok, assert_same_error_on_every_rank, run_cases
 
 from seqpar.bench.presets import PRESETS, method_specs
-from seqpar.methods import _ulysses
-from seqpar.planner import cost
-from seqpar.planner.cost import Candidate, Machine, Problem, predict
+from seqpar.methods import _ulysses, get
+from seqpar.planner import model as cost
+from seqpar.planner.model import Candidate, Machine, Problem
 from seqpar.planner.profile import load_profile
-from seqpar.planner.search import _info, _why_not
+from seqpar.planner.search import _why_not, predict
 from seqpar.planner.topology import Network, get_topology
 from seqpar.planner.validate import parse_method
 from seqpar.testing import Case, check_case, run_case
@@ -217,7 +217,7 @@ def test_cost_model_learns_the_overlap():
         usp = predict(p, Candidate("usp", "zigzag", 2, options=_hc(2)), m)
         assert usp.fwd_bwd_ms > 0 and any("pipelined" in n for n in usp.notes)
     bad = Candidate("ulysses", "contiguous", options=_hc(4))                 # 2 query heads over 4 ranks
-    why = _why_not(bad, _info("ulysses"), Problem(seq_len=16384, heads=8, kv_heads=8, world=4), frozenset(), False)
+    why = _why_not(bad, get("ulysses"), Problem(seq_len=16384, heads=8, kv_heads=8, world=4), frozenset(), False)
     assert any("head_chunks 4 must split heads=8" in w for w in why), why
 
 

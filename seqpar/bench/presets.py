@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .. import methods
+
 __all__ = ["PRESETS", "MethodSpec", "Preset", "method_specs"]
 
 
@@ -80,7 +82,7 @@ TABLE = ("mha-causal-128k", "mha-causal-16k", "gqa-causal-128k", "gqa-causal-16k
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """One seqpar configuration to time: method, layout, options, Ulysses degree (usp)."""
+    """One seqpar configuration to time: method, layout, options, Ulysses degree (2D methods)."""
 
     method: str
     layout: str
@@ -89,38 +91,22 @@ class MethodSpec:
 
     @property
     def label(self) -> str:
+        """The record's name: method, Ulysses degree, layout (unless the method has only one), options."""
         parts = [self.method]
         if self.ulysses is not None:
             parts.append(f"u{self.ulysses}")
-        if self.method != "ulysses":
+        if len(methods.get(self.method).layouts) > 1:
             parts.append(self.layout)
         parts += [f"{k}{v}" for k, v in self.options]
         return "/".join(parts)
 
 
 def method_specs(preset: Preset, world: int, available: list[str]) -> list[MethodSpec]:
-    """The seqpar configurations worth timing for ``preset`` on ``world`` ranks."""
-    if preset.seq_len >= 1 << 20:          # long context: only the memory-bounded variants (one KV head a pass)
-        specs = [MethodSpec("ring", "zigzag", (("head_chunks", preset.kv_heads),))]
-        if "allgather" in available:
-            specs.append(MethodSpec("allgather", "zigzag", (("heads_k_stride", 1),)))
-        return specs
-    balanced = ("zigzag", "stripe") if preset.causal else ("contiguous",)
-    specs = [MethodSpec("ring", lay) for lay in (("contiguous", *balanced) if preset.causal else balanced)]
-    if "allgather" in available:
-        specs.append(MethodSpec("allgather", "zigzag" if preset.causal else "contiguous"))
-        stride = max(1, preset.kv_heads // 4)
-        if stride < preset.kv_heads:
-            specs.append(MethodSpec("allgather", "zigzag" if preset.causal else "contiguous",
-                                    (("heads_k_stride", stride),)))
-    if "ulysses" in available and preset.heads % world == 0:
-        specs.append(MethodSpec("ulysses", "contiguous"))
-    if "usp" in available and world >= 4 and world % 2 == 0:
-        specs.append(MethodSpec("usp", "zigzag" if preset.causal else "contiguous", (), 2))
-    if "tokenring" in available:
-        specs.append(MethodSpec("tokenring", "zigzag" if preset.causal else "contiguous"))
-    if "tasp" in available and world > 2:
-        specs.append(MethodSpec("tasp", "zigzag" if preset.causal else "contiguous"))
-    if "double_ring" in available and world >= 4 and world % 2 == 0:
-        specs.append(MethodSpec("double_ring", "zigzag", (("node_size", 2),)))
+    """The seqpar configurations worth timing for ``preset`` on ``world`` ranks: every method of ``available``
+    that declares ``bench_specs``, in registry order."""
+    specs = []
+    for name in methods.available():
+        m = methods.get(name)
+        if name in available and m.bench_specs is not None:
+            specs += [MethodSpec(name, lay, tuple(opts), u) for lay, opts, u in m.bench_specs(preset, world)]
     return specs

@@ -51,8 +51,9 @@ from ..kernels.merge import merge_
 from ..layouts import Layout
 from ..layouts.blocks import Rule, Run, Segments, Task, plan
 from ..numerics import GradRows, acc_dtype, wire_dtype
+from ..planner import model
 from ..runtime.loop import Loop, run_steps
-from .base import BackwardInputs, Call, Method
+from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
 __all__ = ["METHOD", "GatherPlan", "gather_plan"]
 
@@ -325,6 +326,70 @@ class _Engine:
         return dq.to(q.dtype), dk, dv
 
 
+def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Prediction:
+    """All-gather K, V per head chunk; reduce-scatter dK, dV (ALGORITHMS.md §4, Note [All-gather pipeline])."""
+    W, S, L = p.world, p.seq_len, p.seq_len / p.world
+    stride = c.option("heads_k_stride") or p.kv_heads
+    nc = p.kv_heads // stride
+    heads = stride * p.group_ratio
+    blocks = model.gather_blocks_of(p, c.layout)
+    # Note [Gather into global order]: every layout but contiguous permutes the gathered chunks
+    perm = m.permute_ms(p.batch * S * 2 * stride * p.head_dim) if c.layout != "contiguous" and W > 1 else 0.0
+    cf = sum(m.kernel_ms(p, blk, heads) for blk in blocks) + perm
+    cb = sum(m.kernel_ms(p, blk, heads, "bwd") for blk in blocks) + 2 * perm \
+        + m.hbm_ms(sum(p.act(blk.cols, 2 * stride, 8) for blk in blocks))           # KV into order, dK/dV back
+    g_bytes = (W - 1) * p.act(L, 2 * stride)
+    r_bytes = (W - 1) * p.act(L, 2 * stride, p.grad_bytes)
+    grp = model.Group(W)
+    t_ag, t_rs = m.comm_ms("allgather", g_bytes, grp), m.comm_ms("reduce_scatter", r_bytes, grp)
+    f, b = model.tallies(m, "allgather")
+    f.wait(t_ag, g_bytes)                                                 # the first chunk's gather
+    for i in range(nc):
+        more = i + 1 < nc
+        f.step(cf, t_ag if more else 0.0, "allgather", g_bytes if more else 0.0)
+    b.wait(t_ag, g_bytes)                                                 # backward re-gathers
+    for i in range(nc):
+        comm = (t_ag if i + 1 < nc else 0.0) + (t_rs if i else 0.0)
+        b.step(cb, comm, "allgather", (g_bytes if i + 1 < nc else 0.0) + (r_bytes if i else 0.0))
+    b.wait(t_rs, r_bytes)
+    bufs = 2 if nc > 1 else 1
+    gathered = bufs * p.act(S, 2 * stride)
+    fb, bb = model.base_mem(p)
+    cost = model.Cost(f, b, fb + gathered + p.act(L, p.heads),
+                      bb + gathered + bufs * p.act(S, 2 * stride, 4) + p.act(L, p.heads, 4))
+    if nc == 1:
+        cost.notes.append("one round: the gather is exposed; the whole sequence's KV is held")
+    else:
+        cost.notes.append(f"{nc} head chunks pipelined (heads_k_stride={stride})")
+    if p.documents is not None:
+        cost.balance = model.balance(p, c.layout, W)
+        cost.notes.append(f"busiest rank {cost.balance[0]:.2f}x the mean work")
+    elif p.causal and c.layout == "contiguous" and W > 1:
+        cost.notes.append(f"contiguous causal: the last rank does {2 * W - 1} of {W} average units")
+    return cost.prediction()
+
+
+def _candidates(p: model.Problem, topo, layouts: tuple[str, ...], ulysses: int | None) -> list:
+    """Each layout with all KV heads in one round, and in rounds of Hkv/2, Hkv/4 and 1 head."""
+    strides = [None] + [s for s in sorted({p.kv_heads // 2, p.kv_heads // 4, 1}, reverse=True)
+                        if 0 < s < p.kv_heads and p.kv_heads % s == 0]
+    return [model.Candidate("allgather", lay, options=() if s is None else (("heads_k_stride", s),))
+            for lay in layouts for s in strides]
+
+
+def _bench_specs(preset, world: int) -> list:
+    """The balanced layout, in one round and in rounds of Hkv/4 heads; one head a round at 1M tokens."""
+    if preset.seq_len >= LONG_CONTEXT:
+        return [("zigzag", (("heads_k_stride", 1),), None)]
+    lay = "zigzag" if preset.causal else "contiguous"
+    stride = max(1, preset.kv_heads // 4)
+    return [(lay, (), None)] + ([(lay, (("heads_k_stride", stride),), None)] if stride < preset.kv_heads else [])
+
+
+def _demo_cases(world: int, seq_len: int, documents: tuple[int, ...]) -> list:
+    return [dict(layout="contiguous"), dict(layout="zigzag"), dict(layout="zigzag", cu_seqlens=documents)]
+
+
 METHOD = Method(
     name="allgather",
     summary="all-gather K, V per head chunk; reduce-scatter dK/dV (fp32)",
@@ -334,4 +399,8 @@ METHOD = Method(
                         "document_layouts"}),
     check=_check,
     engine=_Engine,
+    cost=_cost,
+    candidates=_candidates,
+    bench_specs=_bench_specs,
+    demo_cases=_demo_cases,
 )

@@ -4,8 +4,9 @@ Each method module ends with one ``METHOD = Method(...)``: its name, the layouts
 serve causal masks), its mesh dimensions, its options with defaults, the features it serves, where its tokens
 live (``placement``), the engine it builds for a planned call, its cost model and the configurations the
 planner, the benchmark and the demo should try. Nothing else in seqpar keeps a list of methods: the API
-validates against these declarations, ``method="auto"`` and ``seqpar.plan`` enumerate ``candidates`` and
-predict with ``cost``, ``python -m seqpar.bench`` times ``bench_specs`` and the demo runs ``demo_cases``.
+validates against these declarations, ``method="auto"`` and ``seqpar.plan`` enumerate ``candidates``, drop
+those ``why_not`` refuses and predict the rest with ``cost``, ``python -m seqpar.bench`` times
+``bench_specs`` and the demo runs ``demo_cases``.
 Adding a method is its module (ending in ``METHOD = Method(...)``, listed in ``BUILTIN``) and its tests;
 ``register`` adds one from anywhere (tests register a toy method this way).
 
@@ -40,14 +41,17 @@ from ..groups import SeqParallelGroups
 from ..layouts import Layout, make_layout
 from ..numerics import GradRows
 
-__all__ = ["BUILTIN", "FEATURES", "BackwardInputs", "Call", "Engine", "Method", "available", "causal_layouts", "get",
-           "register", "ring_placement", "unregister"]
+__all__ = ["BUILTIN", "FEATURES", "LONG_CONTEXT", "BackwardInputs", "Call", "Engine", "Method", "available",
+           "causal_layouts", "get", "register", "ring_placement", "unregister"]
 
 #: every feature a method may declare; the API refuses a call that uses one its method does not declare
 FEATURES = ("window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "document_layouts")
 
 #: the built-in methods, by module (imported on first use, so importing seqpar stays cheap)
 BUILTIN = ("ring", "allgather", "ulysses", "usp", "tokenring", "tasp", "double_ring")
+
+#: benchmark presets at least this long time only each method's memory-bounded configurations (``bench_specs``)
+LONG_CONTEXT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -145,9 +149,13 @@ def ring_placement(layout: str, groups: SeqParallelGroups, documents: tuple[int,
     return make_layout(layout, groups.world, documents), groups.index
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, eq=False)
 class Method:
-    """A sequence-parallel method's declaration (module docstring)."""
+    """A sequence-parallel method's declaration (module docstring).
+
+    Equality and hashing are by identity: the planner's caches key on the declarations they ranked, so a
+    method registered again under the same name is a new key.
+    """
 
     name: str
     """The ``method=`` string."""
@@ -164,19 +172,31 @@ class Method:
     features: frozenset[str] = frozenset()
     """The subset of ``FEATURES`` it serves."""
     placement: Callable[..., tuple[Layout, int]] = ring_placement
-    """``(layout name, groups, documents) -> (Layout, index)``: where this rank's tokens live."""
+    """``(layout name, groups, documents) -> (Layout, index)``: where this rank's tokens live. It reads only
+    ``groups.world``, ``groups.index``, ``groups.ulysses_size`` and ``groups.ring_size`` (the planner places
+    tokens without process groups)."""
     check: Callable[[Call], None] = _no_check
     """Method rules (options, head counts) checked before any collective; raise with the reason."""
     engine: Callable[[Call], Engine]
     """Builds the planned engine for one call signature."""
     cost: Callable[..., Any] | None = None
-    """``(Problem, Candidate, Machine) -> Prediction``: the planner's model (``seqpar.planner.model``)."""
+    """``(Problem, Candidate, Machine) -> Prediction``: the planner's model, written with
+    ``seqpar.planner.model`` (None: the planner cannot rank it, and ``method="auto"`` never picks it)."""
     candidates: Callable[..., list] | None = None
-    """``(Problem, Topology, layout | None, ulysses | None) -> [Candidate]``: configurations worth predicting."""
+    """``(Problem, Topology, layouts, ulysses) -> [Candidate]``: the configurations worth predicting on the
+    given layouts (already filtered to the caller's layout, to those serving the mask, and to document
+    layouts only for packed problems); ``ulysses`` is the fixed degree of a 2D mesh or None. None: one
+    candidate per layout with default options (2D methods: every Ulysses degree 1 < U < W dividing W)."""
+    why_not: Callable[..., list] | None = None
+    """``(Problem, Candidate) -> [reason]``: the rules a configuration breaks on a problem (head counts,
+    option values), empty when it can run - ``check``'s counterpart for the planner, which also checks
+    features, options and the layout's length rules itself."""
     bench_specs: Callable[..., list] | None = None
-    """``(Preset, world) -> [(layout, options, ulysses)]``: configurations the benchmark times."""
-    demo_cases: Callable[[int], list] | None = None
-    """``world -> [dict of Case fields]``: rows of ``python -m seqpar demo``."""
+    """``(Preset, world) -> [(layout, options, ulysses)]``: configurations ``python -m seqpar.bench`` times
+    (``ulysses`` None for 1D methods)."""
+    demo_cases: Callable[..., list] | None = None
+    """``(world, seq_len, documents) -> [dict of seqpar.testing.Case fields]``: rows of ``python -m seqpar
+    demo`` (``documents``: packed ``cu_seqlens`` over ``seq_len`` a row may use)."""
     saved_meta: Callable[..., list] | None = None
     """For engines that save their own tensors: ``(q_shape, k_shape, v_shape, dtype, groups, options) ->
     [(shape, dtype)]`` - shape arithmetic only (symbolic under torch.compile)."""

@@ -45,9 +45,10 @@ from ..kernels.merge import Accumulator
 from ..layouts import Layout
 from ..layouts.blocks import Rule, Task, plan
 from ..numerics import acc_dtype, wire_dtype
+from ..planner import model
 from ..runtime.loop import Double, Loop, run_steps
 from ._shared import pack_kv, unpack_kv
-from .base import BackwardInputs, Call, Method
+from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
 __all__ = ["METHOD", "Peers", "node_size_of", "peers", "schedule", "source"]
 
@@ -271,6 +272,86 @@ def _check(call: Call) -> None:
     node_size_of(call.cfg, call.groups.world)
 
 
+def _steps(p: model.Problem, layout: str, w: int) -> list:
+    """The busiest rank's call at outer step j, inner step s, flattened (index ``j w + s``): the ring's
+    closed form for one document (the critical step does not depend on the visiting order), else the
+    schedule's own pairs (``source``, Note [Packed batches] in ``seqpar.planner.model``)."""
+    W = p.world
+    if p.documents is None:
+        steps = list(model.steps(p, layout, W))
+        return steps + [None] * (W - len(steps))
+    return list(model.packed_steps(p, layout, W, lambda r, i: source(r, i // w, i % w, W, w), W, trim=False))
+
+
+def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Prediction:
+    """Inner ring in a node, outer ring across nodes, hidden behind a whole inner pass (ALGORITHMS.md §9)."""
+    W, L = p.world, p.seq_len / p.world
+    w = c.option("node_size")
+    if not isinstance(w, int) or w < 1 or W % w:
+        raise ValueError(f"node_size must be a positive int dividing W={W} to predict double_ring (name it: "
+                         f"double_ring/n4/zigzag), got {w!r}")
+    Wo = W // w
+    steps = _steps(p, c.layout, w)
+    kv, dkv = p.act(L, 2 * p.kv_heads), p.act(L, 2 * p.kv_heads, p.grad_bytes)
+    inner, outer = model.Group(w), model.Group(Wo, w)
+    f, b = model.tallies(m, "double_ring")
+    for tally, direction in ((f, "fwd"), (b, "bwd")):
+        pay = kv if direction == "fwd" else kv + dkv
+        t_in, t_out = m.comm_ms("ring", pay, inner), m.comm_ms("ring", pay, outer)
+        last_pass = 0.0
+        for j in range(Wo):
+            if j:
+                tally.wait(max(0.0, t_out - last_pass), pay)
+            last_pass = 0.0
+            for s in range(w):
+                blk = steps[j * w + s]
+                comp = m.kernel_ms(p, blk, p.heads, direction)
+                if direction == "fwd" and (j or s) and blk is not None:
+                    comp += m.merge_ms(p, blk.rows, p.heads)
+                more = s + 1 < w
+                last_pass += tally.step(comp, t_in if more else 0.0, "ring", pay if more else 0.0)
+            if direction == "bwd" and w > 1:
+                tally.wait(m.comm_ms("ring", dkv, inner), dkv)            # dK/dV back to the pass's first rank
+        if direction == "bwd" and Wo > 1:
+            tally.wait(m.comm_ms("ring", dkv, outer), dkv)                # the last outer hop home
+    fb, bb = model.base_mem(p)
+    acc = p.act(L, p.heads, 4) + p.rowstat(L, p.heads)
+    dkv32 = p.act(L, 2 * p.kv_heads, 4)
+    cost = model.Cost(f, b, fb + 4 * kv + acc + p.act(L, p.heads),           # current, inner next, outer x2
+                      bb + 4 * kv + 4 * dkv32 + p.act(L, p.heads, 4) + model.temps(p, L, p.heads, p.kv_heads))
+    t_hide = m.comm_ms("ring", kv, outer)
+    cost.notes.append(f"outer hop {t_hide:.2f} ms hides behind {w} inner steps")
+    if p.documents is not None:
+        cost.balance = model.balance(p, c.layout, W, tuple(steps))
+    return cost.prediction()
+
+
+def _candidates(p: model.Problem, topo, layouts: tuple[str, ...], ulysses: int | None) -> list:
+    """The topology's node size, when the group spans more than one node."""
+    w = topo.node_size
+    if not 1 < w < p.world or p.world % w:
+        return []
+    return [model.Candidate("double_ring", lay, options=(("node_size", w),)) for lay in layouts]
+
+
+def _why_not(p: model.Problem, c: model.Candidate) -> list[str]:
+    w = c.option("node_size")
+    return [f"node_size {w} must divide W={p.world}"] if p.world % w else []
+
+
+def _bench_specs(preset, world: int) -> list:
+    """Nodes of 2 ranks on one host (the schedule, not the NICs, is what one host can time)."""
+    if preset.seq_len >= LONG_CONTEXT or world < 4 or world % 2:
+        return []
+    return [("zigzag", (("node_size", 2),), None)]
+
+
+def _demo_cases(world: int, seq_len: int, documents: tuple[int, ...]) -> list:
+    if world % 2 or world <= 2:
+        return []
+    return [dict(layout="zigzag", options=(("node_size", 2),))]
+
+
 METHOD = Method(
     name="double_ring",
     summary="inner ring per node, outer ring across nodes",
@@ -280,4 +361,9 @@ METHOD = Method(
                         "document_layouts"}),
     check=_check,
     engine=_Engine,
+    cost=_cost,
+    candidates=_candidates,
+    why_not=_why_not,
+    bench_specs=_bench_specs,
+    demo_cases=_demo_cases,
 )

@@ -21,8 +21,9 @@ from ..comm.ring import Ring
 from ..errors import rank_suffix
 from ..kernels.executor import TaskRunner
 from ..numerics import GradRows
+from ..planner import model
 from . import _passkv
-from .base import BackwardInputs, Call, Method
+from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
 __all__ = ["METHOD"]
 
@@ -77,6 +78,26 @@ class _Engine:
         return dq, dk, dv
 
 
+def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Prediction:
+    """Pass-KV ring over all W ranks, any layout (ALGORITHMS.md §3, §12.2); ``head_chunks`` is not modelled
+    (the same bytes and work in c passes)."""
+    cost = model.passkv(p, m, c.layout, p.world, p.heads, p.kv_heads, model.Group(p.world), "ring")
+    return model.note_ccr(cost, p, m, p.world).prediction()
+
+
+def _bench_specs(preset, world: int) -> list:
+    """Every plain layout when causal (contiguous shows the imbalance), contiguous when not; at 1M tokens
+    and beyond one KV head per pass (the memory-bounded variant)."""
+    if preset.seq_len >= LONG_CONTEXT:
+        return [("zigzag", (("head_chunks", preset.kv_heads),), None)]
+    return [(lay, (), None) for lay in (("contiguous", "zigzag", "stripe") if preset.causal else ("contiguous",))]
+
+
+def _demo_cases(world: int, seq_len: int, documents: tuple[int, ...]) -> list:
+    return [*(dict(layout=lay) for lay in ("contiguous", "zigzag", "stripe")), dict(layout="zigzag", causal=False),
+            dict(layout="zigzag", cu_seqlens=documents), dict(layout="contiguous", window=(seq_len // 8, 0))]
+
+
 METHOD = Method(
     name="ring",
     summary="K, V around a ring (pass-KV), dK/dV one step behind",
@@ -86,4 +107,7 @@ METHOD = Method(
                         "document_layouts"}),
     check=_check,
     engine=_Engine,
+    cost=_cost,
+    bench_specs=_bench_specs,
+    demo_cases=_demo_cases,
 )

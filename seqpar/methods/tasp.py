@@ -27,8 +27,9 @@ from ..errors import rank_suffix
 from ..kernels.executor import TaskRunner
 from ..layouts import Layout, make_layout
 from ..layouts.subchunks import Subchunked
+from ..planner import model
 from . import _tasp
-from .base import BackwardInputs, Call, Method
+from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
 __all__ = ["METHOD", "SCHEDULES", "resolve_schedule"]
 
@@ -69,6 +70,69 @@ class _Engine:
         return self.tasp.backward(b.rows, b.q, b.k, b.v, b.lse)
 
 
+def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Prediction:
+    """KV in W-1 sub-chunks over all W-1 links per round (ALGORITHMS.md §8.2-8.5); a round visits the pairs
+    of a ring step, so the busiest rank's calls are the ring's (``model.steps``)."""
+    W, L = p.world, p.seq_len / p.world
+    schedule = c.option("schedule", "direct")
+    pattern = "cycles" if schedule == "cycles" else "allpairs"
+    steps = model.steps(p, c.layout, W)
+    n = len(steps)
+    kv, dkv = p.act(L, 2 * p.kv_heads), p.act(L, 2 * p.kv_heads, p.grad_bytes)
+    grp = model.Group(W)
+    t_kv, t_kvd, t_dkv = (m.comm_ms(pattern, x, grp) for x in (kv, kv + dkv, dkv))
+    extra_launch = m.profile.launch_us * 1e-3 if p.causal else 0.0       # M and P sub-chunks: two calls
+    f, b = model.tallies(m, "tasp")
+    for s, blk in enumerate(steps):
+        more = s + 1 < n
+        comp = m.kernel_ms(p, blk, p.heads) + (m.merge_ms(p, blk.rows, p.heads) + extra_launch if s and blk else 0.0)
+        f.step(comp, t_kv if more else 0.0, pattern, kv if more else 0.0)
+    for s, blk in enumerate(steps):
+        more = s + 1 < n
+        back = s >= 2                                                     # partials of round s-1 go home
+        comm = t_kvd if (more and back) else (t_kv if more else (t_dkv if back else 0.0))
+        sent = (kv if more else 0.0) + (dkv if back else 0.0)
+        b.step(m.kernel_ms(p, blk, p.heads, "bwd") + (extra_launch if s else 0.0), comm, pattern, sent)
+    if n > 1:
+        b.wait(t_dkv, dkv)
+    fb, bb = model.base_mem(p)
+    acc = p.act(L, p.heads, 4) + p.rowstat(L, p.heads)
+    dkv32 = p.act(L, 2 * p.kv_heads, 4)
+    cost = model.Cost(f, b, fb + 3 * kv + acc + p.act(L, p.heads),           # own KV + two receive buffers
+                      bb + 3 * kv + 3 * dkv32 + p.act(L, p.heads, 4) + model.temps(p, L, p.heads, p.kv_heads))
+    cost.notes.append(f"{schedule}: every round uses all {W - 1} links of each rank")
+    if p.documents is not None:
+        cost.balance = model.balance(p, c.layout, W, steps)
+    return cost.prediction()
+
+
+def _candidates(p: model.Problem, topo, layouts: tuple[str, ...], ulysses: int | None) -> list:
+    """The direct schedule inside a node (§8.4: the same bytes without forwarding); the cycles too across
+    nodes (§8.3: each chunk crosses the node boundary once)."""
+    schedules = ("direct", "cycles") if p.world > topo.node_size else ("direct",)
+    return [model.Candidate("tasp", lay, options=(("schedule", s),)) for lay in layouts for s in schedules]
+
+
+def _why_not(p: model.Problem, c: model.Candidate) -> list[str]:
+    if c.option("schedule") == "cycles" and not topology.has_cycles(p.world):
+        return [f"no Hamiltonian cycle decomposition exists for W={p.world} (use schedule='direct')"]
+    return []
+
+
+def _bench_specs(preset, world: int) -> list:
+    if preset.seq_len >= LONG_CONTEXT or world <= 2:
+        return []
+    return [("zigzag" if preset.causal else "contiguous", (), None)]
+
+
+def _demo_cases(world: int, seq_len: int, documents: tuple[int, ...]) -> list:
+    """Zigzag with every half cut into W-1 sub-chunks: the length rounded up to a multiple of 2W(W-1)."""
+    if world <= 1:
+        return []
+    d = 2 * world * (world - 1)
+    return [dict(layout="zigzag", seq_len=-(-seq_len // d) * d)]
+
+
 METHOD = Method(
     name="tasp",
     summary="KV split over W-1 links per round (Hamiltonian cycles or staggered direct all-to-all)",
@@ -79,4 +143,9 @@ METHOD = Method(
     placement=_placement,
     check=lambda call: resolve_schedule(call.cfg, call.groups.world) and None,
     engine=_Engine,
+    cost=_cost,
+    candidates=_candidates,
+    why_not=_why_not,
+    bench_specs=_bench_specs,
+    demo_cases=_demo_cases,
 )

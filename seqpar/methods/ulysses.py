@@ -20,8 +20,9 @@ c head groups so each group's transfers run behind its neighbours' kernels (Note
 from __future__ import annotations
 
 from ..layouts import Contiguous, Layout
+from ..planner import model
 from . import _ulysses
-from .base import Call, Method
+from .base import LONG_CONTEXT, Call, Method
 
 __all__ = ["METHOD"]
 
@@ -48,6 +49,50 @@ def _saved_meta(q_shape, k_shape, v_shape, dtype, groups, options) -> list:
     return _ulysses.saved_meta(q_shape, k_shape, v_shape, dtype, groups.world, chunks)
 
 
+def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Prediction:
+    """All-to-all to head-sharded full sequences, one local call, all-to-all back (ALGORITHMS.md §5); every
+    rank runs the whole sequence, so documents never unbalance it (Note [Packed batches])."""
+    U, L = p.world, p.seq_len / p.world
+    chunks = model.head_chunks(p, c, U)
+    blk = model.whole(p)
+    if chunks == 1:
+        f, b = model.tallies(m, "ulysses")
+        model.a2a_in(p, m, U, L, f, b)
+        f.step(m.kernel_ms(p, blk, p.heads / U))
+        b.step(m.kernel_ms(p, blk, p.heads / U, "bwd"))
+    else:                                                                 # [head-group pipeline]
+        eng_f, eng_b = model.tallies(m, "ulysses")
+        eng_f.step(m.kernel_ms(p, blk, p.heads / (U * chunks)))
+        eng_b.step(m.kernel_ms(p, blk, p.heads / (U * chunks), "bwd"))
+        f, b = model.head_pipeline(p, m, U, L, chunks, eng_f, eng_b)
+    fb, bb = model.base_mem(p)
+    fm, bm = model.ulysses_mem(p, U, L)
+    cost = model.Cost(f, b, fb + fm, bb + bm)
+    if p.kv_heads % U:
+        cost.notes.append(f"kv_heads={p.kv_heads} < degree {U}: each KV head goes to {U // p.kv_heads} ranks "
+                          f"(on the wire only)")
+    if chunks == 1:
+        cost.notes.append("no overlap: both all-to-alls are exposed; bytes shrink as 1/W")
+    else:
+        cost.notes.append(f"{chunks} head groups pipelined: 1/{chunks} of each all-to-all direction exposed")
+    return cost.prediction()
+
+
+def _why_not(p: model.Problem, c: model.Candidate) -> list[str]:
+    return model.ulysses_why_not(p, p.world, c.option("head_chunks", 1))
+
+
+def _bench_specs(preset, world: int) -> list:
+    """The plain sandwich (``head_chunks`` is opt-in: measured slower on NVSwitch) where W divides the heads."""
+    if preset.seq_len >= LONG_CONTEXT or preset.heads % world:
+        return []
+    return [("contiguous", (), None)]
+
+
+def _demo_cases(world: int, seq_len: int, documents: tuple[int, ...]) -> list:
+    return [dict(layout="contiguous")]
+
+
 METHOD = Method(
     name="ulysses",
     summary="all-to-all sequence <-> heads (q, k, v packed in one)",
@@ -57,5 +102,9 @@ METHOD = Method(
     placement=_placement,
     check=_chunks,
     engine=_engine,
+    cost=_cost,
+    why_not=_why_not,
+    bench_specs=_bench_specs,
+    demo_cases=_demo_cases,
     saved_meta=_saved_meta,
 )

@@ -30,8 +30,9 @@ from ..comm.ring import Ring
 from ..kernels.executor import TaskRunner
 from ..layouts import Layout, Nested, make_layout
 from ..numerics import acc_dtype
+from ..planner import model
 from . import _passkv, _ulysses
-from .base import Call, Method
+from .base import LONG_CONTEXT, Call, Method
 
 __all__ = ["METHOD"]
 
@@ -82,6 +83,50 @@ def _saved_meta(q_shape, k_shape, v_shape, dtype, groups, options) -> list:
     return _ulysses.saved_meta(q_shape, k_shape, v_shape, dtype, U, chunks)
 
 
+def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Prediction:
+    """Ulysses over U (inside a node) x pass-KV ring over R = W/U (ALGORITHMS.md §6); documents unbalance
+    the ring over R ranks only (Note [Packed batches])."""
+    U, R = c.ulysses, p.world // c.ulysses
+    L = p.seq_len / p.world
+    hw = model.kv_wire_heads(p.kv_heads, U)
+    chunks = model.head_chunks(p, c, U)
+    if chunks > 1:                      # [head-group pipeline]: the ring runs per group, a2a's beside it
+        hwc = model.kv_wire_heads(p.kv_heads // chunks, U)
+        cost = model.passkv(p, m, c.layout, R, p.heads / (U * chunks), hwc / U, model.Group(R, U), "usp")
+        cost.fwd, cost.bwd = model.head_pipeline(p, m, U, L, chunks, cost.fwd, cost.bwd)
+        cost.notes.append(f"{chunks} head groups pipelined: the ring of one group hides the next group's "
+                          f"all-to-all")
+    else:
+        cost = model.passkv(p, m, c.layout, R, p.heads / U, hw / U, model.Group(R, U), "usp")
+        pre_f, pre_b = model.Tally(m), model.Tally(m)
+        model.a2a_in(p, m, U, L, pre_f, pre_b)
+        cost.fwd.absorb(pre_f)
+        cost.bwd.absorb(pre_b)
+    fm, bm = model.ulysses_mem(p, U, L)
+    cost.fwd_mem += fm
+    cost.bwd_mem += bm
+    if hw > p.kv_heads:
+        cost.notes.append(f"KV replicated {U // p.kv_heads}x for Ulysses also travels the ring")
+    return model.note_ccr(cost, p, m, R).prediction()
+
+
+def _why_not(p: model.Problem, c: model.Candidate) -> list[str]:
+    return model.ulysses_why_not(p, c.ulysses, c.option("head_chunks", 1))
+
+
+def _bench_specs(preset, world: int) -> list:
+    """Ulysses 2 x ring W/2 on the balanced layout, from 4 ranks."""
+    if preset.seq_len >= LONG_CONTEXT or world < 4 or world % 2:
+        return []
+    return [("zigzag" if preset.causal else "contiguous", (), 2)]
+
+
+def _demo_cases(world: int, seq_len: int, documents: tuple[int, ...]) -> list:
+    if world % 2 or world <= 2:
+        return []
+    return [dict(layout=lay, ulysses=2) for lay in ("contiguous", "zigzag", "stripe")]
+
+
 METHOD = Method(
     name="usp",
     summary="Ulysses inside, ring across",
@@ -93,5 +138,9 @@ METHOD = Method(
     placement=_placement,
     check=_chunks,
     engine=_engine,
+    cost=_cost,
+    why_not=_why_not,
+    bench_specs=_bench_specs,
+    demo_cases=_demo_cases,
     saved_meta=_saved_meta,
 )

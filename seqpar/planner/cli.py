@@ -3,20 +3,23 @@
     python -m seqpar plan --gpus 4 --seq-len 128k --heads 32 --kv-heads 8          # ranking + reason
     python -m seqpar plan --gpus 8,64,1024 --seq-len 1m --topology nvswitch --plot sim.png
     python -m seqpar plan --gpus 8 --seq-len 64k --topology mi300x --methods ring,tasp
+    python -m seqpar plan --gpus 8 --seq-len 128k --kv-heads 8 --cached 120k --layers 32   # + prefill and decode
 
 One GPU count and one length print the full ranking (every configuration, time, efficiency, memory,
-exposed communication, and the reason for the choice); several print the simulator's table (each
-method's best configuration per point) and, with ``--plot``, a figure. ``--json`` writes the rows.
+exposed communication, and the reason for the choice; with ``--cached``, prefill of the uncached tokens and
+decode too); several print the simulator's table (each method's best configuration per point) and, with
+``--plot``, a figure. ``--json`` writes the rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 
 from .profile import builtin_profiles, load_profile
-from .search import ALL_METHODS, plan
+from .search import plan
 from .simulate import plot, simulate, table, to_records
 from .topology import PRESETS
 
@@ -56,9 +59,12 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"host (the profile's node) or one of {sorted(PRESETS)}; default: host when the GPUs fit "
                          "in one node, else nvswitch")
     ap.add_argument("--kernel", default=None, help="local kernel (default: the profile's default kernel)")
-    ap.add_argument("--methods", default="all", help="all, available (merged in this build) or a comma list")
+    ap.add_argument("--methods", default="all", help="all (every registered method with a cost model) or a comma list")
     ap.add_argument("--memory-gib", type=float, default=None, help="per-device memory limit (default: profile)")
     ap.add_argument("--top", type=int, default=None, help="ranking rows to print")
+    ap.add_argument("--cached", type=parse_tokens, default=None,
+                    help="tokens already in the KV cache (one GPU count and length): adds prefill and decode")
+    ap.add_argument("--layers", type=int, default=1, help="layers of KV cache (with --cached)")
     ap.add_argument("--plot", default=None, help="write a PNG (needs matplotlib)")
     ap.add_argument("--json", default=None, help="write the rows as JSON")
     return ap
@@ -66,16 +72,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m seqpar plan``; returns the exit status."""
-    args = _parser().parse_args(list(argv) if argv is not None else None)
+    ap = _parser()
+    args = ap.parse_args(list(argv) if argv is not None else None)
     prof = load_profile(args.profile)
-    if args.methods == "available":
-        from .. import methods
-
-        names: tuple[str, ...] | str = tuple(m for m in ALL_METHODS if m in methods.available())
-    elif args.methods == "all":
-        names = "all"
-    else:
-        names = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    names: tuple[str, ...] | str = args.methods if args.methods in ("all", "available") else \
+        tuple(m.strip() for m in args.methods.split(",") if m.strip())
     common = dict(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, batch=args.batch,
                   causal=args.causal, window=tuple(args.window), dtype=args.dtype, grad_dtype=args.grad_dtype,
                   profile=prof, kernel=args.kernel, memory_gib=args.memory_gib)
@@ -87,12 +88,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if len(args.gpus) == 1 and len(args.seq_len) == 1:
         W, S = args.gpus[0], args.seq_len[0]
-        ranking = plan(seq_len=S, world=W, mode=args.mode, topology=topo(W), methods=names, pad=True, **common)
+        ranking = plan(seq_len=S, world=W, mode=args.mode, topology=topo(W), methods=names, pad=True,
+                       cached=args.cached, layers=args.layers, **common)
         print(ranking.table(args.top))
         if args.json:
             rows = simulate(gpus=[W], seq_lens=[S], methods=names, mode=args.mode, topology=topo(W), **common)
             _write_json(args.json, rows)
         return 0
+    if args.cached is not None:
+        ap.error(f"--cached needs one --gpus count and one --seq-len, got {len(args.gpus)} and {len(args.seq_len)}")
     rows = []
     for W in args.gpus:
         rows += simulate(gpus=[W], seq_lens=args.seq_len, methods=names, mode=args.mode, topology=topo(W), **common)
@@ -111,3 +115,7 @@ def _write_json(path: str, rows) -> None:
     with open(path, "w") as f:
         json.dump(to_records(rows), f, indent=1)
     print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

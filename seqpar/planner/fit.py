@@ -11,7 +11,7 @@ and how much of it hides behind the device's work (κ, ``host_overlap_loss``). P
 
 Note [Fixed-cost fit]
     Per pass (forward; backward), a row's predicted time is ``C + max(D, H) + κ·min(D, H)`` (Note [Step
-    time] in ``cost.py``): D, the device time, does not depend on the fixed costs; C is the pass's call
+    time] in ``model.py``): D, the device time, does not depend on the fixed costs; C is the pass's call
     cost and H = ``sum_k n_k θ_k``, ``n_k`` counting how often the pass pays step cost k (the method's
     schedule steps; head groups x ring steps for USP). D and ``n_k`` are read off the model itself
     (a prediction with every fixed cost zero, then the change for a unit cost with κ = 1), so the fit and
@@ -36,29 +36,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .cost import MODELS
 from .profile import DIRECTIONS, Profile, load_profile
+from .search import modelled_methods
 from .validate import in_fit_set, modelled, predict_record, results, write_report
 
 __all__ = ["Fit", "FitRow", "fit", "main", "params", "profile_with", "render", "split"]
 
 _UNIT_US = 1000.0
 _CALLS = len(DIRECTIONS)
-"""``params()`` starts with the per-call costs (serial, Note [Step time] in ``cost.py``), then the steps'."""
+"""``params()`` starts with the per-call costs (serial, Note [Step time] in ``model.py``), then the steps'."""
 KAPPAS = tuple(i / 20 for i in range(21))
 #: starting points of the θ search (softplus units: about 300, 500 and 700 µs per cost)
 STARTS = (3.0, 5.0, 7.0)
 
 
-def params(methods: Sequence[str] = tuple(MODELS)) -> tuple[str, ...]:
-    """Names of the fitted costs: ``call/fwd``, ``call/bwd``, then ``step/<method>/<fwd|bwd>``."""
+def params(methods: Sequence[str] | None = None) -> tuple[str, ...]:
+    """Names of the fitted costs: ``call/fwd``, ``call/bwd``, then ``step/<method>/<fwd|bwd>`` for ``methods``
+    (default: every method with a cost model)."""
+    methods = modelled_methods() if methods is None else methods
     return tuple(f"call/{d}" for d in DIRECTIONS) + tuple(f"step/{m}/{d}" for m in methods for d in DIRECTIONS)
 
 
 def profile_with(profile: Profile, theta_us: dict[str, float], kappa: float) -> Profile:
     """``profile`` with the fixed costs ``theta_us`` (by parameter name; absent ones zero) and κ."""
     call = {d: float(theta_us.get(f"call/{d}", 0.0)) for d in DIRECTIONS}
-    step = {f"{m}/{d}": float(theta_us.get(f"step/{m}/{d}", 0.0)) for m in MODELS for d in DIRECTIONS}
+    step = {f"{m}/{d}": float(theta_us.get(f"step/{m}/{d}", 0.0)) for m in modelled_methods() for d in DIRECTIONS}
     return profile.replace(call_us=tuple(sorted(call.items())), step_us=tuple(sorted(step.items())),
                            host_overlap_loss=kappa)
 

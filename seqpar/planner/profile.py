@@ -23,7 +23,7 @@ Note [Link time]
     relatives', else ``alpha_us``).
 
 Note [Fixed costs]
-    Time that does not scale with the problem, in three kinds (Note [Step time] in ``cost.py`` says where
+    Time that does not scale with the problem, in three kinds (Note [Step time] in ``model.py`` says where
     each is added):
 
     * per call and pass, ``call_us["fwd"]`` / ``call_us["bwd"]``: validation, the agreement round
@@ -33,7 +33,7 @@ Note [Fixed costs]
     * per collective, ``latency_us[pattern]``: what a transfer of almost no bytes takes (Note [Link time]).
 
     The first two are host time and overlap with the device's work up to ``host_overlap_loss`` (κ,
-    Note [Step time] in ``cost.py``). ``python -m seqpar.planner.fit`` fits ``call_us``, ``step_us``
+    Note [Step time] in ``model.py``). ``python -m seqpar.planner.fit`` fits ``call_us``, ``step_us``
     and κ to benchmark times (Note [Fixed-cost fit] there). ``alpha_us`` alone (no ``call_us``, no
     ``step_us``, κ = 1) is the older single-constant model that ``python -m seqpar.calibrate`` still
     measures: one P2P ring step of 4 KiB.
@@ -151,7 +151,7 @@ class Profile:
     2-byte elements at ``hbm_gbps`` (``hbm_gbps / 4``)."""
     host_overlap_loss: float = 1.0
     """κ: the part of the shorter of a pass's host time (fixed costs) and device time that does not overlap
-    (Note [Step time] in ``cost.py``); 1 adds the fixed costs to the device time."""
+    (Note [Step time] in ``model.py``); 1 adds the fixed costs to the device time."""
     source: str = ""
     """Provenance of the numbers: measured where, derived how, fitted to what."""
     derived_from: str | None = None

@@ -3,8 +3,8 @@
     rows = simulate(gpus=[8, 64, 1024], seq_lens=[1 << 20], heads=32, kv_heads=8, topology="nvswitch")
     print(table(rows)); plot(rows, "sim.png")
 
-For each (GPU count, sequence length) it ranks every modelled method (``search.plan`` with
-``methods="all"``; lengths a layout cannot split are assumed padded) and keeps each method's best
+For each (GPU count, sequence length) it ranks every registered method with a cost model (``search.plan``;
+lengths a layout cannot split are assumed padded) and keeps each method's best
 configuration. Efficiency is the single-GPU kernel time on the whole problem divided by W times the
 predicted time (the benchmark's definition), so 100% means perfect scaling of the local kernel. It can
 exceed 100% a little: a distributed causal pass runs mostly unmasked blocks, which the kernels execute at a
@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .search import ALL_METHODS, plan
+from .search import modelled_methods, plan
 
 __all__ = ["SimRow", "plot", "simulate", "table"]
 
@@ -43,7 +43,7 @@ def simulate(*, gpus: Sequence[int], seq_lens: Sequence[int], methods: Sequence[
              mode: str = "fwd+bwd", **problem: Any) -> list[SimRow]:
     """Rows for every method at every (gpus, seq_len); ``problem`` goes to ``plan`` (heads, topology, ...)."""
     rows: list[SimRow] = []
-    names = ALL_METHODS if methods == "all" else tuple(methods)
+    names = tuple(modelled_methods()) if methods in ("all", "available") else tuple(methods)
     for W in gpus:
         for S in seq_lens:
             r = plan(seq_len=S, world=W, mode=mode, methods=names, pad=True, **problem)

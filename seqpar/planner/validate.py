@@ -34,23 +34,24 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .cost import Candidate, Machine, Prediction, Problem, predict
+from .. import methods as _methods
+from ..layouts import ALL_LAYOUT_NAMES
+from .model import Candidate, Machine, Prediction, Problem
 from .profile import Profile, load_profile
-from .search import DTYPE_BYTES
+from .search import DTYPE_BYTES, predict
 from .topology import Network, get_topology
 
 __all__ = ["Row", "check", "in_fit_set", "main", "modelled", "parse_method", "predict_record", "profile_for",
            "read_jsonl", "results"]
 
-_LAYOUTS = ("contiguous", "zigzag", "stripe")
-
 
 def parse_method(name: str, world: int, causal: bool = True) -> Candidate:
-    """A benchmark method name ("usp/u2r2/zigzag", "tasp/direct", ...) as a Candidate."""
+    """A benchmark method name ("usp/u2r2/zigzag", "tasp/direct", ...) as a Candidate; without a layout part,
+    the method's default layout (``Method.default_layout``)."""
     method, *parts = name.split("/")
     layout, ulysses, opts = None, 1, {}
     for part in parts:
-        if part in _LAYOUTS:
+        if part in ALL_LAYOUT_NAMES:
             layout = part
         elif m := re.fullmatch(r"u(\d+)(?:r(\d+))?", part):       # "u2r2" (planner) or "u2" (benchmark)
             ulysses = int(m.group(1))
@@ -66,13 +67,7 @@ def parse_method(name: str, world: int, causal: bool = True) -> Candidate:
             opts["heads_k_stride"] = int(m.group(1))
         else:
             raise ValueError(f"cannot read {part!r} in method name {name!r}")
-    if method == "ulysses":
-        layout = "contiguous"
-    if method == "tasp":
-        opts.setdefault("schedule", "direct")
-    if method == "double_ring" and "node_size" not in opts:
-        raise ValueError(f"{name!r}: a double_ring name must give its node size (double_ring/n4/zigzag)")
-    return Candidate(method, layout or "zigzag", ulysses, tuple(sorted(opts.items())))
+    return Candidate(method, layout or _methods.get(method).default_layout(), ulysses, tuple(sorted(opts.items())))
 
 
 def profile_for(record: dict[str, Any], override: Profile | None = None) -> Profile:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-__all__ = ["Block", "Run", "band", "count_pairs", "gather_blocks", "rank_runs", "ring_steps", "self_block"]
+__all__ = ["Block", "Run", "band", "count_pairs", "gather_blocks", "rank_runs", "ring_steps", "run_pairs", "self_block"]
 
 
 @dataclass(frozen=True)

@@ -296,7 +296,7 @@ def _auto(q, k, v, mesh, layout, causal, window, cu_seqlens, seq_len, kernel, gr
         tuple(q.shape), k.shape[2], bool(causal), window, groups.world, dims, layout, options.get("profile"),
         ulysses=groups.ulysses_size if dims == 2 else None, dtype=q.dtype, device=q.device.type,
         mode="fwd+bwd" if grad else "fwd", features=[f for f, on in used.items() if on], kernel=kernel,
-        grad_dtype=grad_dtype)
+        grad_dtype=grad_dtype, cu_seqlens=cu_seqlens)
     return name, chosen
 
 

@@ -1,0 +1,711 @@
+"""The cost model's vocabulary and shared arithmetic: what every method's model is written in.
+
+A method's cost model is ``(Problem, Candidate, Machine) -> Prediction`` and lives in its own module
+(``Method.cost``); this module holds what those models share, and nothing that knows a method by name:
+
+    Problem, Candidate, Prediction, Machine   the question, a configuration, the answer, the hardware
+    Group                                     ranks placed on the topology (``topology.Group``)
+    Tally, Cost                               one pass accumulated step by step (Note [Step time])
+    steps, gather_blocks_of, whole            the critical rank's calls, dense or packed (Note [Packed batches])
+    passkv                                    the pass-KV ring (ring, and USP's ring over R ranks)
+    a2a_in, head_pipeline, ulysses_mem        Ulysses' all-to-alls, plain or pipelined over head groups
+    ulysses_why_not                           Ulysses' head-count rules (ulysses, usp)
+    base_mem, temps                           memory every schedule holds
+    ccr, pass_bytes, single_gpu_ms            ALGORITHMS.md §7.1 and §12.3 quantities, the yardstick
+
+It imports no method (``tests/test_layering.py``): methods import it, and the planner reaches the methods
+only through the registry (``seqpar.methods``).
+
+Note [Step time]
+    On the device, an overlapped step (transfer posted before the compute it hides behind) lasts
+    ``max(T_comp, T_comm) + δ·min(T_comp, T_comm)`` where δ is the profile's overlap loss for the
+    pattern (NCCL kernels slow a concurrent attention kernel). A serial transfer (the schedule must wait
+    for it) adds its whole time and counts as exposed; a transfer of few bytes costs the pattern's
+    latency (Note [Link time]). ``T_comp`` is the kernel time ``FLOPs / rate(size)`` plus a launch, plus
+    MERGE passes over the fp32 accumulator (``merge_passes`` x rows x heads x D x 4 bytes at HBM
+    bandwidth). Summed over a pass, that is the pass's device time D.
+
+    The fixed costs (Note [Fixed costs] in ``profile.py``) are host time. The call's ``call_us`` for the
+    pass is serial - validation, the agreement round (which waits for the device) and setup come before
+    the pass gives the device any work. The steps' costs H (the method's ``step_us`` α_m per step) are
+    paid while the device works, so the two overlap: a pass lasts ``call + max(D, H) + κ·min(D, H)``
+    with κ the profile's ``host_overlap_loss`` - 1 adds them (every fixed cost exposed), 0 hides the
+    shorter completely. Large problems are device-bound (the step costs vanish behind the kernels),
+    small ones host-bound.
+
+Note [Modelled as implemented]
+    The models follow the code where the code is written and the algorithm notes where it is not yet:
+    pass-KV backward waits for the running dK/dV of a block before computing on it, so each dK/dV hop is
+    exposed (``PASSKV_EXPOSED_DKV``); all-gather re-gathers K and V in backward (one chunk exposed, as in
+    forward) and, on layouts other than contiguous, permutes each gathered chunk into global order and
+    each fp32 dK/dV chunk back (``index_select``); Ulysses packs q, k, v into one all-to-all and returns
+    out and lse in two (the second, a few hundred KB, costs about the a2a latency); pass-Q partial outputs
+    travel in the input dtype (``PASSQ_PARTIAL_BYTES``). Steps of pass-Q and TASP take the busiest rank's
+    bytes (lock-step), so TokenRing's "halves after the wrap" lower its total bytes but not its step
+    time. Change the constants below when the code changes; ``seqpar.planner.validate`` shows the effect.
+    Ulysses and USP with ``head_chunks`` > 1 pipeline their all-to-alls over head groups (Note
+    [Head-group pipeline] in ``seqpar.methods._ulysses``): ``head_pipeline`` models that schedule.
+
+Note [Packed batches]
+    A packed batch (``Problem.documents``: the global ``cu_seqlens``, documents ``[a_d, b_d)``) changes the
+    work, never the bytes: a token sees only its own document, so a ring step moves whole blocks (L tokens
+    of KV, Q or partials, the bytes the dense model counts) while each rank's kernel work is what the
+    block planner leaves of the block. With ``rule`` the mask and ``seg_r`` rank r's positions cut at the
+    documents (``Segments.cut``):
+
+        w_r        = layouts.work.work(layout, S, rule, cu)[r]           rank r's visible pairs in the pass
+        p_r(s)     = M[0, r, src(r, s)], M = block_matrix(...)          rank r's pairs at step s
+        T_comp(s)  = kernel(Block(rows, keys, max_r p_r(s))) (+ merges)  the step waits for its busiest rank
+        imbalance  = max_r w_r / mean_r w_r      lockstep = sum_s max_r p_r(s) / mean_r w_r
+
+    ``src(r, s)`` is the rank whose block r holds at step s: ``r - s`` on a ring (pass-KV; pass-Q visits
+    the same pairs), the schedule's own map on a double ring. A step's time is then Note [Step time] with
+    that ``T_comp``: the critical rank's compute scales with its work, and a ring pays ``lockstep`` times
+    the balanced compute. ``rows`` and ``keys`` are the busiest rank's query rows and keys that see anything
+    (``M[1]``, ``M[2]``): what its merges and its dK/dV accumulation touch, and the call size its kernel rate
+    is looked up at. All-gather runs one call per rank against the gathered keys,
+    ``Block(L, S, max_r w_r)``; Ulysses runs the whole sequence on H/U heads on every rank,
+    ``Block(S, S, sum_r w_r)`` (balanced by construction). A single document covering the sequence is
+    the dense model (``Problem`` drops it). ``M[0, r, k]`` is ``layouts.work.block_work``'s count for the
+    block (r's queries, k's keys), all W x W blocks at once (``block_matrix``: each document's run pairs in
+    closed form, vectorised). Cost per batch: ``W`` rank works (O(runs log D) each) and the sum over documents of
+    their runs squared (a document split over every rank: 4 W^2; 64 sampled query ranks beyond 64 ranks),
+    never O(S).
+
+Memory (``base_mem``, ``temps`` and each method's buffers) counts what one rank holds at the peak of the
+pass: inputs, outputs, the tensors autograd saves, and the method's buffers (ALGORITHMS.md §12.2 "Memory");
+kernel workspaces and the caching allocator's slack are not counted.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..layouts import Layout, Rule, make_layout
+from ..layouts.work import work
+from .profile import Profile
+from .topology import Group, Network
+from .work import Block, gather_blocks, ring_steps, self_block
+
+__all__ = ["BWD_FLOPS", "PASSKV_EXPOSED_DKV", "PASSQ_PARTIAL_BYTES", "Candidate", "Cost", "Group", "Machine",
+           "Prediction", "Problem", "Tally", "a2a_in", "auto_head_chunks", "balance", "base_mem", "block_matrix", "ccr",
+           "gather_blocks_of", "head_chunk_valid", "head_chunks", "head_pipeline", "kv_wire_heads", "note_ccr",
+           "packed_steps", "pass_bytes", "passkv", "rank_work", "single_gpu_ms", "steps", "tallies", "temps",
+           "ulysses_mem", "ulysses_why_not", "whole"]
+
+#: pass-KV backward waits for the incoming dK/dV before the step's compute (``_passkv.backward``)
+PASSKV_EXPOSED_DKV = True
+#: bytes per element of a pass-Q partial output on the wire (None: the input dtype)
+PASSQ_PARTIAL_BYTES: int | None = None
+#: backward FLOPs per forward FLOP (five GEMMs against two)
+BWD_FLOPS = 2.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One attention layer's shape, globally: S tokens over ``world`` ranks."""
+
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int = 128
+    batch: int = 1
+    world: int
+    causal: bool = True
+    window: tuple[int, int] = (-1, -1)
+    dtype_bytes: int = 2
+    grad_bytes: int = 4
+    """Bytes per element of gradient partials on the wire (``grad_dtype``)."""
+    documents: tuple[int, ...] | None = None
+    """A packed batch's global ``cu_seqlens`` (0 first, the valid length last, at most ``seq_len``); None =
+    one document of ``seq_len`` tokens, the dense model (Note [Packed batches])."""
+
+    def __post_init__(self) -> None:
+        for name in ("seq_len", "heads", "kv_heads", "head_dim", "batch", "world", "dtype_bytes", "grad_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads must be a multiple of kv_heads, got {self.heads} and {self.kv_heads}")
+        if self.documents is not None:
+            docs = tuple(int(c) for c in self.documents)
+            ordered = all(a <= b for a, b in itertools.pairwise(docs))
+            if len(docs) < 2 or docs[0] != 0 or not ordered or docs[-1] > self.seq_len:
+                raise ValueError(f"documents (cu_seqlens) must start at 0, be non-decreasing and end at most at "
+                                 f"seq_len={self.seq_len}, got {docs[:4]}{'...' if len(docs) > 4 else ''}")
+            object.__setattr__(self, "documents", None if docs == (0, self.seq_len) else docs)
+
+    @property
+    def group_ratio(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def rule(self) -> Rule:
+        """The mask as the block planner reads it."""
+        return Rule(self.causal, self.window)
+
+    def act(self, tokens: float, heads: float, nbytes: float | None = None) -> float:
+        """Bytes of a ``(B, tokens, heads, D)`` tensor (input dtype unless ``nbytes``)."""
+        return self.batch * tokens * heads * self.head_dim * (self.dtype_bytes if nbytes is None else nbytes)
+
+    def rowstat(self, tokens: float, heads: float) -> float:
+        """Bytes of a ``(B, heads, tokens)`` fp32 tensor (lse, Delta)."""
+        return self.batch * tokens * heads * 4
+
+
+#: how an option shows in a label: (before the layout, format); any other option shows as ``{name}{value}``
+#: after the layout. These are the benchmark's names, which ``seqpar.planner.validate.parse_method`` reads back.
+_LABEL_FORMS = {"schedule": (True, "{}"), "node_size": (True, "n{}"), "heads_k_stride": (False, "stride{}"),
+                "head_chunks": (False, "head_chunks{}")}
+#: option values a label leaves out (defaults that change nothing)
+_UNSHOWN = {"heads_k_stride": None, "head_chunks": 1}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A method configuration: what ``seqpar.attention`` would be called with."""
+
+    method: str
+    layout: str = "zigzag"
+    ulysses: int = 1
+    """The Ulysses degree of a 2D method (its ring degree is ``world // ulysses``); 1 for 1D methods."""
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def option(self, name: str, default: Any = None) -> Any:
+        return dict(self.options).get(name, default)
+
+    def label(self, world: int, show_layout: bool = True) -> str:
+        """The benchmark's name for it: "ring/zigzag", "usp/u2r2/zigzag", "tasp/direct/zigzag", "ulysses"
+        (``show_layout=False``: the planner leaves out the layout of a method that has only one)."""
+        shown = [(k, v) for k, v in self.options if _UNSHOWN.get(k, object()) != v]
+        before = [_LABEL_FORMS[k][1].format(v) for k, v in shown if _LABEL_FORMS.get(k, (False,))[0]]
+        after = [_LABEL_FORMS[k][1].format(v) if k in _LABEL_FORMS else f"{k}{v}" for k, v in shown
+                 if not _LABEL_FORMS.get(k, (False,))[0]]
+        degrees = [f"u{self.ulysses}r{world // self.ulysses}"] if self.ulysses > 1 else []
+        return "/".join([self.method, *degrees, *before, *([self.layout] if show_layout else []), *after])
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted cost of one call on one rank (times in ms, sizes in bytes)."""
+
+    fwd_ms: float
+    fwd_bwd_ms: float
+    peak_mem_bytes: int
+    """Peak bytes held by the rank during forward+backward."""
+    comm_bytes: int
+    """Bytes the rank sends in forward+backward."""
+    exposed_comm_ms: float
+    """Forward+backward time spent waiting for transfers (not hidden behind compute)."""
+    notes: tuple[str, ...] = ()
+    fwd_peak_mem_bytes: int = 0
+    fwd_comm_bytes: int = 0
+    fwd_exposed_comm_ms: float = 0.0
+    compute_ms: float = 0.0
+    """Forward+backward kernel and merge time (the part no schedule can remove)."""
+    work_imbalance: float = 1.0
+    """The busiest rank's attention work over the mean (Note [Packed batches]; 1 for the dense model)."""
+    lockstep: float = 1.0
+    """Summed over the steps, the busiest rank's work at each step, over the mean work: what a schedule whose
+    steps wait for their slowest rank pays against a balanced one (Note [Packed batches])."""
+
+    def time_ms(self, mode: str) -> float:
+        return self.fwd_ms if mode == "fwd" else self.fwd_bwd_ms
+
+    def peak_mem(self, mode: str) -> int:
+        return self.fwd_peak_mem_bytes if mode == "fwd" else self.peak_mem_bytes
+
+    def exposed_ms(self, mode: str) -> float:
+        return self.fwd_exposed_comm_ms if mode == "fwd" else self.exposed_comm_ms
+
+    def bytes(self, mode: str) -> int:
+        return self.fwd_comm_bytes if mode == "fwd" else self.comm_bytes
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The profile (kernels, HBM, α, δ), the network it runs on, and the local kernel the methods use."""
+
+    profile: Profile
+    network: Network
+    kernel: str
+
+    def step_ms(self, method: str, direction: str) -> float:
+        """Fixed cost of one schedule step of ``method`` (Note [Step time])."""
+        return self.profile.step_cost_us(method, direction) * 1e-3
+
+    def call_ms(self, direction: str) -> float:
+        """Fixed cost of one call's ``direction`` pass (Note [Step time])."""
+        return self.profile.call_cost_us(direction) * 1e-3
+
+    def kernel_ms(self, p: Problem, blk: Block | None, heads: float, direction: str = "fwd") -> float:
+        """One call's time: FLOPs over the profile's rate at the call's size and mask, plus a launch."""
+        if blk is None or blk.pairs == 0:
+            return 0.0
+        mask = "causal" if blk.masked else "full"
+        rate = self.profile.rate_tflops(self.kernel, mask, direction, blk.tokens)
+        flops = 4.0 * p.batch * blk.pairs * heads * p.head_dim * (BWD_FLOPS if direction == "bwd" else 1.0)
+        return flops / (rate * 1e12) * 1e3 + self.profile.launch_us * 1e-3
+
+    def hbm_ms(self, nbytes: float) -> float:
+        return nbytes / (self.profile.hbm_gbps * 1e9) * 1e3
+
+    def permute_ms(self, elements: float) -> float:
+        """A row permute (``index_select``) of ``elements`` elements."""
+        rate = self.profile.permute_gelems or self.profile.hbm_gbps / 4
+        return elements / (rate * 1e9) * 1e3
+
+    def merge_ms(self, p: Problem, rows: float, heads: float) -> float:
+        """One MERGE of ``rows`` query rows into the fp32 accumulator (Note [Step time])."""
+        return self.hbm_ms(self.profile.merge_passes * p.act(rows, heads, 4))
+
+    def comm_ms(self, pattern: str, nbytes: float, group: Group) -> float:
+        return self.network.ms(pattern, nbytes, group)
+
+    def loss(self, pattern: str) -> float:
+        name = {"ring": "p2p", "ring2": "p2p_bidir", "cycles": "allpairs"}.get(pattern, pattern)
+        return self.profile.overlap(name)
+
+
+@dataclass
+class Tally:
+    """Accumulates one pass (forward or backward) step by step (Note [Step time])."""
+
+    m: Machine
+    alpha: float = 0.0
+    """The per-step fixed cost in ms (α_m of Note [Step time])."""
+    ms: float = 0.0
+    """Device time D."""
+    host: float = 0.0
+    """Host time H: the steps' fixed costs."""
+    exposed: float = 0.0
+    sent: float = 0.0
+    compute: float = 0.0
+
+    def step(self, comp: float, comm: float = 0.0, pattern: str = "ring", nbytes: float = 0.0) -> float:
+        """One step; returns its device time."""
+        t = max(comp, comm) + self.m.loss(pattern) * min(comp, comm)
+        self.ms += t
+        self.host += self.alpha
+        self.exposed += max(0.0, comm - comp)
+        self.sent += nbytes
+        self.compute += comp
+        return t
+
+    def wait(self, comm: float, nbytes: float = 0.0) -> None:
+        """A transfer the schedule waits for with nothing to hide it."""
+        self.ms += comm
+        self.exposed += comm
+        self.sent += nbytes
+
+    def local(self, comp: float) -> None:
+        """Compute outside any step (packing, conversions)."""
+        self.ms += comp
+        self.compute += comp
+
+    def absorb(self, other: Tally) -> None:
+        """Another tally's steps run after this one's, in the same pass."""
+        self.ms += other.ms
+        self.host += other.host
+        self.exposed += other.exposed
+        self.sent += other.sent
+        self.compute += other.compute
+
+    def total(self, call: float) -> float:
+        """The pass's time with ``call`` ms of per-call fixed cost: ``call + max(D, H) + κ min(D, H)``."""
+        return call + max(self.ms, self.host) + self.m.profile.host_overlap_loss * min(self.ms, self.host)
+
+
+def tallies(m: Machine, method: str) -> tuple[Tally, Tally]:
+    """Empty forward and backward tallies whose steps cost ``method``'s fixed step time."""
+    return Tally(m, m.step_ms(method, "fwd")), Tally(m, m.step_ms(method, "bwd"))
+
+
+@dataclass
+class Cost:
+    """A method's forward and backward tallies, peak memory per pass, notes and work balance, before they
+    become a ``Prediction``."""
+
+    fwd: Tally
+    bwd: Tally
+    fwd_mem: float
+    bwd_mem: float
+    notes: list[str] = field(default_factory=list)
+    balance: tuple[float, float] = (1.0, 1.0)
+    """``(work_imbalance, lockstep)`` of the prediction (``balance()``)."""
+
+    def prediction(self) -> Prediction:
+        f, b = self.fwd, self.bwd
+        t_f, t_b = f.total(f.m.call_ms("fwd")), b.total(b.m.call_ms("bwd"))
+        return Prediction(fwd_ms=t_f, fwd_bwd_ms=t_f + t_b, peak_mem_bytes=int(max(self.fwd_mem, self.bwd_mem)),
+                          comm_bytes=int(f.sent + b.sent), exposed_comm_ms=f.exposed + b.exposed,
+                          notes=tuple(self.notes), fwd_peak_mem_bytes=int(self.fwd_mem),
+                          fwd_comm_bytes=int(f.sent), fwd_exposed_comm_ms=f.exposed, compute_ms=f.compute + b.compute,
+                          work_imbalance=self.balance[0], lockstep=self.balance[1])
+
+
+def base_mem(p: Problem) -> tuple[float, float]:
+    """(forward, forward+backward) bytes of the call's own tensors on one rank: inputs, outputs, grads."""
+    L, H, Hkv = p.seq_len / p.world, p.heads, p.kv_heads
+    qkvo = 2 * p.act(L, H) + 2 * p.act(L, Hkv) + p.rowstat(L, H)
+    return qkvo, qkvo + p.act(L, H) + p.act(L, H) + 2 * p.act(L, Hkv)      # + dO, dq, dk, dv
+
+
+def temps(p: Problem, L: float, heads: float, kv_heads: float) -> float:
+    """Backward temporaries every block schedule holds: one block's (dq, dk, dv) and Delta."""
+    return p.act(L, heads) + p.act(L, 2 * kv_heads) + p.rowstat(L, heads)
+
+
+# --- the critical rank's calls, dense or packed (Note [Packed batches]) ---------------------------------------
+def steps(p: Problem, layout: str, ranks: int) -> tuple[Block | None, ...]:
+    """The busiest rank's call at each step of a pass-KV ring of ``ranks`` ranks over ``layout`` (a pass-Q
+    ring visits the same pairs): closed form for one document (``work.ring_steps``), else ``packed_steps``."""
+    if p.documents is None:
+        return ring_steps(layout, ranks, p.seq_len, p.causal, p.window)
+    return packed_steps(p, layout, ranks, lambda r, s: (r - s) % ranks, ranks)
+
+
+def packed_steps(p: Problem, layout: str, ranks: int, source: Callable[[int, int], int], n: int,
+                 trim: bool = True) -> tuple[Block | None, ...]:
+    """Step s's call of the busiest rank, rank r computing against the block of rank ``source(r, s)``: its
+    visible pairs ``max_r p_r(s)``, on the query rows and keys that see any (``block_matrix``, at most L each;
+    Note [Packed batches]); None where no rank computes. ``trim`` cuts the trailing steps no rank computes on
+    (a schedule that ends early, as pass-KV does)."""
+    blocks = block_matrix(make_layout(layout, ranks, p.documents), p.seq_len, p.rule, p.documents)
+    L = p.seq_len // ranks
+    out: list[Block | None] = []
+    for s in range(n):
+        pairs, rows, keys = max(tuple(int(x) for x in blocks[:, r, source(r, s)]) for r in _sample(ranks))
+        out.append(Block(min(rows, L), min(keys, L), pairs) if pairs else None)
+    while trim and len(out) > 1 and out[-1] is None:
+        out.pop()
+    return tuple(out)
+
+
+def gather_blocks_of(p: Problem, layout: str) -> tuple[Block, ...]:
+    """The critical rank's calls against the whole gathered sequence (all-gather KV): closed form for one
+    document, else one call with the busiest rank's work (Note [Packed batches])."""
+    if p.documents is None:
+        return gather_blocks(layout, p.world, p.seq_len, p.causal, p.window)
+    w = rank_work(p, layout, p.world)
+    return (Block(p.seq_len // p.world, p.seq_len, max(w)),) if max(w) else ()
+
+
+def whole(p: Problem) -> Block:
+    """The whole sequence against itself: Ulysses' local call and the single-GPU yardstick."""
+    if p.documents is None:
+        return self_block(p.seq_len, p.causal, p.window)
+    return Block(p.seq_len, p.seq_len, sum(rank_work(p, "contiguous", 1)))
+
+
+def rank_work(p: Problem, layout: str, ranks: int) -> tuple[int, ...]:
+    """Each rank's visible (query, key) pairs over a whole pass (``layouts.work.work``)."""
+    return _work(make_layout(layout, ranks, p.documents), p.seq_len, p.rule, p.documents)
+
+
+@functools.lru_cache(maxsize=32)
+def _work(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int, ...] | None) -> tuple[int, ...]:
+    return tuple(work(layout, seq_len, rule, documents))
+
+
+def balance(p: Problem, layout: str, ranks: int, per_step: tuple[Block | None, ...] | None = None
+            ) -> tuple[float, float]:
+    """``(imbalance, lockstep)`` of Note [Packed batches] for ``ranks`` ranks over ``layout``; ``per_step``
+    the schedule's busiest calls (None: one call per rank, lockstep = imbalance)."""
+    w = rank_work(p, layout, ranks)
+    mean = sum(w) / ranks
+    if not mean:
+        return 1.0, 1.0
+    imbalance = max(w) / mean
+    if per_step is None:
+        return imbalance, imbalance
+    return imbalance, sum(b.pairs for b in per_step if b is not None) / mean
+
+
+@functools.lru_cache(maxsize=32)
+def block_matrix(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int, ...]) -> torch.Tensor:
+    """For rank r's queries against rank k's keys: ``[0, r, k]`` the visible (query, key) pairs, ``[1, r, k]``
+    the query rows and ``[2, r, k]`` the key rows that see any, int64 ``(3, W, W)`` (rows of ranks outside
+    ``_sample`` are zero beyond 64 ranks).
+
+    Every rank's runs cut at the documents; for each document, every (query run, key run) pair of it counted
+    in closed form (``work.run_pairs``, vectorised) and summed into its (rank, rank) cell. The pairs are
+    ``layouts.work.block_work``'s count for every block at once (a test keeps them equal); the rows and keys
+    are summed over run pairs too (a bound: a run seeing several runs of its document counts once per run),
+    in O(sum over documents of runs^2) integer operations, never O(S).
+    """
+    W = layout.world
+    runs = [(r, run.doc, run.glob, run.length) for r in range(W)
+            for run in layout.segments(r, seq_len).cut(documents).runs if run.doc >= 0]
+    out = torch.zeros(3, W, W, dtype=torch.long)
+    if not runs:
+        return out
+    stride = layout.segments(0, seq_len).stride
+    rank, doc, start, length = torch.tensor(sorted(runs, key=lambda x: x[1]), dtype=torch.long).T.contiguous()
+    first = torch.searchsorted(doc, doc)                              # each run's document's first run
+    count = torch.searchsorted(doc, doc, right=True) - first          # ... and its number of runs
+    sampled = torch.zeros(W, dtype=torch.bool)
+    sampled[_sample(W)] = True
+    q = torch.arange(len(doc))[sampled[rank]]                       # query runs
+    n = count[q]                                                     # key runs (of its document) per query run
+    qi = q.repeat_interleave(n)
+    ki = first[qi] + torch.arange(int(n.sum())) - (torch.cumsum(n, 0) - n).repeat_interleave(n)
+    counts = _run_block_t(length[qi], length[ki], start[ki] - start[qi], stride, *rule.delta_bounds())
+    for i, c in enumerate(counts):
+        out[i].index_put_((rank[qi], rank[ki]), c, accumulate=True)
+    return out
+
+
+def _upto_t(Lq: torch.Tensor, Lk: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
+    """``work._upto`` on tensors: #{(i, j): i < Lq, j < Lk, j - i <= x}."""
+    if x is None:
+        return Lq * Lk
+    c = x + 1
+    a = (1 - c).clamp(min=0).minimum(Lq)
+    b = (Lk - c).minimum(Lq).maximum(a)
+    n = b - a
+    return n * c + (a + b - 1) * n // 2 + (Lq - b) * Lk
+
+
+def _run_block_t(Lq: torch.Tensor, Lk: torch.Tensor, d: torch.Tensor, stride: int, lo: int | None,
+                 hi: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(pairs, rows, keys)`` of query runs against key runs ``d`` apart, one stride, ``lo <= key - query <=
+    hi``: the pairs are ``work.run_pairs`` on tensors; with ``tlo <= j - i <= thi`` in row units, row i sees a
+    key iff ``-thi <= i <= Lk - 1 - tlo`` and key j is seen iff ``tlo <= j <= Lq - 1 + thi``."""
+    tlo = None if lo is None else -torch.div(d - lo, stride, rounding_mode="floor")      # ceil((lo - d) / s)
+    thi = None if hi is None else torch.div(hi - d, stride, rounding_mode="floor")
+    below = torch.zeros_like(Lq) if tlo is None else _upto_t(Lq, Lk, tlo - 1)
+    pairs = (_upto_t(Lq, Lk, thi) - below).clamp(min=0)
+    zero = torch.zeros_like(Lq)
+    rows = ((Lq - 1 if tlo is None else (Lk - 1 - tlo).minimum(Lq - 1))
+            - (zero if thi is None else (-thi).clamp(min=0)) + 1).clamp(min=0)
+    keys = ((Lk - 1 if thi is None else (Lq - 1 + thi).minimum(Lk - 1))
+            - (zero if tlo is None else tlo.clamp(min=0)) + 1).clamp(min=0)
+    if tlo is not None and thi is not None:
+        empty = tlo > thi
+        pairs, rows, keys = (torch.where(empty, 0, x) for x in (pairs, rows, keys))
+    return pairs, rows, keys
+
+
+def _sample(ranks: int) -> list[int]:
+    if ranks <= 64:
+        return list(range(ranks))
+    return sorted({round(i * (ranks - 1) / 63) for i in range(64)})
+
+
+# --- pass-KV ring (ring, usp) ---------------------------------------------------------------------------------
+def passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads: float, group: Group,
+           method: str) -> Cost:
+    """Pass-KV ring of R ranks over S tokens with ``heads`` / ``kv_heads`` per rank (ALGORITHMS.md §3);
+    its steps cost ``method``'s fixed step time."""
+    L = p.seq_len / R
+    calls = steps(p, layout, R)
+    n = len(calls)
+    kv, dkv = p.act(L, 2 * kv_heads), p.act(L, 2 * kv_heads, p.grad_bytes)
+    t_kv, t_dkv = m.comm_ms("ring", kv, group), m.comm_ms("ring", dkv, group)
+    f, b = tallies(m, method)
+    for s, blk in enumerate(calls):
+        more = s + 1 < n
+        merge = m.merge_ms(p, blk.rows, heads) if (s and blk is not None) else 0.0
+        f.step(m.kernel_ms(p, blk, heads) + merge, t_kv if more else 0.0, "ring", kv if more else 0.0)
+    f.local(m.hbm_ms(p.act(L, heads, 4 + p.dtype_bytes)))                 # fp32 accumulator -> output dtype
+    b.local(m.hbm_ms(p.act(L, heads, 2 * p.dtype_bytes)))                 # Delta = rowsum(dO * O)
+    for s, blk in enumerate(calls):
+        more = s + 1 < n
+        if s and PASSKV_EXPOSED_DKV:
+            b.wait(t_dkv)
+        acc = 0.0 if blk is None else m.hbm_ms(p.act(blk.rows, heads, 10) + p.act(blk.cols, 2 * kv_heads, 10))
+        comm = (t_kv if more else 0.0) + (0.0 if PASSKV_EXPOSED_DKV or not s else t_dkv)
+        b.step(m.kernel_ms(p, blk, heads, "bwd") + acc, comm, "ring", (kv + dkv) if more else 0.0)
+    if n > 1:
+        b.wait(t_dkv, dkv)                                                # the last dK/dV hop home
+    fwd_base, bwd_base = base_mem(p)
+    acc_f = p.act(L, heads, 4) + p.rowstat(L, heads)
+    fwd_mem = 2 * kv + acc_f + p.act(L, heads)                            # stacked KV + next, accumulator, block out
+    bwd_mem = p.act(L, heads, 4) + 2 * kv + 2 * p.act(L, 2 * kv_heads, max(4, p.grad_bytes)) \
+        + temps(p, L, heads, kv_heads)
+    c = Cost(f, b, fwd_base + fwd_mem, bwd_base + bwd_mem)
+    if n < R:
+        c.notes.append(f"window truncates the ring to {n} of {R} steps" if p.documents is None else
+                       f"documents end the ring after {n} of {R} steps")
+    if p.documents is not None:
+        c.balance = balance(p, layout, R, calls)
+        c.notes.append(f"busiest rank {c.balance[0]:.2f}x the mean work, steps wait for it: {c.balance[1]:.2f}x")
+    elif p.causal and layout == "contiguous" and p.window == (-1, -1) and R > 1:
+        c.notes.append(f"contiguous causal: the last rank does {2 * R - 1} of {R} average units "
+                       f"(bound {R / (2 * R - 1):.0%})")
+    return c
+
+
+def note_ccr(cost: Cost, p: Problem, m: Machine, R: int) -> Cost:
+    """Adds the compute-to-communication ratio of one pass-KV step over R ranks to the notes."""
+    if R > 1:
+        r = ccr(p, m, R=R)
+        cost.notes.append(f"CCR {r:.2f} per zigzag step" + (" (communication-bound)" if r < 1 else ""))
+    return cost
+
+
+# --- Ulysses (ulysses, usp) -----------------------------------------------------------------------------------
+def kv_wire_heads(kv_heads: int, U: int) -> int:
+    """KV heads a rank sends in the Ulysses all-to-all (ALGORITHMS.md §5.2): Hkv, or U when Hkv | U < ..."""
+    return kv_heads if kv_heads % U == 0 else U
+
+
+@dataclass(frozen=True)
+class _A2A:
+    """One head group's Ulysses all-to-alls: bytes a rank sends per collective, and its packing traffic."""
+
+    fwd_in: tuple[float, ...]
+    """q/k/v packed in one collective."""
+    fwd_out: tuple[float, ...]
+    """out, then lse (two collectives)."""
+    bwd_in: tuple[float, ...]
+    """dO."""
+    bwd_out: tuple[float, ...]
+    """dq/dk/dv packed in one collective."""
+    pack: float
+
+    def ms(self, m: Machine, U: int, sizes: tuple[float, ...]) -> float:
+        """The collectives one after another (one stream)."""
+        return sum(m.comm_ms("a2a", x, Group(U)) for x in sizes)
+
+
+def _a2a_bytes(p: Problem, U: int, L: float, chunks: int = 1) -> _A2A:
+    """Per head group, what a rank sends in each all-to-all and its packing traffic."""
+    H, hw = p.heads / chunks, kv_wire_heads(p.kv_heads // chunks, U)
+    frac = (U - 1) / U
+    repl = hw > p.kv_heads // chunks
+    grads = frac * (p.act(L, H) + p.act(L, 2 * hw, p.grad_bytes if repl else p.dtype_bytes))
+    return _A2A(fwd_in=(frac * p.act(L, H + 2 * hw),), fwd_out=(frac * p.act(L, H), frac * p.rowstat(L, H)),
+                bwd_in=(frac * p.act(L, H),), bwd_out=(grads,),
+                pack=2 * (p.act(L, H + 2 * hw) + p.act(L, H)))           # pack + unpack, both directions
+
+
+def a2a_in(p: Problem, m: Machine, U: int, L: float, f: Tally, b: Tally) -> None:
+    """Ulysses' sequence <-> head all-to-alls on one rank holding L tokens, forward and backward."""
+    a = _a2a_bytes(p, U, L)
+    for tally, first, last in ((f, a.fwd_in, a.fwd_out), (b, a.bwd_in, a.bwd_out)):
+        tally.local(m.hbm_ms(a.pack))
+        tally.wait(a.ms(m, U, first), sum(first))
+        tally.wait(a.ms(m, U, last), sum(last))
+
+
+def head_chunk_valid(heads: int, kv_heads: int, U: int, c: int) -> bool:
+    """c head groups each keep the slot rules over U (mirrors ``_ulysses.head_chunk_counts``)."""
+    if c < 1 or heads % c or kv_heads % c:
+        return False
+    h, hk = heads // c, kv_heads // c
+    return h % U == 0 and (hk % U == 0 or U % hk == 0)
+
+
+def auto_head_chunks(heads: int, kv_heads: int, U: int) -> int:
+    """``head_chunks="auto"``, as ``seqpar.methods._ulysses.auto_head_chunks`` decides it (a test keeps the two
+    equal): the largest c <= 4 with every group free of KV replication and at least 2 query heads per rank,
+    1 when U == 1."""
+    if U == 1:
+        return 1
+    for c in range(4, 1, -1):
+        if heads % c == 0 and kv_heads % c == 0 and (kv_heads // c) % U == 0 and heads // (c * U) >= 2:
+            return c
+    return 1
+
+
+def ulysses_why_not(p: Problem, U: int, chunks: Any) -> list[str]:
+    """The head-count rules of a Ulysses axis of degree U with ``head_chunks=chunks`` (ALGORITHMS.md §5.2,
+    Note [Head-group pipeline]) that ``p`` breaks; empty when it can run."""
+    why = []
+    if p.heads % U:
+        why.append(f"ulysses degree {U} must divide heads={p.heads}")
+    if p.kv_heads % U and U % p.kv_heads:
+        why.append(f"ulysses degree {U} and kv_heads={p.kv_heads} must divide one another")
+    if chunks != "auto" and not (isinstance(chunks, int) and head_chunk_valid(p.heads, p.kv_heads, U, chunks)):
+        why.append(f"head_chunks {chunks!r} must split heads={p.heads} and kv_heads={p.kv_heads} into groups "
+                   f"that keep the slot rules over degree {U}")
+    return why
+
+
+def head_chunks(p: Problem, c: Candidate, U: int) -> int:
+    """The candidate's ``head_chunks`` as a group count (1 when absent)."""
+    v = c.option("head_chunks", 1)
+    return auto_head_chunks(p.heads, p.kv_heads, U) if v == "auto" else int(v)
+
+
+def head_pipeline(p: Problem, m: Machine, U: int, L: float, chunks: int, eng_f: Tally, eng_b: Tally
+                  ) -> tuple[Tally, Tally]:
+    """Forward and backward of ``chunks`` head groups, ``eng_f`` / ``eng_b`` being ONE group's engine.
+
+    Group 0's inputs and the last group's outputs are exposed; the others move beside a group's engine
+    (group i+1's inputs and group i-1's outputs behind group i): ``max(T_eng, T_a2a) + δ min``, the
+    engine's own steps carrying their fixed costs.
+    """
+    a = _a2a_bytes(p, U, L, chunks)
+    f, b = Tally(m), Tally(m)
+    for tally, eng, first, last in ((f, eng_f, a.fwd_in, a.fwd_out), (b, eng_b, a.bwd_in, a.bwd_out)):
+        t_in, t_out = a.ms(m, U, first), a.ms(m, U, last)
+        tally.local(m.hbm_ms(chunks * a.pack))
+        tally.wait(t_in, sum(first))
+        for i in range(chunks):
+            moved = (sum(first) if i + 1 < chunks else 0.0) + (sum(last) if i else 0.0)
+            comm = (t_in if i + 1 < chunks else 0.0) + (t_out if i else 0.0)
+            tally.ms += max(eng.ms, comm) + m.loss("a2a") * min(eng.compute, comm)
+            tally.host += eng.host
+            tally.exposed += eng.exposed + max(0.0, comm - eng.ms)
+            tally.sent += eng.sent + moved
+            tally.compute += eng.compute
+        tally.wait(t_out, sum(last))
+    return f, b
+
+
+def ulysses_mem(p: Problem, U: int, L: float) -> tuple[float, float]:
+    """(forward, backward) bytes the Ulysses sandwich adds on one rank of degree U holding L tokens."""
+    H, hw = p.heads, kv_wire_heads(p.kv_heads, U)
+    t = p.act(L, H + 2 * hw)                                              # q, k, v in either sharding
+    saved = t + p.act(L, H) + p.rowstat(L, H)                             # head-sharded q, k, v, out, lse
+    return 2 * t + 2 * p.act(L, H), saved + 2 * p.act(L, H) + 2 * t
+
+
+# --- ALGORITHMS.md quantities ---------------------------------------------------------------------------------
+def single_gpu_ms(p: Problem, m: Machine, mode: str) -> float:
+    """The yardstick: one GPU's kernel time on the whole problem, divided by W (efficiency = this / time)."""
+    blk = whole(p)
+    t = m.kernel_ms(p, blk, p.heads)
+    if mode != "fwd":
+        t += m.kernel_ms(p, blk, p.heads, "bwd")
+    return t / p.world
+
+
+def pass_bytes(p: Problem, which: str, direction: str) -> float:
+    """Bytes per rank per step of pass-KV ("kv") or pass-Q ("q") with L_q = L_kv (ALGORITHMS.md §7.1)."""
+    L, H, Hkv, D, e, eg = p.seq_len / p.world, p.heads, p.kv_heads, p.head_dim, p.dtype_bytes, p.grad_bytes
+    B = p.batch
+    if which == "kv":
+        return 2 * B * L * Hkv * D * (e if direction == "fwd" else e + eg)
+    if which == "q":
+        return B * L * H * (2 * D * e + 4) if direction == "fwd" else B * L * H * (2 * D * e + 8 + D * eg)
+    raise ValueError(f"which must be 'kv' or 'q', got {which!r}")
+
+
+def ccr(p: Problem, m: Machine | None = None, *, R: int | None = None, tflops: float | None = None,
+        gbps: float | None = None, causal: bool | None = None) -> float:
+    """Compute-to-communication ratio of one pass-KV step (ALGORITHMS.md §12.3).
+
+    ``T_comp / T_comm`` for an L x L step (L = S/R; halved compute when causal, zigzag) against one
+    ``‖KV‖`` transfer. Rates come from ``m`` (its kernel at size L, P2P at ‖KV‖) unless given.
+    """
+    R = R or p.world
+    L = p.seq_len / R
+    causal = p.causal if causal is None else causal
+    flops = 4.0 * p.batch * L * L * p.heads * p.head_dim * (0.5 if causal else 1.0)
+    kv = p.act(L, 2 * p.kv_heads)
+    if tflops is None:
+        if m is None:
+            raise ValueError("ccr needs a Machine or explicit tflops, got neither")
+        tflops = m.profile.rate_tflops(m.kernel, "full", "fwd", L / (2 ** 0.5 if causal else 1.0))
+    t_comm = kv / (gbps * 1e9) if gbps is not None else (m.comm_ms("ring", kv, Group(R)) * 1e-3 if m else 0.0)
+    return (flops / (tflops * 1e12)) / t_comm

@@ -1,0 +1,204 @@
+"""The planner on packed batches (Note [Packed batches] in ``seqpar.planner.model``) and its inference cases.
+
+Work per rank and per ring step against ``seqpar.layouts.work`` and the block planner; a single document is
+the dense model; the busiest rank sets the compute; document layouts are ranked only with documents and
+refused with the layout's reason; ``choose`` with ``cu_seqlens`` keeps the caller's layout, is pure, cached
+and cheap for a new batch (no O(S)); ``method="auto"`` on a packed batch matches the oracle and agrees on
+every rank; ``plan(cached=...)`` reports prefill (pass-KV or pass-Q, with the reason) and decode.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import random
+import time
+
+import pytest
+import torch
+from conftest import assert_all_ok
+
+import seqpar
+from seqpar.inference import plan_inference
+from seqpar.layouts import Rule, make_layout
+from seqpar.layouts.work import block_work, work
+from seqpar.planner import Candidate, Problem, choose, plan, predict, search
+from seqpar.planner.model import Machine, block_matrix, steps
+from seqpar.planner.profile import load_profile
+from seqpar.planner.topology import Network, get_topology
+from seqpar.testing import Case, check_case, make_inputs
+
+H200 = load_profile("h200-nvswitch")
+M = Machine(H200, Network(get_topology(None, H200), H200), H200.default_kernel)
+
+
+def _documents(S: int, seed: int, mean_log: float = 7.0) -> tuple[int, ...]:
+    """Lognormal document lengths (about e^mean_log tokens) filling S."""
+    rnd, cuts = random.Random(seed), [0]
+    while cuts[-1] < S:
+        cuts.append(min(S, cuts[-1] + int(rnd.lognormvariate(mean_log, 1.0)) + 1))
+    return tuple(cuts)
+
+
+def _seen(pos_q: list[int], pos_k: list[int], docs: tuple[int, ...], rule: Rule) -> tuple[int, int, int]:
+    """Brute force: (visible pairs, query rows that see a key, keys seen) of two ranks' positions."""
+    lo, hi = rule.delta_bounds()
+    dq, dk = ([bisect.bisect_right(docs, x) if x < docs[-1] else -1 for x in pos] for pos in (pos_q, pos_k))
+    vis = {(i, j) for i, a in enumerate(pos_q) for j, b in enumerate(pos_k) if dq[i] == dk[j] >= 0
+           and (lo is None or b - a >= lo) and (hi is None or b - a <= hi)}
+    return len(vis), len({i for i, _ in vis}), len({j for _, j in vis})
+
+
+def test_block_matrix_is_the_block_planners_count():
+    """Pairs equal ``layouts.work.block_work`` (rows sum to ``work``); rows and keys that see anything are exact
+    when a run meets one run of its document per rank (contiguous, stripe), an upper bound otherwise."""
+    rnd = random.Random(0)
+    for _ in range(30):
+        W = rnd.choice([1, 2, 3, 4, 8])
+        S = 2 * W * rnd.randint(2, 12)
+        cu = tuple(sorted({0, S, *(rnd.randrange(1, S) for _ in range(rnd.randint(0, 6)))}))
+        cu = cu[:-1] if rnd.random() < 0.3 and len(cu) > 2 else cu               # end padding
+        for name, rule in itertools.product(["contiguous", "zigzag", "stripe", "balanced"],
+                                            [Rule(True), Rule(False), Rule(True, (5, -1)), Rule(False, (3, 4))]):
+            lay = make_layout(name, W, cu)
+            m = block_matrix(lay, S, rule, cu)
+            segs = [lay.segments(r, S).cut(cu) for r in range(W)]
+            assert m[0].tolist() == [[block_work(segs[a], segs[b], rule) for b in range(W)] for a in range(W)]
+            assert m[0].sum(1).tolist() == work(lay, S, rule, cu)
+            pos = [segs[r].positions() for r in range(W)]
+            for a, b in itertools.product(range(W), repeat=2):
+                _, rows, keys = _seen(pos[a], pos[b], cu, rule)
+                got = (int(m[1, a, b]), int(m[2, a, b]))
+                assert got == (rows, keys) if name in ("contiguous", "stripe") else got >= (rows, keys), (name, a, b)
+
+
+def test_one_document_is_the_dense_model():
+    p = Problem(seq_len=65536, heads=32, kv_heads=8, world=4)
+    for c in (Candidate("ring", "zigzag"), Candidate("allgather", "zigzag"), Candidate("ulysses", "contiguous"),
+              Candidate("tokenring", "zigzag"), Candidate("usp", "zigzag", 2)):
+        one = Problem(seq_len=65536, heads=32, kv_heads=8, world=4, documents=(0, 65536))
+        assert one.documents is None and predict(one, c, M) == predict(p, c, M)
+    with pytest.raises(ValueError, match="must start at 0"):
+        Problem(seq_len=64, heads=4, kv_heads=4, world=2, documents=(1, 64))
+
+
+def test_busiest_rank_sets_each_step():
+    """Step s of a ring costs its busiest rank's pairs; imbalance and lockstep are the layouts' numbers."""
+    S, W = 65536, 8
+    cu = _documents(S, 1)
+    p = Problem(seq_len=S, heads=32, kv_heads=8, world=W, documents=cu)
+    lay = make_layout("zigzag", W, cu)
+    segs = [lay.segments(r, S).cut(cu) for r in range(W)]
+    want = [max(block_work(segs[r], segs[(r - s) % W], p.rule) for r in range(W)) for s in range(W)]
+    got = [0 if b is None else b.pairs for b in steps(p, "zigzag", W)]
+    assert got == want[:len(got)] and not any(want[len(got):])
+    w = work(lay, S, p.rule, cu)
+    pr = predict(p, Candidate("ring", "zigzag"), M)
+    assert pr.work_imbalance == pytest.approx(max(w) / (sum(w) / W))
+    assert pr.lockstep == pytest.approx(sum(want) / (sum(w) / W))
+    assert pr.lockstep >= pr.work_imbalance > 1.2                              # zigzag blind to documents
+    dense = predict(Problem(seq_len=S, heads=32, kv_heads=8, world=W), Candidate("ring", "zigzag"), M)
+    assert pr.comm_bytes <= dense.comm_bytes and pr.compute_ms < dense.compute_ms  # documents: fewer pairs
+    long = Problem(seq_len=262144, heads=32, kv_heads=8, world=W, documents=_documents(262144, 2, 8.0))
+    zz, bal = (predict(long, Candidate("ring", lay), M) for lay in ("zigzag", "balanced"))
+    assert bal.work_imbalance < 1.001 and bal.lockstep < 1.1 < 2 < zz.lockstep     # 47 documents of ~3K
+    assert bal.fwd_bwd_ms < 0.7 * zz.fwd_bwd_ms and bal.comm_bytes == zz.comm_bytes
+    uly = predict(p, Candidate("ulysses", "contiguous"), M)
+    assert (uly.work_imbalance, uly.lockstep) == (1.0, 1.0)                     # every rank the whole sequence
+
+
+def test_plan_ranks_layouts_on_the_batch():
+    S, W = 65536, 4
+    cu = _documents(S, 2)
+    r = plan(seq_len=S, heads=32, kv_heads=8, world=W, cu_seqlens=cu)
+    ok = {e.label for e in r.entries if e.ok}
+    assert {"ring/zigzag", "ring/balanced", "tokenring/stripe", "usp/u2r2/balanced", "ulysses"} <= ok
+    assert not any(e.candidate.layout == "balanced" for e in r.entries if e.candidate.method in ("ulysses", "tasp"))
+    odd = [e for e in r.entries if e.candidate.layout == "doc_zigzag"]
+    assert odd and all(not e.ok and "not a multiple of 2W" in e.why_not[0] for e in odd)
+    text = r.table()
+    assert "documents=" in text and "work max/mean" in text and "MiB/rank" in text
+    dense = plan(seq_len=S, heads=32, kv_heads=8, world=W)
+    assert not any(e.candidate.layout in ("balanced", "doc_zigzag") for e in dense.entries)
+    assert "work max/mean" not in dense.table()
+    assert plan(seq_len=S, heads=32, kv_heads=8, world=W, cu_seqlens=torch.tensor(cu)) is r      # cached
+
+
+def test_choose_keeps_the_layout_pure_and_cheap():
+    S, W = 131072, 8
+    q = (1, S // W, 32, 128)
+    for layout in ("zigzag", "balanced", "doc_contiguous", "contiguous"):
+        cu = (0, S // 2, S) if layout == "doc_contiguous" else _documents(S, 3)
+        a = choose(q, 8, True, (-1, -1), W, 1, layout, cu_seqlens=cu)
+        assert a == choose(q, 8, True, (-1, -1), W, 1, layout, cu_seqlens=list(cu))
+        assert layout in seqpar.methods.get(a[0]).layouts
+    t0 = time.perf_counter()
+    for seed in range(10):                                                    # a new batch every step
+        choose(q, 8, True, (-1, -1), W, 1, "balanced", cu_seqlens=_documents(S, 100 + seed))
+    assert (time.perf_counter() - t0) / 10 < 0.05
+    t0 = time.perf_counter()
+    choose((1, (1 << 24) // W, 4, 64), 1, True, (-1, -1), W, 1, "zigzag", cu_seqlens=_documents(1 << 24, 4, 12.0))
+    assert time.perf_counter() - t0 < 0.5                                     # 16M tokens: no O(S)
+
+
+def _auto_packed(case: Case) -> dict:
+    """Worker side: ``method="auto"`` on a packed batch in ``case.layout``; local results and the choice."""
+    q, k, v, do, _ = make_inputs(case)
+    where = {"method": "auto", "layout": case.layout, "cu_seqlens": case.cu_seqlens}
+    ql, kl, vl = (seqpar.shard(t, **where).requires_grad_() for t in (q, k, v))
+    heard: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())           # type: ignore[method-assign]
+    log = logging.getLogger("seqpar.planner")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    search._choose.cache_clear()                                              # logged once per signature
+    try:
+        res = seqpar.attention(ql, kl, vl, causal=case.causal, kernel="reference", return_lse=True, **where)
+    finally:
+        log.removeHandler(handler)
+    (res.out.float() * seqpar.shard(do, **where).float()).sum().backward()
+    choice = choose(tuple(ql.shape), kl.shape[2], case.causal, (-1, -1), torch.distributed.get_world_size(), 1,
+                    case.layout, device="cpu", dtype=ql.dtype, kernel="reference", features=["varlen"],
+                    cu_seqlens=case.cu_seqlens)
+    local = {n: t.detach() for n, t in {"out": res.out, "lse": res.lse, "dq": ql.grad, "dk": kl.grad,
+                                        "dv": vl.grad}.items()}
+    local["positions"] = seqpar.positions(case.seq_len, **where)
+    local["times"] = (0.0, 0.0)
+    local["choice"] = choice
+    local["heard"] = heard
+    return local
+
+
+def test_auto_on_a_packed_batch(pools):
+    reports = []
+    for layout in ("balanced", "zigzag"):
+        case = Case(layout=layout, seq_len=48, heads=4, kv_heads=2, head_dim=8, cu_seqlens=(0, 5, 6, 30, 48))
+        results = pools(2).run(_auto_packed, case)
+        choices = [r.pop("choice") for r in results]
+        assert all(c == choices[0] for c in choices) and layout in seqpar.methods.get(choices[0][0]).layouts
+        heard = results[0].pop("heard") + results[1].pop("heard")            # the runtime planned on the batch
+        assert any(f"-> {choices[0][0]} " in h and "4 documents" in h for h in heard), heard
+        reports.append(check_case(case, results))
+    assert_all_ok(reports)
+
+
+def test_inference_cases():
+    """Prefill of the uncached tokens picks the pass by bytes (a first prompt: pass-KV; a short turn after
+    a long context under MHA: pass-Q), decode reports the cache per rank at the full context."""
+    kw = dict(heads=32, kv_heads=32, world=8, head_dim=128)
+    first = plan(seq_len=131072, cached=0, layers=32, **kw).inference
+    assert first is not None and first.prefill.choice == "kv" and "pass-KV" in first.prefill.reason
+    turn = plan(seq_len=131072, cached=126976, layers=32, **kw)
+    case = turn.inference
+    assert case is not None and case.prefill.choice == "q" and "pass-Q" in case.prefill.reason
+    ref = plan_inference(context=131072, new_tokens=1, world=8, layers=32, heads=32, kv_heads=32, head_dim=128)
+    assert case.kv_bytes_per_rank == ref.kv_bytes_per_rank
+    assert case.decode_bytes_per_layer == ref.decode_bytes_per_layer
+    text = turn.table()
+    assert "prefill of 4096 new tokens" in text and "decode at 131072 tokens" in text and "choice:" in text
+    gqa = plan(seq_len=131072, cached=126976, heads=32, kv_heads=4, world=8).inference
+    assert gqa is not None and gqa.prefill.choice == "q"
+    with pytest.raises(ValueError, match="cached must be"):
+        plan(seq_len=1024, cached=1024, heads=8, world=2)
