@@ -33,6 +33,7 @@ from linear_cases import LinearCase, check_linear_case, run_linear_cases
 from reliability_methods import LINEAR, SETUP, SOFTMAX, length_divisor
 
 import seqpar
+from seqpar.layouts import DOCUMENT_LAYOUTS
 from seqpar.methods import causal_layouts, get
 from seqpar.testing import Case, WorkerError, check_case, run_case
 
@@ -72,8 +73,8 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
-def _documents(draw, end: int) -> tuple[int, ...] | None:
-    if not draw(st.booleans()):
+def _documents(draw, end: int, required: bool = False) -> tuple[int, ...] | None:
+    if not required and not draw(st.booleans()):
         return None
     cuts = draw(st.lists(st.integers(0, end), max_size=3))
     return (0, *sorted(cuts), end)
@@ -94,7 +95,8 @@ def softmax_cases(draw, world: int) -> Case:
     seq = div * draw(st.integers(1, max(1, MAX_LEN // div)))
     feats = module.features
     valid = draw(st.one_of(st.none(), st.integers(1, seq))) if "padding" in feats else None
-    docs = _documents(draw, valid if valid is not None else seq) if "varlen" in feats else None
+    placed = layout in DOCUMENT_LAYOUTS                    # placed per batch: documents are required
+    docs = _documents(draw, valid if valid is not None else seq, placed) if "varlen" in feats else None
     window = (-1, -1)
     if "window" in feats and draw(st.booleans()):
         window = (draw(st.integers(-1, seq)), draw(st.integers(-1, seq)))
@@ -118,7 +120,8 @@ def linear_cases(draw, world: int) -> LinearCase:
     seq = div * draw(st.integers(1, max(1, MAX_LEN // div)))
     causal = draw(st.booleans()) if "noncausal" in feats else True
     valid = draw(st.one_of(st.none(), st.integers(1, seq))) if "padding" in feats else None
-    docs = _documents(draw, valid if valid is not None else seq) if "varlen" in feats else None
+    placed = layout in DOCUMENT_LAYOUTS                    # placed per batch: documents are required
+    docs = _documents(draw, valid if valid is not None else seq, placed) if "varlen" in feats else None
     h0 = causal and docs is None and "initial_state" in feats and draw(st.booleans())
     final = causal and "final_state" in feats and draw(st.booleans())
     return LinearCase(method=method, layout=layout, gate=draw(st.sampled_from(["none", "const", "scalar", "dim"]))
