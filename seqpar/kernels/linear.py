@@ -54,8 +54,9 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedInputError
+from ..numerics import acc_dtype
 
-__all__ = ["FEATURE_MAPS", "LINEAR_KERNELS", "LinearCall", "LinearKernel", "acc_dtype", "apply_feature_map",
+__all__ = ["FEATURE_MAPS", "LINEAR_KERNELS", "LinearCall", "LinearKernel", "apply_feature_map",
            "available_linear_kernels", "cumulative_gate", "gate_kind", "linear_attention_chunked",
            "linear_attention_recurrent", "select_linear"]
 
@@ -69,11 +70,6 @@ FEATURE_MAPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "elu1": lambda x: F.elu(x) + 1.0,
     "relu": F.relu,
 }
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp64 for fp64 inputs, fp32 otherwise: states, scans and cumulative gates never go below fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def apply_feature_map(x: torch.Tensor, feature_map: FeatureMap) -> torch.Tensor:

@@ -33,6 +33,7 @@ import functools
 import torch
 
 from ..masks import Band, Mask, Varlen, bottom_right_window
+from ..numerics import acc_dtype
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, band_of, register
 from .merge import merge_
@@ -90,7 +91,7 @@ def causal_parts(band: Band, n: int) -> list[tuple[slice, bool]]:
 def merge_parts(parts: list[AttnOutput]) -> AttnOutput:
     if len(parts) == 1:
         return parts[0]
-    out, lse = parts[0].out.float(), parts[0].lse.clone()
+    out, lse = parts[0].out.to(acc_dtype(parts[0].out.dtype)), parts[0].lse.clone()
     for p in parts[1:]:
         merge_(out, lse, p.out, p.lse)
     return AttnOutput(out, lse)
@@ -101,7 +102,8 @@ def split_backward(fn, do, q, k, v, out, lse, band: Band):
     grads = [fn(do, q, k[:, ks], v[:, ks], out, lse, causal) for ks, causal in causal_parts(band, k.shape[1])]
     if len(grads) == 1:
         return grads[0]
-    return (sum(g[0].float() for g in grads), torch.cat([g[1] for g in grads], 1), torch.cat([g[2] for g in grads], 1))
+    acc = acc_dtype(q.dtype)
+    return (sum(g[0].to(acc) for g in grads), torch.cat([g[1] for g in grads], 1), torch.cat([g[2] for g in grads], 1))
 
 
 @contextlib.contextmanager

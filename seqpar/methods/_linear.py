@@ -39,8 +39,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import rank_suffix
-from ..kernels.linear import LinearKernel, acc_dtype, cumulative_gate
+from ..kernels.linear import LinearKernel, cumulative_gate
 from ..layouts import Layout, Segments
+from ..numerics import acc_dtype
 
 __all__ = ["LinearConfig", "LinearPlan", "Seg", "Slot", "add_state_grads", "add_state_output", "linear_plan",
            "local_backward", "local_forward", "noncausal_sources", "segment_sums", "state_grad", "summaries"]

@@ -19,8 +19,9 @@ import torch
 
 from ..comm.ring import Exchange, Ring
 from ..groups import SeqParallelGroups
-from ..kernels.linear import LinearCall, acc_dtype, select_linear
+from ..kernels.linear import LinearCall, select_linear
 from ..layouts import Layout, make_layout
+from ..numerics import acc_dtype
 from . import _linear
 from ._linear import LinearConfig
 

@@ -42,8 +42,9 @@ import torch
 
 from ..comm.states import all_reduce_states, gather_states
 from ..groups import SeqParallelGroups
-from ..kernels.linear import LinearCall, acc_dtype, select_linear
+from ..kernels.linear import LinearCall, select_linear
 from ..layouts import Layout, make_layout
+from ..numerics import acc_dtype
 from . import _linear
 from ._linear import LinearConfig, LinearPlan
 
