@@ -23,11 +23,11 @@ for part in "$@"; do
         -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; echo "== gpu tests rc=$?"
       grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | head -n 30 | cut -c1-300 ;;
     overhead)
-      timeout 400 torchrun --nproc-per-node 1 -m seqpar.bench --preset overhead --preset heads --out "$OUT" \
+      timeout 150 torchrun --nproc-per-node 1 -m seqpar.bench --preset overhead --preset heads --out "$OUT" \
         --tag overhead-heads > "$OUT/bench_overhead_heads.log" 2>&1; echo "== overhead/heads rc=$?"
       grep "^\[" "$OUT/bench_overhead_heads.log" | tail -n 60 | cut -c1-200 ;;
     packed)
-      timeout 500 torchrun --nproc-per-node 1 -m seqpar.bench --preset packed --peers --out "$OUT" --tag packed \
+      timeout 420 torchrun --nproc-per-node 1 -m seqpar.bench --preset packed --peers --out "$OUT" --tag packed \
         > "$OUT/bench_packed.log" 2>&1; echo "== packed rc=$?"
       grep "^\[" "$OUT/bench_packed.log" | tail -n 60 | cut -c1-200 ;;
     inference)
