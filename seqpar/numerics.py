@@ -121,9 +121,8 @@ class GradRows:
     @property
     def delta(self) -> torch.Tensor:
         """``rowsum(dO O) - dlse`` ``(B, H, S)``, computed once."""
-        if self._delta is None:
-            assert self.out is not None, "these rows arrived folded: no Delta without out"
-            self._delta = delta(self.do, self.out, self.dlse)
+        if self._delta is None:      # rows that arrived folded: rowsum(dO' O') is Delta by construction
+            self._delta = delta(self.do, self.out, self.dlse) if self.out is not None else delta(*self._folded, None)
         return self._delta
 
     @property

@@ -167,3 +167,5 @@ def test_folding_the_lse_gradient_is_exact_in_fp64():
     folded = ref.backward(rows.folded[0], q, k, v, rows.folded[1], lse, Band(), 0.4)
     for x, y in zip(with_delta, folded):
         torch.testing.assert_close(y, x, atol=1e-12, rtol=1e-10)
+    arrived = GradRows.given(rows.folded[0], folded=rows.folded)      # pass-Q's bundle, to a kernel taking Delta
+    torch.testing.assert_close(arrived.delta, rows.delta, atol=1e-12, rtol=1e-10)

@@ -19,7 +19,7 @@ export PYTHONPATH=$PWD:$PWD/.peers/site:$PWD/.peers/shim:$PWD/.peers
 for part in "$@"; do
   case "$part" in
     tests)
-      timeout 400 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_kernels.py -q -rs \
+      timeout 150 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_kernels.py -q -rs \
         -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; echo "== gpu tests rc=$?"
       grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | head -n 30 | cut -c1-300 ;;
     overhead)
@@ -31,7 +31,7 @@ for part in "$@"; do
         > "$OUT/bench_packed.log" 2>&1; echo "== packed rc=$?"
       grep "^\[" "$OUT/bench_packed.log" | tail -n 60 | cut -c1-200 ;;
     inference)
-      timeout 500 torchrun --nproc-per-node 1 -m seqpar.bench.inference --preset small --contexts 32k,128k,1m \
+      timeout 400 torchrun --nproc-per-node 1 -m seqpar.bench.inference --preset small --contexts 32k,128k,1m \
         --new-tokens 64 --baseline --out "$OUT/inference_1gpu.jsonl" > "$OUT/inference_1gpu.log" 2>&1
       echo "== inference rc=$?"
       grep -v "^W11" "$OUT/inference_1gpu.log" | tail -n 25 | cut -c1-250

@@ -219,6 +219,17 @@ def run_packed(bench: Any) -> None:
             _packed_at(bench, _scaled(bench, total), dist_name)
 
 
+def _mode(mode: str, call: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          do: torch.Tensor) -> Callable[[], object]:
+    """The timed function of one packed row's ``mode``, holding only that mode's tensors (no copies): at 1M
+    tokens on one GPU, both modes' inputs at once would not fit beside the backward's."""
+    if mode == "fwd":
+        del do
+        return lambda: _nograd(lambda: call(q, k, v))
+    leaves = tuple(t.requires_grad_() for t in (q, k, v))
+    return lambda: torch.autograd.grad(call(*leaves), leaves, do)
+
+
 def _packed_at(bench: Any, total: int, dist_name: str) -> None:
     import seqpar
 
@@ -236,15 +247,13 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
             per_rank = work(make_layout(layout, W, cu), total, Rule(True), cu)
             imbalance = max(per_rank) * W / max(sum(per_rank), 1)
 
-        def build(where=where):
+        def build(mode: str, where=where):
             full = [_randn((1, total, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv, H))]
             q, k, v, do = (seqpar.shard(t, **where) for t in full)
             del full
-            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
             kw = {"method": where["method"], "layout": where["layout"], "cu_seqlens": cu_t,
                   "check_ranks": W == 1}
-            return _modes(lambda: seqpar.attention(q, k, v, **kw),
-                          lambda: seqpar.attention(qg, kg, vg, **kw), (qg, kg, vg), do)
+            return _mode(mode, lambda q, k, v: seqpar.attention(q, k, v, **kw), q, k, v, do)
         _time_rows(bench, preset, f"{method}/{layout}", build, limit,
                    {"work_max_over_mean": imbalance, "documents": len(cu) - 1})
     if bench.args.peers:
@@ -311,28 +320,26 @@ def _peer_varlen(bench: Any, total: int, cu: tuple[int, ...], H: int, Hkv: int, 
         idx = make_layout(layout, W, cu).positions(rank, total, dev)
         return [t.index_select(0, idx) for t in full]
 
-    def zigzag():
+    def zigzag(mode: str):
         rfa = _rfa()
         q, k, v, do = inputs("doc_zigzag")
-        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
         local = torch.tensor(cu, dtype=torch.int32, device=dev) // W
         mx = max(b - a for a, b in itertools.pairwise(cu)) // W
 
         def call(q, k, v):
             return rfa.zigzag_ring_flash_attn_varlen_func(q, k, v, local, mx, causal=True)
-        return _modes(lambda: call(q, k, v), lambda: call(qg, kg, vg), (qg, kg, vg), do)
+        return _mode(mode, call, q, k, v, do)
 
-    def llama3():
+    def llama3(mode: str):
         rfa = _rfa()
         q, k, v, do = inputs("contiguous")
-        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
         cq, ck, mq, mk, sl = rfa.llama3_flash_attn_prepare_cu_seqlens(
             torch.tensor(cu, dtype=torch.int32, device=dev), True, rank, W)
 
         def call(q, k, v):
             return rfa.llama3_flash_attn_varlen_func(q, k, v, cq, ck, mq, mk, heads_k_stride=1, local_k_slice=sl,
                                                      causal=True)
-        return _modes(lambda: call(q, k, v), lambda: call(qg, kg, vg), (qg, kg, vg), do)
+        return _mode(mode, call, q, k, v, do)
     out["peer:ring-flash-attn/zigzag-varlen"] = zigzag
     out["peer:ring-flash-attn/llama3-varlen"] = llama3
     return out
@@ -357,25 +364,25 @@ def _self_group():
     return _SELF[dist.get_rank()] if _SELF else None
 
 
-def _time_rows(bench: Any, preset: str, label: str, build: Callable[[], dict], limit: dict[str, float],
+def _time_rows(bench: Any, preset: str, label: str, build: Callable[[str], Callable], limit: dict[str, float],
                extra: dict) -> None:
-    """Build a runner on every rank, time each mode (the slowest rank's median), record it against ``limit``."""
+    """Per mode: build the timed function on every rank (``build(mode)``), time it (the slowest rank's median),
+    record it against ``limit``, and free it before the next mode."""
     W = bench.world
-    try:
-        runner, err = build(), None
-    except Exception as e:                      # recorded, never fatal: a peer that cannot run this row
-        runner, err = None, f"{type(e).__name__}: {str(e)[:300]}"
-    if not bench._agree(err is None):
-        for mode in limit:
-            bench.write({"preset": preset, "method": label, "mode": mode, "world_size": W,
-                         "error": err or "failed on another rank", **extra})
-        return
-    for mode, fn in runner.items():
+    for mode in limit:
         reset_peak(bench.device)
+        t = None
         try:
-            t, err = time_ms(fn, bench.device, warmup=2, iters=5), None
-        except Exception as e:
-            t, err = None, f"{type(e).__name__}: {str(e)[:300]}"
+            fn, err = build(mode), None
+        except Exception as e:                  # recorded, never fatal: a peer that cannot run this row
+            fn, err = None, f"{type(e).__name__}: {str(e)[:300]}"
+        if bench._agree(err is None):           # every rank built it: time it (collectives inside)
+            try:
+                t = time_ms(fn, bench.device, warmup=2, iters=5)
+            except Exception as e:
+                err = f"{type(e).__name__}: {str(e)[:300]}"
+        fn = None
+        _empty_cache()
         if not bench._agree(err is None):
             bench.write({"preset": preset, "method": label, "mode": mode, "world_size": W,
                          "error": err or "failed on another rank", **extra})
@@ -384,8 +391,6 @@ def _time_rows(bench: Any, preset: str, label: str, build: Callable[[], dict], l
         bench.write({"preset": preset, "method": label, "mode": mode, "world_size": W, "time_ms": t,
                      "limit_ms": lim, "efficiency": lim / t, "peak_mem_gib": peak_mem_gib(bench.device), **extra})
         bench.log(f"{preset} {label} {mode}: {t:.2f} ms, efficiency {lim / t:.3f} vs 1-GPU varlen")
-    del runner
-    _empty_cache()
 
 
 def _broadcast(values: dict[str, float], device: torch.device) -> dict[str, float]:

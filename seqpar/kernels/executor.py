@@ -23,9 +23,10 @@ from ..numerics import GradRows, acc_dtype
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, mask_kind, select
 
-__all__ = ["TaskRunner"]
+__all__ = ["GROUP_AT", "TaskRunner"]
 
-_GROUP_AT = 3
+GROUP_AT = 3
+"""Tasks of one step from which ``TaskRunner.prepare`` packs them into varlen calls."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -75,7 +76,7 @@ class TaskRunner:
 
     def prepare(self, tasks: tuple[Task, ...], q: torch.Tensor, k: torch.Tensor) -> tuple[Task, ...]:
         """Pack many per-document tasks into varlen calls where a kernel serves varlen."""
-        if len(tasks) < _GROUP_AT:
+        if len(tasks) < GROUP_AT:
             return tasks
         grouped = _grouped(tasks)
         try:

@@ -30,7 +30,7 @@ from ..numerics import GradRows, acc_dtype, wire_dtype
 from ..runtime.loop import Double, Loop, run_steps
 from ._shared import pack_kv, unpack_kv
 
-__all__ = ["PassKV", "Schedule", "schedule"]
+__all__ = ["OneRank", "PassKV", "Schedule", "build", "schedule"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,37 @@ def schedule(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tu
     mine = tuple(plan(segs[rank], segs[(rank - s) % W], rule) for s in range(W))
     last = max((s for r in range(W) for s in range(W) if plan(segs[r], segs[(r - s) % W], rule)), default=0)
     return Schedule(mine[: last + 1], last + 1)
+
+
+def build(call) -> PassKV:
+    """The pass-KV ring of a planned ``call`` (``methods.base.Call``): its layout, rule, documents and kernel."""
+    cfg = call.cfg
+    sched = schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
+    runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
+    return PassKV(Ring(call.groups.group), sched, runner, cfg.grad_dtype)
+
+
+class OneRank:
+    """Any pass-KV-family method on one rank: every key is local, so the call is the ring's single step.
+
+    A method whose exchange is the identity at W = 1 (the all-gather) runs this instead of its own engine:
+    no gather buffers, copies or fp32 dK/dV accumulator, and the direct path when the call is one block.
+    Options that bound exchange buffers (``heads_k_stride``) have nothing to bound here.
+    """
+
+    saves = False
+
+    def __init__(self, call):
+        self.ring = build(call)
+
+    def direct(self, call):
+        return self.ring.direct(call)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ring.forward(q, k, v)
+
+    def backward(self, b) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.ring.backward(b.rows, b.q, b.k, b.v, b.lse)
 
 
 class PassKV:

@@ -37,7 +37,7 @@ import torch
 
 from ..comm.ring import Exchange, Ring
 from ..kernels.base import mask_kind
-from ..kernels.executor import TaskRunner
+from ..kernels.executor import GROUP_AT, TaskRunner
 from ..kernels.merge import Accumulator, merge_
 from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, plan
@@ -90,7 +90,9 @@ def schedule(layout: Layout, seq_len: int, rule: Rule, doc_bounds: tuple[int, ..
             ahead[s] = hull(ahead[s + 1], res[i][s + 1])
         q_rows.append(tuple(ahead))
     own = [split_own(segs[r], rule, back_first=True) for r in range(W)]
-    kinds = frozenset(mask_kind(t.mask) for r in range(W) for ts in (*own[r], *steps[r]) for t in ts)
+    lists = [ts for r in range(W) for ts in (*own[r], *steps[r])]
+    kinds = frozenset(mask_kind(t.mask) for ts in lists for t in ts) \
+        | ({"varlen"} if any(len(ts) >= GROUP_AT for ts in lists) else set())   # packed by TaskRunner.prepare
     return PassQPlan(W, n, tuple(o[0] for o in own), tuple(o[1] for o in own), steps, res, tuple(q_rows), kinds)
 
 

@@ -30,6 +30,10 @@ Note [All-gather pipeline]
     layer from forward to backward (e.g. 512 MiB per layer at 128K tokens, 8 KV heads, d 128, bf16), which
     is the memory this method exists to bound.
 
+One rank: the gather is the identity, so the call runs pass-KV's single step (``_passkv.OneRank``) with no
+buffers or copies; at W = 1 on a packed 128K row the pipelined engine cost 1.15x the single-GPU varlen kernel
+(fwd+bwd, H100, ``benchmarks/results/2026-11-23-h100/run3``), its copies and fp32 dK/dV buffer included.
+
 Windows: a full gather over-fetches (rank r needs keys only from ranks ``r - ceil(w / L) .. r``); the
 planner skips every block outside the window, but fetching only the needed ranks (per-peer P2P or an
 uneven all-to-all) is a follow-up. Documents, windows and end padding all come from the block planner.
@@ -53,6 +57,7 @@ from ..layouts.blocks import Rule, Run, Segments, Task, plan
 from ..numerics import GradRows, acc_dtype, wire_dtype
 from ..planner import model
 from ..runtime.loop import Loop, run_steps
+from . import _passkv
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
 __all__ = ["METHOD", "GatherPlan", "gather_plan"]
@@ -244,12 +249,6 @@ class _Engine:
         self.G = call.q_shape[2] // call.k_shape[2]
         self.groups, self.grad_dtype = call.groups, cfg.grad_dtype
 
-    def direct(self, call: Call):
-        """One rank, one head chunk: the whole call as one kernel call through PyTorch's autograd."""
-        if call.groups.world != 1 or self.stride != call.k_shape[2]:
-            return None
-        return self.runner.direct(self.gp.tasks, call.q_shape, call.k_shape, call.v_shape, call.dtype, call.device)
-
     def _heads(self, c: int) -> slice:
         return slice(c * self.stride * self.G, (c + 1) * self.stride * self.G)
 
@@ -326,6 +325,11 @@ class _Engine:
         return dq.to(q.dtype), dk, dv
 
 
+def _engine(call: Call):
+    """The pipelined all-gather; on one rank, pass-KV's single step (the gather is the identity there)."""
+    return _passkv.OneRank(call) if call.groups.world == 1 else _Engine(call)
+
+
 def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Prediction:
     """All-gather K, V per head chunk; reduce-scatter dK, dV (ALGORITHMS.md §4, Note [All-gather pipeline])."""
     W, S, L = p.world, p.seq_len, p.seq_len / p.world
@@ -398,7 +402,7 @@ METHOD = Method(
     features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",
                         "document_layouts"}),
     check=_check,
-    engine=_Engine,
+    engine=_engine,
     cost=_cost,
     candidates=_candidates,
     bench_specs=_bench_specs,

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..comm.ring import Ring
 from ..errors import rank_suffix
-from ..kernels.executor import TaskRunner
 from ..numerics import GradRows
 from ..planner import model
 from . import _passkv
@@ -45,11 +43,8 @@ class _Engine:
     saves = False
 
     def __init__(self, call: Call):
-        cfg = call.cfg
-        sched = _passkv.schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
-        runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
-        self.ring = _passkv.PassKV(Ring(call.groups.group), sched, runner, cfg.grad_dtype)
-        self.parts = head_groups(call.q_shape[2], call.k_shape[2], cfg.option("head_chunks", 1))
+        self.ring = _passkv.build(call)
+        self.parts = head_groups(call.q_shape[2], call.k_shape[2], call.cfg.option("head_chunks", 1))
 
     def direct(self, call: Call):
         return self.ring.direct(call) if len(self.parts) == 1 else None
