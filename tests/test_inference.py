@@ -326,3 +326,20 @@ def test_slot_mask_step_equals_band_kernel():
     assert torch.equal(none.out, torch.zeros_like(none.out)) and torch.isneginf(none.lse).all()
     with pytest.raises(ValueError, match="slot mask"):
         attend_block(q, k_SBHD.transpose(0, 1), v_SBHD.transpose(0, 1), SlotMask(visible), 0.3, "flash")
+
+
+@pytest.mark.parametrize("kernel", ["reference", "auto"])
+def test_split_keys_decode_equals_one_call(monkeypatch, kernel):
+    """Note [Split keys for decode]: a long batch-1 slice in key chunks (a tail included) merges to one call's
+    result; GQA, Dv != D, the cache's sequence-major views, fp64."""
+    from seqpar.inference import _local
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 1, 6, 8, generator=g, dtype=torch.float64)
+    k_SBHD = torch.randn(19, 1, 2, 8, generator=g, dtype=torch.float64)
+    v_SBHD = torch.randn(19, 1, 2, 5, generator=g, dtype=torch.float64)
+    k, v = k_SBHD.transpose(0, 1), v_SBHD.transpose(0, 1)
+    want = attend_block(q, k, v, Band(), 0.3, kernel)
+    monkeypatch.setattr(_local, "SPLIT_KEYS", 4)                    # 4 chunks of 4 keys and a tail of 3
+    got = attend_block(q, k, v, Band(), 0.3, kernel)
+    assert rel_error(got.out, want.out) < 1e-14 and rel_error(got.lse, want.lse) < 1e-14
