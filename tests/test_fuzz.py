@@ -3,7 +3,8 @@
 A drawn call fixes the method (``seqpar.methods.available()``, ``seqpar.linear_methods()``), its layout,
 mesh (Ulysses degree and placement for 2D methods), heads and KV heads (valid for the method's head
 degree), head dim, length (a multiple of the layout's divisor), batch, documents (``cu_seqlens``, empty
-documents included), end padding, windows, causal, dtype, scale and gradient through lse; every field
+documents included), end padding, windows, causal, dtype, scale, gradient through lse, a value head dim
+other than the key's, attention sinks and softcapping; every field
 the method declares in FEATURES is drawn, others are left at their defaults. The world size is a pytest
 parameter so each pool is started once and reused by every example.
 
@@ -107,7 +108,10 @@ def softmax_cases(draw, world: int) -> Case:
                 dtype=draw(st.sampled_from(["float32", "float32", "bfloat16", "float64", "float16"])),
                 window=window, cu_seqlens=docs, valid_len=valid, options=options, ulysses=ulysses,
                 placement=placement or "contiguous", scale=draw(st.sampled_from([None, None, 0.3])),
-                lse_grad="lse_grad" in feats and draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+                lse_grad="lse_grad" in feats and draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+                value_dim=draw(st.sampled_from([None, None, 4, 12])) if "value_dim" in feats else None,
+                sinks="sinks" in feats and draw(st.booleans()),
+                softcap=draw(st.sampled_from([0.0, 0.0, 2.5])) if "softcap" in feats else 0.0)
 
 
 @st.composite
@@ -140,6 +144,9 @@ def _features(case) -> list[str]:
     f += ["window"] if getattr(case, "window", (-1, -1)) != (-1, -1) else []
     f += ["gqa"] if getattr(case, "kv_heads", 0) not in (0, getattr(case, "heads", 0)) else []
     f += ["lse_grad"] if getattr(case, "lse_grad", False) else []
+    f += ["value_dim"] if getattr(case, "value_dim", None) is not None else []
+    f += ["sinks"] if getattr(case, "sinks", False) else []
+    f += ["softcap"] if getattr(case, "softcap", 0.0) else []
     return f
 
 

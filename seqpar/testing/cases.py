@@ -20,7 +20,7 @@ import torch
 from .oracle import dense_attention
 from .tolerances import FIELDS, Verdict, judge
 
-__all__ = ["Case", "Report", "check_case", "make_inputs", "run_case"]
+__all__ = ["Case", "Report", "check_case", "make_inputs", "make_sinks", "run_case", "run_cases"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,11 @@ class Case:
     deterministic: bool = False
     device: str = "cpu"
     seed: int = 0
+    value_dim: int | None = None
+    """V's head dim when it differs from q/k's (MLA)."""
+    sinks: bool = False
+    """Per-head sink logits ``(H,)`` (gpt-oss), with their gradient checked."""
+    softcap: float = 0.0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -68,6 +73,12 @@ class Case:
             parts.append(f"valid{self.valid_len}")
         if self.ulysses is not None:
             parts.append(f"U{self.ulysses}{self.placement[0]}")
+        if self.value_dim is not None:
+            parts.append(f"Dv{self.value_dim}")
+        if self.sinks:
+            parts.append("sinks")
+        if self.softcap:
+            parts.append(f"softcap{self.softcap}")
         parts += [f"{k}={v}" for k, v in self.options]
         return " ".join(parts)
 
@@ -79,9 +90,17 @@ def make_inputs(case: Case) -> tuple[torch.Tensor, ...]:
     """Global ``q, k, v, do, dlse`` (fp32 draws cast to the case dtype), identical on every rank."""
     g = torch.Generator().manual_seed(case.seed)
     B, S, H, Hkv, D = case.batch, case.seq_len, case.heads, case.kv_heads, case.head_dim
-    draw = [torch.randn(B, S, h, D, generator=g) for h in (H, Hkv, Hkv, H)]
+    Dv = D if case.value_dim is None else case.value_dim
+    draw = [torch.randn(B, S, h, d, generator=g) for h, d in ((H, D), (Hkv, D), (Hkv, Dv), (H, Dv))]
     dlse = torch.randn(B, H, S, generator=g)
     return (*[t.to(case.torch_dtype) for t in draw], dlse)
+
+
+def make_sinks(case: Case) -> torch.Tensor | None:
+    """The case's global sink logits ``(H,)`` in its dtype, or None."""
+    if not case.sinks:
+        return None
+    return torch.randn(case.heads, generator=torch.Generator().manual_seed(case.seed + 1)).to(case.torch_dtype)
 
 
 _MESHES: dict[tuple[int, str], Any] = {}
@@ -106,6 +125,9 @@ def run_case(case: Case) -> dict[str, Any]:
     dev = torch.device(case.device if case.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
     mesh = _mesh(case)
     q, k, v, do, dlse = (t.to(dev) for t in make_inputs(case))
+    sinks = make_sinks(case)
+    if sinks is not None:
+        sinks = sinks.to(dev).requires_grad_()
     where = {"mesh": mesh, "method": case.method, "layout": case.layout}
     docs = {"cu_seqlens": case.cu_seqlens}         # document layouts place tokens from them (others ignore them)
     ql, kl, vl = (seqpar.shard(t, **where, **docs).requires_grad_() for t in (q, k, v))
@@ -114,7 +136,8 @@ def run_case(case: Case) -> dict[str, Any]:
     t0 = time.perf_counter()
     res = seqpar.attention(ql, kl, vl, causal=case.causal, window_size=case.window, cu_seqlens=case.cu_seqlens,
                            seq_len=case.valid_len, kernel=case.kernel, softmax_scale=case.scale, return_lse=True,
-                           deterministic=case.deterministic, **where, **dict(case.options))
+                           deterministic=case.deterministic, sinks=sinks, softcap=case.softcap, **where,
+                           **dict(case.options))
     t1 = time.perf_counter()
     loss = (res.out.float() * dol.float()).sum()
     if case.lse_grad:
@@ -125,6 +148,8 @@ def run_case(case: Case) -> dict[str, Any]:
     local = {k_: t.detach().cpu() for k_, t in out.items()}
     local["positions"] = seqpar.positions(case.seq_len, **where, **docs).cpu()
     local["times"] = (t1 - t0, t2 - t1)
+    if sinks is not None:                          # this rank's rows' share; the sum over ranks is the gradient
+        local["dsinks"] = sinks.grad.detach().cpu()
     return local
 
 
@@ -174,6 +199,7 @@ def check_case(case: Case, results: list[dict[str, Any]]) -> Report:
     report = Report(case, times=max(r["times"] for r in results))
     pos = [r["positions"] for r in results]
     q, k, v, do, dlse = make_inputs(case)
+    sinks = make_sinks(case)
     got = {f: _unshard([r[f] for r in results], pos, case.seq_len, 2 if f == "lse" else 1) for f in FIELDS}
     want_dtype = {"out": q.dtype, "dq": q.dtype, "dk": k.dtype, "dv": v.dtype}
     for f, dt in want_dtype.items():
@@ -183,34 +209,21 @@ def check_case(case: Case, results: list[dict[str, Any]]) -> Report:
     if got["lse"].dtype != lse_dt:
         report.problems.append(f"lse has dtype {got['lse'].dtype}, want {lse_dt}")
     kw = {"causal": case.causal, "window": case.window, "cu_seqlens": case.cu_seqlens,
-          "valid_len": case.valid_len, "scale": case.scale}
-    do_eff = do
-    truth = dense_attention(q, k, v, do_eff, dtype=torch.float64, **kw)
-    if case.lse_grad:
-        truth = _with_lse_grad(q, k, v, do, dlse, kw)
+          "valid_len": case.valid_len, "scale": case.scale, "softcap": case.softcap, "sinks": sinks}
+    truth = dense_attention(q, k, v, do, dtype=torch.float64, dlse=dlse if case.lse_grad else None, **kw)
     base = None
     if case.dtype in ("bfloat16", "float16"):
         base = dense_attention(q, k, v, do, dtype=case.torch_dtype, upcast_softmax=False, **kw)
     for f in FIELDS:
         report.verdicts[f] = judge(f, got[f], truth[f], None if base is None else base[f], case.dtype)
+    if sinks is not None:
+        if sinks.dtype != results[0]["dsinks"].dtype:
+            report.problems.append(f"dsinks has dtype {results[0]['dsinks'].dtype}, want {sinks.dtype}")
+        report.verdicts["dsinks"] = judge("dsinks", sum(r["dsinks"].double() for r in results), truth["dsinks"],
+                                          None if base is None else base["dsinks"], case.dtype)
     return report
 
 
-def _with_lse_grad(q, k, v, do, dlse, kw) -> dict[str, torch.Tensor]:
-    """fp64 oracle for a loss that also uses lse (finite entries only)."""
-    from .oracle import dense_mask
-
-    _, S, H, D = q.shape
-    G = H // k.shape[2]
-    scale = D ** -0.5 if kw["scale"] is None else kw["scale"]
-    qd, kd, vd = (t.detach().double().requires_grad_() for t in (q, k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", qd, kd.repeat_interleave(G, 2)) * scale
-    vis = dense_mask(S, causal=kw["causal"], window=kw["window"], cu_seqlens=kw["cu_seqlens"],
-                     valid_len=kw["valid_len"])
-    s = s.masked_fill(~vis, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
-    out = torch.einsum("bhqk,bkhd->bqhd", p, vd.repeat_interleave(G, 2))
-    loss = (out * do.double()).sum() + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse.double()).sum()
-    dq, dk, dv = torch.autograd.grad(loss, (qd, kd, vd))
-    return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
+def run_cases(cases: list[Case]) -> list[dict[str, Any]]:
+    """Worker side: ``run_case`` of each case in turn (one pool call for many cases)."""
+    return [run_case(c) for c in cases]

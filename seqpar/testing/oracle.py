@@ -42,27 +42,42 @@ def dense_mask(seq_len: int, *, causal: bool, window: tuple[int, int] = (-1, -1)
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor | None = None, *,
                     causal: bool, window: tuple[int, int] = (-1, -1), cu_seqlens: Sequence[int] | None = None,
                     valid_len: int | None = None, scale: float | None = None, dtype: torch.dtype = torch.float64,
-                    upcast_softmax: bool = True) -> dict[str, torch.Tensor]:
-    """Dense attention on global ``(B, S, H, D)`` tensors, computed in ``dtype``.
+                    upcast_softmax: bool = True, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                    dlse: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Dense attention on global ``q (B, S, H, D)``, ``k (B, S, Hkv, D)``, ``v (B, S, Hkv, Dv)``, in ``dtype``.
 
-    Returns ``out``, ``lse`` (``(B, H, S)``, -inf for rows that see nothing) and, with ``do``, ``dq``,
-    ``dk``, ``dv`` (by autograd). ``upcast_softmax=False`` keeps the softmax in ``dtype`` too (the naive
-    single-device low-precision computation).
+    Returns ``out``, ``lse`` (``(B, H, S)``, -inf for rows that see nothing) and, with ``do``, ``dq``, ``dk``,
+    ``dv`` (by autograd of ``sum(out * do) + sum(lse * dlse)`` over finite lse), plus ``dsinks`` with
+    ``sinks``. ``softcap > 0`` caps the scores (``softcap * tanh(s / softcap)``); ``sinks (H,)`` join every
+    row's denominator (lse includes them). ``upcast_softmax=False`` keeps the softmax in ``dtype`` too (the
+    naive single-device low-precision computation).
     """
     _, S, H, D = q.shape
     G = H // k.shape[2]
     scale = D ** -0.5 if scale is None else scale
-    qd, kd, vd = (t.detach().to(dtype).requires_grad_(do is not None) for t in (q, k, v))
+    grad = do is not None
+    qd, kd, vd = (t.detach().to(dtype).requires_grad_(grad) for t in (q, k, v))
+    sd = None if sinks is None else sinks.detach().to(dtype).requires_grad_(grad)
     kr, vr = kd.repeat_interleave(G, dim=2), vd.repeat_interleave(G, dim=2)
     s = torch.einsum("bqhd,bkhd->bhqk", qd, kr) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     vis = dense_mask(S, causal=causal, window=window, cu_seqlens=cu_seqlens, valid_len=valid_len, device=q.device)
     s = s.masked_fill(~vis, float("-inf"))
     sm = s.float() if upcast_softmax and dtype in (torch.float16, torch.bfloat16) else s
     lse = torch.logsumexp(sm, dim=-1)
+    if sd is not None:
+        lse = torch.logaddexp(lse, sd.to(lse.dtype).view(1, -1, 1))
     p = torch.exp(sm - lse.unsqueeze(-1)).nan_to_num(0.0).to(dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", p, vr)
     res = {"out": out.detach(), "lse": lse.detach().float() if dtype != torch.float64 else lse.detach()}
-    if do is not None:
-        dq, dk, dv = torch.autograd.grad(out, (qd, kd, vd), do.to(dtype))
-        res.update(dq=dq, dk=dk, dv=dv)
+    if grad:
+        loss = (out * do.to(dtype)).sum()
+        if dlse is not None:
+            loss = loss + (torch.where(torch.isfinite(lse), lse, 0.0) * dlse.to(lse.dtype)).sum()
+        leaves = (qd, kd, vd) if sd is None else (qd, kd, vd, sd)
+        grads = torch.autograd.grad(loss, leaves)
+        res.update(dq=grads[0], dk=grads[1], dv=grads[2])
+        if sd is not None:
+            res["dsinks"] = grads[3]
     return res
