@@ -19,6 +19,8 @@ from seqpar.integrations import huggingface as sp_hf
 from seqpar.testing import rel_error
 
 VOCAB = 64
+REFERENCE_ATTN = {"gpt_oss": "eager", "gemma2": "eager"}
+"""The single-process attention of families transformers serves without SDPA (sinks, softcapping)."""
 
 
 def model_config(family: str, dtype: torch.dtype = torch.float32, **over: Any):
@@ -36,6 +38,20 @@ def model_config(family: str, dtype: torch.dtype = torch.float32, **over: Any):
         cfg = tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     elif family == "qwen3":              # q/k norms; layer 1 sliding
         cfg = tf.Qwen3Config(**common, use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    elif family == "gpt_oss":            # attention sinks (s_aux), a sliding layer, experts
+        cfg = tf.GptOssConfig(**common, num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"])
+    elif family == "gemma2":             # logit softcapping (softcap), a sliding layer, its own scaling
+        cfg = tf.Gemma2Config(**common, attn_logit_softcapping=5.0, final_logit_softcapping=None,
+                              query_pre_attn_scalar=8, sliding_window=8)
+    elif family == "gemma":              # head dim 256
+        cfg = tf.GemmaConfig(**{**common, "head_dim": 256})
+    elif family == "deepseek_v3":        # MLA: q/k head dim 24 (16 + rope 8), v head dim 8; experts
+        mla = {k: v for k, v in common.items() if k != "head_dim"}
+        cfg = tf.DeepseekV3Config(**{**mla, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=16,
+                                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8, n_routed_experts=2,
+                                  num_experts_per_tok=1, n_shared_experts=1, moe_intermediate_size=16,
+                                  first_k_dense_replace=1, n_group=1, topk_group=1, rope_scaling=None)
     else:
         raise ValueError(family)
     for k, v in over.items():
@@ -161,7 +177,7 @@ def train_compare(spec: dict[str, Any]) -> dict[str, float]:
 
 def _train_compare(spec, dtype, mesh, handle) -> dict[str, float]:
     family = spec["family"]
-    ref = build(family, "sdpa", dtype=dtype)
+    ref = build(family, REFERENCE_ATTN.get(family, "sdpa"), dtype=dtype)
     sp = build(family, handle.name, dtype=dtype)
     if spec.get("checkpointing"):
         checkpoint_layers(sp)
@@ -185,8 +201,11 @@ def _train_compare(spec, dtype, mesh, handle) -> dict[str, float]:
         for g in sp_hf._reduce_groups(mesh):
             dist.all_reduce(total, group=g)
         errors["loss"] = max(errors["loss"], rel_error(total, out_ref.loss.detach()))
-        truth = seqpar.shard(out_ref.logits.detach(), mesh=mesh, method=handle.method, layout=handle.layout,
-                             dim=1, pad=spec.get("pad", False))
+        cu = local.get("cu_seq_lens_q")
+        cu = None if cu is None else tuple(cu.tolist())
+        truth = seqpar.shard(out_ref.logits.detach(), mesh=mesh, method=handle.method, dim=1,
+                             layout=sp_hf.batch_layout(handle.method, handle.layout, cu), cu_seqlens=cu,
+                             pad=spec.get("pad", False))
         seen = local["shift_labels"] != -100        # positions whose logits count (padding's are arbitrary)
         errors["logits"] = max(errors["logits"], rel_error(out_sp.logits.detach()[seen], truth[seen]))
         _errors("grad:", sp, ref, errors)

@@ -58,6 +58,7 @@ from ..api import attention, attention_config, placement, positions, shard
 from ..config import AttentionConfig
 from ..errors import rank_suffix
 from ..groups import SeqParallelGroups
+from ..layouts import DOCUMENT_LAYOUTS
 
 __all__ = ["Handle", "SPLoss", "SeqparCache", "all_reduce_gradients", "enable", "generate", "prefill",
            "reduce_loss", "sequence_parallel_loss", "serving", "shard_batch", "token_loss_sum"]
@@ -76,9 +77,6 @@ _BENIGN = frozenset({
 # function honours]): we never accept an option and ignore it.
 _REFUSED = {
     "output_attentions": "output_attentions=True (the attention matrix over the whole sequence is never formed)",
-    "softcap": "logit softcapping (softcap=...)",
-    "s_aux": "attention sinks (s_aux=...)",
-    "sinks": "attention sinks (sinks=...)",
     "position_bias": "an additive position bias (position_bias=...)",
     "head_mask": "a head mask (head_mask=...)",
     "cache": "a paged KV cache (cache=...)",
@@ -90,7 +88,7 @@ _REFUSED = {
 # enable / the handle
 
 
-def enable(mesh: Any = None, method: str = "usp", layout: str = "zigzag", kernel: str = "auto", *,
+def enable(mesh: Any = None, method: str = "usp", layout: str | None = None, kernel: str = "auto", *,
            name: str = DEFAULT_NAME, check_positions: bool = True, ignore_kwargs: Iterable[str] = (),
            deterministic: bool = False, grad_dtype: torch.dtype = torch.float32, **options: Any) -> Handle:
     """Register seqpar as the transformers attention implementation ``name`` and return its handle.
@@ -99,7 +97,10 @@ def enable(mesh: Any = None, method: str = "usp", layout: str = "zigzag", kernel
         mesh: the sequence-parallel mesh: a DeviceMesh (2D with dims "ulysses", "ring" for ``usp``), a
             ProcessGroup, or None for the default group. Checked now when torch.distributed is initialised.
         method: a name from ``seqpar.methods.available()`` (or "auto").
-        layout: the token layout ("zigzag", "contiguous", "stripe"; each method accepts a subset).
+        layout: the token layout ("zigzag", "contiguous", "stripe", "balanced"; each method accepts a subset).
+            None: per batch, ``balanced`` for a batch with documents (packed or padded; ``shard_batch``
+            turns them into ``cu_seq_lens_q``) where the method accepts it, else the method's default
+            (zigzag where it has it). ``shard_batch`` and the attention calls decide from the same fact.
         kernel: "auto" or a kernel name (``seqpar.kernels.available_kernels()``).
         name: the ``attn_implementation`` name to register (two handles with two names can coexist).
         check_positions: check once per forward that ``position_ids`` are this rank's global positions (or
@@ -134,7 +135,7 @@ class Handle:
         name: the registered ``attn_implementation``.
     """
 
-    def __init__(self, *, mesh: Any, method: str, layout: str, kernel: str, name: str, check_positions: bool,
+    def __init__(self, *, mesh: Any, method: str, layout: str | None, kernel: str, name: str, check_positions: bool,
                  ignore_kwargs: frozenset[str], deterministic: bool, grad_dtype: torch.dtype,
                  options: dict[str, Any]):
         if not isinstance(name, str) or not name or name in ("eager", "sdpa", "flex_attention") \
@@ -156,8 +157,8 @@ class Handle:
         self._interfaces: tuple[Any, Any] = (None, None)
         self._cu_seen: dict[int, tuple[Any, tuple[int, ...]]] = {}    # small caches keyed by object identity
         self._pos_seen: tuple[Any, Any] = (None, None)
-        self._glob: dict[tuple[int, str], torch.Tensor] = {}
-        self.attention_fn = _eager(self._attention)
+        self._glob: dict[tuple, torch.Tensor] = {}
+        self.attention_fn = self._attention
         self.kv_cache: Any = None   # a hf_generate.SeqparCache while generate() runs: its tokens go to it
 
     # -- registry ------------------------------------------------------------------------------------------
@@ -223,7 +224,13 @@ class Handle:
         """
         where = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
         cached = self.kv_cache is not None and self.kv_cache.serves(getattr(module, "layer_idx", None), key)
-        sinks = kwargs.pop("s_aux", None) if cached else None          # seqpar's KV cache applies sinks
+        sinks = kwargs.pop("s_aux", None)                              # gpt-oss's per-head sink logits
+        if sinks is None:
+            sinks = kwargs.pop("sinks", None)
+        softcap = kwargs.pop("softcap", None)                          # Gemma 2's attn_logit_softcapping
+        if cached and softcap:
+            raise NotImplementedError(f"logit softcapping (softcap={softcap}) is not served by seqpar's KV cache "
+                                      f"(decode and extension kernels do not cap scores), in {where}{rank_suffix()}")
         self._refuse(where, attention_mask, dropout, kwargs)
         if cached:                                                     # seqpar's KV cache: prefill or decode
             if sliding_window is _UNSET:
@@ -240,14 +247,25 @@ class Handle:
         if sliding_window is _UNSET:
             sliding_window = getattr(module, "sliding_window", None)
         window = _window(sliding_window, causal, where)
-        cu = self._documents(kwargs)
-        self._check_positions(kwargs.get("position_ids"), cu, query.shape[2])
+        if torch.compiler.is_compiling():      # Note [Compiling a model with seqpar attention]
+            cu = kwargs.get("cu_seq_lens_q")
+        else:
+            cu = self._documents(kwargs)
+            self._check_positions(kwargs.get("position_ids"), cu, query.shape[2])
         q_BSHD, k_BSHD, v_BSHD = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        out_BSHD = attention(q_BSHD, k_BSHD, v_BSHD, mesh=self.mesh, method=self.method, layout=self.layout,
-                             causal=causal, softmax_scale=scaling, kernel=self.kernel, window_size=window,
-                             cu_seqlens=cu, deterministic=self.deterministic, grad_dtype=self.grad_dtype,
-                             **self.options)
+        out_BSHD = attention(q_BSHD, k_BSHD, v_BSHD, mesh=self.mesh, method=self.method,
+                             layout=batch_layout(self.method, self.layout, cu), causal=causal,
+                             softmax_scale=scaling, kernel=self.kernel, window_size=window, cu_seqlens=cu,
+                             deterministic=self.deterministic, grad_dtype=self.grad_dtype,
+                             softcap=float(softcap or 0.0), sinks=sinks, **self.options)
         return out_BSHD, None
+
+    # Note [Compiling a model with seqpar attention]
+    #     seqpar.attention traces as one custom op (seqpar.runtime.op), so a compiled model has no graph break
+    #     at attention. What this function adds is host-side: reading cu_seq_lens_q into ints and checking
+    #     position_ids. Under compile both would be data-dependent reads, so the boundary tensor goes to
+    #     seqpar.attention as it is (a tensor input of the op, read on the host inside it: a new packed batch
+    #     neither recompiles nor guards on data), and positions are checked in eager calls only.
 
     def _refuse(self, where: str, attention_mask: Any, dropout: float, kwargs: dict[str, Any]) -> None:
         rs = rank_suffix()
@@ -317,10 +335,11 @@ class Handle:
         seen, seen_cu = self._pos_seen
         if seen is pos and seen_cu == cu:
             return
-        key = (local_len, str(pos.device))
+        layout = batch_layout(self.method, self.layout, cu)
+        key = (local_len, str(pos.device), layout, cu if layout in DOCUMENT_LAYOUTS else None)
         if key not in self._glob:
             self._glob = {key: positions(local_len * self._world(), mesh=self.mesh, method=self.method,
-                                         layout=self.layout, device=pos.device)}
+                                         layout=layout, device=pos.device, cu_seqlens=key[3])}
         glob = self._glob[key]
         ok = pos_BL == glob
         if cu is not None:
@@ -331,7 +350,7 @@ class Handle:
             first = pos_BL[0, :6].tolist()
             raise ValueError(
                 f"position_ids must be the global positions of this rank's tokens (or positions within the "
-                f"batch's documents), got {first}... where the {self.layout} layout of method={self.method!r} "
+                f"batch's documents), got {first}... where the {layout} layout of method={self.method!r} "
                 f"holds positions {glob[:6].tolist()}...: build the batch with shard_batch (RoPE must see global "
                 f"positions), or pass check_positions=False to enable() for another position scheme"
                 f"{rank_suffix()}")
@@ -406,7 +425,7 @@ _KNOWN = frozenset({"input_ids", "inputs_embeds", "attention_mask", "position_id
                     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "num_items_in_batch"})
 
 
-def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp", layout: str = "zigzag", *,
+def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp", layout: str | None = None, *,
                 pad: bool = False, pad_token_id: int = 0, ignore_index: int = -100,
                 seq_keys: Iterable[str] = ()) -> dict[str, Any]:
     """This rank's share of a global causal-LM batch, ready for ``model(**batch)``.
@@ -432,7 +451,8 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
         batch: global tensors ``(B, S)`` (``inputs_embeds``: ``(B, S, C)``) with keys among ``input_ids`` or
             ``inputs_embeds``, ``attention_mask``, ``position_ids``, ``labels``, ``shift_labels``,
             ``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``, ``num_items_in_batch``, plus ``seq_keys``.
-        mesh, method, layout: the placement (as in ``enable``).
+        mesh, method, layout: the placement (as in ``enable``; ``layout=None``: ``balanced`` when the batch has
+            documents and the method accepts it, else the method's default, see ``batch_layout``).
         pad: end-pad a length the layout cannot split (with ``pad_token_id``, ignored labels, one more
             document) instead of raising.
         ignore_index: the label value that is not a target.
@@ -479,7 +499,8 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
     items = batch.get("num_items_in_batch")
     if targets is not None and items is None:
         items = (targets != ignore_index).sum()
-    lay_div = _divisor(mesh, method, layout)
+    requested, layout = layout, batch_layout(method, layout, cu)
+    lay_div = _divisor(mesh, method, layout, cu)
     tensors = {given[0]: x, "position_ids": pos, **{k: batch[k] for k in seq_keys if batch.get(k) is not None}}
     if targets is not None:
         tensors["labels"] = targets
@@ -489,7 +510,8 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
             raise ValueError(f"sequence length must be a multiple of {lay_div} for the {layout} layout of method="
                              f"{method!r}, got {S} (pad to {need}, or pass pad=True){rs}")
         tensors, cu = _pad_end(tensors, cu, S, lay_div, pad_token_id, ignore_index, given[0])
-    where = {"mesh": mesh, "method": method, "layout": layout}
+        layout = batch_layout(method, requested, cu)   # the padding is a document now; its divisor divides lay_div
+    where = {"mesh": mesh, "method": method, "layout": layout, "cu_seqlens": cu}
     for key, t in tensors.items():
         out[key] = shard(t.contiguous(), dim=1, **where)
     if targets is not None:
@@ -502,8 +524,16 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
     return out
 
 
-def _divisor(mesh: Any, method: str, layout: str) -> int:
-    lay, _, _ = placement(mesh, method, layout)
+def batch_layout(method: str, layout: str | None, cu: tuple[int, ...] | None) -> str | None:
+    """The layout of one batch: ``layout`` when given; else ``balanced`` for a batch with documents where
+    ``method`` accepts it (packed rows keep equal work per rank), else None (the method's default)."""
+    if layout is not None or cu is None or method == "auto":
+        return layout
+    return "balanced" if "balanced" in methods.get(method).layouts else None
+
+
+def _divisor(mesh: Any, method: str, layout: str | None, cu: tuple[int, ...] | None) -> int:
+    lay, _, _ = placement(mesh, method, layout, cu if layout in DOCUMENT_LAYOUTS else None)
     return lay.divisor
 
 

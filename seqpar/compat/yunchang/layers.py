@@ -17,7 +17,8 @@ Note [How yunchang's arguments map]
                     crashes on a typo, PEERS.md §2 defect 9)
     use_sync=True   raises: seqpar never synchronizes the device; bound memory with head chunks instead
     window_size, dropout_p, softcap, alibi_slopes, deterministic  passed to seqpar.attention: windows in global
-                    positions; dropout, softcap and ALiBi raise until seqpar has them
+                    positions; softcap on the kernels that serve it (others raise with reasons); dropout
+                    and ALiBi raise until seqpar has them
     extra positional forward arguments  raise (yunchang accepts and ignores them)
 
 Unlike yunchang: GQA works for any KV head count (KV heads are replicated on the wire only when fewer than the
