@@ -5,7 +5,7 @@ import random
 import pytest
 
 from seqpar.layouts import Contiguous, Nested, Rule, Segments, Stripe, Zigzag, group_varlen, plan
-from seqpar.layouts.blocks import visible_dense
+from seqpar.layouts.blocks import any_visible, visible_dense
 from seqpar.masks import Band, Varlen, bottom_right_window
 
 
@@ -35,6 +35,7 @@ def _check(qseg: Segments, kseg: Segments, rule: Rule):
                           [r.doc for r in kseg.runs for _ in range(r.length)])
     want = {(i, j) for i, row in enumerate(truth) for j, v in enumerate(row) if v}
     tasks = plan(qseg, kseg, rule)
+    assert any_visible(qseg, kseg, rule) == bool(want)          # the ring's step count relies on it
     got: list = []
     for t in tasks:
         assert isinstance(t.mask, Band)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from ..masks import Band, Varlen, bottom_right_window
 
-__all__ = ["Rule", "Run", "Segments", "Task", "group_varlen", "plan", "slice_rows", "visible_dense"]
+__all__ = ["Rule", "Run", "Segments", "Task", "any_visible", "group_varlen", "plan", "slice_rows", "visible_dense"]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -260,6 +260,17 @@ class _Grid:
         m, n = r1 - r0 + 1, c1 - c0 + 1
         mask = Band(None if lo <= -(m - 1) else lo, None if hi >= n - 1 else hi)
         return Task(q0 + r0, q0 + r1 + 1, k0 + c0, k0 + c1 + 1, mask)
+
+
+def any_visible(q: Segments, k: Segments, rule: Rule) -> bool:
+    """Whether some query of ``q`` sees some key of ``k``: ``bool(plan(q, k, rule))`` without planning (a
+    ring's step count asks it of every rank pair; O(runs))."""
+    lo_g, hi_g = rule.delta_bounds()
+    by_doc: dict[int, list[Run]] = {}
+    for kr in k.runs:
+        if kr.doc >= 0:
+            by_doc.setdefault(kr.doc, []).append(kr)
+    return any(_pair_band(qr, kr, q.stride, lo_g, hi_g) for qr in q.runs for kr in by_doc.get(qr.doc, ()))
 
 
 def plan(q: Segments, k: Segments, rule: Rule) -> tuple[Task, ...]:

@@ -25,7 +25,7 @@ from ..comm.ring import Ring
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator
 from ..layouts.base import Layout
-from ..layouts.blocks import Rule, Task, plan
+from ..layouts.blocks import Rule, Task, any_visible, plan
 from ..numerics import GradRows, acc_dtype, wire_dtype
 from ..runtime.loop import Double, Loop, run_steps
 from ._shared import pack_kv, unpack_kv
@@ -48,7 +48,8 @@ def schedule(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tu
     W = layout.world
     segs = [layout.segments(j, seq_len).cut(doc_bounds, valid_len) for j in range(W)]
     mine = tuple(plan(segs[rank], segs[(rank - s) % W], rule) for s in range(W))
-    last = max((s for r in range(W) for s in range(W) if plan(segs[r], segs[(r - s) % W], rule)), default=0)
+    last = next((s for s in range(W - 1, 0, -1) if any(any_visible(segs[r], segs[(r - s) % W], rule)
+                                                       for r in range(W))), 0)
     return Schedule(mine[: last + 1], last + 1)
 
 
