@@ -36,6 +36,7 @@ REDUCED = {
 #: commands shown as a name whose real run needs inputs and minutes: their ``--help`` must work
 HELP_ONLY = {
     "python -m seqpar.planner.fit": "fits the benchmark result files (benchmarks/results/...) in ~5 minutes",
+    "python benchmarks/bench_call_cost.py": "a benchmark: a minute of timing, meaningless on a busy machine",
 }
 
 
