@@ -98,6 +98,9 @@ class BenchConfig:
     """Time the static decode step too: captured in a CUDA graph on CUDA, run eagerly on CPU."""
     check: bool = False
     """Compare seqpar's decoded tokens with the baseline's (CPU fp32: they must be equal)."""
+    warmup: bool = True
+    """Before each timed prefill, one untimed prefill of the same length on a fresh cache (every path): a
+    serving engine's steady state, not its first call (kernel plans, seqpar's planned call, allocator)."""
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -220,6 +223,12 @@ def decode_static(model, cache, first_BN: torch.Tensor, steps: int, graph: bool)
     return out, ms
 
 
+def _empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 def _memory(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
 
@@ -235,6 +244,12 @@ def _seqpar_context(model, cfg: BenchConfig, S: int, mesh: Any, device: torch.de
     cache = SeqparCache(kv)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    if cfg.warmup:
+        warm = SeqparCache(ShardedKVCache(layers=model.config.num_hidden_layers, batch=1, mesh=mesh))
+        with serving(model, warm, method=cfg.method, layout=cfg.layout):
+            prefill(model, warm, ids[:, :-1], method=cfg.method, layout=cfg.layout, chunk=cfg.prefill_chunk)
+        del warm
+        _empty_cache(device)
     with serving(model, cache, method=cfg.method, layout=cfg.layout):
         _, prefill_ms = _timed(lambda: prefill(model, cache, ids[:, :-1], method=cfg.method, layout=cfg.layout,
                                                chunk=cfg.prefill_chunk), device)
@@ -270,6 +285,10 @@ def _baseline_context(model, cfg: BenchConfig, S: int, device: torch.device) -> 
     from transformers import DynamicCache
 
     ids = torch.randint(0, model.config.vocab_size, (1, S), generator=torch.Generator().manual_seed(S)).to(device)
+    if cfg.warmup:
+        with torch.no_grad():
+            model.base_model(input_ids=ids[:, :-1], past_key_values=DynamicCache(config=model.config), use_cache=True)
+        _empty_cache(device)
     cache = DynamicCache(config=model.config)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -424,6 +443,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--baseline", action="store_true", help="also time transformers' SDPA path (1 rank)")
     ap.add_argument("--no-graph", dest="graph", action="store_false", help="skip the static (CUDA-graph) decode")
     ap.add_argument("--check", action="store_true", help="seqpar's tokens must equal the baseline's")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false",
+                    help="time each path's first prefill (cold) instead of a second one on a fresh cache")
     ap.add_argument("--out", default=None, help="append JSON lines here")
     ap.add_argument("--report", nargs="+", default=None, help="print the table of these record files and exit")
     args = ap.parse_args(argv)
@@ -433,7 +454,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = BenchConfig(preset=args.preset, contexts=tuple(parse_tokens(x) for x in args.contexts.split(",")),
                       new_tokens=args.new_tokens, method=args.method, layout=args.layout,
                       prefill_chunk=args.prefill_chunk, device=args.device, baseline=args.baseline,
-                      graph=args.graph, check=args.check)
+                      graph=args.graph, check=args.check, warmup=args.warmup)
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" not in os.environ:                 # plain `python -m`: one process
