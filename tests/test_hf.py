@@ -256,14 +256,16 @@ def test_sinks_softcap_mla_and_head_dim_256_models(pools, world):
     """gpt-oss (attention sinks, a sliding layer), Gemma 2 (softcapping), Gemma (head dim 256) and DeepSeek-V3
     (MLA: value head dim 8 against q/k 24) match the single-process model: loss, logits and every gradient
     over two optimizer steps. At W = 4 also a packed batch with the default layout (balanced for a batch with
-    documents)."""
+    documents) through every method that accepts it."""
     for family in ("gpt_oss", "gemma2", "gemma", "deepseek_v3"):
         spec = {"family": family, "method": "ring", "layout": "zigzag", "seq": 32, "steps": 2}
         _check(pools(world).run(train_compare, spec), str(spec))
-    if world == 4:
-        spec = {"family": "llama", "method": "ring", "layout": None, "seq": 32, "steps": 2, "docs": "positions",
-                "cu": (0, 3, 20, 32)}
-        _check(pools(world).run(train_compare, spec), str(spec))
+    if world == 4:                         # packed, default layout: balanced, for every method that takes it
+        for spec in _methods(world):
+            if "balanced" in seqpar.methods.get(spec["method"]).layouts:
+                spec = {**spec, "family": "llama", "layout": None, "steps": 2, "docs": "positions",
+                        "cu": (0, 3, 20, spec["seq"])}
+                _check(pools(world).run(train_compare, spec), str(spec))
 
 
 def test_packed_batches_default_to_the_balanced_layout():
