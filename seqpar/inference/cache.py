@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import methods
 from ..api import placement
 from ..errors import rank_suffix
 from ..groups import SeqParallelGroups
@@ -269,6 +270,9 @@ class ShardedKVCache:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}{rs}")
         if starts is not None:
             self._set_starts(starts)
+        if layout is None and self.world == 1 and method in methods.available() \
+                and "contiguous" in methods.causal_layouts(methods.get(method)):
+            layout = "contiguous"              # one rank: every layout is the identity, and contiguous never pads
         lay, _, _ = placement(self.mesh, method, layout)
         padded = -(-seq_len // lay.divisor) * lay.divisor
         P = self.length
