@@ -40,8 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import methods
-from ..api import placement
+from ..api import attention_config, placement
 from ..errors import rank_suffix
 from ..groups import SeqParallelGroups
 from ..layouts.blocks import Rule, Run, Segments
@@ -270,8 +269,7 @@ class ShardedKVCache:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}{rs}")
         if starts is not None:
             self._set_starts(starts)
-        if layout is None and self.world == 1 and method in methods.available() \
-                and "contiguous" in methods.causal_layouts(methods.get(method)):
+        if layout is None and self.world == 1 and _serves_causal_contiguous(method):
             layout = "contiguous"              # one rank: every layout is the identity, and contiguous never pads
         lay, _, _ = placement(self.mesh, method, layout)
         padded = -(-seq_len // lay.divisor) * lay.divisor
@@ -504,6 +502,15 @@ class ShardedKVCache:
         c.attended.add(layer)
         if len(c.attended) == self.spec.layers:
             self._commit()
+
+
+def _serves_causal_contiguous(method: str) -> bool:
+    """Whether ``method`` attends causally on the contiguous layout (the API's own validation says)."""
+    try:
+        attention_config(method, layout="contiguous", causal=True)
+    except ValueError:
+        return False
+    return True
 
 
 def _grown(capacity: int, need: int) -> int:
