@@ -74,11 +74,12 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
-def _documents(draw, end: int, required: bool = False) -> tuple[int, ...] | None:
+def _documents(draw, end: int, required: bool = False, multiple: int = 1) -> tuple[int, ...] | None:
+    """Boundaries ending at ``end``, each a multiple of ``multiple`` (ring-flash-attn's even splits need it)."""
     if not required and not draw(st.booleans()):
         return None
-    cuts = draw(st.lists(st.integers(0, end), max_size=3))
-    return (0, *sorted(cuts), end)
+    cuts = draw(st.lists(st.integers(0, end // multiple), max_size=3))
+    return (0, *sorted(multiple * c for c in cuts), end)
 
 
 @st.composite
@@ -95,9 +96,11 @@ def softmax_cases(draw, world: int) -> Case:
     div = length_divisor(method, layout, world, ulysses)
     seq = div * draw(st.integers(1, max(1, MAX_LEN // div)))
     feats = module.features
-    valid = draw(st.one_of(st.none(), st.integers(1, seq))) if "padding" in feats else None
     placed = layout in DOCUMENT_LAYOUTS                    # placed per batch: documents are required
-    docs = _documents(draw, valid if valid is not None else seq, placed) if "varlen" in feats else None
+    even = div if layout in ("doc_zigzag", "doc_contiguous") else 1    # every document splits evenly
+    valid = draw(st.one_of(st.none(), st.integers(1, seq // even).map(lambda n: n * even))) \
+        if "padding" in feats else None
+    docs = _documents(draw, valid if valid is not None else seq, placed, even) if "varlen" in feats else None
     window = (-1, -1)
     if "window" in feats and draw(st.booleans()):
         window = (draw(st.integers(-1, seq)), draw(st.integers(-1, seq)))
@@ -123,9 +126,11 @@ def linear_cases(draw, world: int) -> LinearCase:
     div = world * (2 if layout == "zigzag" else 1)
     seq = div * draw(st.integers(1, max(1, MAX_LEN // div)))
     causal = draw(st.booleans()) if "noncausal" in feats else True
-    valid = draw(st.one_of(st.none(), st.integers(1, seq))) if "padding" in feats else None
     placed = layout in DOCUMENT_LAYOUTS                    # placed per batch: documents are required
-    docs = _documents(draw, valid if valid is not None else seq, placed) if "varlen" in feats else None
+    even = div if layout in ("doc_zigzag", "doc_contiguous") else 1    # every document splits evenly
+    valid = draw(st.one_of(st.none(), st.integers(1, seq // even).map(lambda n: n * even))) \
+        if "padding" in feats else None
+    docs = _documents(draw, valid if valid is not None else seq, placed, even) if "varlen" in feats else None
     h0 = causal and docs is None and "initial_state" in feats and draw(st.booleans())
     final = causal and "final_state" in feats and draw(st.booleans())
     return LinearCase(method=method, layout=layout, gate=draw(st.sampled_from(["none", "const", "scalar", "dim"]))
