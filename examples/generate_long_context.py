@@ -84,7 +84,8 @@ def generate(p: Preset, check: bool) -> dict[str, Any]:
                          max_new_tokens=p.new_tokens, do_sample=False, streamer=clock, return_dict_in_generate=True,
                          pad_token_id=None)
     prompt_at, first, last = clock.times[0], clock.times[1], clock.times[-1]
-    mem = out.past_key_values.kv.memory()
+    cache = getattr(out, "cache", None)                     # transformers >= 5.2x; past_key_values before
+    mem = (cache if cache is not None else out.past_key_values).kv.memory()
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, {"kv_gib": mem["allocated"] / 2**30, "kv_live_gib": mem["live"] / 2**30,

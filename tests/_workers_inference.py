@@ -165,8 +165,9 @@ def generate_run(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ids = torch.cat([turns[-1]["sequences"], extra], 1)
                 mask = torch.cat([mask, torch.ones_like(ids[:, mask.shape[1]:])], 1)
             torch.manual_seed(spec.get("sample_seed", 0))
-            res = sp_hf.generate(model, ids, attention_mask=mask, past_key_values=cache, **kw)
-            cache = res.past_key_values
+            given = {"cache": cache} if t % 2 else {"past_key_values": cache}       # both names are accepted
+            res = sp_hf.generate(model, ids, attention_mask=mask, **given, **kw)
+            cache = res["cache"] if "cache" in res else res["past_key_values"]      # transformers >= 5.2x: cache
             turns.append({"sequences": res.sequences, "logits": torch.stack(res.logits, 1)})
         out.append({"turns": turns, "memory": cache.kv.memory()})
     return out
@@ -224,8 +225,12 @@ def cache_errors() -> list[tuple[str, str]]:
         sp_hf.generate(build("llama"), torch.ones(1, 6, dtype=torch.long),
                        attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0]]), max_new_tokens=2)
 
+    def both_caches() -> None:
+        c = sp_hf.SeqparCache(new())
+        sp_hf.generate(build("llama"), torch.ones(1, 6, dtype=torch.long), cache=c, past_key_values=c)
+
     cases = [decode_empty, bad_shape, layer_missing, window_changes, static_full, beams, right_padding,
-             lambda: new(passes="x"), lambda: new().begin_prefill(8, starts=(0, 1))]
+             lambda: new(passes="x"), lambda: new().begin_prefill(8, starts=(0, 1)), both_caches]
     out = []
     for case in cases:
         try:

@@ -236,6 +236,7 @@ ERRORS = [
     ("NotImplementedError", ["attention_mask must be left padding", "row 0: [1, 1, 1, 1, 0, 0]"]),
     ("ValueError", ["passes must be 'auto', 'kv' or 'q', got 'x'"]),
     ("ValueError", ["starts must be 1 non-negative ints (one per batch row), got (0, 1)"]),
+    ("ValueError", ["give the cache as past_key_values or as cache, not both"]),
 ]
 
 

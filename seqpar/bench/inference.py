@@ -173,12 +173,15 @@ def decode_eager(model, cache, first_BN: torch.Tensor, steps: int, start: int) -
     Works for seqpar's ``SeqparCache`` (inside ``hf_generate.serving``) and transformers' caches alike; no
     host read inside the loop. Returns the tokens ``(B, steps)`` (the prediction after each step).
     """
+    from ..integrations.hf_generate import cache_kwargs
+
+    kw = cache_kwargs(model.base_model, cache)
     tokens = []
     ids = first_BN
     with torch.no_grad():
         for i in range(steps):
             pos = torch.full((ids.shape[0], 1), start + i, dtype=torch.long, device=ids.device)
-            h = model.base_model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            h = model.base_model(input_ids=ids, position_ids=pos, use_cache=True, **kw)
             ids = model.lm_head(h.last_hidden_state[:, -1:]).argmax(-1)
             tokens.append(ids)
     return torch.cat(tokens, 1)
@@ -188,6 +191,8 @@ def decode_static(model, cache, first_BN: torch.Tensor, steps: int, graph: bool)
     """``steps`` greedy steps through the static step (Note [Static decode step]); with ``graph``, two eager
     warm-up steps, then one step captured in a CUDA graph and replayed. Returns the tokens ``(B, steps)`` and
     the milliseconds of the timed steps (all of them without a graph; the replays with one)."""
+    from ..integrations.hf_generate import cache_kwargs
+
     device = first_BN.device
     dec = cache.kv.static_decode()
     ids = first_BN.clone()
@@ -196,7 +201,8 @@ def decode_static(model, cache, first_BN: torch.Tensor, steps: int, graph: bool)
 
     def step() -> None:
         dec.begin()
-        h = model.base_model(input_ids=ids, position_ids=dec.position_ids, past_key_values=cache, use_cache=True)
+        h = model.base_model(input_ids=ids, position_ids=dec.position_ids, use_cache=True,
+                             **cache_kwargs(model.base_model, cache))
         ids.copy_(model.lm_head(h.last_hidden_state[:, -1:]).argmax(-1))
         out.index_copy_(1, slot.view(1), ids)
         slot.add_(1)
@@ -284,16 +290,20 @@ def _baseline_context(model, cfg: BenchConfig, S: int, device: torch.device) -> 
     """transformers' SDPA path on one GPU: the same S - 1 prompt tokens, then the same decode loop."""
     from transformers import DynamicCache
 
+    from ..integrations.hf_generate import cache_kwargs
+
     ids = torch.randint(0, model.config.vocab_size, (1, S), generator=torch.Generator().manual_seed(S)).to(device)
     if cfg.warmup:
         with torch.no_grad():
-            model.base_model(input_ids=ids[:, :-1], past_key_values=DynamicCache(config=model.config), use_cache=True)
+            model.base_model(input_ids=ids[:, :-1], use_cache=True,
+                             **cache_kwargs(model.base_model, DynamicCache(config=model.config)))
         _empty_cache(device)
     cache = DynamicCache(config=model.config)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with torch.no_grad():
-        _, prefill_ms = _timed(lambda: model.base_model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True),
+        _, prefill_ms = _timed(lambda: model.base_model(input_ids=ids[:, :-1], use_cache=True,
+                                                        **cache_kwargs(model.base_model, cache)),
                                device)
         toks, decode_ms = _timed(lambda: decode_eager(model, cache, ids[:, -1:], cfg.new_tokens, S - 1), device)
     kv = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))

@@ -4,7 +4,7 @@
 
     kw = dict(mesh=mesh, method="ring", max_new_tokens=256, return_dict_in_generate=True)
     out = sp_hf.generate(model, input_ids, **kw)      # on every rank: == model.generate(input_ids, ...) on one
-    out2 = sp_hf.generate(model, torch.cat([out.sequences, reply], 1), past_key_values=out.past_key_values, **kw)
+    out2 = sp_hf.generate(model, torch.cat([out.sequences, reply], 1), cache=out.cache, **kw)   # or past_key_values
 
 Note [Generate with a sharded prompt]
     Every rank passes the same global ``input_ids``. The prompt minus its last token is prefilled sharded
@@ -29,6 +29,7 @@ from its first real token, as transformers computes them. Not supported (refused
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -43,7 +44,7 @@ try:
 except ImportError as e:   # pragma: no cover - depends on the environment
     raise ImportError(f"seqpar.integrations.hf_generate needs transformers >= 4.56 (Cache with layers): {e}") from e
 
-__all__ = ["SeqparCache", "generate", "prefill", "serving"]
+__all__ = ["SeqparCache", "cache_kwargs", "generate", "prefill", "serving"]
 
 _REFUSED = {
     "num_beams": (1, "beam search"),
@@ -54,6 +55,12 @@ _REFUSED = {
     "cache_implementation": (None, "cache_implementation (the cache is seqpar's)"),
     "use_cache": (True, "use_cache=False (the sharded cache is the point)"),
 }
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """``{name: cache}`` under the name ``model``'s forward gives the KV cache: ``cache`` in transformers >= 5.2x,
+    ``past_key_values`` before (the old name still works there, with a deprecation warning per process)."""
+    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
 
 
 class SeqparCache(Cache):
@@ -137,6 +144,13 @@ class SeqparCache(Cache):
         return False
 
     @property
+    def is_linear(self) -> list[bool]:
+        """No layer holds linear-attention state: transformers (>= 5.2x) feeds generate's first step only the
+        tokens this cache lacks exactly when some layer is not linear (``Cache.is_linear`` reads ``layers``,
+        which this cache keeps empty)."""
+        return [False] * self.kv.spec.layers
+
+    @property
     def batch_size(self) -> int:
         return self.kv.spec.batch
 
@@ -162,7 +176,8 @@ class SeqparCache(Cache):
 def generate(model: Any, input_ids: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: str | None = None,
              kernel: str = "auto", passes: str = "auto", prefill_chunk: int | None = None, max_len: int | None = None,
              past_key_values: SeqparCache | None = None, attention_mask: torch.Tensor | None = None,
-             method_options: dict[str, Any] | None = None, **generate_kwargs: Any) -> Any:
+             method_options: dict[str, Any] | None = None, cache: SeqparCache | None = None,
+             **generate_kwargs: Any) -> Any:
     """``model.generate(input_ids, **generate_kwargs)`` with the prompt and the KV cache sharded over ``mesh``.
 
     Call it on every rank with the same arguments (Note [Generate with a sharded prompt]).
@@ -177,7 +192,8 @@ def generate(model: Any, input_ids: torch.Tensor, *, mesh: Any = None, method: s
         passes: "auto", "kv" or "q": how later chunks attend to the cache (``CacheSpec.passes``).
         prefill_chunk: prefill at most this many tokens per forward (None: the whole prompt at once).
         max_len: a static cache of this many tokens (None: dynamic).
-        past_key_values: a ``SeqparCache`` from an earlier call (multi-turn); its batch and padding must match.
+        past_key_values, cache: a ``SeqparCache`` from an earlier call (multi-turn; ``out.past_key_values``, or
+            ``out.cache`` in transformers >= 5.2x); its batch and padding must match. Give one of the two.
         attention_mask: ``(B, S)`` left padding (default: inferred from ``pad_token_id``, as transformers does).
         **generate_kwargs: passed to ``model.generate`` (greedy, sampling, logits processors, stopping, ...).
             Sampling draws from the global RNG: seed every rank alike (``torch.manual_seed(s)``) and every rank
@@ -193,7 +209,9 @@ def generate(model: Any, input_ids: torch.Tensor, *, mesh: Any = None, method: s
                          f"{getattr(input_ids, 'shape', type(input_ids).__name__)}{rs}")
     mask = attention_mask if attention_mask is not None else _inferred_mask(model, input_ids, generate_kwargs)
     starts = _left_padding(mask, input_ids.shape)
-    cache = past_key_values
+    if cache is not None and past_key_values is not None:
+        raise ValueError(f"give the cache as past_key_values or as cache, not both{rs}")
+    cache = cache if cache is not None else past_key_values
     if cache is None:
         layers = model.config.get_text_config().num_hidden_layers
         cache = SeqparCache(ShardedKVCache(layers=layers, batch=input_ids.shape[0], mesh=mesh, max_len=max_len,
@@ -202,7 +220,7 @@ def generate(model: Any, input_ids: torch.Tensor, *, mesh: Any = None, method: s
     with serving(model, cache, method=method, layout=layout):
         prefill(model, cache, input_ids[:, :-1], method=method, layout=layout, chunk=prefill_chunk, starts=starts,
                 method_options=method_options)
-        return model.generate(input_ids, attention_mask=mask, past_key_values=cache, **generate_kwargs)
+        return model.generate(input_ids, attention_mask=mask, **cache_kwargs(model, cache), **generate_kwargs)
 
 
 @contextlib.contextmanager
@@ -211,7 +229,7 @@ def serving(model: Any, cache: SeqparCache, *, method: str = "ring", layout: str
     """For the duration, ``model`` attends through ``cache`` (a temporary ``attn_implementation``).
 
     What ``generate`` uses; engines that drive the model themselves (a benchmark, a server loop) use it with
-    ``prefill`` and then call the model with ``past_key_values=cache`` (decode: replicated tokens, RoPE
+    ``prefill`` and then call the model with the cache (``cache_kwargs``; decode: replicated tokens, RoPE
     positions ``cache.kv.length - start``; or a static step, ``cache.kv.static_decode()``).
     """
     from .huggingface import enable
@@ -250,8 +268,8 @@ def prefill(model: Any, cache: SeqparCache, input_ids: torch.Tensor, *, method: 
             b = min(end, a + step)
             c = kv.begin_prefill(b - a, method=method, layout=layout, starts=starts if kv.length == 0 else None,
                                  **(method_options or {}))
-            model.base_model(input_ids=c.take(input_ids[:, a:b]), position_ids=c.position_ids.to(input_ids.device),
-                             past_key_values=cache, use_cache=True)
+            model.base_model(input_ids=c.take(input_ids[:, a:b]), position_ids=c.position_ids_on(input_ids.device),
+                             use_cache=True, **cache_kwargs(model.base_model, cache))
 
 
 def _refuse(model: Any, kwargs: dict[str, Any]) -> None:
