@@ -8,14 +8,16 @@ contiguous, hence causally imbalanced): zigzag gives every rank the same work.
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
 from conftest import assert_all_ok, run_cases
 
-from seqpar.layouts import Contiguous, Rule, Zigzag
+from seqpar.layouts import Contiguous, Rule, Zigzag, make_layout
+from seqpar.layouts.blocks import visible_dense
 from seqpar.masks import Band
-from seqpar.methods.allgather import gather_plan
+from seqpar.methods.allgather import SELECT_AT, gather_plan, needed_keys
 from seqpar.testing import Case
 
 LAYOUTS = ["contiguous", "zigzag"]
@@ -129,7 +131,110 @@ def test_documents_one_call_per_piece_and_no_shared_rows():
                 for t in gp.tasks:                   # keys never leave the query's document
                     qpos = lay.segments(r, seq).positions()[t.q_start]
                     doc = max(d for d in range(len(bounds) - 1) if bounds[d] <= qpos)
-                    assert bounds[doc] <= t.k_start and t.k_stop <= bounds[doc + 1]
+                    keys = gp.key_positions(t)
+                    assert bounds[doc] <= keys[0] and keys[-1] < bounds[doc + 1]
+
+
+# ---- the selective gather (Note [Selective gather]) ----
+
+def _packed(rng: random.Random, seq: int, pad: int, longest: int) -> tuple[int, ...]:
+    """Random document bounds over ``seq - pad`` tokens: lengths 1..longest (so some are shorter than a block)."""
+    cu = [0]
+    while cu[-1] < seq - pad:
+        cu.append(min(seq - pad, cu[-1] + rng.randint(1, longest)))
+    return tuple(cu)
+
+
+def _positions(spans) -> list[int]:
+    return [g for a, b in spans for g in range(a, b)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_selection_reads_exactly_the_visible_keys_and_ranks_agree(world):
+    """Every rank's compact buffer is exactly the keys its queries see (dense truth), its calls read only
+    it, and what rank j sends rank r is what r expects from j, row for row, in the same order."""
+    rng = random.Random(world)
+    rules = (Rule(True), Rule(False), Rule(True, (3, -1)), Rule(False, (2, 1)))
+    for trial in range(6):
+        name = ("contiguous", "zigzag", "balanced", "balanced", "doc_zigzag", "doc_contiguous")[trial]
+        seq = 12 * world
+        div = {"doc_zigzag": 2 * world, "doc_contiguous": world}.get(name, 1)
+        cu = tuple(div * -(-c // div) for c in _packed(rng, seq, 2 * div if trial % 2 else 0, 5))
+        cu = tuple(sorted(set(cu)))
+        lay = make_layout(name, world, cu)
+        for rule in rules:
+            plans = [gather_plan(lay, r, seq, rule, cu, None) for r in range(world)]
+            if any(p.selection is None for p in plans):
+                assert max(len(_positions(needed_keys(lay, r, seq, rule, cu, None)))
+                           for r in range(world)) > SELECT_AT * seq
+                continue
+            for r, gp in enumerate(plans):
+                q_pos = lay.segments(r, seq).positions()
+                k_pos = list(range(seq))
+                doc = [next((d for d in range(len(cu) - 1) if cu[d] <= p < cu[d + 1]), -1) for p in range(seq)]
+                dense = visible_dense(q_pos, k_pos, rule, [doc[p] for p in q_pos], doc)
+                seen = sorted({k_pos[j] for row in dense for j, v in enumerate(row) if v})
+                assert _positions(gp.keys) == seen, (name, rule, r)
+                assert gp.selection.rows == len(seen)
+                for t in gp.tasks:
+                    assert set(gp.key_positions(t)) <= set(seen)
+                for j in range(world):       # j's pieces for r, as positions, against r's pieces from j
+                    held = plans[j]
+                    local = lay.segments(j, seq).positions()
+                    sent = [local[a + i] for a, n in held.selection.send[r] for i in range(n)]
+                    compact = _positions(gp.keys)
+                    got = [compact[a + i] for a, n in gp.selection.recv[j] for i in range(n)]
+                    assert sent == got, (name, rule, j, r)
+
+
+@pytest.mark.parametrize("layout,share", [("zigzag", 0.26), ("balanced", 0.5)])
+def test_selection_on_a_packed_row_moves_a_fraction_of_the_sequence(layout, share):
+    """The bench's 128K lognormal row (seed 0) at W = 8: the busiest reader needs a quarter (zigzag) or half
+    (balanced: long documents are split over every rank, so their last chunks read the whole document) of the
+    keys; the full all-gather moves every rank the whole sequence."""
+    from seqpar.bench.packing import packed_row
+
+    S = 1 << 17
+    cu = packed_row(S, "lognormal", seed=0)
+    lay = make_layout(layout, 8, cu)
+    needs = [len(_positions(needed_keys(lay, r, S, Rule(True), cu, None))) for r in range(8)]
+    assert max(needs) < share * S, needs
+    assert gather_plan(lay, 0, S, Rule(True), cu, None).selection is not None
+
+
+def _selective_cases(world: int) -> list[Case]:
+    S = 12 * world
+    docs = list(range(2 * world + 1))              # 2W documents of one token, then of three, then a long one
+    while docs[-1] < S - 4 - 3 * world:
+        docs.append(docs[-1] + 3)
+    padded, whole = (*docs, S - 4), (*docs, S)
+    base = Case(method=AG, seq_len=S, heads=4, kv_heads=2, head_dim=8, seed=world, cu_seqlens=whole)
+    return [base.with_(layout="balanced", lse_grad=True),
+            base.with_(layout="balanced", causal=False, window=(2, 3), cu_seqlens=padded, valid_len=S - 4,
+                       kv_heads=1),
+            base.with_(layout="zigzag", cu_seqlens=None, window=(3, 0), options=(("heads_k_stride", 1),)),
+            base.with_(layout="contiguous", dtype="float64", cu_seqlens=padded, valid_len=S - 4, value_dim=4,
+                       sinks=True),
+            base.with_(layout="balanced", dtype="bfloat16", options=(("heads_k_stride", 1),))]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_selective_gather_matches_oracle(pools, world):
+    """Documents (shorter than a block, one over every rank), windows, padding, the lse gradient, MLA head dims,
+    sinks, head chunks and a bf16 wire, with the selective gather taken on every rank."""
+    cases = _selective_cases(world)
+    for c in cases:
+        lay = make_layout(c.layout, world, c.cu_seqlens)
+        rule = Rule(c.causal, c.window)
+        for r in range(world):
+            assert gather_plan(lay, r, c.seq_len, rule, c.cu_seqlens, c.valid_len).selection is not None, c
+    wire = cases[0].with_(options=(("grad_dtype", torch.bfloat16),))       # partials on the wire in bf16
+    *reports, bf16 = run_cases(pools(world), [*cases, wire])
+    assert_all_ok(reports)
+    for f in ("out", "lse", "dq"):
+        assert bf16.verdicts[f].ok, bf16
+    for f in ("dk", "dv"):
+        assert 1e-4 < bf16.verdicts[f].error < 2e-2, bf16
 
 
 # ---- communication layer and errors (distributed workers) ----
@@ -137,7 +242,7 @@ def test_documents_one_call_per_piece_and_no_shared_rows():
 def _comm_worker(world_unused: int) -> dict:
     import torch.distributed as dist
 
-    from seqpar.comm.all_gather import AllGather
+    from seqpar.comm.all_gather import AllGather, AllToAllV
 
     ag = AllGather(None)
     r, w = dist.get_rank(), dist.get_world_size()
@@ -150,8 +255,16 @@ def _comm_worker(world_unused: int) -> dict:
     big[2 * r:2 * r + 2] += 10
     small = torch.empty(2, 3, dtype=torch.float64)
     ag.reduce_scatter(big, small).wait()
+    a2a = AllToAllV(None)                             # rank j sends rank d (j + d + 1) rows of value 10 j + d
+    rows = [r + d + 1 for d in range(w)]
+    out_rows = [j + r + 1 for j in range(w)]
+    x = torch.cat([torch.full((n, 2), 10.0 * r + d) for d, n in enumerate(rows)])
+    y = torch.empty(sum(out_rows), 2)
+    a2a.exchange(x, y, rows, out_rows).wait()
     errors = []
-    for bad in (lambda: ag.gather(send, torch.empty(2 * w + 1, 3)),
+    for bad in (lambda: a2a.exchange(x, y, [*rows[::-1], 1], out_rows),
+                lambda: a2a.exchange(x, y.double(), rows, out_rows),
+                lambda: ag.gather(send, torch.empty(2 * w + 1, 3)),
                 lambda: ag.gather(send, torch.empty(2 * w, 3, dtype=torch.float64)),
                 lambda: ag.reduce_scatter(torch.empty(2 * w, 3).t(), torch.empty(3, 2))):
         try:
@@ -159,10 +272,10 @@ def _comm_worker(world_unused: int) -> dict:
             errors.append(None)
         except ValueError as e:
             errors.append(str(e))
-    return {"recv": recv, "small": small, "errors": errors}
+    return {"recv": recv, "small": small, "a2a": y, "errors": errors}
 
 
-def test_all_gather_and_reduce_scatter(pools):
+def test_all_gather_reduce_scatter_and_uneven_all_to_all(pools):
     w = 2
     res = pools(w).run(_comm_worker, w)
     want = torch.cat([torch.arange(6, dtype=torch.float32).reshape(2, 3) + 100 * j for j in range(w)])
@@ -171,6 +284,9 @@ def test_all_gather_and_reduce_scatter(pools):
         assert torch.equal(got["recv"], want)
         assert torch.equal(got["small"], torch.full((2, 3), float(total + 10), dtype=torch.float64))
         assert all(e is not None for e in got["errors"]), got["errors"]
+    for r, got in enumerate(res):
+        want_a2a = torch.cat([torch.full((j + r + 1, 2), 10.0 * j + r) for j in range(w)])
+        assert torch.equal(got["a2a"], want_a2a)
 
 
 def _error_worker(_: int) -> list[str]:
@@ -196,3 +312,30 @@ def test_bad_options_raise_before_any_collective(pools):
         assert "(rank 1 of 2)" in m
     assert msgs[4].startswith("TypeError: method='allgather' takes options ['heads_k_stride']"), msgs[4]
     assert msgs[5].startswith("ValueError: layout must be one of ['contiguous', 'zigzag', 'balanced'"), msgs[5]
+
+
+def _one_rank_worker(_: int) -> list[tuple[int, int]]:
+    """The heads each kernel call sees at W = 1 with ``heads_k_stride=1`` (recorded by wrapping the runner)."""
+    import seqpar
+    from seqpar.kernels.executor import TaskRunner
+
+    seen = []
+    forward = TaskRunner.forward
+
+    def spy(self, q, k, v, task):
+        seen.append((q.shape[2], k.shape[2]))
+        return forward(self, q, k, v, task)
+
+    TaskRunner.forward = spy
+    try:
+        q, k = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 2, 8)
+        seqpar.attention(q, k, k, method=AG, layout="zigzag", heads_k_stride=1)
+    finally:
+        TaskRunner.forward = forward
+    return seen
+
+
+def test_heads_k_stride_bounds_the_kernel_calls_at_one_rank(pools):
+    """At W = 1 there is no gather to chunk, but the option still bounds the kernel's workspace (never ignored):
+    one call per KV head with its query heads."""
+    assert pools(1).run(_one_rank_worker, 0)[0] == [(2, 1), (2, 1)]

@@ -202,3 +202,20 @@ def test_inference_cases():
     assert gqa is not None and gqa.prefill.choice == "q"
     with pytest.raises(ValueError, match="cached must be"):
         plan(seq_len=1024, cached=1024, heads=8, world=2)
+
+
+def test_allgather_on_documents_prices_the_selective_gather():
+    """Note [Selective gather]: the planner's bytes and gathered memory are the busiest reader's share."""
+    from seqpar.bench.packing import packed_row
+    from seqpar.methods.allgather import selected_rows
+
+    S, W = 1 << 17, 8
+    cu = packed_row(S, "lognormal", seed=0)
+    dense = predict(Problem(seq_len=S, heads=32, kv_heads=8, world=W), Candidate("allgather", "zigzag"), M)
+    packed = predict(Problem(seq_len=S, heads=32, kv_heads=8, world=W, documents=cu),
+                     Candidate("allgather", "zigzag"), M)
+    rows, foreign = selected_rows(make_layout("zigzag", W, cu), S, Rule(True), cu)
+    assert foreign < rows < 0.3 * S
+    assert packed.comm_bytes == pytest.approx(dense.comm_bytes * foreign / ((W - 1) * S / W))
+    assert packed.peak_mem_bytes < dense.peak_mem_bytes
+    assert any("selective gather" in n for n in packed.notes), packed.notes

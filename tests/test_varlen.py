@@ -185,8 +185,10 @@ def test_blocks_without_document_overlap_are_skipped(layout_cls):
         else:                                    # zigzag: each rank's two chunks, as two documents
             cu = tuple(range(0, S + 1, S // world // 2))
         for r in range(world):
-            for t in gather_plan(lay, r, S, Rule(causal), cu, None).tasks:
-                assert set(range(t.k_start, t.k_stop)) <= set(own[r]), (r, t)
+            gp = gather_plan(lay, r, S, Rule(causal), cu, None)
+            assert gp.selection is not None and gp.selection.rows == len(own[r])   # nothing else travels
+            for t in gp.tasks:
+                assert set(gp.key_positions(t)) <= set(own[r]), (r, t)
 
 
 def _padded_user_path(method: str, layout: str, S: int, cu: tuple[int, ...]) -> dict:

@@ -74,10 +74,12 @@ def test_allgather_plan_reads_only_the_window(layout_cls):
     for causal, (left, right) in windows(S // world):
         for r in range(world):
             q_pos = lay.segments(r, S).positions()
-            for t in gather_plan(lay, r, S, Rule(causal, (left, right)), None, None).tasks:
+            gp = gather_plan(lay, r, S, Rule(causal, (left, right)), None, None)
+            for t in gp.tasks:
                 first, last = q_pos[t.q_start], q_pos[t.q_stop - 1]
+                keys = gp.key_positions(t)
                 if left >= 0:
-                    assert t.k_start >= first - left, (r, t, left)
+                    assert keys[0] >= first - left, (r, t, left)
                 hi = 0 if causal else right
                 if hi >= 0:
-                    assert t.k_stop - 1 <= last + hi, (r, t, right)
+                    assert keys[-1] <= last + hi, (r, t, right)

@@ -6,6 +6,8 @@
     h.wait()                                   # kv_all is complete
     h = ag.reduce_scatter(dkv_all_WLX, dkv_LX) # post: the sum over ranks of rows [r L, (r+1) L) lands here
     h.wait()
+    h = AllToAllV(group).exchange(send, recv, send_splits, recv_splits)   # uneven: rows for each destination
+    h.wait()
 
 Buffers are preallocated by the caller and contiguous; dim 0 is the rank-major dimension (rank order, the
 group's own ranks, never global ones). ``wait()`` on NCCL orders the current stream after the collective
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["AllGather", "Handle"]
+__all__ = ["AllGather", "AllToAllV", "Handle"]
 
 # torch >= 2.12 renames the tensor-in/tensor-out collectives; older releases only have the first names.
 _GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -73,3 +75,28 @@ class AllGather:
             recv.copy_(send)
             return Handle()
         return Handle(_REDUCE_SCATTER(recv, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+
+
+class AllToAllV:
+    """Uneven all-to-all over ``group`` along dim 0: the selective gather and its adjoint."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.world = dist.get_world_size(group)
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, send_splits: list[int],
+                 recv_splits: list[int]) -> Handle:
+        """Post: ``send`` rows cut into ``send_splits`` go to ranks 0..W-1 in order; ``recv`` gets
+        ``recv_splits[j]`` rows from rank j, stacked in rank order."""
+        if sum(send_splits) != send.shape[0] or sum(recv_splits) != recv.shape[0]:
+            raise ValueError(f"all-to-all splits {send_splits} / {recv_splits} do not cover buffers of "
+                             f"{send.shape[0]} / {recv.shape[0]} rows")
+        if send.shape[1:] != recv.shape[1:] or send.dtype != recv.dtype or not (send.is_contiguous()
+                                                                             and recv.is_contiguous()):
+            raise ValueError(f"all-to-all buffers must be contiguous with one row shape and dtype, got "
+                             f"{tuple(send.shape)} {send.dtype} and {tuple(recv.shape)} {recv.dtype}")
+        if self.world == 1:
+            recv.copy_(send)
+            return Handle()
+        return Handle(dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group,
+                                             async_op=True))

@@ -28,9 +28,9 @@ from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, any_visible, plan
 from ..numerics import GradRows, acc_dtype, wire_dtype
 from ..runtime.loop import Double, Loop, run_steps
-from ._shared import pack_kv, unpack_kv
+from ._shared import head_groups, pack_kv, unpack_kv
 
-__all__ = ["OneRank", "PassKV", "Schedule", "build", "schedule"]
+__all__ = ["HeadChunks", "OneRank", "PassKV", "Schedule", "build", "schedule"]
 
 
 @dataclass(frozen=True)
@@ -61,27 +61,54 @@ def build(call) -> PassKV:
     return PassKV(Ring(call.groups.group), sched, runner, cfg.grad_dtype)
 
 
-class OneRank:
+class HeadChunks:
+    """A pass-KV engine run once per head group: ``chunks`` passes, each on Hkv/chunks KV heads and their query
+    heads, so every buffer sized by the heads - the fp32 accumulators, the travelling dK/dV and the kernel's own
+    backward workspace (FA2's fp32 dq, its per-query-head dK/dV under GQA) - shrinks ``chunks``-fold. Results
+    are written into whole-head outputs (one copy per chunk); one chunk is the plain engine."""
+
+    saves = False
+
+    def __init__(self, call, chunks: int):
+        self.ring = build(call)
+        self.parts = head_groups(call.q_shape[2], call.k_shape[2], chunks)
+
+    def direct(self, call):
+        return self.ring.direct(call) if len(self.parts) == 1 else None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(self.parts) == 1:
+            return self.ring.forward(q, k, v)
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=acc_dtype(q.dtype), device=q.device)
+        for hq, hk in self.parts:
+            o, l = self.ring.forward(q[:, :, hq], k[:, :, hk], v[:, :, hk])
+            out[:, :, hq], lse[:, hq] = o, l
+        return out, lse
+
+    def backward(self, b) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, r = b.q, b.k, b.v, b.rows
+        if len(self.parts) == 1:
+            return self.ring.backward(r, q, k, v, b.lse)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for hq, hk in self.parts:
+            rows = GradRows(r.do[:, :, hq], r.out[:, :, hq], None if r.dlse is None else r.dlse[:, hq])
+            dq[:, :, hq], dk[:, :, hk], dv[:, :, hk] = self.ring.backward(rows, q[:, :, hq], k[:, :, hk],
+                                                                          v[:, :, hk], b.lse[:, hq])
+        return dq, dk, dv
+
+
+class OneRank(HeadChunks):
     """Any pass-KV-family method on one rank: every key is local, so the call is the ring's single step.
 
     A method whose exchange is the identity at W = 1 (the all-gather) runs this instead of its own engine:
     no gather buffers, copies or fp32 dK/dV accumulator, and the direct path when the call is one block.
-    Options that bound exchange buffers (``heads_k_stride``) have nothing to bound here.
+    ``kv_heads_per_chunk`` (the all-gather's ``heads_k_stride``) still bounds memory here: the kernel runs on
+    that many KV heads at a time (``HeadChunks``).
     """
 
-    saves = False
-
-    def __init__(self, call):
-        self.ring = build(call)
-
-    def direct(self, call):
-        return self.ring.direct(call)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ring.forward(q, k, v)
-
-    def backward(self, b) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.ring.backward(b.rows, b.q, b.k, b.v, b.lse)
+    def __init__(self, call, kv_heads_per_chunk: int | None = None):
+        super().__init__(call, call.k_shape[2] // (kv_heads_per_chunk or call.k_shape[2]))
 
 
 class PassKV:

@@ -29,10 +29,17 @@ import torch
 
 from ..layouts.blocks import Rule, Segments, Task, plan, slice_rows
 
-__all__ = ["bhs", "bshd", "hull", "pack_kv", "row_hull", "seq_major", "shift", "split_own",
+__all__ = ["bhs", "bshd", "head_groups", "hull", "pack_kv", "row_hull", "seq_major", "shift", "split_own",
            "unpack_kv"]
 
 Rows = tuple[int, int] | None
+
+
+def head_groups(heads: int, kv_heads: int, chunks: int) -> list[tuple[slice, slice]]:
+    """(query heads, KV heads) of each of ``chunks`` groups; query head h uses KV head h // G, so groups stay
+    aligned."""
+    hq, hk = heads // chunks, kv_heads // chunks
+    return [(slice(i * hq, (i + 1) * hq), slice(i * hk, (i + 1) * hk)) for i in range(chunks)]
 
 
 def shift(tasks: tuple[Task, ...], dq: int = 0, dk: int = 0) -> tuple[Task, ...]:

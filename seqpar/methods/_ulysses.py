@@ -63,10 +63,11 @@ from ..layouts.blocks import Rule, Task, plan
 from ..layouts.contiguous import Contiguous
 from ..numerics import GradRows, acc_dtype, apply_sinks, wire_dtype
 from ..runtime.loop import Loop, run_steps
+from ._shared import head_groups
 from .base import BackwardInputs, Call
 
 __all__ = ["Inner", "LocalEngine", "Sandwich", "auto_head_chunks", "check_heads", "head_chunk_counts",
-           "head_groups", "local_tasks", "resolve_head_chunks", "saved_meta"]
+           "local_tasks", "resolve_head_chunks", "saved_meta"]
 
 
 def check_heads(heads: int, kv_heads: int, degree: int, world: int | None = None) -> None:
@@ -137,12 +138,6 @@ def resolve_head_chunks(value: object, heads: int, kv_heads: int, degree: int) -
                          f"keep the GQA slot rules over the ulysses degree {degree} (valid: "
                          f"{', '.join(map(str, valid))}), got {value!r}{rank_suffix()}")
     return value
-
-
-def head_groups(heads: int, kv_heads: int, chunks: int) -> list[tuple[slice, slice]]:
-    """(query heads, KV heads) of each group; query head h uses KV head h // G, so groups stay aligned."""
-    hq, hk = heads // chunks, kv_heads // chunks
-    return [(slice(i * hq, (i + 1) * hq), slice(i * hk, (i + 1) * hk)) for i in range(chunks)]
 
 
 def saved_meta(q_shape, k_shape, v_shape, dtype: torch.dtype, degree: int, chunks: int) -> list:

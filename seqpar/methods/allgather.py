@@ -30,17 +30,33 @@ Note [All-gather pipeline]
     layer from forward to backward (e.g. 512 MiB per layer at 128K tokens, 8 KV heads, d 128, bf16), which
     is the memory this method exists to bound.
 
-One rank: the gather is the identity, so the call runs pass-KV's single step (``_passkv.OneRank``) with no
-buffers or copies; at W = 1 on a packed 128K row the pipelined engine cost 1.15x the single-GPU varlen kernel
-(fwd+bwd, H100, ``benchmarks/results/2026-11-23-h100/run3``), its copies and fp32 dK/dV buffer included.
+Note [Selective gather]
+    With documents, windows or padding a rank's queries often see a small part of the sequence: on a packed
+    batch in the balanced layout, a short document placed whole on a rank needs no key from elsewhere. Each
+    query run (cut at documents) sees exactly the keys ``[max(a_d, first + lo), min(b_d, last + hi + 1))`` of
+    its document ``[a_d, b_d)`` (``lo, hi`` the rule's bounds on ``key - query``); their union ``N_r`` is what
+    rank r must read. Every rank computes every ``N_r`` from ``cu_seqlens`` alone (O(runs) each, no
+    communication), so senders and receivers agree: rank j sends rank r the rows it holds in ``N_r`` in
+    global order, one uneven all-to-all per head chunk, and rank r plans its queries against the compact
+    buffer of ``N_r`` in global order (one ``index_select`` when arrivals are not already in that order).
+    Backward is the adjoint: dK/dV of the compact buffer go back in arrival order by the reverse all-to-all
+    and each owner adds the partials of every reader (``index_add_`` per reader, unique rows each, so the
+    sum is deterministic). The selective path runs when the busiest reader needs at most ``SELECT_AT`` of
+    the sequence; otherwise the full all-gather is cheaper (an all-gather is the better-tuned collective,
+    and the busiest rank - rank 0 of a causal zigzag - receives everything anyway).
 
-Windows: a full gather over-fetches (rank r needs keys only from ranks ``r - ceil(w / L) .. r``); the
-planner skips every block outside the window, but fetching only the needed ranks (per-peer P2P or an
-uneven all-to-all) is a follow-up. Documents, windows and end padding all come from the block planner.
+One rank: the gather is the identity, so the call runs pass-KV's single step (``_passkv.OneRank``) with no
+buffers or copies, ``heads_k_stride`` KV heads per kernel call (it still bounds the kernel's workspace). At
+W = 1 on a packed 128K row the pipelined engine cost 1.15x the single-GPU varlen kernel (fwd+bwd, H100,
+``benchmarks/results/2026-11-23-h100/run3``), its copies and fp32 dK/dV buffer included.
+
+Windows, documents and end padding all come from the block planner; with a window a rank reads only the
+keys the window shows (Note [Selective gather]) once that is at most ``SELECT_AT`` of the sequence.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import math
@@ -48,11 +64,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm.all_gather import AllGather, Handle
+from ..comm.all_gather import AllGather, AllToAllV, Handle
 from ..errors import rank_suffix
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import merge_
-from ..layouts import Layout
+from ..layouts import Layout, make_layout
 from ..layouts.blocks import Rule, Run, Segments, Task, plan
 from ..numerics import GradRows, acc_dtype, wire_dtype
 from ..planner import model
@@ -60,22 +76,52 @@ from ..runtime.loop import Loop, run_steps
 from . import _passkv
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
-__all__ = ["METHOD", "GatherPlan", "gather_plan"]
+__all__ = ["METHOD", "SELECT_AT", "GatherPlan", "Selection", "gather_plan", "needed_keys"]
+
+SELECT_AT = 0.75
+
+
+Spans = tuple[tuple[int, int], ...]      # sorted, disjoint global intervals [start, stop)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The rows of one rank's selective gather (Note [Selective gather]).
+
+    Attributes:
+        send: per destination rank, my ``(local row, count)`` pieces it reads, in global order.
+        recv: per source rank, the ``(compact row, count)`` pieces it sends me, in arrival order.
+        rows: rows of my compact buffer (the keys my queries read, in global order).
+    """
+
+    send: tuple[Spans, ...]
+    recv: tuple[Spans, ...]
+    rows: int
 
 
 @dataclass(frozen=True)
 class GatherPlan:
-    """This rank's kernel calls against the gathered KV in global order, and the chunk map to get there.
+    """This rank's kernel calls against the gathered KV in global order, and how the rows get there.
 
     Attributes:
-        tasks: calls of this rank's query rows against key rows of the global-order buffer.
+        tasks: calls of this rank's query rows against key rows of the global-order buffer (the compact
+            buffer of the keys it reads under a ``selection``).
         chunk: rows per chunk of the rank-order -> global-order map.
         order: ``order[c]`` is the rank-order chunk holding global chunk c; None when they coincide.
+        keys: the global positions of the buffer's rows, as intervals in row order.
+        selection: the selective gather's rows, or None for the full all-gather.
     """
 
     tasks: tuple[Task, ...]
     chunk: int
     order: tuple[int, ...] | None
+    keys: Spans
+    selection: Selection | None = None
+
+    def key_positions(self, task: Task) -> list[int]:
+        """The global positions of ``task``'s key rows."""
+        pos = [g for a, b in self.keys for g in range(a, b)]
+        return pos[task.k_start:task.k_stop]
 
 
 def _chunk_order(layout: Layout, seq_len: int) -> tuple[int, tuple[int, ...] | None]:
@@ -90,15 +136,96 @@ def _chunk_order(layout: Layout, seq_len: int) -> tuple[int, tuple[int, ...] | N
 
 
 @functools.lru_cache(maxsize=256)
+def needed_keys(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
+                valid_len: int | None) -> Spans:
+    """The global key positions rank ``rank``'s queries see, as merged intervals (Note [Selective gather])."""
+    bounds = doc_bounds if doc_bounds is not None else (0, seq_len if valid_len is None else valid_len)
+    lo, hi = rule.delta_bounds()
+    spans = []
+    for r in layout.segments(rank, seq_len).cut(doc_bounds, valid_len).runs:
+        if r.doc < 0:
+            continue
+        a, b = bounds[r.doc], bounds[r.doc + 1]
+        start = a if lo is None else max(a, r.glob + lo)
+        stop = b if hi is None else min(b, r.glob + r.length + hi)
+        if start < stop:
+            spans.append((start, stop))
+    merged: list[list[int]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return tuple((a, b) for a, b in merged)
+
+
+def _held(layout: Layout, rank: int, seq_len: int) -> tuple[tuple[int, int, int], ...]:
+    """Rank ``rank``'s rows as ``(global start, local start, count)`` runs in global order."""
+    return tuple(sorted((r.glob, r.local, r.length) for r in layout.segments(rank, seq_len).runs))
+
+
+def _intersect(held: tuple[tuple[int, int, int], ...], spans: Spans) -> list[tuple[int, int, int]]:
+    """``(global start, local start, count)`` pieces of ``held`` inside ``spans``, in global order."""
+    out, i = [], 0
+    for g, loc, n in held:
+        while i < len(spans) and spans[i][1] <= g:
+            i += 1
+        j = i
+        while j < len(spans) and spans[j][0] < g + n:
+            a, b = max(g, spans[j][0]), min(g + n, spans[j][1])
+            out.append((a, loc + a - g, b - a))
+            j += 1
+    return out
+
+
+def _selection(layout: Layout, rank: int, seq_len: int, needs: tuple[Spans, ...]) -> Selection:
+    mine = needs[rank]
+    starts = list(itertools.accumulate((b - a for a, b in mine), initial=0))
+
+    def compact(g: int) -> int:
+        i = bisect.bisect_right(mine, (g, math.inf)) - 1
+        return starts[i] + g - mine[i][0]
+
+    held = _held(layout, rank, seq_len)
+    send = tuple(tuple((loc, n) for _, loc, n in _intersect(held, need)) for need in needs)
+    recv = tuple(tuple((compact(g), n) for g, _, n in _intersect(_held(layout, j, seq_len), mine))
+                 for j in range(layout.world))
+    return Selection(send, recv, starts[-1])
+
+
+@functools.lru_cache(maxsize=32)
+def selected_rows(layout: Layout, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
+                  valid_len: int | None = None) -> tuple[int, int] | None:
+    """``(rows, foreign)``: the busiest reader's compact buffer and the rows it receives from other ranks, or
+    None when the call gathers everything (Note [Selective gather]; the planner's traffic)."""
+    if layout.world == 1 or (doc_bounds is None and valid_len is None and rule.window == (-1, -1)):
+        return None
+    needs = [needed_keys(layout, r, seq_len, rule, doc_bounds, valid_len) for r in range(layout.world)]
+    rows = [sum(b - a for a, b in n) for n in needs]
+    if max(rows) > SELECT_AT * seq_len:
+        return None
+    own = [sum(n for _, _, n in _intersect(_held(layout, r, seq_len), needs[r])) for r in range(layout.world)]
+    return max(rows), max(x - o for x, o in zip(rows, own))
+
+
+@functools.lru_cache(maxsize=256)
 def gather_plan(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
                 valid_len: int | None) -> GatherPlan:
-    """Rank ``rank``'s queries against the whole sequence in global order (Note [Gather into global order])."""
+    """Rank ``rank``'s queries against the whole sequence in global order (Note [Gather into global order]),
+    or against the keys they read when that is at most ``SELECT_AT`` of it (Note [Selective gather])."""
     if layout.segments(rank, seq_len).stride != 1:
         raise ValueError(f"method='allgather' needs a layout of consecutive runs, got {layout.name}")
     q = layout.segments(rank, seq_len).cut(doc_bounds, valid_len)
+    if selected_rows(layout, seq_len, rule, doc_bounds, valid_len) is not None:
+        needs = tuple(needed_keys(layout, r, seq_len, rule, doc_bounds, valid_len) for r in range(layout.world))
+        sel = _selection(layout, rank, seq_len, needs)
+        starts = itertools.accumulate((b - a for a, b in needs[rank]), initial=0)
+        k = Segments(tuple(Run(at, a, b - a) for at, (a, b) in zip(starts, needs[rank])))
+        tasks = plan(q, k.cut(doc_bounds, valid_len), rule) if k.runs else ()
+        return GatherPlan(tasks, 1, None, needs[rank], sel)
     k = Segments((Run(0, 0, seq_len),)).cut(doc_bounds, valid_len)
     chunk, order = _chunk_order(layout, seq_len)
-    return GatherPlan(plan(q, k, rule), chunk, order)
+    return GatherPlan(plan(q, k, rule), chunk, order, ((0, seq_len),))
 
 
 @functools.lru_cache(maxsize=64)
@@ -207,6 +334,104 @@ class _DKV:
         return g[..., :D].to(dtype), g[..., D:].to(dtype)
 
 
+def _rows(pieces, device: torch.device) -> torch.Tensor:
+    """The row indices of ``(start, count)`` pieces, concatenated (int64 on ``device``)."""
+    flat = [p for part in pieces for p in part]
+    if not flat:
+        return torch.empty(0, dtype=torch.long, device=device)
+    start, count = torch.tensor(flat, dtype=torch.long).T
+    offset = torch.cumsum(count, 0) - count
+    rows = torch.arange(int(count.sum())) + torch.repeat_interleave(start - offset, count)
+    return rows.to(device)
+
+
+class _Selected:
+    """Double-buffered selective gather of one KV head chunk at a time (Note [Selective gather]): the same
+    interface as ``_Gathered``, the received rows read back as the compact buffer in global order."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, stride: int, a2a: AllToAllV, sel: Selection):
+        B, _, _, D = k.shape
+        F = D + v.shape[-1]
+        self.k, self.v, self.stride, self.a2a, self.d = k, v, stride, a2a, D
+        self.rounds = k.shape[2] // stride
+        self.send_rows = _rows(sel.send, k.device)                   # my rows, destination by destination
+        self.send_splits = [sum(n for _, n in part) for part in sel.send]
+        self.recv_splits = [sum(n for _, n in part) for part in sel.recv]
+        place = _rows(sel.recv, k.device)                            # compact row of each arrival
+        ordered = bool(torch.equal(place.cpu(), torch.arange(sel.rows)))
+        self.order = None if ordered else torch.argsort(place)      # compact row i <- arrival order[i]
+        self.place = None if ordered else place
+        self.send = k.new_empty(len(self.send_rows), B, stride, F)
+        self.recv = [k.new_empty(sel.rows, B, stride, F) for _ in range(min(2, self.rounds))]
+        self.glob = None if ordered else torch.empty_like(self.recv[0])
+
+    def post(self, c: int) -> Handle:
+        hs = slice(c * self.stride, (c + 1) * self.stride)
+        rows = self.send_rows
+        self.send[..., : self.d].copy_(self.k[:, :, hs].index_select(1, rows).transpose(0, 1))
+        self.send[..., self.d:].copy_(self.v[:, :, hs].index_select(1, rows).transpose(0, 1))
+        return self.a2a.exchange(self.send, self.recv[c % len(self.recv)], self.send_splits, self.recv_splits)
+
+    def kv(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        buf = self.recv[c % len(self.recv)]
+        if self.order is not None:
+            torch.index_select(buf, 0, self.order, out=self.glob)
+            buf = self.glob
+        return buf[..., : self.d].transpose(0, 1), buf[..., self.d:].transpose(0, 1)
+
+
+class _SelectedDKV:
+    """fp32 dK/dV of the compact buffer per head chunk, returned to the owners by the reverse all-to-all and
+    added into their rows (the adjoint of ``_Selected``); the same interface as ``_DKV``."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, sel: _Selected, grad_dtype: torch.dtype, loop: Loop):
+        B, L, Hkv, D = k.shape
+        F = D + v.shape[-1]
+        self.sel, self.loop, self.shape = sel, loop, (B, L, Hkv, D, v.shape[-1])
+        self.acc_dtype = acc_dtype(k.dtype)
+        self.wire = wire_dtype(grad_dtype, k.dtype)
+        nbuf = min(2, sel.rounds)
+        self.acc = k.new_empty(sel.recv[0].shape, dtype=self.acc_dtype)
+        self.send = [torch.empty_like(self.acc, dtype=self.wire) for _ in range(nbuf)]
+        self.out = k.new_empty(sel.rounds, len(sel.send_rows), B, sel.stride, F, dtype=self.wire)
+        self.pending: list[Handle | None] = [None] * nbuf
+
+    def start(self, c: int) -> torch.Tensor:
+        return self.acc.zero_()
+
+    def post(self, c: int, a2a: AllToAllV) -> Handle:
+        slot = c % len(self.pending)
+        h = self.pending[slot]
+        if h is not None:
+            self.loop.wait([h])                  # the exchange two chunks back still reads this send buffer
+        send, sel = self.send[slot], self.sel
+        if sel.place is None:
+            send.copy_(self.acc)
+        elif self.wire == self.acc_dtype:
+            torch.index_select(self.acc, 0, sel.place, out=send)
+        else:
+            send.copy_(self.acc.index_select(0, sel.place))
+        self.pending[slot] = a2a.exchange(send, self.out[c], sel.recv_splits, sel.send_splits)
+        return self.pending[slot]
+
+    def finish(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        for slot, h in enumerate(self.pending):
+            if h is not None:
+                self.loop.wait([h])
+                self.pending[slot] = None
+        B, L, Hkv, D, Dv = self.shape
+        sel = self.sel
+        g = self.out.new_zeros(sel.rounds, L, B, sel.stride, D + Dv, dtype=self.acc_dtype)
+        at = 0
+        for n in sel.send_splits:                # one reader at a time: unique rows, a deterministic sum
+            if n:
+                rows = sel.send_rows[at:at + n]
+                g.index_add_(1, rows, self.out[:, at:at + n].to(self.acc_dtype))
+            at += n
+        g = g.permute(2, 1, 0, 3, 4).reshape(B, L, Hkv, D + Dv)
+        return g[..., :D].to(dtype), g[..., D:].to(dtype)
+
+
 @functools.lru_cache(maxsize=64)
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     inv = [0] * len(order)
@@ -249,6 +474,13 @@ class _Engine:
         self.G = call.q_shape[2] // call.k_shape[2]
         self.groups, self.grad_dtype = call.groups, cfg.grad_dtype
 
+    def _transport(self, k: torch.Tensor, v: torch.Tensor) -> _Gathered | _Selected:
+        """The full all-gather, or the selective one when the plan has a selection."""
+        sel = self.gp.selection
+        if sel is None:
+            return _Gathered(k, v, self.stride, AllGather(self.groups.group), self.gp)
+        return _Selected(k, v, self.stride, AllToAllV(self.groups.group), sel)
+
     def _heads(self, c: int) -> slice:
         return slice(c * self.stride * self.G, (c + 1) * self.stride * self.G)
 
@@ -261,7 +493,7 @@ class _Engine:
         direct = _disjoint(tasks)       # every row in at most one call: write results, no fp32 merge buffer
         out = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype if direct else acc, device=q.device)
         lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
-        gathered = _Gathered(k, v, stride, AllGather(self.groups.group), self.gp)
+        gathered = self._transport(k, v)
         with Loop() as loop:
             handles = [loop.post(gathered.post(0))]
 
@@ -290,12 +522,13 @@ class _Engine:
         """Re-gather per head chunk, local block backward, fp32 dK/dV reduce-scattered to the owners."""
         q, k, v, rows = b.q, b.k, b.v, b.rows
         runner, G, stride = self.runner, self.G, self.stride
-        ag = AllGather(self.groups.group)
-        gathered = _Gathered(k, v, stride, ag, self.gp)
+        gathered = self._transport(k, v)
+        comm = gathered.ag if isinstance(gathered, _Gathered) else gathered.a2a
         dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         tasks = runner.prepare(self.gp.tasks, q[:, :, : stride * G], k[:, :, :stride])
         with Loop() as loop:
-            grads = _DKV(k, v, stride, ag.world, gathered.rounds, self.gp.order, self.grad_dtype, loop)
+            grads = (_DKV(k, v, stride, comm.world, gathered.rounds, self.gp.order, self.grad_dtype, loop)
+                     if isinstance(gathered, _Gathered) else _SelectedDKV(k, v, gathered, self.grad_dtype, loop))
             handles = [loop.post(gathered.post(0))]
             d = k.shape[-1]
 
@@ -318,7 +551,7 @@ class _Engine:
                 return None
 
             def post_after(c: int) -> None:   # chunk c's reduce-scatter runs behind chunk c+1 (waited by _DKV)
-                loop.post(grads.post(c, ag))
+                loop.post(grads.post(c, comm))
 
             run_steps(gathered.rounds, post=post, compute=compute, post_after=post_after, loop=loop)
             dk, dv = grads.finish(k.dtype)
@@ -327,44 +560,53 @@ class _Engine:
 
 def _engine(call: Call):
     """The pipelined all-gather; on one rank, pass-KV's single step (the gather is the identity there)."""
-    return _passkv.OneRank(call) if call.groups.world == 1 else _Engine(call)
+    if call.groups.world == 1:
+        return _passkv.OneRank(call, _stride(call.cfg.options, call.k_shape[2]))
+    return _Engine(call)
 
 
 def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Prediction:
-    """All-gather K, V per head chunk; reduce-scatter dK, dV (ALGORITHMS.md §4, Note [All-gather pipeline])."""
+    """All-gather K, V per head chunk; reduce-scatter dK, dV (ALGORITHMS.md §4, Note [All-gather pipeline]);
+    with documents or windows, the selective gather's uneven all-to-alls (Note [Selective gather])."""
     W, S, L = p.world, p.seq_len, p.seq_len / p.world
     stride = c.option("heads_k_stride") or p.kv_heads
     nc = p.kv_heads // stride
     heads = stride * p.group_ratio
     blocks = model.gather_blocks_of(p, c.layout)
-    # Note [Gather into global order]: every layout but contiguous permutes the gathered chunks
-    perm = m.permute_ms(p.batch * S * 2 * stride * p.head_dim) if c.layout != "contiguous" and W > 1 else 0.0
+    sel = selected_rows(make_layout(c.layout, W, p.documents), S, p.rule, p.documents) if W > 1 else None
+    rows, foreign = (S, (W - 1) * L) if sel is None else sel
+    gather, scatter = ("allgather", "reduce_scatter") if sel is None else ("a2a", "a2a")
+    # Note [Gather into global order]: every layout but contiguous permutes the gathered rows
+    perm = m.permute_ms(p.batch * rows * 2 * stride * p.head_dim) if c.layout != "contiguous" and W > 1 else 0.0
     cf = sum(m.kernel_ms(p, blk, heads) for blk in blocks) + perm
     cb = sum(m.kernel_ms(p, blk, heads, "bwd") for blk in blocks) + 2 * perm \
         + m.hbm_ms(sum(p.act(blk.cols, 2 * stride, 8) for blk in blocks))           # KV into order, dK/dV back
-    g_bytes = (W - 1) * p.act(L, 2 * stride)
-    r_bytes = (W - 1) * p.act(L, 2 * stride, p.grad_bytes)
+    g_bytes = p.act(foreign, 2 * stride)
+    r_bytes = p.act(foreign, 2 * stride, p.grad_bytes)
     grp = model.Group(W)
-    t_ag, t_rs = m.comm_ms("allgather", g_bytes, grp), m.comm_ms("reduce_scatter", r_bytes, grp)
+    t_ag, t_rs = m.comm_ms(gather, g_bytes, grp), m.comm_ms(scatter, r_bytes, grp)
     f, b = model.tallies(m, "allgather")
     f.wait(t_ag, g_bytes)                                                 # the first chunk's gather
     for i in range(nc):
         more = i + 1 < nc
-        f.step(cf, t_ag if more else 0.0, "allgather", g_bytes if more else 0.0)
+        f.step(cf, t_ag if more else 0.0, gather, g_bytes if more else 0.0)
     b.wait(t_ag, g_bytes)                                                 # backward re-gathers
     for i in range(nc):
         comm = (t_ag if i + 1 < nc else 0.0) + (t_rs if i else 0.0)
-        b.step(cb, comm, "allgather", (g_bytes if i + 1 < nc else 0.0) + (r_bytes if i else 0.0))
+        b.step(cb, comm, gather, (g_bytes if i + 1 < nc else 0.0) + (r_bytes if i else 0.0))
     b.wait(t_rs, r_bytes)
     bufs = 2 if nc > 1 else 1
-    gathered = bufs * p.act(S, 2 * stride)
+    gathered = bufs * p.act(rows, 2 * stride)
     fb, bb = model.base_mem(p)
     cost = model.Cost(f, b, fb + gathered + p.act(L, p.heads),
-                      bb + gathered + bufs * p.act(S, 2 * stride, 4) + p.act(L, p.heads, 4))
+                      bb + gathered + bufs * p.act(rows, 2 * stride, 4) + p.act(L, p.heads, 4))
     if nc == 1:
-        cost.notes.append("one round: the gather is exposed; the whole sequence's KV is held")
+        cost.notes.append("one round: the gather is exposed; the gathered KV is held")
     else:
         cost.notes.append(f"{nc} head chunks pipelined (heads_k_stride={stride})")
+    if sel is not None:
+        cost.notes.append(f"selective gather: the busiest reader holds {rows / S:.0%} of the keys and receives "
+                          f"{foreign / S:.0%} from other ranks")
     if p.documents is not None:
         cost.balance = model.balance(p, c.layout, W)
         cost.notes.append(f"busiest rank {cost.balance[0]:.2f}x the mean work")

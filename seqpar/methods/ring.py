@@ -15,21 +15,12 @@ shorter than the ring (Note [Ring truncation] in ``_passkv``).
 
 from __future__ import annotations
 
-import torch
-
 from ..errors import rank_suffix
-from ..numerics import GradRows
 from ..planner import model
 from . import _passkv
-from .base import LONG_CONTEXT, BackwardInputs, Call, Method
+from .base import LONG_CONTEXT, Call, Method
 
 __all__ = ["METHOD"]
-
-
-def head_groups(heads: int, kv_heads: int, chunks: int) -> list[tuple[slice, slice]]:
-    """(query heads, KV heads) of each pass; query heads h use KV head h // G, so groups stay aligned."""
-    hq, hk = heads // chunks, kv_heads // chunks
-    return [(slice(i * hq, (i + 1) * hq), slice(i * hk, (i + 1) * hk)) for i in range(chunks)]
 
 
 def _check(call: Call) -> None:
@@ -39,38 +30,8 @@ def _check(call: Call) -> None:
                          f"{rank_suffix()}")
 
 
-class _Engine:
-    saves = False
-
-    def __init__(self, call: Call):
-        self.ring = _passkv.build(call)
-        self.parts = head_groups(call.q_shape[2], call.k_shape[2], call.cfg.option("head_chunks", 1))
-
-    def direct(self, call: Call):
-        return self.ring.direct(call) if len(self.parts) == 1 else None
-
-    def forward(self, q, k, v):
-        if len(self.parts) == 1:
-            return self.ring.forward(q, k, v)
-        out = q.new_empty(*q.shape[:3], v.shape[-1])
-        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float64 if q.dtype == torch.float64
-                          else torch.float32, device=q.device)
-        for hq, hk in self.parts:
-            o, l = self.ring.forward(q[:, :, hq], k[:, :, hk], v[:, :, hk])
-            out[:, :, hq], lse[:, hq] = o, l
-        return out, lse
-
-    def backward(self, b: BackwardInputs):
-        q, k, v = b.q, b.k, b.v
-        if len(self.parts) == 1:
-            return self.ring.backward(b.rows, q, k, v, b.lse)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        r = b.rows
-        for hq, hk in self.parts:
-            rows = GradRows(r.do[:, :, hq], r.out[:, :, hq], None if r.dlse is None else r.dlse[:, hq])
-            g = self.ring.backward(rows, q[:, :, hq], k[:, :, hk], v[:, :, hk], b.lse[:, hq])
-            dq[:, :, hq], dk[:, :, hk], dv[:, :, hk] = g
-        return dq, dk, dv
+def _engine(call: Call) -> _passkv.HeadChunks:
+    return _passkv.HeadChunks(call, call.cfg.option("head_chunks", 1))
 
 
 def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Prediction:
@@ -101,7 +62,7 @@ METHOD = Method(
     features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",
                         "document_layouts"}),
     check=_check,
-    engine=_Engine,
+    engine=_engine,
     cost=_cost,
     bench_specs=_bench_specs,
     demo_cases=_demo_cases,
