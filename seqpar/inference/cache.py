@@ -114,6 +114,8 @@ class Chunk:
         method, layout, options: how a sharded chunk is laid out and, for "fill", attended.
         padded: the chunk's global length after padding to the layout (sharded chunks).
         passes: per layer, the pass an "extend" chunk used and why (``choice.PassDecision``).
+        whole: this rank holds every token of the chunk, in order, with no padding (one rank): ``take`` is the
+            identity.
     """
 
     start: int
@@ -131,23 +133,36 @@ class Chunk:
     passes: dict[int, PassDecision] = field(default_factory=dict)
     stored: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     attended: set[int] = field(default_factory=set)
+    whole: bool = False
 
     @property
     def end(self) -> int:
         return self.start + self.tokens
+
+    def position_ids_on(self, device: torch.device | str) -> torch.Tensor:
+        """``position_ids`` on ``device`` without stalling the host (a pinned, non-blocking copy to a GPU)."""
+        return _to_device(self.position_ids, torch.device(device))
 
     def take(self, x_BT: torch.Tensor, pad_value: int | float = 0) -> torch.Tensor:
         """This rank's rows of a chunk-wide tensor ``(B, T, ...)`` (dim 1 = the chunk's tokens, unpadded)."""
         if x_BT.shape[1] != self.tokens:
             raise ValueError(f"the chunk's tensor must have {self.tokens} tokens on dim 1, got shape "
                              f"{tuple(x_BT.shape)}{rank_suffix()}")
-        if not self.sharded:
+        if not self.sharded or self.whole:
             return x_BT
         extra = self.padded - self.tokens
         if extra:
             pad = x_BT.new_full((x_BT.shape[0], extra, *x_BT.shape[2:]), pad_value)
             x_BT = torch.cat([x_BT, pad], 1)
-        return x_BT.index_select(1, (self.positions - self.start).to(x_BT.device))
+        return x_BT.index_select(1, _to_device(self.positions - self.start, x_BT.device))
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``: through pinned memory and a non-blocking copy on CUDA, since a copy from
+    pageable memory waits for the device queue to drain (the host then stalls mid-forward)."""
+    if device.type != "cuda" or x.device == device:
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 class _Layer:
@@ -284,7 +299,9 @@ class ShardedKVCache:
                         for seg in segs)
         mode = "fill" if P == 0 else "extend"
         self.chunk = Chunk(P, seq_len, True, mode, mine, self._rope(mine), int((mine < P + seq_len).sum()),
-                           method=method, layout=layout, options=dict(options), padded=padded, queries=queries)
+                           method=method, layout=layout, options=dict(options), padded=padded, queries=queries,
+                           whole=self.world == 1 and padded == seq_len and segs[0].stride == 1
+                           and len(segs[0].runs) == 1)
         return self.chunk
 
     def begin_decode(self, tokens: int = 1) -> Chunk:
@@ -520,7 +537,10 @@ def _grown(capacity: int, need: int) -> int:
 
 
 def host_gather(groups: SeqParallelGroups, value: int) -> list[int]:
-    """Every rank's ``value``, by sequence-parallel index (a small collective on the group's device type)."""
+    """Every rank's ``value``, by sequence-parallel index (a small collective on the group's device type; none
+    on one rank, where reading its result back would stall the host on the device queue)."""
+    if groups.world == 1:
+        return [value]
     probe = groups.group if groups.group is not None else groups.ring
     device = "cuda" if dist.get_backend(probe) == "nccl" else "cpu"
     x = torch.tensor([value], dtype=torch.int64, device=device)
