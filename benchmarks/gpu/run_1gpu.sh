@@ -27,7 +27,7 @@ for part in "$@"; do
         --tag overhead-heads > "$OUT/bench_overhead_heads.log" 2>&1; echo "== overhead/heads rc=$?"
       grep "^\[" "$OUT/bench_overhead_heads.log" | tail -n 60 | cut -c1-200 ;;
     packed)
-      timeout 420 torchrun --nproc-per-node 1 -m seqpar.bench --preset packed --peers --out "$OUT" --tag packed \
+      timeout 560 torchrun --nproc-per-node 1 -m seqpar.bench --preset packed --peers --out "$OUT" --tag packed \
         > "$OUT/bench_packed.log" 2>&1; echo "== packed rc=$?"
       grep "^\[" "$OUT/bench_packed.log" | tail -n 60 | cut -c1-200 ;;
     inference)

@@ -239,23 +239,30 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
     cu_t = torch.tensor(cu, dtype=torch.int32)
     preset = f"packed-{total // 1024}k-{dist_name}"
     limit = _varlen_limit(bench, total, cu, H, Hkv, D)
+    # forward+backward at 1M tokens runs 2 KV heads per kernel call (the memory-bounded variants; ring-flash-attn's
+    # llama3 varlen runs one head at a time): FA2's backward workspace (fp32 dq, per-query-head dK/dV) is sized
+    # by the heads of one call, and the unbounded call does not fit one 80 GiB GPU
+    bounded = {"ring": {"head_chunks": Hkv // 2}, "allgather": {"heads_k_stride": 2},
+               "ulysses": {"head_chunks": Hkv // 2}} if total >= 1 << 20 else {}
     for method, layout in (("ring", "zigzag"), ("ring", "balanced"), ("allgather", "zigzag"),
                            ("allgather", "balanced"), ("ulysses", "contiguous")):
+        opts = bounded.get(method, {})
         where = {"method": method, "layout": layout, "cu_seqlens": cu}
         imbalance = 1.0                                 # Ulysses: every rank sees every token of its heads
         if method != "ulysses":
             per_rank = work(make_layout(layout, W, cu), total, Rule(True), cu)
             imbalance = max(per_rank) * W / max(sum(per_rank), 1)
 
-        def build(mode: str, where=where):
+        def build(mode: str, where=where, opts=opts):
             full = [_randn((1, total, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv, H))]
             q, k, v, do = (seqpar.shard(t, **where) for t in full)
             del full
             kw = {"method": where["method"], "layout": where["layout"], "cu_seqlens": cu_t,
-                  "check_ranks": W == 1}
+                  "check_ranks": W == 1, **(opts if mode == "fwd+bwd" else {})}
             return _mode(mode, lambda q, k, v: seqpar.attention(q, k, v, **kw), q, k, v, do)
         _time_rows(bench, preset, f"{method}/{layout}", build, limit,
-                   {"work_max_over_mean": imbalance, "documents": len(cu) - 1})
+                   {"work_max_over_mean": imbalance, "documents": len(cu) - 1,
+                    **({"fwd+bwd_options": opts} if opts else {})})
     if bench.args.peers:
         for label, factory in _peer_varlen(bench, total, cu, H, Hkv, D).items():
             _time_rows(bench, preset, label, factory, limit, {"documents": len(cu) - 1})
