@@ -261,3 +261,64 @@ def test_lengths_are_never_silently_rounded(pools):
     assert msgs[5].startswith("ValueError: cu_seqlens must start at 0, be non-decreasing and end at seq_len=15")
     assert msgs[6].startswith("ValueError: cu_seqlens must end at the global length 16"), msgs[6]
     assert all("(rank 0 of 4)" in m for m in msgs), msgs
+
+
+# ---- Note [Varlen backward in row groups] ----
+
+def test_row_groups_cut_at_documents_and_cover_the_call():
+    from seqpar.kernels.executor import row_groups
+    from seqpar.layouts.blocks import Task
+    from seqpar.masks import Varlen
+
+    cu = (0, 3, 3, 10, 11, 30, 31, 32)                       # an empty document, one longer than the bound
+    task = Task(4, 36, 2, 34, Varlen(cu, cu, (-1, 0)))
+    groups = row_groups(task, 8)
+    assert [(t.q_start, t.q_stop) for t in groups] == [(4, 7), (7, 15), (15, 34), (34, 36)]
+    at_q, at_k = task.q_start, task.k_start
+    for t in groups:
+        assert (t.q_start, t.k_start) == (at_q, at_k) and t.mask.window == (-1, 0)
+        assert t.mask.cu_q[0] == 0 and t.mask.cu_q[-1] == t.rows and t.mask.cu_k[-1] == t.cols
+        assert t.rows <= 8 or len(t.mask.cu_q) == 2, t             # over the bound only as one document
+        at_q, at_k = t.q_stop, t.k_stop
+    assert (at_q, at_k) == (task.q_stop, task.k_stop)
+
+
+def _grouped_backward_worker(bound: int) -> list[torch.Tensor]:
+    """``seqpar.attention``'s gradients at W = 1 on a packed row, with ``bound`` rows per varlen backward call."""
+    from seqpar.kernels import executor
+
+    executor.VARLEN_BWD_ROWS = bound
+    calls = []
+    backward = executor.TaskRunner.backward
+
+    def spy(self, rows, q, k, v, lse, task):
+        calls.append(task.rows)
+        return backward(self, rows, q, k, v, lse, task)
+
+    executor.TaskRunner.backward = spy
+    try:
+        g = torch.Generator().manual_seed(3)
+        q, k, v, do = (torch.randn(2, 40, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+        cu = (0, 1, 9, 9, 23, 24, 37, 40)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        out = seqpar.attention(*leaves, method="ring", layout="contiguous", cu_seqlens=cu, kernel="reference")
+        grads = torch.autograd.grad(out, leaves, do)
+    finally:
+        executor.TaskRunner.backward = backward
+    return [out.detach(), *grads, torch.tensor(calls)]
+
+
+def test_varlen_backward_in_row_groups_equals_one_call(pools):
+    """Row groups of at most 16 rows (B = 2: 8 positions) give exactly the one-call gradients, and both match
+    the dense oracle."""
+    *one, one_calls = pools(1).run(_grouped_backward_worker, 1 << 30)[0]
+    *cut, cut_calls = pools(1).run(_grouped_backward_worker, 16)[0]
+    pools(1).run(_grouped_backward_worker, 1 << 18)                 # the pool's workers are reused: restore
+    assert one_calls.tolist() == [40] and cut_calls.tolist() == [1, 8, 14, 1, 13, 3], (one_calls, cut_calls)
+    for a, b in zip(one, cut):
+        assert torch.equal(a, b)
+    g = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(2, 40, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+    want = dense_attention(q, k, v, do, causal=True, cu_seqlens=(0, 1, 9, 9, 23, 24, 37, 40))
+    for name, got in zip(("out", "dq", "dk", "dv"), cut):
+        torch.testing.assert_close(got, want[name], rtol=1e-10, atol=1e-10)

@@ -8,6 +8,15 @@ tasks (documents) is packed into varlen calls when a kernel serves them, so one 
 
 Backward takes a ``seqpar.numerics.GradRows`` of the final rows: a kernel with ``takes_delta`` gets Delta, the
 others the (dO, O) pair with any lse gradient folded in (Note [Folding the lse gradient]).
+
+Note [Varlen backward in row groups]
+    A kernel's backward holds a workspace sized by its rows: FA2 keeps an fp32 dQ accumulator and, under GQA, dK
+    and dV for every query head - 6.7 GiB beyond the inputs for a 128K-row call with 32/8 heads of 128, so a
+    1M-row packed call does not fit an 80 GiB GPU although its forward does. Documents are independent, so a
+    varlen call's backward is cut at document boundaries into consecutive calls of at most ``VARLEN_BWD_ROWS``
+    rows (a longer document alone) whose gradients are disjoint row ranges of the result: no sums, no fp32
+    buffers, the same values as one call (every document sees the same kernel on the same rows), and the
+    workspace bounded by one group. The cost is the copy of each group's gradients into the whole tensors.
 """
 
 from __future__ import annotations
@@ -23,15 +32,35 @@ from ..numerics import GradRows, acc_dtype
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, mask_kind, select
 
-__all__ = ["GROUP_AT", "TaskRunner"]
+__all__ = ["GROUP_AT", "VARLEN_BWD_ROWS", "TaskRunner", "row_groups"]
 
 GROUP_AT = 3
+VARLEN_BWD_ROWS = 1 << 18      # rows (batch x sequence) per varlen backward call (Note [Varlen backward in row groups])
 """Tasks of one step from which ``TaskRunner.prepare`` packs them into varlen calls."""
 
 
 @functools.lru_cache(maxsize=1024)
 def _grouped(tasks: tuple[Task, ...]) -> tuple[Task, ...]:
     return group_varlen(tasks)
+
+
+@functools.lru_cache(maxsize=64)
+def row_groups(task: Task, most: int) -> tuple[Task, ...]:
+    """``task`` (varlen) cut at document boundaries into consecutive tasks of at most ``most`` query rows each
+    (a longer document alone), covering its rows and keys (Note [Varlen backward in row groups])."""
+    m = task.mask
+    assert isinstance(m, Varlen)
+    cq, ck, n = m.cu_q, m.cu_k, len(m.cu_q) - 1
+    out, a = [], 0
+    while a < n:
+        b = a + 1
+        while b < n and cq[b + 1] - cq[a] <= most:
+            b += 1
+        out.append(Task(task.q_start + cq[a], task.q_start + cq[b], task.k_start + ck[a], task.k_start + ck[b],
+                        Varlen(tuple(x - cq[a] for x in cq[a:b + 1]), tuple(x - ck[a] for x in ck[a:b + 1]),
+                               m.window)))
+        a = b
+    return tuple(out)
 
 
 class TaskRunner:
@@ -126,7 +155,10 @@ class TaskRunner:
         covers everything returns the kernel's own gradients, with no sums and no copies."""
         tasks = self.prepare(tasks, q, k)
         if len(tasks) == 1 and tasks[0].rows == q.shape[1] and tasks[0].cols == k.shape[1]:
-            return self.backward(rows, q, k, v, lse, tasks[0])
+            t = tasks[0]
+            if isinstance(t.mask, Varlen) and q.shape[0] * t.rows > VARLEN_BWD_ROWS:
+                return self._backward_groups(rows, q, k, v, lse, row_groups(t, VARLEN_BWD_ROWS // q.shape[0]))
+            return self.backward(rows, q, k, v, lse, t)
         acc = acc_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
         for t in tasks:
@@ -135,3 +167,17 @@ class TaskRunner:
             dk[:, t.k] += gk
             dv[:, t.k] += gv
         return dq, dk, dv
+
+    def _backward_groups(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         lse: torch.Tensor, groups: tuple[Task, ...]) -> tuple[torch.Tensor, ...]:
+        """One varlen backward per row group, written into disjoint rows of the result (the kernel's dtype);
+        keys of a group without queries keep a zero gradient."""
+        out: list[torch.Tensor] = []
+        for t in groups:
+            if t.rows == 0:
+                continue
+            g = self.backward(rows, q, k, v, lse, t)
+            if not out:
+                out = [torch.zeros(x.shape, dtype=gx.dtype, device=x.device) for x, gx in zip((q, k, v), g)]
+            out[0][:, t.q], out[1][:, t.k], out[2][:, t.k] = g
+        return tuple(out) if out else tuple(torch.zeros_like(x) for x in (q, k, v))

@@ -307,20 +307,26 @@ def group_varlen(tasks: Sequence[Task]) -> tuple[Task, ...]:
     queries and keys are both in document order (every layout's own rows), a later document's task fits
     any group of its window, so G is bounded by the windows times the tasks of one document.
     """
-    groups: list[tuple[tuple[int, int], list[Task]]] = []
+    # one query seeing all its keys is full and causal alike: such a task (window None) joins a group of either,
+    # and a group of only such tasks takes the window of the first other task that joins it
+    either = ((-1, -1), (-1, 0))
+    groups: list[list] = []                     # [window or None, members]
     for t in sorted(tasks, key=lambda t: (t.q_start, t.k_start)):
         assert isinstance(t.mask, Band)
         w = bottom_right_window(t.mask, t.rows, t.cols)
-        fits = [w, (-1, 0)] if w == (-1, -1) and t.rows == 1 else [w]    # one query seeing all = causal
-        for gw, members in groups:
-            last = members[-1]
-            if gw in fits and t.q_start >= last.q_stop and t.k_start >= last.k_stop:
-                members.append(t)
-                break
+        w = None if w == (-1, -1) and t.rows == 1 else w
+        for g in groups:
+            last = g[1][-1]
+            if g[0] == w or (g[0] is None and w in either) or (w is None and g[0] in either):
+                if t.q_start >= last.q_stop and t.k_start >= last.k_stop:
+                    g[1].append(t)
+                    g[0] = g[0] if g[0] is not None else w
+                    break
         else:
-            groups.append((w, [t]))
+            groups.append([w, [t]])
     out = []
     for w, members in groups:
+        w = (-1, -1) if w is None else w
         if len(members) == 1:
             out.append(members[0])
             continue
