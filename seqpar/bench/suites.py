@@ -239,32 +239,30 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
     cu_t = torch.tensor(cu, dtype=torch.int32)
     preset = f"packed-{total // 1024}k-{dist_name}"
     limit = _varlen_limit(bench, total, cu, H, Hkv, D)
-    # forward+backward at 1M tokens runs 2 KV heads per kernel call (the memory-bounded variants; ring-flash-attn's
-    # llama3 varlen runs one head at a time): FA2's backward workspace (fp32 dq, per-query-head dK/dV) is sized
-    # by the heads of one call, and the unbounded call does not fit one 80 GiB GPU
-    bounded = {"ring": {"head_chunks": Hkv // 2}, "allgather": {"heads_k_stride": 2},
-               "ulysses": {"head_chunks": Hkv // 2}} if total >= 1 << 20 else {}
+    keep = [m for m in bench.args.methods.split(",") if m]
     for method, layout in (("ring", "zigzag"), ("ring", "balanced"), ("allgather", "zigzag"),
                            ("allgather", "balanced"), ("ulysses", "contiguous")):
-        opts = bounded.get(method, {})
+        if keep and method not in keep and f"{method}/{layout}" not in keep:
+            continue
         where = {"method": method, "layout": layout, "cu_seqlens": cu}
         imbalance = 1.0                                 # Ulysses: every rank sees every token of its heads
         if method != "ulysses":
             per_rank = work(make_layout(layout, W, cu), total, Rule(True), cu)
             imbalance = max(per_rank) * W / max(sum(per_rank), 1)
 
-        def build(mode: str, where=where, opts=opts):
+        def build(mode: str, where=where):
             full = [_randn((1, total, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv, H))]
             q, k, v, do = (seqpar.shard(t, **where) for t in full)
             del full
             kw = {"method": where["method"], "layout": where["layout"], "cu_seqlens": cu_t,
-                  "check_ranks": W == 1, **(opts if mode == "fwd+bwd" else {})}
+                  "check_ranks": W == 1}
             return _mode(mode, lambda q, k, v: seqpar.attention(q, k, v, **kw), q, k, v, do)
         _time_rows(bench, preset, f"{method}/{layout}", build, limit,
-                   {"work_max_over_mean": imbalance, "documents": len(cu) - 1,
-                    **({"fwd+bwd_options": opts} if opts else {})})
+                   {"work_max_over_mean": imbalance, "documents": len(cu) - 1})
     if bench.args.peers:
         for label, factory in _peer_varlen(bench, total, cu, H, Hkv, D).items():
+            if keep and label not in keep:
+                continue
             _time_rows(bench, preset, label, factory, limit, {"documents": len(cu) - 1})
 
 
@@ -287,8 +285,10 @@ def _varlen_limit(bench: Any, total: int, cu: tuple[int, ...], H: int, Hkv: int,
             return aten._flash_attention_backward(do, q, k, v, o, lse, cu_d, cu_d, mx, mx, 0.0, True, rng, unused)
         if dev.type != "cuda":                 # a CPU smoke run: the reference kernel's varlen path
             fwd, fb = _reference_varlen(q, k, v, do, cu)
+        want = [m for m in bench.args.modes.split(",") if m]
         for mode, fn in (("fwd", fwd), ("fwd+bwd", fb)):
-            res[mode] = time_ms(fn, dev, warmup=2, iters=5, group=_self_group())
+            if not want or mode in want:
+                res[mode] = time_ms(fn, dev, warmup=2, iters=5, group=_self_group())
         del q, k, v, do
         _empty_cache()
     res = _broadcast(res, dev)
@@ -376,7 +376,10 @@ def _time_rows(bench: Any, preset: str, label: str, build: Callable[[str], Calla
     """Per mode: build the timed function on every rank (``build(mode)``), time it (the slowest rank's median),
     record it against ``limit``, and free it before the next mode."""
     W = bench.world
+    want = [m for m in bench.args.modes.split(",") if m]
     for mode in limit:
+        if want and mode not in want:
+            continue
         reset_peak(bench.device)
         t = None
         try:
