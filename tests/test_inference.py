@@ -5,7 +5,8 @@ Multi-process (gloo, W = 1, 2, 3, 4, 8; one pool call per world size, every case
 - the cache driven directly (``seqpar.inference``): prompts that the layout does not divide, filled by every
   method that can fill a cache (ring, allgather, ulysses, usp, tokenring, tasp, double_ring); extension
   chunks by pass-KV, pass-Q and the bytes rule; decode steps; the static (graph-capturable) decode step;
-  sliding windows with eviction; left-padded batch rows; attention sinks. Every output row of every layer
+  sliding windows with eviction; left-padded batch rows; attention sinks; MLA head dims (Dv != D) through
+  pass-Q, pass-KV and the static step. Every output row of every layer
   equals dense causal attention over the whole sequence in fp64 (within 1e-10: the inputs are fp64).
 - ``seqpar.integrations.huggingface.generate`` on tiny Llama, Qwen3 (q/k norms, one sliding layer), Mistral
   (sliding window) and gpt-oss (attention sinks, a sliding layer, experts) models: batch 1 and 2 (left
@@ -59,15 +60,16 @@ def _cache_specs(world: int) -> list[dict]:
         {"label": "ring zigzag, decode, pass-KV extension, window, left padding",
          "chunks": [("prefill", 13, zig), ("decode", 2), ("prefill", 7, zig), ("decode", 1)], "passes": "kv",
          "windows": {1: 5}, "batch": 2, "starts": (0, 3)},
-        {"label": "stripe then contiguous chunks, pass-Q, sinks",
+        {"label": "stripe then contiguous chunks, pass-Q, sinks, MLA head dims (Dv 12, D 8)",
          "chunks": [("prefill", 11, _fill(layout="stripe")), ("decode", 3), ("prefill", 9, _fill(layout="contiguous")),
-                    ("decode", 1)], "passes": "q", "sinks": True},
+                    ("decode", 1)], "passes": "q", "sinks": True, "value_head_dim": 12},
         {"label": "chunked prefill by the bytes rule (a small chunk after a long prompt)",
          "chunks": [("prefill", 29, zig), ("prefill", 3, zig), ("prefill", 9, zig), ("decode", 2)],
          "windows": {0: 6}},
-        {"label": "static cache: graph-capturable steps, then eager decode and extension",
+        {"label": "static cache: graph-capturable steps, then eager decode and pass-KV extension, MLA head dims",
          "chunks": [("prefill", 12, zig), ("static", 5), ("decode", 1), ("prefill", 6, zig), ("static", 2)],
-         "max_len": 48, "windows": {0: 4}, "batch": 2, "starts": (2, 0), "sinks": True},
+         "max_len": 48, "windows": {0: 4}, "batch": 2, "starts": (2, 0), "sinks": True, "value_head_dim": 4,
+         "passes": "kv"},
     ]
     if world == 2:
         specs.append({"label": "sliding windows evict: live rows stay at the window, storage stops growing",
