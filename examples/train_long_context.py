@@ -359,6 +359,12 @@ def _si(x: float, base: int = 1000) -> str:
     return str(x)
 
 
+def _quiesce() -> None:
+    """Wait until every rank is done: collectives FSDP left in flight (gloo runs them in order) complete before
+    the group is destroyed under them (a rank then occasionally aborted in gloo's teardown)."""
+    dist.barrier()
+
+
 def _init_and_train(rank: int, world: int, init_file: str, p: Preset, out: str | None, check: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo" if p.device == "cpu" else "nccl", init_method=f"file://{init_file}",
@@ -367,6 +373,7 @@ def _init_and_train(rank: int, world: int, init_file: str, p: Preset, out: str |
         if p.device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         train(p, out, check)
+        _quiesce()
     finally:
         dist.destroy_process_group()
 
@@ -409,6 +416,7 @@ def main(argv: list[str] | None = None) -> None:
         dist.init_process_group(backend)
         try:
             train(p, args.out, args.check)
+            _quiesce()
         finally:
             dist.destroy_process_group()
     else:
