@@ -283,37 +283,39 @@ def test_row_groups_cut_at_documents_and_cover_the_call():
     assert (at_q, at_k) == (task.q_stop, task.k_stop)
 
 
-def _grouped_backward_worker(bound: int) -> list[torch.Tensor]:
-    """``seqpar.attention``'s gradients at W = 1 on a packed row, with ``bound`` rows per varlen backward call."""
+def _grouped_backward_worker(bounds: tuple[int, ...]) -> list[list[torch.Tensor]]:
+    """``seqpar.attention``'s output and gradients at W = 1 on a packed row, once per bound on the rows of one
+    varlen backward call, with the rows of each backward call made."""
     from seqpar.kernels import executor
 
-    executor.VARLEN_BWD_ROWS = bound
-    calls = []
-    backward = executor.TaskRunner.backward
+    default, backward = executor.VARLEN_BWD_ROWS, executor.TaskRunner.backward
+    calls: list[int] = []
 
     def spy(self, rows, q, k, v, lse, task):
         calls.append(task.rows)
         return backward(self, rows, q, k, v, lse, task)
 
     executor.TaskRunner.backward = spy
+    runs = []
     try:
-        g = torch.Generator().manual_seed(3)
-        q, k, v, do = (torch.randn(2, 40, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
-        cu = (0, 1, 9, 9, 23, 24, 37, 40)
-        leaves = [t.requires_grad_() for t in (q, k, v)]
-        out = seqpar.attention(*leaves, method="ring", layout="contiguous", cu_seqlens=cu, kernel="reference")
-        grads = torch.autograd.grad(out, leaves, do)
+        for bound in bounds:
+            executor.VARLEN_BWD_ROWS = bound
+            calls.clear()
+            g = torch.Generator().manual_seed(3)
+            q, k, v, do = (torch.randn(2, 40, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2, 4))
+            leaves = [t.requires_grad_() for t in (q, k, v)]
+            out = seqpar.attention(*leaves, method="ring", layout="contiguous", cu_seqlens=(0, 1, 9, 9, 23, 24, 37, 40),
+                                   kernel="reference")
+            runs.append([out.detach(), *torch.autograd.grad(out, leaves, do), torch.tensor(calls)])
     finally:
-        executor.TaskRunner.backward = backward
-    return [out.detach(), *grads, torch.tensor(calls)]
+        executor.TaskRunner.backward, executor.VARLEN_BWD_ROWS = backward, default
+    return runs
 
 
 def test_varlen_backward_in_row_groups_equals_one_call(pools):
     """Row groups of at most 16 rows (B = 2: 8 positions) give exactly the one-call gradients, and both match
     the dense oracle."""
-    *one, one_calls = pools(1).run(_grouped_backward_worker, 1 << 30)[0]
-    *cut, cut_calls = pools(1).run(_grouped_backward_worker, 16)[0]
-    pools(1).run(_grouped_backward_worker, 1 << 18)                 # the pool's workers are reused: restore
+    (*one, one_calls), (*cut, cut_calls) = pools(1).run(_grouped_backward_worker, (1 << 30, 16))[0]
     assert one_calls.tolist() == [40] and cut_calls.tolist() == [1, 8, 14, 1, 13, 3], (one_calls, cut_calls)
     for a, b in zip(one, cut):
         assert torch.equal(a, b)
