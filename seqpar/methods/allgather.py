@@ -79,6 +79,7 @@ from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 __all__ = ["METHOD", "SELECT_AT", "GatherPlan", "Selection", "gather_plan", "needed_keys"]
 
 SELECT_AT = 0.75
+"""The selective gather runs when the busiest reader needs at most this share of the sequence."""
 
 
 Spans = tuple[tuple[int, int], ...]      # sorted, disjoint global intervals [start, stop)
@@ -262,6 +263,10 @@ class _Gathered:
         self.send[..., self.d:].copy_(self.v[:, :, hs].transpose(0, 1))
         return self.ag.gather(self.send, self.recv[c % len(self.recv)])
 
+    def grads(self, grad_dtype: torch.dtype, loop: Loop) -> _DKV:
+        """The matching dK/dV return: fp32 accumulators reduce-scattered to the owners."""
+        return _DKV(self.k, self.v, self.stride, self.ag, self.rounds, self.gp.order, grad_dtype, loop)
+
     def kv(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Chunk c's gathered ``k (B, S, stride, D), v (B, S, stride, Dv)`` in global order (after its wait)."""
         buf = self.recv[c % len(self.recv)]
@@ -279,16 +284,16 @@ class _DKV:
     reduce-scatter into ``out[c]``; ``finish`` waits and returns ``dk (B, L, Hkv, D), dv (B, L, Hkv, Dv)``.
     """
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, stride: int, world: int, rounds: int,
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, stride: int, ag: AllGather, rounds: int,
                  order: tuple[int, ...] | None, grad_dtype: torch.dtype, loop: Loop):
         B, L, _, D = k.shape
         F = D + v.shape[-1]
         self.acc_dtype = acc_dtype(k.dtype)
         self.wire = wire_dtype(grad_dtype, k.dtype)
-        self.order, self.shape, self.d, self.loop = order, (B, L, k.shape[2], D, v.shape[-1]), D, loop
+        self.order, self.shape, self.d, self.loop, self.ag = order, (B, L, k.shape[2], D, v.shape[-1]), D, loop, ag
         self.direct = order is None and self.wire == self.acc_dtype      # reduce-scatter the accumulator
         nbuf = min(2, rounds)
-        self.acc = [k.new_empty(world * L, B, stride, F, dtype=self.acc_dtype)
+        self.acc = [k.new_empty(ag.world * L, B, stride, F, dtype=self.acc_dtype)
                     for _ in range(nbuf if self.direct else 1)]
         self.send = [] if self.direct else [torch.empty_like(self.acc[0], dtype=self.wire) for _ in range(nbuf)]
         self.stage = (torch.empty_like(self.acc[0], dtype=self.wire)
@@ -308,7 +313,7 @@ class _DKV:
             self._wait(slot)                   # its reduce-scatter still reads this accumulator
         return self.acc[c % len(self.acc)].zero_()
 
-    def post(self, c: int, ag: AllGather) -> Handle:
+    def post(self, c: int) -> Handle:
         slot = c % len(self.pending)
         buf = self.acc[c % len(self.acc)]
         if not self.direct:
@@ -322,7 +327,7 @@ class _DKV:
                 self.stage.copy_(buf)
                 _permute_chunks(self.stage, send, _inverse(self.order))
             buf = send
-        self.pending[slot] = ag.reduce_scatter(buf, self.out[c])
+        self.pending[slot] = self.ag.reduce_scatter(buf, self.out[c])
         return self.pending[slot]
 
     def finish(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,48 +339,70 @@ class _DKV:
         return g[..., :D].to(dtype), g[..., D:].to(dtype)
 
 
-def _rows(pieces, device: torch.device) -> torch.Tensor:
-    """The row indices of ``(start, count)`` pieces, concatenated (int64 on ``device``)."""
+def _rows(pieces) -> torch.Tensor:
+    """The row indices of ``(start, count)`` pieces, concatenated (int64, on the host)."""
     flat = [p for part in pieces for p in part]
     if not flat:
-        return torch.empty(0, dtype=torch.long, device=device)
+        return torch.empty(0, dtype=torch.long)
     start, count = torch.tensor(flat, dtype=torch.long).T
     offset = torch.cumsum(count, 0) - count
-    rows = torch.arange(int(count.sum())) + torch.repeat_interleave(start - offset, count)
-    return rows.to(device)
+    return torch.arange(int(count.sum())) + torch.repeat_interleave(start - offset, count)
+
+
+@dataclass(frozen=True)
+class _SelectionIndex:
+    """A ``Selection`` as device index tensors, built once per planned call (no host work per call).
+
+    Attributes:
+        send_rows: my local rows, destination by destination; send_splits / recv_splits: rows per peer.
+        place: the compact row of each arrival, and order its inverse (compact row i <- arrival order[i]);
+            both None when arrivals already come in compact order.
+        rows: rows of the compact buffer.
+    """
+
+    send_rows: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    place: torch.Tensor | None
+    order: torch.Tensor | None
+    rows: int
+
+    @staticmethod
+    def of(sel: Selection, device: torch.device) -> _SelectionIndex:
+        place = _rows(sel.recv)
+        ordered = torch.equal(place, torch.arange(sel.rows))
+        return _SelectionIndex(_rows(sel.send).to(device), [sum(n for _, n in part) for part in sel.send],
+                               [sum(n for _, n in part) for part in sel.recv], None if ordered else place.to(device),
+                               None if ordered else torch.argsort(place).to(device), sel.rows)
 
 
 class _Selected:
     """Double-buffered selective gather of one KV head chunk at a time (Note [Selective gather]): the same
     interface as ``_Gathered``, the received rows read back as the compact buffer in global order."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, stride: int, a2a: AllToAllV, sel: Selection):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, stride: int, a2a: AllToAllV, idx: _SelectionIndex):
         B, _, _, D = k.shape
         F = D + v.shape[-1]
-        self.k, self.v, self.stride, self.a2a, self.d = k, v, stride, a2a, D
+        self.k, self.v, self.stride, self.a2a, self.idx, self.d = k, v, stride, a2a, idx, D
         self.rounds = k.shape[2] // stride
-        self.send_rows = _rows(sel.send, k.device)                   # my rows, destination by destination
-        self.send_splits = [sum(n for _, n in part) for part in sel.send]
-        self.recv_splits = [sum(n for _, n in part) for part in sel.recv]
-        place = _rows(sel.recv, k.device)                            # compact row of each arrival
-        ordered = bool(torch.equal(place.cpu(), torch.arange(sel.rows)))
-        self.order = None if ordered else torch.argsort(place)      # compact row i <- arrival order[i]
-        self.place = None if ordered else place
-        self.send = k.new_empty(len(self.send_rows), B, stride, F)
-        self.recv = [k.new_empty(sel.rows, B, stride, F) for _ in range(min(2, self.rounds))]
-        self.glob = None if ordered else torch.empty_like(self.recv[0])
+        self.send = k.new_empty(len(idx.send_rows), B, stride, F)
+        self.recv = [k.new_empty(idx.rows, B, stride, F) for _ in range(min(2, self.rounds))]
+        self.glob = None if idx.order is None else torch.empty_like(self.recv[0])
 
     def post(self, c: int) -> Handle:
-        hs = slice(c * self.stride, (c + 1) * self.stride)
-        rows = self.send_rows
-        self.send[..., : self.d].copy_(self.k[:, :, hs].index_select(1, rows).transpose(0, 1))
-        self.send[..., self.d:].copy_(self.v[:, :, hs].index_select(1, rows).transpose(0, 1))
-        return self.a2a.exchange(self.send, self.recv[c % len(self.recv)], self.send_splits, self.recv_splits)
+        hs, idx = slice(c * self.stride, (c + 1) * self.stride), self.idx
+        self.send[..., : self.d].copy_(self.k[:, :, hs].index_select(1, idx.send_rows).transpose(0, 1))
+        self.send[..., self.d:].copy_(self.v[:, :, hs].index_select(1, idx.send_rows).transpose(0, 1))
+        return self.a2a.exchange(self.send, self.recv[c % len(self.recv)], idx.send_splits, idx.recv_splits)
+
+    def grads(self, grad_dtype: torch.dtype, loop: Loop) -> _SelectedDKV:
+        """The matching dK/dV return: the reverse all-to-all, added into the owners' rows."""
+        return _SelectedDKV(self, grad_dtype, loop)
 
     def kv(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         buf = self.recv[c % len(self.recv)]
-        if self.order is not None:
-            torch.index_select(buf, 0, self.order, out=self.glob)
+        if self.idx.order is not None:
+            torch.index_select(buf, 0, self.idx.order, out=self.glob)
             buf = self.glob
         return buf[..., : self.d].transpose(0, 1), buf[..., self.d:].transpose(0, 1)
 
@@ -384,34 +411,34 @@ class _SelectedDKV:
     """fp32 dK/dV of the compact buffer per head chunk, returned to the owners by the reverse all-to-all and
     added into their rows (the adjoint of ``_Selected``); the same interface as ``_DKV``."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, sel: _Selected, grad_dtype: torch.dtype, loop: Loop):
-        B, L, Hkv, D = k.shape
-        F = D + v.shape[-1]
-        self.sel, self.loop, self.shape = sel, loop, (B, L, Hkv, D, v.shape[-1])
-        self.acc_dtype = acc_dtype(k.dtype)
-        self.wire = wire_dtype(grad_dtype, k.dtype)
+    def __init__(self, sel: _Selected, grad_dtype: torch.dtype, loop: Loop):
+        B, L, Hkv, D = sel.k.shape
+        F = D + sel.v.shape[-1]
+        self.sel, self.loop, self.shape = sel, loop, (B, L, Hkv, D, sel.v.shape[-1])
+        self.acc_dtype = acc_dtype(sel.k.dtype)
+        self.wire = wire_dtype(grad_dtype, sel.k.dtype)
         nbuf = min(2, sel.rounds)
-        self.acc = k.new_empty(sel.recv[0].shape, dtype=self.acc_dtype)
+        self.acc = sel.k.new_empty(sel.recv[0].shape, dtype=self.acc_dtype)
         self.send = [torch.empty_like(self.acc, dtype=self.wire) for _ in range(nbuf)]
-        self.out = k.new_empty(sel.rounds, len(sel.send_rows), B, sel.stride, F, dtype=self.wire)
+        self.out = sel.k.new_empty(sel.rounds, len(sel.idx.send_rows), B, sel.stride, F, dtype=self.wire)
         self.pending: list[Handle | None] = [None] * nbuf
 
     def start(self, c: int) -> torch.Tensor:
         return self.acc.zero_()
 
-    def post(self, c: int, a2a: AllToAllV) -> Handle:
+    def post(self, c: int) -> Handle:
         slot = c % len(self.pending)
         h = self.pending[slot]
         if h is not None:
             self.loop.wait([h])                  # the exchange two chunks back still reads this send buffer
-        send, sel = self.send[slot], self.sel
-        if sel.place is None:
+        send, idx = self.send[slot], self.sel.idx
+        if idx.place is None:
             send.copy_(self.acc)
         elif self.wire == self.acc_dtype:
-            torch.index_select(self.acc, 0, sel.place, out=send)
+            torch.index_select(self.acc, 0, idx.place, out=send)
         else:
-            send.copy_(self.acc.index_select(0, sel.place))
-        self.pending[slot] = a2a.exchange(send, self.out[c], sel.recv_splits, sel.send_splits)
+            send.copy_(self.acc.index_select(0, idx.place))
+        self.pending[slot] = self.sel.a2a.exchange(send, self.out[c], idx.recv_splits, idx.send_splits)
         return self.pending[slot]
 
     def finish(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,13 +447,12 @@ class _SelectedDKV:
                 self.loop.wait([h])
                 self.pending[slot] = None
         B, L, Hkv, D, Dv = self.shape
-        sel = self.sel
+        sel, idx = self.sel, self.sel.idx
         g = self.out.new_zeros(sel.rounds, L, B, sel.stride, D + Dv, dtype=self.acc_dtype)
         at = 0
-        for n in sel.send_splits:                # one reader at a time: unique rows, a deterministic sum
+        for n in idx.send_splits:                # one reader at a time: unique rows, a deterministic sum
             if n:
-                rows = sel.send_rows[at:at + n]
-                g.index_add_(1, rows, self.out[:, at:at + n].to(self.acc_dtype))
+                g.index_add_(1, idx.send_rows[at:at + n], self.out[:, at:at + n].to(self.acc_dtype))
             at += n
         g = g.permute(2, 1, 0, 3, 4).reshape(B, L, Hkv, D + Dv)
         return g[..., :D].to(dtype), g[..., D:].to(dtype)
@@ -473,13 +499,14 @@ class _Engine:
         self.stride = _stride(cfg.options, call.k_shape[2])
         self.G = call.q_shape[2] // call.k_shape[2]
         self.groups, self.grad_dtype = call.groups, cfg.grad_dtype
+        sel = self.gp.selection
+        self.index = None if sel is None else _SelectionIndex.of(sel, call.device)
 
     def _transport(self, k: torch.Tensor, v: torch.Tensor) -> _Gathered | _Selected:
         """The full all-gather, or the selective one when the plan has a selection."""
-        sel = self.gp.selection
-        if sel is None:
+        if self.index is None:
             return _Gathered(k, v, self.stride, AllGather(self.groups.group), self.gp)
-        return _Selected(k, v, self.stride, AllToAllV(self.groups.group), sel)
+        return _Selected(k, v, self.stride, AllToAllV(self.groups.group), self.index)
 
     def _heads(self, c: int) -> slice:
         return slice(c * self.stride * self.G, (c + 1) * self.stride * self.G)
@@ -523,12 +550,10 @@ class _Engine:
         q, k, v, rows = b.q, b.k, b.v, b.rows
         runner, G, stride = self.runner, self.G, self.stride
         gathered = self._transport(k, v)
-        comm = gathered.ag if isinstance(gathered, _Gathered) else gathered.a2a
         dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         tasks = runner.prepare(self.gp.tasks, q[:, :, : stride * G], k[:, :, :stride])
         with Loop() as loop:
-            grads = (_DKV(k, v, stride, comm.world, gathered.rounds, self.gp.order, self.grad_dtype, loop)
-                     if isinstance(gathered, _Gathered) else _SelectedDKV(k, v, gathered, self.grad_dtype, loop))
+            grads = gathered.grads(self.grad_dtype, loop)
             handles = [loop.post(gathered.post(0))]
             d = k.shape[-1]
 
@@ -551,7 +576,7 @@ class _Engine:
                 return None
 
             def post_after(c: int) -> None:   # chunk c's reduce-scatter runs behind chunk c+1 (waited by _DKV)
-                loop.post(grads.post(c, comm))
+                loop.post(grads.post(c))
 
             run_steps(gathered.rounds, post=post, compute=compute, post_after=post_after, loop=loop)
             dk, dv = grads.finish(k.dtype)
