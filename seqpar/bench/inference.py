@@ -199,10 +199,11 @@ def decode_static(model, cache, first_BN: torch.Tensor, steps: int, graph: bool)
     out = torch.empty(first_BN.shape[0], steps, dtype=torch.long, device=device)
     slot = torch.zeros((), dtype=torch.long, device=device)
 
+    kw = cache_kwargs(model.base_model, cache)
+
     def step() -> None:
         dec.begin()
-        h = model.base_model(input_ids=ids, position_ids=dec.position_ids, use_cache=True,
-                             **cache_kwargs(model.base_model, cache))
+        h = model.base_model(input_ids=ids, position_ids=dec.position_ids, use_cache=True, **kw)
         ids.copy_(model.lm_head(h.last_hidden_state[:, -1:]).argmax(-1))
         out.index_copy_(1, slot.view(1), ids)
         slot.add_(1)

@@ -219,6 +219,11 @@ def run_packed(bench: Any) -> None:
             _packed_at(bench, _scaled(bench, total), dist_name)
 
 
+def _wanted(arg: str) -> list[str]:
+    """The names a comma-separated ``--methods`` / ``--modes`` keeps (empty: all)."""
+    return [m for m in arg.split(",") if m]
+
+
 def _mode(mode: str, call: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           do: torch.Tensor) -> Callable[[], object]:
     """The timed function of one packed row's ``mode``, holding only that mode's tensors (no copies): at 1M
@@ -239,7 +244,7 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
     cu_t = torch.tensor(cu, dtype=torch.int32)
     preset = f"packed-{total // 1024}k-{dist_name}"
     limit = _varlen_limit(bench, total, cu, H, Hkv, D)
-    keep = [m for m in bench.args.methods.split(",") if m]
+    keep = _wanted(bench.args.methods)
     for method, layout in (("ring", "zigzag"), ("ring", "balanced"), ("allgather", "zigzag"),
                            ("allgather", "balanced"), ("ulysses", "contiguous")):
         if keep and method not in keep and f"{method}/{layout}" not in keep:
@@ -285,7 +290,7 @@ def _varlen_limit(bench: Any, total: int, cu: tuple[int, ...], H: int, Hkv: int,
             return aten._flash_attention_backward(do, q, k, v, o, lse, cu_d, cu_d, mx, mx, 0.0, True, rng, unused)
         if dev.type != "cuda":                 # a CPU smoke run: the reference kernel's varlen path
             fwd, fb = _reference_varlen(q, k, v, do, cu)
-        want = [m for m in bench.args.modes.split(",") if m]
+        want = _wanted(bench.args.modes)
         for mode, fn in (("fwd", fwd), ("fwd+bwd", fb)):
             if not want or mode in want:
                 res[mode] = time_ms(fn, dev, warmup=2, iters=5, group=_self_group())
@@ -376,7 +381,7 @@ def _time_rows(bench: Any, preset: str, label: str, build: Callable[[str], Calla
     """Per mode: build the timed function on every rank (``build(mode)``), time it (the slowest rank's median),
     record it against ``limit``, and free it before the next mode."""
     W = bench.world
-    want = [m for m in bench.args.modes.split(",") if m]
+    want = _wanted(bench.args.modes)
     for mode in limit:
         if want and mode not in want:
             continue

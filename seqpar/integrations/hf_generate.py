@@ -29,6 +29,7 @@ from its first real token, as transformers computes them. Not supported (refused
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -60,7 +61,13 @@ _REFUSED = {
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
     """``{name: cache}`` under the name ``model``'s forward gives the KV cache: ``cache`` in transformers >= 5.2x,
     ``past_key_values`` before (the old name still works there, with a deprecation warning per process)."""
-    return {"cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values": cache}
+    return {_cache_name(type(model)): cache}
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_name(model_class: type) -> str:
+    """Read once per model class: a decode step calls ``cache_kwargs`` and should do no signature work."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 class SeqparCache(Cache):

@@ -35,8 +35,9 @@ from .base import Kernel, KernelCall, mask_kind, select
 __all__ = ["GROUP_AT", "VARLEN_BWD_ROWS", "TaskRunner", "row_groups"]
 
 GROUP_AT = 3
-VARLEN_BWD_ROWS = 1 << 18      # rows (batch x sequence) per varlen backward call (Note [Varlen backward in row groups])
 """Tasks of one step from which ``TaskRunner.prepare`` packs them into varlen calls."""
+VARLEN_BWD_ROWS = 1 << 18
+"""Rows (batch x sequence) per varlen backward call (Note [Varlen backward in row groups])."""
 
 
 @functools.lru_cache(maxsize=1024)
