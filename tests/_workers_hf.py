@@ -306,3 +306,43 @@ def encoder_compare(spec: dict[str, Any]) -> dict[str, float]:
         return errors
     finally:
         handle.disable()
+
+
+def refill_compare(spec: dict[str, Any]) -> dict[str, Any]:
+    """One set of batch buffers refilled in place between forwards (as a collator or a CUDA-graph feeder does)
+    against fresh tensors of the same batches: the largest logits and loss errors over the steps, and what a
+    forward raised after the position buffer was refilled with wrong positions (None if nothing raised).
+
+    spec keys: method, layout, check_positions, cus (one boundary tuple per step, all of one length).
+    """
+    mesh = make_mesh(spec)
+    handle = sp_hf.enable(mesh, method=spec["method"], layout=spec.get("layout"), name="seqpar_refill",
+                          check_positions=spec.get("check_positions", True))
+    try:
+        model = build("llama", handle.name)
+        errors = {"logits": 0.0, "loss": 0.0}
+        buffers = None
+        with torch.no_grad():
+            for cu in spec["cus"]:
+                local = handle.shard_batch(global_batch({"docs": "cu", "cu": cu, "data_seed": cu[1]}))
+                fresh = model(**local)
+                if buffers is None:
+                    buffers = handle.shard_batch(global_batch({"docs": "cu", "cu": cu, "data_seed": cu[1]}))
+                else:
+                    for key, t in buffers.items():
+                        if isinstance(t, torch.Tensor):
+                            t.copy_(local[key])
+                        else:
+                            buffers[key] = local[key]
+                out = model(**buffers)
+                errors["logits"] = max(errors["logits"], rel_error(out.logits, fresh.logits))
+                errors["loss"] = max(errors["loss"], rel_error(out.loss, fresh.loss))
+            buffers["position_ids"].add_(1)          # wrong positions, written into the checked buffer
+            try:
+                model(**buffers)
+                errors["wrong_positions"] = None
+            except ValueError as e:
+                errors["wrong_positions"] = str(e)
+        return errors
+    finally:
+        handle.disable()

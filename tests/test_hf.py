@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _workers_hf import compile_graph_breaks, encoder_compare, expect_error, train_compare
+from _workers_hf import compile_graph_breaks, encoder_compare, expect_error, refill_compare, train_compare
 from reliability_methods import padded_length, softmax_setup
 
 import seqpar
@@ -276,3 +276,21 @@ def test_packed_batches_default_to_the_balanced_layout():
     assert sp_hf.batch_layout("ulysses", None, (0, 5, 32)) is None          # contiguous only
     assert sp_hf.batch_layout("ring", None, None) is None
     assert sp_hf.batch_layout("ring", "zigzag", (0, 5, 32)) == "zigzag"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_buffers_refilled_in_place(pools, world):
+    """One set of batch buffers (cu_seq_lens_q, position_ids, tokens) refilled in place between forwards, as a
+    collator or a CUDA-graph feeder does, gives each step its own result (that of fresh tensors), with the
+    position check on and off; positions written into the checked buffer are checked again (Note [Host reads of
+    refillable buffers]: host reads are remembered per content, not per object)."""
+    cus = [(0, 5, 19, 32), (0, 9, 25, 32), (0, 13, 14, 32)]
+    for check in (True, False):
+        spec = {"method": "ring", "layout": None, "check_positions": check, "cus": cus}
+        for r, res in enumerate(pools(world).run(refill_compare, spec)):
+            assert isinstance(res, dict), f"check_positions={check} rank {r} raised: {res}"
+            assert res["logits"] <= TOL and res["loss"] <= TOL, f"check_positions={check} rank {r}: {res}"
+            if check:
+                assert res["wrong_positions"] is not None and "position_ids must be" in res["wrong_positions"]
+            else:
+                assert res["wrong_positions"] is None

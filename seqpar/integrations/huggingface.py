@@ -155,8 +155,9 @@ class Handle:
         self.active = False
         self._previous: tuple[Any, Any] = (None, None)
         self._interfaces: tuple[Any, Any] = (None, None)
-        self._cu_seen: dict[int, tuple[Any, tuple[int, ...]]] = {}    # small caches keyed by object identity
-        self._pos_seen: tuple[Any, Any] = (None, None)
+        # Note [Host reads of refillable buffers]: small caches keyed by object identity AND content stamp
+        self._cu_seen: dict[int, tuple[Any, tuple[int, int] | None, tuple[int, ...]]] = {}
+        self._pos_seen: tuple[Any, tuple[int, int] | None, Any] = (None, None, None)
         self._glob: dict[tuple, torch.Tensor] = {}
         self.attention_fn = self._attention
         self.kv_cache: Any = None   # a hf_generate.SeqparCache while generate() runs: its tokens go to it
@@ -293,7 +294,7 @@ class Handle:
         return SeqParallelGroups.resolve(self.mesh, dims).world
 
     def _documents(self, kwargs: dict[str, Any]) -> tuple[int, ...] | None:
-        """Global document boundaries from ``cu_seq_lens_q`` (read on the host once per tensor object)."""
+        """Global document boundaries from ``cu_seq_lens_q`` (read on the host once per content)."""
         cu_q = kwargs.get("cu_seq_lens_q")
         if cu_q is None:
             if kwargs.get("cu_seq_lens_k") is not None:
@@ -308,19 +309,31 @@ class Handle:
         return cu
 
     def _host_cu(self, cu: Any) -> tuple[int, ...]:
-        """Host ints of a boundary tensor: read once per tensor object (a CUDA tensor costs one sync per forward,
-        not one per layer); the cache holds the last few objects so their ids cannot be reused meanwhile."""
+        """Host ints of a boundary tensor, read once per content (Note [Host reads of refillable buffers])."""
+        stamp = _stamp(cu)
         hit = self._cu_seen.get(id(cu))
-        if hit is not None and hit[0] is cu:
-            return hit[1]
+        if hit is not None and hit[0] is cu and stamp is not None and hit[1] == stamp:
+            return hit[2]
         value = _as_tuple(cu)
-        if len(self._cu_seen) >= 4:
+        if stamp is None:
+            return value
+        if len(self._cu_seen) >= 4 and id(cu) not in self._cu_seen:
             self._cu_seen.pop(next(iter(self._cu_seen)))
-        self._cu_seen[id(cu)] = (cu, value)
+        self._cu_seen[id(cu)] = (cu, stamp, value)
         return value
 
+    # Note [Host reads of refillable buffers]
+    #     A forward calls the attention function once per layer with the same cu_seq_lens_q and position_ids
+    #     objects; reading a CUDA boundary tensor or checking CUDA positions costs a device-to-host sync, so
+    #     each is done once per forward and remembered. The memory is keyed on the object (held, so its id
+    #     cannot be reused) AND its stamp (``_stamp``: the version counter every in-place op bumps, and the
+    #     storage pointer): a collator or a CUDA-graph feeder that refills one buffer in place between steps
+    #     changes the stamp, so the next forward reads the new documents and checks the new positions instead
+    #     of reusing the previous batch's. Inference tensors (``torch.inference_mode``) carry no version
+    #     counter: they are read on every call (one read per layer; use ``torch.no_grad`` to read once).
+
     def _check_positions(self, pos: Any, cu: tuple[int, ...] | None, local_len: int) -> None:
-        """``position_ids`` must be global positions (or positions within documents), checked once per object.
+        """``position_ids`` must be global positions (or positions within documents), checked once per content.
 
         Note [RoPE sees global positions]: RoPE is applied before attention, from ``position_ids``. A model
         called on a shard without them numbers the shard's tokens 0..L-1 and every rank but the first is
@@ -332,9 +345,10 @@ class Handle:
         pos_BL = pos[None] if pos.dim() == 1 else pos
         if pos_BL.dim() != 2 or pos_BL.shape[-1] != local_len:
             return                                            # other position schemes (e.g. M-RoPE): not ours
-        seen, seen_cu = self._pos_seen
-        if seen is pos and seen_cu == cu:
-            return
+        seen, seen_stamp, seen_cu = self._pos_seen
+        stamp = _stamp(pos)
+        if seen is pos and stamp is not None and seen_stamp == stamp and seen_cu == cu:
+            return                                            # Note [Host reads of refillable buffers]
         layout = batch_layout(self.method, self.layout, cu)
         key = (local_len, str(pos.device), layout, cu if layout in DOCUMENT_LAYOUTS else None)
         if key not in self._glob:
@@ -354,7 +368,7 @@ class Handle:
                 f"holds positions {glob[:6].tolist()}...: build the batch with shard_batch (RoPE must see global "
                 f"positions), or pass check_positions=False to enable() for another position scheme"
                 f"{rank_suffix()}")
-        self._pos_seen = (pos, cu)
+        self._pos_seen = (pos, stamp, cu)
 
     # -- conveniences bound to this handle's placement -----------------------------------------------------
 
@@ -390,6 +404,14 @@ def _short(value: Any) -> str:
         return f"a tensor of shape {tuple(value.shape)}"
     text = repr(value)
     return text if len(text) < 60 else text[:57] + "..."
+
+
+def _stamp(t: Any) -> tuple[int, int] | None:
+    """What changes when a tensor is refilled in place: its version counter and its storage pointer; None
+    when it cannot be told (not a tensor, or an inference tensor, which has no version counter)."""
+    if not isinstance(t, torch.Tensor) or t.is_inference():
+        return None
+    return (t._version, t.data_ptr())
 
 
 def _as_tuple(cu: Any) -> tuple[int, ...]:
