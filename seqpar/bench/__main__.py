@@ -1,4 +1,5 @@
 """``torchrun --nproc-per-node N -m seqpar.bench --preset table [--peers] [--scaling]``
+``python -m seqpar.bench --emulate-world W --preset gqa-causal-16k`` (one process: rank r of W, Note [Emulated world])
 
 For each preset, in one run: the single-GPU cuDNN kernel on the full sequence divided by N (the limit),
 every seqpar method, and (``--peers``) ring-flash-attn, yunchang and PyTorch's context parallel through
@@ -6,7 +7,21 @@ every seqpar method, and (``--peers``) ring-flash-attn, yunchang and PyTorch's c
 with ``--profile`` the exposed communication of each seqpar method from a profiler trace. Records are
 appended as JSON lines as they are measured (a killed run keeps what it measured), then a table and a
 PNG plot are written next to them.
+
+Note [Emulated world]
+    ``--emulate-world W`` runs ONE process as rank r of a W-rank group on torch's fake process group: every
+    collective and transfer returns at once and moves nothing, everything else is real - the host work, the
+    kernels at the true per-rank shapes, the merges, the stream waits, the memory. So the rank's time is what
+    its compute path costs, an upper bound on what W real GPUs reach (fake W = 1 equals NCCL W = 1 within 3%).
+    r is the busiest rank of each configuration (``--emulate-rank busiest``, from ``layouts.work``: for a
+    layout that is not balanced rank 0 may be idle half the time); the group is re-created when r changes.
+    Each record adds ``emulated_world``, ``emulated_rank``, ``tokens_per_rank``, ``compute_efficiency`` (the
+    efficiency above, communication free), the host time of one call from an idle GPU, the GPU operations
+    per call and the fraction of a call the GPU idles (``timing.call_profile``). What it cannot see: NCCL's
+    own use of SMs and memory bandwidth beside the kernels, link contention and latency, stragglers (no
+    other rank exists), and any wait on a peer; values are garbage (nothing arrives), so nothing is checked.
 """
+
 
 from __future__ import annotations
 
@@ -28,7 +43,7 @@ from .presets import PRESETS, TABLE, MethodSpec, Preset, method_specs
 from .report import console_table, load, plot, readme_table, suite_table
 from .runners import limit_runner, ours_runner, peer_runners
 from .suites import SUITES
-from .timing import exposed_comm_ms, peak_mem_gib, reset_peak, time_ms
+from .timing import call_profile, exposed_comm_ms, peak_mem_gib, reset_peak, time_ms
 
 
 def _args(argv):
@@ -49,6 +64,11 @@ def _args(argv):
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--nccl-high-priority", type=int, default=1, help="NCCL on high-priority streams (1/0)")
     ap.add_argument("--small", action="store_true", help="suites at 1/64 of their sizes (a CPU smoke run)")
+    ap.add_argument("--emulate-world", type=int, default=0,
+                    help="one process as one rank of this many on a fake group (Note [Emulated world]); no torchrun")
+    ap.add_argument("--emulate-rank", default="busiest", help="the emulated rank: an int, or 'busiest' per config")
+    ap.add_argument("--check-ranks", action="store_true",
+                    help="emulation: keep seqpar's agreement round on (default off, as the issue's protocol)")
     ap.add_argument("--cpu-gloo", action="store_true",
                     help="process group 'cpu:gloo,cuda:nccl' (seqpar's agreement round then needs no device sync)")
     return ap.parse_args(argv)
@@ -60,7 +80,10 @@ class Bench:
         self.device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0)) if args.device == "cuda" else None)
         if args.device == "cuda":
             torch.cuda.set_device(self.device)
-        if args.device == "cuda" and args.cpu_gloo:
+        self.emulated = args.emulate_world > 0
+        if self.emulated:
+            self.emulate_as(0 if args.emulate_rank == "busiest" else int(args.emulate_rank))
+        elif args.device == "cuda" and args.cpu_gloo:
             # CPU tensors (seqpar's per-call agreement round) on gloo, CUDA tensors on NCCL: no device sync
             dist.init_process_group("cpu:gloo,cuda:nccl")
         elif args.device == "cuda":
@@ -79,30 +102,84 @@ class Bench:
         gpu = self.meta["gpu"].replace(" ", "_")
         name = f"{platform.node()}-{self.world}x{gpu}-{stamp}" + (f"-{args.tag}" if args.tag else "")
         self.path = out / f"{name}.jsonl"
-        if self.rank == 0:
+        if self.rank == 0 or self.emulated:
             out.mkdir(parents=True, exist_ok=True)
         self.done = 0
         self.limits: dict[tuple, float] = {}
 
+    def emulate_as(self, rank: int) -> None:
+        """Become rank ``rank`` of the emulated world (a fresh fake group when it changes; Note [Emulated world])."""
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from . import runners, suites
+
+        if dist.is_initialized():
+            if dist.get_rank() == rank:
+                return
+            dist.destroy_process_group()
+            runners.forget_meshes()
+            suites.forget_groups()
+        dist.init_process_group("fake", rank=rank, world_size=self.args.emulate_world, store=FakeStore())
+        self.rank = rank
+
+    def busiest(self, layout, seq_len: int, causal: bool, cu_seqlens=None) -> int:
+        """The rank to emulate for a configuration on ``layout`` (a name or a layout object): ``--emulate-rank``,
+        or the rank with the most visible (query, key) pairs."""
+        if self.args.emulate_rank != "busiest":
+            return int(self.args.emulate_rank)
+        from ..layouts import Rule, make_layout
+        from ..layouts.work import work
+
+        lay = make_layout(layout, self.world, cu_seqlens) if isinstance(layout, str) else layout
+        per_rank = work(lay, seq_len, Rule(causal), cu_seqlens)
+        return max(range(self.world), key=lambda r: (per_rank[r], -r))
+
+    def emulation(self, seq_len: int, time_ms_: float | None, limit_ms: float | None, fn=None) -> dict:
+        """The emulated-world fields of a record (empty on a real group); ``fn``: the timed call, profiled."""
+        if not self.emulated:
+            return {}
+        rec = {"emulated_world": self.world, "emulated_rank": self.rank, "tokens_per_rank": seq_len // self.world,
+               "check_ranks": self.args.check_ranks}
+        if time_ms_ is not None and limit_ms is not None:
+            rec["compute_efficiency"] = limit_ms / time_ms_
+        if fn is not None and time_ms_ is not None:
+            prof = call_profile(fn, self.device)
+            rec.update(prof)
+            if "gpu_busy_ms" in prof:
+                rec["gpu_idle_fraction"] = max(0.0, 1.0 - prof["gpu_busy_ms"] / time_ms_)
+        return rec
+
     def _meta(self) -> dict:
         cuda = self.device.type == "cuda"
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
-        cmd = f"torchrun --nproc-per-node {self.world} -m seqpar.bench " + shlex.join(sys.argv[1:])
+        launch = "python" if self.emulated else f"torchrun --nproc-per-node {self.world}"
+        cmd = f"{launch} -m seqpar.bench " + shlex.join(sys.argv[1:])
         return {"host": platform.node(), "gpu": torch.cuda.get_device_name(self.device) if cuda else "cpu",
                 "torch": torch.__version__, "nccl": nccl, "cudnn": torch.backends.cudnn.version() if cuda else None,
                 "command": cmd, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "nccl_high_priority": bool(self.args.nccl_high_priority) if cuda and not self.args.cpu_gloo else None,
-                "backend": "cpu:gloo,cuda:nccl" if self.args.cpu_gloo else ("nccl" if cuda else "gloo")}
+                "backend": "fake" if self.emulated else (
+                    "cpu:gloo,cuda:nccl" if self.args.cpu_gloo else ("nccl" if cuda else "gloo"))}
+
+    @property
+    def check_ranks(self) -> bool:
+        """The agreement round: on for real groups; off when emulating unless ``--check-ranks``."""
+        return not self.emulated or self.args.check_ranks
+
+    @property
+    def measures_limit(self) -> bool:
+        """Whether this process times the single-GPU limit (rank 0 of a real group; the one emulated rank)."""
+        return self.rank == 0 or self.emulated
 
     def log(self, msg: str) -> None:
-        if self.rank == 0:
+        if self.measures_limit:
             print(f"[{time.monotonic() - self.t0:6.0f}s] {msg}", file=sys.stderr, flush=True)
 
     def over_budget(self) -> bool:
         return bool(self.args.budget_s) and time.monotonic() - self.t0 > self.args.budget_s
 
     def write(self, rec: dict) -> None:
-        if self.rank == 0:
+        if self.measures_limit:
             with self.path.open("a") as f:
                 f.write(json.dumps({**rec, **self.meta}) + "\n")
 
@@ -125,7 +202,7 @@ class Bench:
             return self.limits[key]
         measure_at = preset.limit_from or s
         res: dict[str, float] = {}
-        runner = limit_runner(preset, self.device, measure_at) if self.rank == 0 else None
+        runner = limit_runner(preset, self.device, measure_at) if self.measures_limit else None
         for mode in self.modes(preset):
             fn = runner[mode] if runner else (lambda: None)
             t = time_ms(fn, self.device, warmup=1, iters=3)
@@ -168,6 +245,7 @@ class Bench:
                 continue
             rec_extra = dict(extra or {})
             rec_extra["peak_mem_gib"] = peak_mem_gib(self.device, group)
+            rec_extra.update(self.emulation(preset.seq_len, t, limit[mode] / world, runner[mode]))
             if profile and self.args.profile:
                 comm, exposed, kernels = exposed_comm_ms(runner[mode], self.device)
                 rec_extra.update(comm_ms=comm, exposed_comm_ms=exposed, kernel_ms=kernels)
@@ -205,7 +283,11 @@ class Bench:
             if self.over_budget():
                 self.log("budget reached: skipping the rest")
                 return
-            self.time_config(preset, spec.label, lambda s=spec: ours_runner(s, preset, self.device), limit,
+            if self.emulated:       # Ulysses gives every rank the same work; the others follow their layout
+                self.emulate_as(0 if spec.method == "ulysses" else self.busiest(spec.layout, preset.seq_len,
+                                                                                  preset.causal))
+            self.time_config(preset, spec.label,
+                             lambda s=spec: ours_runner(s, preset, self.device, check_ranks=self.check_ranks), limit,
                              profile=True)
         if self.args.peers and self.device.type == "cuda":
             for label, factory in peer_runners(preset, self.device).items():
@@ -254,8 +336,12 @@ def _select(names: list[str]) -> list[Preset]:
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     presets = _select(args.preset)
-    if "RANK" not in os.environ:
-        raise SystemExit("launch with torchrun: torchrun --nproc-per-node N -m seqpar.bench ...")
+    if "RANK" not in os.environ and not args.emulate_world:
+        raise SystemExit("launch with torchrun: torchrun --nproc-per-node N -m seqpar.bench ... (or emulate one rank: "
+                         "python -m seqpar.bench --emulate-world W ...)")
+    if args.emulate_world and (args.scaling or "inference" in args.preset):
+        raise SystemExit("--emulate-world times presets and suites; --scaling and the inference preset need a real "
+                         "group")
     if "inference" in args.preset:
         from .inference import main as inference_main
         inference_main(["--out", str(Path(args.out) / "inference.jsonl"), "--baseline"])
@@ -272,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.scaling and not bench.over_budget():
         bench.run_scaling()
     dist.barrier()
-    if bench.rank == 0:
+    if bench.measures_limit and bench.path.exists():
         rows = load([bench.path])
         table = console_table(rows) + "\n\n" + suite_table(rows)
         print(table)

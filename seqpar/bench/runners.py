@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from .presets import MethodSpec, Preset
 
-__all__ = ["limit_runner", "ours_runner", "peer_runners"]
+__all__ = ["forget_meshes", "limit_runner", "ours_runner", "peer_runners"]
 
 Runner = dict[str, Callable[[], object]]
 
@@ -70,9 +70,14 @@ def limit_runner(preset: Preset, device: torch.device, seq_len: int | None = Non
 _MESHES: dict[tuple[int, int], Any] = {}
 
 
+def forget_meshes() -> None:
+    """Drop the meshes built for 2D methods and PyTorch's CP (the process group they were made on is gone)."""
+    _MESHES.clear()
+
+
 def ours_runner(spec: MethodSpec, preset: Preset, device: torch.device, group: dist.ProcessGroup | None = None,
-                kernel: str = "auto") -> Runner:
-    """seqpar.attention with ``spec`` on local shards."""
+                kernel: str = "auto", check_ranks: bool = True) -> Runner:
+    """seqpar.attention with ``spec`` on local shards (``check_ranks``: seqpar's agreement round)."""
     import seqpar
 
     world = dist.get_world_size(group)
@@ -91,7 +96,7 @@ def ours_runner(spec: MethodSpec, preset: Preset, device: torch.device, group: d
     do = torch.randn_like(q)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     kw = {"mesh": mesh, "method": spec.method, "layout": spec.layout, "causal": preset.causal, "kernel": kernel,
-          **dict(spec.options)}
+          "check_ranks": check_ranks, **dict(spec.options)}
     if padded != preset.seq_len:
         kw["seq_len"] = preset.seq_len
 

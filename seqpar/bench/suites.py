@@ -37,7 +37,7 @@ from ..layouts.work import work
 from .packing import DISTRIBUTIONS, packed_row
 from .timing import burst_ms, kernel_ms, peak_mem_gib, reset_peak, time_ms
 
-__all__ = ["SUITES", "host_us", "run_heads", "run_overhead", "run_packed"]
+__all__ = ["SUITES", "forget_groups", "host_us", "run_heads", "run_overhead", "run_packed"]
 
 aten = torch.ops.aten
 
@@ -214,7 +214,7 @@ def run_packed(bench: Any) -> None:
     """``--preset packed`` (module docstring)."""
 
     _self_groups()
-    for total in (131072, 1 << 20):
+    for total in (32768, 131072) if bench.emulated else (131072, 1 << 20):
         for dist_name in DISTRIBUTIONS:
             _packed_at(bench, _scaled(bench, total), dist_name)
 
@@ -254,28 +254,32 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
         if method != "ulysses":
             per_rank = work(make_layout(layout, W, cu), total, Rule(True), cu)
             imbalance = max(per_rank) * W / max(sum(per_rank), 1)
+        if bench.emulated:                              # time the busiest rank (Note [Emulated world])
+            bench.emulate_as(0 if method == "ulysses" else bench.busiest(make_layout(layout, W, cu), total, True, cu))
 
         def build(mode: str, where=where):
             full = [_randn((1, total, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv, H))]
             q, k, v, do = (seqpar.shard(t, **where) for t in full)
             del full
             kw = {"method": where["method"], "layout": where["layout"], "cu_seqlens": cu_t,
-                  "check_ranks": W == 1}
+                  "check_ranks": W == 1 and bench.check_ranks}
             return _mode(mode, lambda q, k, v: seqpar.attention(q, k, v, **kw), q, k, v, do)
         _time_rows(bench, preset, f"{method}/{layout}", build, limit,
-                   {"work_max_over_mean": imbalance, "documents": len(cu) - 1})
+                   {"work_max_over_mean": imbalance, "documents": len(cu) - 1, "packed": True, "row": preset,
+                    "seq_len": total})
     if bench.args.peers:
         for label, factory in _peer_varlen(bench, total, cu, H, Hkv, D).items():
             if keep and label not in keep:
                 continue
-            _time_rows(bench, preset, label, factory, limit, {"documents": len(cu) - 1})
+            _time_rows(bench, preset, label, factory, limit, {"documents": len(cu) - 1, "packed": True, "row": preset,
+                                                              "seq_len": total})
 
 
 def _varlen_limit(bench: Any, total: int, cu: tuple[int, ...], H: int, Hkv: int, D: int) -> dict[str, float]:
     """The single-GPU FA2 varlen kernel on the whole row (rank 0 times it, every rank gets it), per mode."""
     dev = bench.device
     res: dict[str, float] = {}
-    if bench.rank == 0:
+    if bench.measures_limit:
         q, k, v, do = (_randn((total, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv, H)))
         cu_d = torch.tensor(cu, dtype=torch.int32, device=dev)
         mx = max(b - a for a, b in itertools.pairwise(cu))
@@ -367,6 +371,11 @@ def _self_groups() -> None:
         _SELF.extend(dist.new_group([r]) for r in range(dist.get_world_size()))
 
 
+def forget_groups() -> None:
+    """Drop the one-rank groups (the process group they were made on is gone)."""
+    _SELF.clear()
+
+
 def _empty_cache() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -391,9 +400,11 @@ def _time_rows(bench: Any, preset: str, label: str, build: Callable[[str], Calla
             fn, err = build(mode), None
         except Exception as e:                  # recorded, never fatal: a peer that cannot run this row
             fn, err = None, f"{type(e).__name__}: {str(e)[:300]}"
+        emulation: dict = {}
         if bench._agree(err is None):           # every rank built it: time it (collectives inside)
             try:
                 t = time_ms(fn, bench.device, warmup=2, iters=5)
+                emulation = bench.emulation(extra.get("seq_len", 0), t, limit[mode] / W, fn)
             except Exception as e:
                 err = f"{type(e).__name__}: {str(e)[:300]}"
         fn = None
@@ -404,7 +415,8 @@ def _time_rows(bench: Any, preset: str, label: str, build: Callable[[str], Calla
             continue
         lim = limit[mode] / W
         bench.write({"preset": preset, "method": label, "mode": mode, "world_size": W, "time_ms": t,
-                     "limit_ms": lim, "efficiency": lim / t, "peak_mem_gib": peak_mem_gib(bench.device), **extra})
+                     "limit_ms": lim, "efficiency": lim / t, "peak_mem_gib": peak_mem_gib(bench.device), **extra,
+                     **emulation})
         bench.log(f"{preset} {label} {mode}: {t:.2f} ms, efficiency {lim / t:.3f} vs 1-GPU varlen")
 
 

@@ -8,6 +8,8 @@ calls between events, the functions interleaved round by round so clocks and nei
 ``kernel_ms(fn)`` is the GPU kernel time of one call (from a profile), without the host.
 ``exposed_comm_ms(fn)`` profiles one call and measures how much of the communication kernels' time no
 compute kernel overlapped.
+``call_profile(fn)`` is what an emulated rank reports besides its time: host time of one call, GPU operations
+per call and the GPU's busy time inside it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["burst_ms", "exposed_comm_ms", "kernel_ms", "peak_mem_gib", "rank_median_ms", "reset_peak", "time_ms"]
+__all__ = ["burst_ms", "call_profile", "exposed_comm_ms", "kernel_ms", "peak_mem_gib", "rank_median_ms", "reset_peak",
+           "time_ms"]
 
 
 def _sync(device: torch.device) -> None:
@@ -117,6 +120,34 @@ def kernel_ms(fn: Callable[[], object], device: torch.device, *, calls: int = 5)
             per[ev.name] = per.get(ev.name, 0.0) + ev.time_range.elapsed_us() / 1e3 / calls
     names = sorted(per, key=per.get, reverse=True)
     return sum(per.values()), [f"{n[:80]} {per[n] * 1e3:.1f}us" for n in names[:6]]
+
+
+def call_profile(fn: Callable[[], object], device: torch.device, *, calls: int = 5) -> dict[str, float]:
+    """Per call of ``fn`` from an idle device: host milliseconds until it returns (Python and launches; the median
+    of ``calls``), and on CUDA the GPU operations it runs (kernels, copies, memsets) and their busy time (the union
+    of their intervals, from one profiled call). ``1 - busy / time`` is the fraction of a call the GPU idles."""
+    fn()
+    _sync(device)
+    host = []
+    for _ in range(calls):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+    _sync(device)
+    res = {"host_ms_per_call": statistics.median(host)}
+    if device.type != "cuda":
+        return res
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize(device)
+    spans = [(ev.time_range.start / 1e3, ev.time_range.end / 1e3) for ev in prof.events()
+             if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.elapsed_us() > 0]
+    res["gpu_ops_per_call"] = len(spans)
+    res["gpu_busy_ms"] = _length(_union(spans))
+    return res
 
 
 def reset_peak(device: torch.device) -> None:
