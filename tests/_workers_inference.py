@@ -240,3 +240,53 @@ def cache_errors() -> list[tuple[str, str]]:
         else:
             out.append(("", ""))
     return out
+
+
+def static_overrun(spec: dict[str, Any]) -> dict[str, Any]:
+    """A static decode driven to its bound and one step past it, eagerly or through ``replay`` of a stand-in
+    graph (``spec["replay"]``: CPU has no CUDA graph; the stand-in counts its replays). Returns the bound, what
+    the step past it raised, whether the cache's buffers and the step's device state were left untouched, and
+    how many steps ``close()`` recorded."""
+    P, layers = spec.get("prompt", 4), 2
+    cache = ShardedKVCache(layers=layers, batch=1, max_len=spec["max_len"], spare_rows=0)
+    data = cache_inputs({"dtype": "float32", "layers": layers}, P + spec["max_len"])
+    chunk = cache.begin_prefill(P)
+    for layer, d in enumerate(data):
+        q, k, v = (chunk.take(d[x][:, :P]) for x in ("q", "k", "v"))
+        attend(q, k, v, cache, layer)
+    dec = cache.static_decode()
+    limit = dec.steps_left                      # before any step: the whole bound
+
+    def step() -> None:
+        p = int(dec.position)                   # the test reads it to pick its inputs; an engine would not
+        dec.begin()
+        for layer, d in enumerate(data):
+            dec.attend(*(d[x][:, p:p + 1] for x in ("q", "k", "v")), layer, softmax_scale=None)
+        dec.end()
+
+    class Graph:                                # stands in for a captured step: replay() is the step's work
+        replays = 0
+
+        def replay(self) -> None:
+            Graph.replays += 1
+            p = int(dec.position)
+            dec.mine.copy_(dec.position % dec.cache.world == dec.cache.index)
+            for layer, d in enumerate(data):
+                dec.attend(*(d[x][:, p:p + 1] for x in ("q", "k", "v")), layer, softmax_scale=None)
+            dec.end()
+
+    graph = Graph()
+    run = (lambda: dec.replay(graph)) if spec.get("replay") else step
+    for _ in range(limit):
+        run()
+    before = [t.clone() for lay in cache.layers for t in (lay.k, lay.v)]
+    before += [dec.slot_pos.clone(), dec.fill.clone(), dec.position.clone()]
+    try:
+        run()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    after = [t for lay in cache.layers for t in (lay.k, lay.v)] + [dec.slot_pos, dec.fill, dec.position]
+    return {"limit": limit, "left": dec.steps_left, "error": error, "replays": Graph.replays,
+            "untouched": all(torch.equal(a, b) for a, b in zip(before, after)), "closed": dec.close(),
+            "length": cache.length}

@@ -16,8 +16,15 @@ Note [Static decode step]
     write goes to row ``fill`` of every layer, the other ranks write into a scratch row that nothing sees;
     which rows are visible is a device mask over the whole buffer (``_local.SlotMask``: positions in
     ``[max(start_b, p - w), p]``); the merge is the all-gather above into preallocated buffers. The host learns
-    how many steps ran once, at ``close()`` (one read of p), and records the tokens like ``begin_decode`` does.
+    where p is once, at ``close()`` (one read of p), and records the tokens like ``begin_decode`` does.
     The price of fixed shapes: every step reads the whole buffer, so size ``max_len`` to the run.
+
+    The buffer's bound is kept on the host, before anything is written: ``max_steps`` (the steps before some
+    rank's rows run out, agreed over the ranks when the step is built) against the steps the host has
+    launched - each eager ``begin()`` and each ``replay(graph)`` counts one, a ``begin()`` being captured
+    counts none (its graph counts when replayed). The step past the bound raises before its first write, on
+    every rank alike, with no device read: an out-of-range ``index_copy_`` on a GPU would poison the context.
+    A graph replayed around ``replay`` is not counted; ``close()`` still catches it, too late to prevent it.
 """
 
 from __future__ import annotations
@@ -86,7 +93,7 @@ class StaticDecode:
         dec = cache.static_decode()               # after the prompt; device state from the host's records
         dec.begin()                               # capture from here ...
         for layer: out = dec.attend(q, k, v, layer, softmax_scale=..., window_size=..., sinks=...)
-        dec.end()                                 # ... to here; replay as often as ``dec.steps_left`` allows
+        dec.end()                                 # ... to here; dec.replay(graph) while ``dec.steps_left``
         dec.close()                               # one host read: the cache records the decoded tokens
 
     ``position`` is the device scalar of the token being decoded; ``position_ids`` its RoPE positions ``(B, 1)``.
@@ -111,12 +118,25 @@ class StaticDecode:
             self.slot_pos[i, first - lay.base:stop - lay.base] = cache.rows[me].positions_tensor(first, device)
             self.fill[i] = stop - lay.base
         free = min(self.scratch - (cache.live(i)[1] - lay.base) for i, lay in enumerate(cache.layers))
-        self.steps_left = W * min(host_gather(cache.groups, free))
-        """Steps before some rank's rows run out (a rank writes every W-th token)."""
+        self.max_steps = W * min(host_gather(cache.groups, free))
+        """Steps before some rank's rows run out (a rank writes every W-th token); the same on every rank."""
+        self.steps = 0
+        """Steps the host has launched: eager ``begin()`` calls and ``replay`` calls."""
         self._parts: dict[tuple, list[torch.Tensor]] = {}
 
+    @property
+    def steps_left(self) -> int:
+        """Steps that may still run before the cache's rows run out."""
+        return self.max_steps - self.steps
+
     def begin(self) -> None:
-        """Start a step: who owns the token at ``position``, and its RoPE positions (device ops only)."""
+        """Start a step: who owns the token at ``position``, and its RoPE positions (device ops only).
+
+        Raises RuntimeError, before writing anything, when the step would pass ``max_steps`` (a ``begin`` being
+        captured in a CUDA graph is not counted: ``replay`` counts the graph's steps).
+        """
+        if not _capturing():
+            self._take()
         self.mine.copy_(self.position % self.cache.world == self.cache.index)
         self.position_ids.copy_((self.position - self.starts).clamp(min=0).unsqueeze(1))
 
@@ -156,11 +176,31 @@ class StaticDecode:
         """End a step: the next token's position (device op)."""
         self.position += 1
 
+    def replay(self, graph) -> None:
+        """``graph.replay()`` of one captured step (``begin`` ... ``end``), counted against ``max_steps`` first:
+        the step past the bound raises before the graph runs."""
+        self._take()
+        graph.replay()
+
+    def _take(self) -> None:
+        if self.steps >= self.max_steps:
+            raise RuntimeError(
+                f"a static decode may take {self.max_steps} steps before the cache's rows run out (max_len="
+                f"{self.cache.spec.max_len}), got step {self.steps + 1}: refused before writing (the cache holds the "
+                f"{self.steps} steps taken); close() this decode and give a larger max_len to decode further"
+                f"{rank_suffix()}")
+        self.steps += 1
+
     def close(self) -> int:
         """Record the decoded tokens in the cache's host state (one device read); returns how many."""
         n = int(self.position.item()) - self.start_len
-        if n > self.steps_left:
-            raise RuntimeError(f"a static decode may take {self.steps_left} steps before the cache's rows run out, "
+        if n > self.max_steps:
+            raise RuntimeError(f"a static decode may take {self.max_steps} steps before the cache's rows run out, "
                                f"got {n}: the cache is corrupt; give a larger max_len{rank_suffix()}")
         self.cache._close_static(self, n)
         return n
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
