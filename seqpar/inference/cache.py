@@ -141,7 +141,7 @@ class Chunk:
 
     def position_ids_on(self, device: torch.device | str) -> torch.Tensor:
         """``position_ids`` on ``device`` without stalling the host (a pinned, non-blocking copy to a GPU)."""
-        return _to_device(self.position_ids, torch.device(device))
+        return host_to_device(self.position_ids, torch.device(device))
 
     def take(self, x_BT: torch.Tensor, pad_value: int | float = 0) -> torch.Tensor:
         """This rank's rows of a chunk-wide tensor ``(B, T, ...)`` (dim 1 = the chunk's tokens, unpadded)."""
@@ -154,10 +154,10 @@ class Chunk:
         if extra:
             pad = x_BT.new_full((x_BT.shape[0], extra, *x_BT.shape[2:]), pad_value)
             x_BT = torch.cat([x_BT, pad], 1)
-        return x_BT.index_select(1, _to_device(self.positions - self.start, x_BT.device))
+        return x_BT.index_select(1, host_to_device(self.positions - self.start, x_BT.device))
 
 
-def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+def host_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device``: through pinned memory and a non-blocking copy on CUDA, since a copy from
     pageable memory waits for the device queue to drain (the host then stalls mid-forward)."""
     if device.type != "cuda" or x.device == device:

@@ -32,6 +32,7 @@ from ..comm.ring import Exchange
 from ..kernels.merge import Accumulator
 from ..layouts.blocks import Task
 from ._local import attend_block
+from .cache import host_to_device
 from .plans import Pairs, RowGroup
 
 __all__ = ["Partials", "Peers", "pass_kv", "pass_q", "run_tasks"]
@@ -71,7 +72,7 @@ class Partials:
     def _rows(x: torch.Tensor, g: RowGroup, dim: int = 0) -> torch.Tensor:
         if g.rows is None:
             return x
-        return x.index_select(dim, torch.tensor(g.rows, dtype=torch.long, device=x.device))
+        return x.index_select(dim, _row_index(g, x.device))
 
     def add(self, gi: int, rows: slice, out_BSHD: torch.Tensor, lse_BHS: torch.Tensor) -> None:
         self.accs[gi].add(rows, out_BSHD, lse_BHS)
@@ -94,10 +95,16 @@ class Partials:
         lse = torch.empty(B, H, L, dtype=self.accs[0].acc_dtype, device=self.like.device)
         for g, acc in zip(self.groups, self.accs):
             o, l_ = acc.result(dtype)
-            idx = torch.tensor(g.rows, dtype=torch.long, device=out.device)
+            idx = _row_index(g, out.device)
             out.index_copy_(0, idx, o)
             lse.index_copy_(0, idx, l_)
         return out, lse
+
+
+def _row_index(g: RowGroup, device: torch.device) -> torch.Tensor:
+    """The group's batch rows as an int64 index on ``device`` (pinned and non-blocking to a GPU)."""
+    assert g.rows is not None
+    return host_to_device(torch.tensor(g.rows, dtype=torch.long), device)
 
 
 def out_like(q: torch.Tensor, value_head_dim: int) -> torch.Tensor:
