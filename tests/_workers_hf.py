@@ -346,3 +346,48 @@ def refill_compare(spec: dict[str, Any]) -> dict[str, Any]:
         return errors
     finally:
         handle.disable()
+
+
+def compile_boundaries(spec: dict[str, Any]) -> dict[str, Any]:
+    """A compiled model on packed batches (``spec["cus"]``, one per step, refilled into one set of buffers):
+    per step the host reads of the boundaries over forward and backward, the loss error against the eager
+    model on fresh tensors, and, from the graphs dynamo hands the backend, where every attention op's
+    ``cu_seqlens`` comes from (Note [Compiling a model with seqpar attention])."""
+    from torch._dynamo import lookup_backend
+
+    handle = sp_hf.enable(make_mesh(spec), method=spec["method"], layout=spec.get("layout"), name="seqpar_bounds")
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    try:
+        model = build("llama", handle.name)
+        eager = build("llama", handle.name)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend)
+        reads, errors, buffers = [], [], None
+        for cu in spec["cus"]:
+            local = handle.shard_batch(global_batch({"docs": "cu", "cu": cu, "data_seed": cu[1]}))
+            if buffers is None:
+                buffers = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in local.items()}
+            else:
+                for key, t in buffers.items():
+                    if isinstance(t, torch.Tensor):
+                        t.copy_(local[key])
+            before = sp_hf._OP_READS.reads
+            loss = compiled(**buffers).loss
+            loss.backward()
+            reads.append(sp_hf._OP_READS.reads - before)
+            ref = eager(**local).loss
+            errors.append(rel_error(loss.detach(), ref.detach()))
+        sources = []
+        for gm in graphs:
+            for node in gm.graph.nodes:
+                if node.op == "call_function" and "seqpar.attention" in str(node.target):
+                    cu_arg = node.args[4] if len(node.args) > 4 else node.kwargs.get("cu_seqlens")
+                    sources.append(str(getattr(cu_arg, "target", cu_arg)))
+        return {"reads": reads, "errors": errors, "sources": sources, "graphs": len(graphs)}
+    finally:
+        handle.disable()

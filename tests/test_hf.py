@@ -23,7 +23,14 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _workers_hf import compile_graph_breaks, encoder_compare, expect_error, refill_compare, train_compare
+from _workers_hf import (
+    compile_boundaries,
+    compile_graph_breaks,
+    encoder_compare,
+    expect_error,
+    refill_compare,
+    train_compare,
+)
 from reliability_methods import padded_length, softmax_setup
 
 import seqpar
@@ -134,6 +141,25 @@ def test_torch_compile_matches_eager(pools):
     _check(pools(2).run(train_compare, spec), str(spec))
     reasons = pools(2).run(compile_graph_breaks, spec)[0]
     assert reasons == [], reasons
+    packed = {**spec, "layout": None, "docs": "cu", "cu": (0, 3, 11, 12, 27, 32)}     # balanced, per batch
+    _check(pools(2).run(train_compare, packed), str(packed))
+    for r, reasons in enumerate(pools(2).run(compile_graph_breaks, packed)):
+        assert reasons == [], (r, reasons)
+
+
+def test_compiled_packed_batches_read_boundaries_once(pools):
+    """A compiled packed step hands seqpar.attention its boundaries as a host tensor, made by one
+    ``host_boundaries`` read per batch for the whole forward and backward (not a device-to-host sync per layer
+    in each direction), and a buffer refilled in place is read again: 4 packed batches through one set of
+    buffers, one graph (no recompile, no break), every loss equal to the eager model's on fresh tensors."""
+    spec = {"method": "ring", "layout": None, "cus": [(0, 5, 19, 32), (0, 9, 25, 32), (0, 9, 25, 32), (0, 13, 14, 32)]}
+    for world in (1, 2):
+        for r, res in enumerate(pools(world).run(compile_boundaries, spec)):
+            assert isinstance(res, dict), f"W={world} rank {r} raised: {res}"
+            assert res["reads"] == [1, 1, 1, 1], (world, r, res)
+            assert all(e <= TOL for e in res["errors"]), (world, r, res)
+            assert res["graphs"] == 1, (world, r, res)
+            assert res["sources"] == ["seqpar.host_boundaries.default"] * 2, (world, r, res)   # both layers
 
 
 def _strip(msg: str) -> str:

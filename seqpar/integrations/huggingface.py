@@ -26,9 +26,9 @@ Nothing is global in seqpar: the ``Handle`` returned by ``enable`` holds the con
 functions it registers. ``handle.disable()`` (or leaving ``with enable(...):``) restores what was registered
 under the name before (or a stub that raises, when nothing was: transformers has no public unregister).
 
-torch.compile: the registered attention function is excluded from tracing (``torch.compiler.disable``): a
-compiled model graph-breaks at each attention call and runs seqpar eagerly (its schedules are host-side
-plans over collectives). Everything else in the model compiles.
+torch.compile: a compiled model has no graph break at attention (``seqpar.attention`` traces as one custom op)
+and reads packed batches' boundaries on the host once per batch, never once per layer (Note [Compiling a model
+with seqpar attention]).
 
 Activation memory: transformers' ``model.activation_checkpointing_enable()`` (``gradient_checkpointing_enable``
 before 5.2x) works unchanged: each decoder layer keeps only its input and is recomputed in backward, seqpar's
@@ -156,7 +156,7 @@ class Handle:
         self._previous: tuple[Any, Any] = (None, None)
         self._interfaces: tuple[Any, Any] = (None, None)
         # Note [Host reads of refillable buffers]: small caches keyed by object identity AND content stamp
-        self._cu_seen: dict[int, tuple[Any, tuple[int, int] | None, tuple[int, ...]]] = {}
+        self._cu_seen = _BoundaryReads()
         self._pos_seen: tuple[Any, tuple[int, int] | None, Any] = (None, None, None)
         self._glob: dict[tuple, torch.Tensor] = {}
         self.attention_fn = self._attention
@@ -250,6 +250,7 @@ class Handle:
         window = _window(sliding_window, causal, where)
         if torch.compiler.is_compiling():      # Note [Compiling a model with seqpar attention]
             cu = kwargs.get("cu_seq_lens_q")
+            cu = host_boundaries(cu) if isinstance(cu, torch.Tensor) else cu
         else:
             cu = self._documents(kwargs)
             self._check_positions(kwargs.get("position_ids"), cu, query.shape[2])
@@ -264,9 +265,17 @@ class Handle:
     # Note [Compiling a model with seqpar attention]
     #     seqpar.attention traces as one custom op (seqpar.runtime.op), so a compiled model has no graph break
     #     at attention. What this function adds is host-side: reading cu_seq_lens_q into ints and checking
-    #     position_ids. Under compile both would be data-dependent reads, so the boundary tensor goes to
-    #     seqpar.attention as it is (a tensor input of the op, read on the host inside it: a new packed batch
-    #     neither recompiles nor guards on data), and positions are checked in eager calls only.
+    #     position_ids. Under compile both would be data-dependent reads, so the boundaries stay a tensor
+    #     (an input of the op, read on the host inside it: a new packed batch neither recompiles nor guards on
+    #     data), and positions are checked in eager calls only. The op reads its boundary tensor with
+    #     .tolist() in forward and again in backward, which for a tensor on the GPU (a training loop that
+    #     moves the whole batch there) is a device-to-host sync per layer, twice. So the tensor first goes
+    #     through ``host_boundaries``, one more opaque op, which returns it on the host: it reads a device
+    #     tensor once per content (Note [Host reads of refillable buffers]: every layer of a forward, its
+    #     backward and a checkpointed recompute get the copy made by the first layer; a buffer refilled in
+    #     place is read again) and copies a host tensor, with no sync. seqpar.attention then gets a CPU int
+    #     tensor and saves it for backward; transformers' own attention paths, which would want it on the
+    #     GPU, are not called (seqpar's attention is the registered one).
 
     def _refuse(self, where: str, attention_mask: Any, dropout: float, kwargs: dict[str, Any]) -> None:
         rs = rank_suffix()
@@ -310,17 +319,9 @@ class Handle:
 
     def _host_cu(self, cu: Any) -> tuple[int, ...]:
         """Host ints of a boundary tensor, read once per content (Note [Host reads of refillable buffers])."""
-        stamp = _stamp(cu)
-        hit = self._cu_seen.get(id(cu))
-        if hit is not None and hit[0] is cu and stamp is not None and hit[1] == stamp:
-            return hit[2]
-        value = _as_tuple(cu)
-        if stamp is None:
-            return value
-        if len(self._cu_seen) >= 4 and id(cu) not in self._cu_seen:
-            self._cu_seen.pop(next(iter(self._cu_seen)))
-        self._cu_seen[id(cu)] = (cu, stamp, value)
-        return value
+        if not isinstance(cu, torch.Tensor):
+            return _as_tuple(cu)
+        return self._cu_seen.read(cu)[0]
 
     # Note [Host reads of refillable buffers]
     #     A forward calls the attention function once per layer with the same cu_seq_lens_q and position_ids
@@ -392,6 +393,48 @@ def _eager(fn: Any) -> Any:
         return torch.compiler.disable(fn, recursive=True)
 
 
+class _BoundaryReads:
+    """The last ``keep`` boundary tensors read to the host, each held with its stamp and both host forms
+    (ints and a CPU tensor of the same dtype): Note [Host reads of refillable buffers]."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self.seen: dict[int, tuple[torch.Tensor, tuple[int, int] | None, tuple[tuple[int, ...], torch.Tensor]]] = {}
+        self.reads = 0
+        """Tensors read (one device-to-host copy each for a device tensor)."""
+
+    def read(self, cu: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor]:
+        stamp = _stamp(cu)
+        hit = self.seen.get(id(cu))
+        if hit is not None and hit[0] is cu and stamp is not None and hit[1] == stamp:
+            return hit[2]
+        _check_boundary_tensor(cu)
+        self.reads += 1
+        host = cu.detach().to("cpu", copy=True)
+        value = (tuple(int(x) for x in host.tolist()), host)
+        if stamp is not None:
+            if len(self.seen) >= self.keep and id(cu) not in self.seen:
+                self.seen.pop(next(iter(self.seen)))
+            self.seen[id(cu)] = (cu, stamp, value)
+        return value
+
+
+_OP_READS = _BoundaryReads()
+"""The reads of ``host_boundaries``: module-level because a custom op takes only tensors (a few small tensors)."""
+
+
+@torch.library.custom_op("seqpar::host_boundaries", mutates_args=(), schema="(Tensor cu) -> Tensor")
+def host_boundaries(cu: torch.Tensor) -> torch.Tensor:
+    """``cu`` (any device) as a CPU tensor of its dtype, read once per content (Note [Compiling a model with
+    seqpar attention]); opaque to torch.compile."""
+    return _OP_READS.read(cu)[1].clone()                   # an op's output is never shared between calls
+
+
+@host_boundaries.register_fake
+def _(cu: torch.Tensor) -> torch.Tensor:
+    return torch.empty(cu.shape, dtype=cu.dtype, device="cpu")
+
+
 def _disabled(name: str):
     def fn(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"the seqpar attention registered as {name!r} was disabled: call "
@@ -416,11 +459,15 @@ def _stamp(t: Any) -> tuple[int, int] | None:
 
 def _as_tuple(cu: Any) -> tuple[int, ...]:
     if isinstance(cu, torch.Tensor):
-        if cu.dim() != 1 or cu.is_floating_point():
-            raise TypeError(f"cu_seq_lens_q must be a 1D integer tensor, got {cu.dtype} of shape {tuple(cu.shape)}"
-                            f"{rank_suffix()}")
+        _check_boundary_tensor(cu)
         return tuple(int(x) for x in cu.tolist())
     return tuple(int(x) for x in cu)
+
+
+def _check_boundary_tensor(cu: torch.Tensor) -> None:
+    if cu.dim() != 1 or cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
+        raise TypeError(f"cu_seq_lens_q must be a 1D integer tensor, got {cu.dtype} of shape {tuple(cu.shape)}"
+                        f"{rank_suffix()}")
 
 
 def _window(sliding_window: Any, causal: bool, where: str) -> tuple[int, int]:
