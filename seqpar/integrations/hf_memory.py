@@ -1,0 +1,499 @@
+"""Training memory for long sequences in transformers models: a blockwise (tiled) MLP and activation offload.
+
+    from seqpar.integrations import hf_memory
+
+    tiling = hf_memory.tile_mlp(model, chunk_tokens=8192)   # every decoder layer's MLP over 8K-token chunks
+    offload = hf_memory.ActivationOffload()                  # saved activations to pinned host memory
+    with offload:
+        loss = model(**batch).loss                           # (or seqpar's tiled loss on the hidden states)
+    loss.backward()
+
+Once attention is sharded over W ranks, what a rank holds per local token of a Llama-3-8B shape is the logits
+(the tiled loss in ``huggingface.sequence_parallel_loss`` fixes those), one ``(L, hidden)`` checkpointed input
+per decoder layer (32 x 8 KiB: ``ActivationOffload``) and one layer's MLP intermediates, ``(L, intermediate)``
+three times over (``tile_mlp``). Neither changes a value: ``tile_mlp`` gives the same forward bitwise and the
+same gradients up to the order of one sum (Note [Tiled MLP]); offload returns the tensors it was given
+(Note [Activation offload]). ``tests/test_hf_memory.py`` checks both at W = 1, 2 and 4.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import rank_suffix
+
+__all__ = ["ActivationOffload", "OffloadStats", "Tiling", "tile_mlp"]
+
+GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
+"""The attributes of the MLPs ``tile_mlp`` serves: Llama, Qwen2/3, Mistral, Gemma/Gemma2/Gemma3 (``down(act(gate(x))
+* up(x))``, each token on its own)."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tiled MLP
+
+# Note [Tiled MLP]
+#     A gated MLP maps each token on its own: out[t] = down(act(gate(x[t])) * up(x[t])). Over L tokens it holds
+#     three (L, intermediate) tensors (gate, up, their product; 3.5 GiB each for 8B at 128K tokens in bf16),
+#     saved for backward. _TiledMLP runs the module's own forward over chunks of rows instead:
+#       forward   no graph; each chunk's output is written into the (L, hidden) result; only x is saved;
+#       backward  per chunk: recompute the chunk with a graph, autograd.grad for (x chunk, parameters), write
+#                 dx rows, add the parameter gradients into an fp32 sum (the parameter's dtype when wider).
+#     So one chunk's intermediates exist at a time, forward and backward, at the cost of one more forward of
+#     the MLP (a checkpointed layer already recomputes it once).
+#     Exactness: the forward and dx are row-chunked matmuls, row-independent, so they equal the plain MLP's
+#     bitwise where the matmul's reduction order does not depend on the row count (it does not on CPU, tested
+#     in fp32 and fp64). Parameter gradients are the plain sum over all rows split into one partial per chunk:
+#     equal up to summation order (fp64 ~1e-15, fp32 ~1e-6 relative), and in bf16 one extra rounding per chunk
+#     sum, accumulated in fp32.
+#     The module is recomputed from its attributes at backward time (not from tensors saved in forward), so
+#     FSDP2, which unshards the layer's parameters again before its backward, sees the parameters it expects.
+
+
+@dataclass
+class Tiling:
+    """What ``tile_mlp`` changed: ``remove()`` restores every MLP's own forward."""
+
+    chunk_tokens: int
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+    """Qualified name -> the tiled MLP module."""
+
+    def remove(self) -> None:
+        for m in self.modules.values():
+            if isinstance(m.__dict__.get("forward"), _TiledForward):
+                del m.forward
+        self.modules.clear()
+
+
+def tile_mlp(model: nn.Module, chunk_tokens: int = 8192, *, layers: Iterable[nn.Module] | None = None) -> Tiling:
+    """Run each decoder layer's MLP over chunks of ``chunk_tokens`` tokens with recompute (Note [Tiled MLP]).
+
+    Enables it for every module with an ``mlp`` child (or the given ``layers``): that child must be a gated MLP
+    (``gate_proj``, ``up_proj``, ``down_proj`` linear layers and ``act_fn``: Llama, Qwen2/3, Mistral, Gemma 1-3);
+    anything else (experts, GPT-2's ``c_fc``, a vision tower's MLP) is refused, every such layer named. Works
+    under activation checkpointing, FSDP2 and torch.autocast; values are unchanged.
+
+    Args:
+        model: a transformers model (or any module tree); only its MLPs' ``forward`` are replaced, per instance.
+        chunk_tokens: rows (batch x sequence tokens) per chunk: one chunk's ``(chunk_tokens, intermediate)``
+            activations exist at a time.
+        layers: the decoder layers whose ``mlp`` to tile (default: every module of ``model`` with an ``mlp``),
+            e.g. ``model.model.language_model.layers`` for a multimodal model.
+
+    Returns:
+        A ``Tiling``; ``tiling.remove()`` puts the plain MLPs back.
+    """
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}{rank_suffix()}")
+    names = {id(m): n for n, m in model.named_modules()}
+    owners = list(layers) if layers is not None else [m for m in model.modules()
+                                                      if isinstance(getattr(m, "mlp", None), nn.Module)]
+    if not owners:
+        raise ValueError(f"tile_mlp found no module with an 'mlp' child in {type(model).__name__}{rank_suffix()}")
+    refused = []
+    for layer in owners:
+        mlp = getattr(layer, "mlp", None)
+        missing = [a for a in GATED_MLP if not hasattr(mlp, a)]
+        if not missing and not all(isinstance(getattr(mlp, a), nn.Linear) for a in GATED_MLP[:3]):
+            missing = [a for a in GATED_MLP[:3] if not isinstance(getattr(mlp, a), nn.Linear)]
+        if missing:
+            refused.append(f"{names.get(id(layer), '?')}.mlp ({type(mlp).__name__}: no {', '.join(missing)})")
+    if refused:
+        raise ValueError("tile_mlp serves gated MLPs (gate_proj, up_proj, down_proj linear layers and act_fn: "
+                         "Llama, Qwen2/3, Mistral, Gemma), got " + "; ".join(refused)
+                         + " - pass layers= to tile some layers only" + rank_suffix())
+    tiling = Tiling(chunk_tokens)
+    for layer in owners:
+        mlp = layer.mlp
+        mlp.forward = _TiledForward(mlp, chunk_tokens)        # an instance attribute: the class is untouched
+        tiling.modules[f"{names.get(id(layer), '?')}.mlp"] = mlp
+    return tiling
+
+
+class _TiledForward:
+    """The instance ``forward`` of a tiled MLP (a strong reference: ``copy.deepcopy`` of the model then tiles the
+    copy, not the original)."""
+
+    def __init__(self, mlp: nn.Module, chunk_tokens: int):
+        self.module = mlp
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        mlp = self.module
+        named = list(mlp.named_parameters())
+        params = tuple(p for _, p in named)
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+            return _TiledMLP.apply(mlp, self.chunk_tokens, tuple(n for n, _ in named), x, *params)
+        return _chunked(type(mlp).forward, mlp, x, self.chunk_tokens)
+
+
+def _chunked(fn: Any, mlp: nn.Module, x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``fn(mlp, rows)`` over chunks of rows of ``x (..., C)`` written into one ``(..., C_out)`` result."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = None
+    for s in range(0, rows.shape[0], chunk):
+        y = fn(mlp, rows[s:s + chunk])
+        if out is None:
+            out = y.new_empty((rows.shape[0], y.shape[-1]))
+        out[s:s + chunk] = y
+    if out is None:                                   # zero rows: let the module say what it returns
+        return fn(mlp, x)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class _TiledMLP(torch.autograd.Function):
+    """Note [Tiled MLP]: inputs ``(module, chunk, parameter names, x, *parameters)``."""
+
+    @staticmethod
+    def forward(ctx: Any, mlp: nn.Module, chunk: int, names: tuple[str, ...], x: torch.Tensor,
+                *params: torch.Tensor) -> torch.Tensor:
+        device_type = x.device.type
+        ctx.mlp, ctx.chunk, ctx.names = mlp, chunk, names
+        ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)) \
+            if torch.amp.is_autocast_available(device_type) else None
+        ctx.save_for_backward(x)
+        return _chunked(type(mlp).forward, mlp, x, chunk)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (x,) = ctx.saved_tensors
+        mlp, chunk = ctx.mlp, ctx.chunk
+        current = dict(mlp.named_parameters())
+        params = [current[n] for n in ctx.names]
+        want = [i for i, p in enumerate(params) if ctx.needs_input_grad[4 + i] and p.requires_grad]
+        rows, drows = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
+        dx = torch.empty_like(rows) if ctx.needs_input_grad[3] else None
+        sums: list[torch.Tensor | None] = [None] * len(params)
+        autocast = (torch.autocast(x.device.type, enabled=ctx.autocast[0], dtype=ctx.autocast[1])
+                    if ctx.autocast is not None else contextlib.nullcontext())
+        for s in range(0, rows.shape[0], chunk):
+            xc = rows[s:s + chunk].detach().requires_grad_(dx is not None)
+            with torch.enable_grad(), autocast:
+                yc = type(mlp).forward(mlp, xc)
+            inputs = ([xc] if dx is not None else []) + [params[i] for i in want]
+            if not inputs:
+                break
+            grads = torch.autograd.grad(yc, inputs, drows[s:s + chunk])
+            if dx is not None:
+                dx[s:s + chunk] = grads[0]
+                grads = grads[1:]
+            for i, g in zip(want, grads):
+                if sums[i] is None:                   # a fresh tensor: summed into in place
+                    sums[i] = g.float() if g.dtype in (torch.float16, torch.bfloat16) else g
+                else:
+                    sums[i].add_(g)
+            del yc, grads
+        pgrads = [None if g is None else g.to(p.dtype) for g, p in zip(sums, params)]
+        return (None, None, None, None if dx is None else dx.view_as(x), *pgrads)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# activation offload
+
+# Note [Activation offload]
+#     With activation checkpointing each decoder layer keeps only its input until backward (8 KiB per token
+#     per layer for an 8B model: 32 GiB at 128K tokens). torch.utils.checkpoint (use_reentrant=False) saves
+#     that input through the saved-tensor hooks in force OUTSIDE the checkpoint (the ones inside are its own),
+#     so a ``saved_tensors_hooks`` context around the forward sees exactly the layer inputs plus what the
+#     un-checkpointed parts save (the final norm, the tiled loss's chunk inputs). torch's ``save_on_cpu``
+#     does this, but copies on the compute stream (the GPU stops while PCIe moves gigabytes), offloads every
+#     tensor, and its pinned buffers come from the caching host allocator, which rounds each up to a power of
+#     two. ActivationOffload keeps the mechanism and changes those three:
+#       - copies run on two side streams: device->host after the tensor is produced (the compute stream goes
+#         on; the allocator is told the tensor is in use there, record_stream), host->device when backward
+#         unpacks the NEXT tensor in backward order (prefetch: ready when the layer's recompute starts);
+#       - a budget: ``keep_bytes`` of saved tensors stay on the GPU (the first ones saved), from the GPU's
+#         free memory at entry minus ``reserve_bytes`` (what the rest of the step needs) when not given;
+#         parameters and tensors under ``min_bytes`` always stay; host memory has its own budget
+#         (``host_bytes``, default: MemAvailable at first use minus 4 GiB), past which tensors stay too and
+#         ``stats.host_refused_bytes`` says so;
+#       - pinned buffers of the exact size (cudaHostRegister on plain host memory), kept for the next step.
+#     CPU tensors pass through untouched, so on CPU the context changes nothing (and the tests check that
+#     values are equal bitwise with and without it).
+
+
+@dataclass
+class OffloadStats:
+    """What one ``with offload:`` forward did (reset at each entry)."""
+
+    offloaded_bytes: int = 0
+    offloaded_tensors: int = 0
+    kept_bytes: int = 0
+    """Saved tensors of at least ``min_bytes`` left on their device (budget, or a CPU tensor)."""
+    host_refused_bytes: int = 0
+    """Tensors that would have been offloaded but the host budget was spent (left on the GPU)."""
+    keep_budget_bytes: int = 0
+    waited_fetches: int = 0
+    """Backward unpacks whose copy had not been prefetched (the compute stream waited for it)."""
+    pin_s: float = 0.0
+    """Seconds spent pinning new host buffers (first steps only; buffers are reused)."""
+    host_pinned_bytes: int = 0
+    """Pinned host bytes held by this offloader (in use or cached for the next step)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class ActivationOffload:
+    """Saved activations in pinned host memory, copies overlapped with compute (Note [Activation offload]).
+
+    Use it as a context around the forward; backward needs nothing::
+
+        offload = ActivationOffload()                 # or keep_bytes=..., or reserve_bytes=...
+        with offload:
+            loss = model(**batch).loss
+        loss.backward()
+        offload.stats                                 # what was moved
+
+    Args:
+        keep_bytes: bytes of saved tensors that may stay on the GPU (the first saved stay). Default: from the
+            GPU's free memory at entry (driver-free plus the caching allocator's unused blocks) minus
+            ``reserve_bytes``; with neither given, 0 (offload everything eligible).
+        reserve_bytes: GPU memory the rest of the step needs beyond the kept tensors (the backward's working
+            set, gradients, the optimizer step); used when ``keep_bytes`` is None.
+        host_bytes: pinned host memory this offloader may hold. Default: MemAvailable at first use - 4 GiB.
+        min_bytes: smaller tensors stay where they are (not worth a copy).
+        prefetch: saved tensors brought back ahead of use in backward (1: the next one).
+    """
+
+    def __init__(self, *, keep_bytes: int | None = None, reserve_bytes: int | None = None,
+                 host_bytes: int | None = None, min_bytes: int = 1 << 20, prefetch: int = 1):
+        for name, v in (("keep_bytes", keep_bytes), ("reserve_bytes", reserve_bytes), ("host_bytes", host_bytes)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ValueError(f"{name} must be a non-negative int or None, got {v!r}{rank_suffix()}")
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}{rank_suffix()}")
+        self.keep_bytes, self.reserve_bytes, self.host_bytes = keep_bytes, reserve_bytes, host_bytes
+        self.min_bytes, self.prefetch = int(min_bytes), prefetch
+        self.stats = OffloadStats()
+        self._pool = _PinnedPool()
+        self._hooks: Any = None
+        self._items: list[weakref.ref] = []
+        self._streams: dict[torch.device, tuple[Any, Any]] = {}
+        self._kept = 0
+        self._budget = 0
+        self._lock = threading.Lock()
+
+    # -- the context ---------------------------------------------------------------------------------------
+
+    def __enter__(self) -> ActivationOffload:
+        if self._hooks is not None:
+            raise RuntimeError(f"ActivationOffload is already active (one forward at a time){rank_suffix()}")
+        if self._pool.budget is None:
+            self._pool.budget = self.host_bytes if self.host_bytes is not None else _host_available() - (4 << 30)
+        self.stats = OffloadStats(host_pinned_bytes=self._pool.held)
+        self._items = []
+        self._kept = 0
+        self._budget = self._keep_budget()
+        self.stats.keep_budget_bytes = self._budget
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        hooks, self._hooks = self._hooks, None
+        hooks.__exit__(*exc)
+        if exc[0] is None:
+            self._prefetch_before(len(self._items))   # the first tensors backward asks for
+        self.stats.host_pinned_bytes = self._pool.held
+
+    def close(self) -> None:
+        """Release the pinned host buffers kept for later steps (those still in use go when they are freed)."""
+        self._pool.close()
+
+    def _keep_budget(self) -> int:
+        if self.keep_bytes is not None:
+            return self.keep_bytes
+        if self.reserve_bytes is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return 0
+        free, _ = torch.cuda.mem_get_info()
+        free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        return max(0, free - self.reserve_bytes)
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        nbytes = t.numel() * t.element_size()
+        if nbytes < self.min_bytes or isinstance(t, nn.Parameter) or t.layout != torch.strided:
+            return t
+        if t.device.type != "cuda" or not t.is_contiguous() or self._kept + nbytes <= self._budget:
+            self._kept += nbytes
+            self.stats.kept_bytes += nbytes
+            return t
+        t0 = time.perf_counter()
+        buf = self._pool.take(nbytes)
+        self.stats.pin_s += time.perf_counter() - t0
+        if buf is None:                                # host budget spent: it stays on the GPU
+            self.stats.host_refused_bytes += nbytes
+            return t
+        item = _Offloaded(t, buf, self._stream_pair(t.device)[0], len(self._items))
+        weakref.finalize(item, self._pool.give, buf)
+        self._items.append(weakref.ref(item))
+        self.stats.offloaded_bytes += nbytes
+        self.stats.offloaded_tensors += 1
+        return item
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Offloaded):
+            return packed
+        with self._lock:
+            if packed.gpu is None:
+                self.stats.waited_fetches += 1
+                packed.fetch(self._stream_pair(packed.device)[1])
+            gpu = packed.take()
+            self._prefetch_before(packed.index)
+        return gpu
+
+    def _prefetch_before(self, index: int) -> None:
+        """Start the host->device copies of the ``prefetch`` saved tensors before ``index`` not yet fetched."""
+        started = 0
+        for j in range(index - 1, -1, -1):
+            if started >= self.prefetch:
+                break
+            item = self._items[j]()
+            if item is None or item.used or item.gpu is not None:
+                continue
+            item.fetch(self._stream_pair(item.device)[1])
+            started += 1
+
+    def _stream_pair(self, device: torch.device) -> tuple[Any, Any]:
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._streams[device]
+
+
+class _Offloaded:
+    """One saved tensor in pinned host memory; ``gpu`` holds it again between prefetch and unpack."""
+
+    def __init__(self, t: torch.Tensor, buf: _Pinned, d2h: Any, index: int):
+        self.shape, self.dtype, self.device, self.index = t.shape, t.dtype, t.device, index
+        self.buf = buf
+        self.host = buf.tensor[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        self.gpu: torch.Tensor | None = None
+        self.used = False
+        compute = torch.cuda.current_stream(t.device)
+        with torch.cuda.stream(d2h):
+            d2h.wait_stream(compute)                   # t is ready
+            if buf.event is not None:                  # the buffer's last host->device copy has read it
+                d2h.wait_event(buf.event)
+            self.host.copy_(t, non_blocking=True)
+            self.saved = torch.cuda.Event()
+            self.saved.record(d2h)
+        t.record_stream(d2h)                           # its memory is not reused before the copy is done
+
+    def fetch(self, h2d: Any) -> None:
+        """Post the host->device copy on ``h2d``; the destination belongs to the current stream."""
+        gpu = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        with torch.cuda.stream(h2d):
+            h2d.wait_event(self.saved)
+            gpu.copy_(self.host, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record(h2d)
+        gpu.record_stream(h2d)
+        self.buf.event = self.ready
+        self.gpu = gpu
+
+    def take(self) -> torch.Tensor:
+        torch.cuda.current_stream(self.device).wait_event(self.ready)
+        gpu, self.gpu = self.gpu, None
+        self.used = True
+        return gpu
+
+
+@dataclass
+class _Pinned:
+    tensor: torch.Tensor
+    """uint8, pinned."""
+    registered: bool
+    event: Any = None
+    """The last host->device copy that read it."""
+
+
+class _PinnedPool:
+    """Pinned host buffers of exact sizes, reused across steps, within a byte budget."""
+
+    def __init__(self):
+        self.free: dict[int, list[_Pinned]] = {}
+        self.held = 0
+        self.budget: int | None = None
+
+    def take(self, nbytes: int) -> _Pinned | None:
+        if self.free.get(nbytes):
+            return self.free[nbytes].pop()
+        while self.held + nbytes > (self.budget or 0) and self._evict_one():
+            pass
+        if self.held + nbytes > (self.budget or 0):
+            return None
+        buf = _pin(nbytes)
+        if buf is None:
+            return None
+        self.held += nbytes
+        return buf
+
+    def give(self, buf: _Pinned) -> None:
+        self.free.setdefault(buf.tensor.numel(), []).append(buf)
+
+    def _evict_one(self) -> bool:
+        for bufs in self.free.values():
+            if bufs:
+                self._release(bufs.pop())
+                return True
+        return False
+
+    def _release(self, buf: _Pinned) -> None:
+        if buf.event is not None:
+            buf.event.synchronize()
+        if buf.registered:
+            torch.cuda.cudart().cudaHostUnregister(buf.tensor.data_ptr())
+        self.held -= buf.tensor.numel()
+
+    def close(self) -> None:
+        for bufs in self.free.values():
+            for buf in bufs:
+                self._release(buf)
+        self.free.clear()
+
+
+def _pin(nbytes: int) -> _Pinned | None:
+    """``nbytes`` of pinned host memory: plain memory registered with CUDA (no power-of-two rounding), else the
+    caching host allocator's; None when the host has no memory for it."""
+    try:
+        t = torch.empty(nbytes, dtype=torch.uint8)
+    except RuntimeError:
+        return None
+    cudart = torch.cuda.cudart()
+    try:
+        ok = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0
+    except (AttributeError, TypeError, RuntimeError):
+        ok = False
+    if ok and t.is_pinned():
+        return _Pinned(t, True)
+    if ok:
+        cudart.cudaHostUnregister(t.data_ptr())
+    del t
+    try:
+        return _Pinned(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False)
+    except RuntimeError:
+        return None
+
+
+def _host_available() -> int:
+    """MemAvailable from /proc/meminfo in bytes (total physical memory where that file is missing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
