@@ -17,7 +17,7 @@ import torch
 
 from ..numerics import acc_dtype
 
-__all__ = ["Accumulator", "merge_", "merge_weights"]
+__all__ = ["DEFER_BYTES", "Accumulator", "RowSum", "merge_", "merge_weights"]
 
 
 def merge_weights(lse_a: torch.Tensor, lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,21 +44,33 @@ def merge_(acc_out_BSHD: torch.Tensor, acc_lse_BHS: torch.Tensor, out_BSHD: torc
     acc_lse_BHS.copy_(lse)
 
 
+DEFER_BYTES = 256 << 20
+"""Partials an ``Accumulator(defer=True)`` holds before folding them into its fp32 accumulator (Note [One merge
+per call] in ``seqpar.kernels.combine``)."""
+
+
 class Accumulator:
     """The running ``(out (B, S, H, Dv), lse (B, H, S))`` of one rank's query rows: fp32 (fp64 for fp64 inputs).
 
     ``add(rows, out, lse)`` merges a partial for ``rows``. The first partial that covers every row is kept as
     it is (no pass over a zero accumulator); it is widened to fp32 only when a second partial arrives, so a
     single-block call returns the kernel's output untouched. ``result(dtype)`` ends the pass.
+
+    ``defer=True`` (partials that are fresh kernel outputs, never views of a buffer that is written again):
+    partials are held and merged in one pass (Note [One merge per call] in ``seqpar.kernels.combine``), up to
+    ``DEFER_BYTES`` of them at a time; ``result`` then writes the output dtype directly.
     """
 
-    def __init__(self, like_BSHD: torch.Tensor, value_dim: int | None = None):
+    def __init__(self, like_BSHD: torch.Tensor, value_dim: int | None = None, *, defer: bool = False):
         B, S, H, D = like_BSHD.shape
         self.shape = (B, S, H, D if value_dim is None else value_dim)
         self.device = like_BSHD.device
         self.acc_dtype = acc_dtype(like_BSHD.dtype)
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
+        self.defer = defer
+        self._held: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
+        self._held_bytes = 0
 
     def _init(self) -> None:
         B, S, H, _ = self.shape
@@ -68,11 +80,19 @@ class Accumulator:
     def owned(self) -> Accumulator:
         """Allocate the accumulator now, so no later partial is adopted without a copy (a partial that is a view
         of a receive buffer must never be kept: the next receive would overwrite the result)."""
+        if self.defer:
+            raise ValueError("an Accumulator that defers its merges holds its partials: it cannot be owned")
         if self.out is None:
             self._init()
         return self
 
     def add(self, rows: slice, out_BSHD: torch.Tensor, lse_BHS: torch.Tensor) -> None:
+        if self.defer:
+            self._held.append((rows, out_BSHD, lse_BHS))
+            self._held_bytes += out_BSHD.numel() * out_BSHD.element_size()
+            if self._held_bytes > DEFER_BYTES and len(self._held) > 1:
+                self._fold(self.acc_dtype)
+            return
         full = rows.start == 0 and rows.stop == self.shape[1]
         if self.out is None and full:
             self.out, self.lse = out_BSHD, lse_BHS      # a kernel's fresh output: ours to keep
@@ -84,9 +104,50 @@ class Accumulator:
             self.out, self.lse = self.out.to(self.acc_dtype), self.lse.to(self.acc_dtype)
         merge_(self.out[:, rows], self.lse[:, :, rows], out_BSHD, lse_BHS)
 
+    def _fold(self, dtype: torch.dtype) -> None:
+        """Merge the held partials (and the accumulator, if any) in one pass into ``(out, lse)`` of ``dtype``."""
+        from .combine import merge_parts
+
+        parts = self._held if self.out is None else [(slice(0, self.shape[1]), self.out, self.lse), *self._held]
+        self._held, self._held_bytes = [], 0
+        if len(parts) == 1 and parts[0][0] == slice(0, self.shape[1]):
+            self.out, self.lse = parts[0][1], parts[0][2]       # one whole partial: nothing to merge
+            return
+        self.out, self.lse = merge_parts(parts, self.shape, dtype)
+
     def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out in dtype, lse in fp32 or fp64)``; rows no partial reached are (0, -inf)."""
+        if self._held:
+            self._fold(dtype)
         if self.out is None:
             self._init()
         assert self.out is not None and self.lse is not None
         return self.out.to(dtype), self.lse.to(self.acc_dtype)
+
+
+class RowSum:
+    """The sum of gradient partials of one rank's rows (a dQ over ring steps): ``add(rows, x_BSHD)`` holds fresh
+    kernel outputs and ``result(dtype)`` sums them in one pass (Note [One merge per call] in
+    ``seqpar.kernels.combine``), in fp32 (fp64 for fp64), folding into an fp32 running sum past ``DEFER_BYTES``."""
+
+    def __init__(self, shape: tuple[int, ...], acc: torch.dtype, device: torch.device):
+        self.shape, self.acc, self.device = tuple(shape), acc, device
+        self._held: list[tuple[slice, torch.Tensor]] = []
+        self._held_bytes = 0
+
+    def add(self, rows: slice, x_BSHD: torch.Tensor) -> None:
+        self._held.append((rows, x_BSHD))
+        self._held_bytes += x_BSHD.numel() * x_BSHD.element_size()
+        if self._held_bytes > DEFER_BYTES and len(self._held) > 1:
+            self._held = [(slice(0, self.shape[1]), self._sum(self.acc))]
+            self._held_bytes = 0
+
+    def _sum(self, dtype: torch.dtype) -> torch.Tensor:
+        from .combine import sum_parts
+
+        if not self._held:
+            return torch.zeros(self.shape, dtype=dtype, device=self.device)
+        return sum_parts(self._held, self.shape, dtype)
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        return self._sum(dtype)

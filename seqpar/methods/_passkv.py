@@ -23,7 +23,7 @@ import torch
 
 from ..comm.ring import Ring
 from ..kernels.executor import TaskRunner
-from ..kernels.merge import Accumulator
+from ..kernels.merge import Accumulator, RowSum
 from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, any_visible, plan
 from ..numerics import GradRows, acc_dtype, wire_dtype
@@ -130,8 +130,8 @@ class PassKV:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out (B, L, H, Dv) in q.dtype, lse (B, H, L) fp32)``."""
-        acc = Accumulator(q, v.shape[-1])
-        runner, steps, d = self.runner, self.sched.steps, q.shape[-1]
+        acc = Accumulator(q, v.shape[-1], defer=True)          # fresh kernel outputs: one merge (Note [One merge
+        runner, steps, d = self.runner, self.sched.steps, q.shape[-1]   # per call] in seqpar.kernels.combine)
         n = self.sched.n_steps
         if n == 1:                     # one rank, or a window that needs no other rank's keys
             for t in runner.prepare(steps[0], q, k):
@@ -162,7 +162,7 @@ class PassKV:
             return tuple(x.to(dt) for x, dt in zip(g, dtypes))
         acc = acc_dtype(q.dtype)
         wire = wire_dtype(self.grad_dtype, q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dq = RowSum(q.shape, acc, q.device)                     # the steps' dQ partials, summed once
         kv = Double(pack_kv(k, v))
         dkv = Double(torch.empty(kv.cur.shape, dtype=wire, device=q.device))  # send (cur) / receive (nxt)
         # the running sum of the block held: the wire buffer itself when the wire is fp32, else an fp32 one
@@ -175,7 +175,7 @@ class PassKV:
             tasks = runner.prepare(steps[s], q, kc)
             grads[:] = [(t, runner.backward(rows, q, kc, vc, lse, t)) for t in tasks]
             for t, (gq, _, _) in grads:
-                dq[:, t.q] += gq
+                dq.add(t.q, gq)
 
         def accumulate(s: int) -> None:
             if dkv_acc is None:                # the running dK/dV of the block now held arrived in nxt
@@ -204,4 +204,4 @@ class PassKV:
             home = loop.post(self.ring.send_recv(dkv.cur, dkv.nxt, hops=1 - n))   # block (r - n + 1)'s total
             loop.wait(home)
         dk, dv = unpack_kv(dkv.nxt, d)
-        return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
+        return dq.result(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])

@@ -241,7 +241,7 @@ class Tasp:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out (B, L, H, Dv) in q.dtype, lse (B, H, L) fp32)``."""
         tp, runner, W, d = self.tp, self.runner, self.tp.world, q.shape[-1]
-        acc = Accumulator(q, v.shape[-1])
+        acc = Accumulator(q, v.shape[-1], defer=True)
         if W == 1:
             for t in runner.prepare(tp.early + tp.late, q, k):
                 acc.add(t.q, *runner.forward(q, k, v, t))

@@ -189,7 +189,7 @@ class LocalEngine:
         return self.runner.direct(self.tasks, call.q_shape, call.k_shape, call.v_shape, call.dtype, call.device)
 
     def forward(self, q, k, v):
-        acc = Accumulator(q, v.shape[-1])
+        acc = Accumulator(q, v.shape[-1], defer=True)
         for t in self.runner.prepare(self.tasks, q, k):
             acc.add(t.q, *self.runner.forward(q, k, v, t))
         return acc.result(q.dtype)

@@ -162,7 +162,7 @@ class _Engine:
     def forward(self, q, k, v):
         inner, outer = self._groups()
         runner, tasks, pr, me, w, d = self.runner, self.tasks, self.pr, self.rank, self.w, q.shape[-1]
-        acc = Accumulator(q, v.shape[-1])
+        acc = Accumulator(q, v.shape[-1], defer=True)
         cur = Double(pack_kv(k, v))                      # cur: this pass's start block; nxt: the outer receive
         x = Double(torch.empty_like(cur.cur))            # the inner double buffer
         with Loop() as loop:
