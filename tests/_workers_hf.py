@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 import seqpar
 from seqpar.integrations import huggingface as sp_hf
+from seqpar.integrations.hf import attention as hf_attention
+from seqpar.integrations.hf.grads import _reduce_groups
 from seqpar.testing import rel_error
 
 VOCAB = 64
@@ -198,7 +200,7 @@ def _train_compare(spec, dtype, mesh, handle) -> dict[str, float]:
         out_sp.loss.backward()
         sp_hf.all_reduce_gradients(sp.parameters(), mesh)
         total = out_sp.loss.detach().clone()
-        for g in sp_hf._reduce_groups(mesh):
+        for g in _reduce_groups(mesh):
             dist.all_reduce(total, group=g)
         errors["loss"] = max(errors["loss"], rel_error(total, out_ref.loss.detach()))
         cu = local.get("cu_seq_lens_q")
@@ -376,10 +378,10 @@ def compile_boundaries(spec: dict[str, Any]) -> dict[str, Any]:
                 for key, t in buffers.items():
                     if isinstance(t, torch.Tensor):
                         t.copy_(local[key])
-            before = sp_hf._OP_READS.reads
+            before = hf_attention._OP_READS.reads
             loss = compiled(**buffers).loss
             loss.backward()
-            reads.append(sp_hf._OP_READS.reads - before)
+            reads.append(hf_attention._OP_READS.reads - before)
             ref = eager(**local).loss
             errors.append(rel_error(loss.detach(), ref.detach()))
         sources = []

@@ -39,6 +39,7 @@ import torch
 from .. import methods
 from ..errors import rank_suffix
 from ..inference import ShardedKVCache, attend_stored
+from .hf.attention import enable
 
 try:
     from transformers import Cache
@@ -239,8 +240,6 @@ def serving(model: Any, cache: SeqparCache, *, method: str = "ring", layout: str
     ``prefill`` and then call the model with the cache (``cache_kwargs``; decode: replicated tokens, RoPE
     positions ``cache.kv.length - start``; or a static step, ``cache.kv.static_decode()``).
     """
-    from .huggingface import enable
-
     kv = cache.kv
     handle = enable(kv.mesh, method=method, layout=layout or methods.get(method).default_layout(),
                     kernel=kv.spec.kernel, name=f"seqpar_cache_{id(cache)}", check_positions=False)

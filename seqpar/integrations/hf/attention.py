@@ -1,0 +1,446 @@
+"""The transformers attention function: ``enable``, the ``Handle`` it returns and what transformers calls.
+
+What the model asks for and what seqpar does with it (Note [What the attention function honours]):
+
+    transformers passes                     seqpar
+    query (B, H, L, D), key/value (B, Hkv, L, D)   -> q, k, v (B, L, H|Hkv, D): transposed views, GQA as is
+    module.is_causal / is_causal=           -> causal (in global positions)
+    scaling                                 -> softmax_scale
+    sliding_window= (or module.sliding_window) -> window_size=(w - 1, 0), global positions (HF: w keys incl. self)
+    cu_seq_lens_q / cu_seq_lens_k           -> cu_seqlens: GLOBAL document boundaries (shard_batch sets them)
+    position_ids                            -> checked against this rank's global positions (RoPE already applied)
+    attention_mask (any tensor)             -> ValueError: shard_batch turns padding into documents instead
+    dropout > 0, output_attentions, softcap, sinks, a KV cache with past tokens -> NotImplementedError
+    (except seqpar's own cache under ``generate``: its tokens, sinks and left padding are honoured)
+
+Nothing is global in seqpar: the ``Handle`` returned by ``enable`` holds the configuration and is captured by the
+functions it registers. ``handle.disable()`` (or leaving ``with enable(...):``) restores what was registered
+under the name before (or a stub that raises, when nothing was: transformers has no public unregister).
+
+torch.compile: a compiled model has no graph break at attention (``seqpar.attention`` traces as one custom op)
+and reads packed batches' boundaries on the host once per batch, never once per layer (Note [Compiling a model
+with seqpar attention]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ... import methods
+from ...api import attention, attention_config, positions
+from ...config import AttentionConfig
+from ...errors import rank_suffix
+from ...groups import SeqParallelGroups
+from ...layouts import DOCUMENT_LAYOUTS
+from .batch import _as_tuple, _check_boundary_tensor, batch_layout, shard_batch
+
+__all__ = ["DEFAULT_NAME", "Handle", "enable", "host_boundaries"]
+
+DEFAULT_NAME = "seqpar"
+_UNSET = object()
+
+# Keyword arguments transformers' models pass to attention functions that do not change attention itself
+# (position_ids is checked separately; the cu_seq_lens_* and max_length_* are ours, set by shard_batch).
+_BENIGN = frozenset({
+    "position_ids", "use_cache", "cache_position", "num_items_in_batch", "shift_labels", "labels",
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "output_hidden_states", "return_dict",
+    "logits_to_keep", "past_key_values", "position_embeddings",
+})
+# Keyword arguments that would change the result; a non-default value raises (Note [What the attention
+# function honours]): we never accept an option and ignore it.
+_REFUSED = {
+    "output_attentions": "output_attentions=True (the attention matrix over the whole sequence is never formed)",
+    "position_bias": "an additive position bias (position_bias=...)",
+    "head_mask": "a head mask (head_mask=...)",
+    "cache": "a paged KV cache (cache=...)",
+    "attention_chunk_size": "chunked attention (attention_chunk_size=...)",
+}
+
+
+def enable(mesh: Any = None, method: str = "usp", layout: str | None = None, kernel: str = "auto", *,
+           name: str = DEFAULT_NAME, check_positions: bool = True, ignore_kwargs: Iterable[str] = (),
+           deterministic: bool = False, grad_dtype: torch.dtype = torch.float32, **options: Any) -> Handle:
+    """Register seqpar as the transformers attention implementation ``name`` and return its handle.
+
+    Args:
+        mesh: the sequence-parallel mesh: a DeviceMesh (2D with dims "ulysses", "ring" for ``usp``), a
+            ProcessGroup, or None for the default group. Checked now when torch.distributed is initialised.
+        method: a name from ``seqpar.methods.available()`` (or "auto").
+        layout: the token layout ("zigzag", "contiguous", "stripe", "balanced"; each method accepts a subset).
+            None: per batch, ``balanced`` for a batch with documents (packed or padded; ``shard_batch``
+            turns them into ``cu_seq_lens_q``) where the method accepts it, else the method's default
+            (zigzag where it has it). ``shard_batch`` and the attention calls decide from the same fact.
+        kernel: "auto" or a kernel name (``seqpar.kernels.available_kernels()``).
+        name: the ``attn_implementation`` name to register (two handles with two names can coexist).
+        check_positions: check once per forward that ``position_ids`` are this rank's global positions (or
+            per-document positions of the batch's documents): catches a model fed local positions. Costs one
+            small device-to-host read per forward; position schemes that are not ``(B, L)`` are not checked.
+        ignore_kwargs: extra keyword arguments a model may pass to attention functions that you know do not
+            change attention (unknown non-None keyword arguments raise otherwise).
+        deterministic, grad_dtype, **options: as in ``seqpar.attention``.
+
+    Returns:
+        A ``Handle``: use ``attn_implementation=name``; ``handle.disable()`` or ``with`` restores the registry.
+    """
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:   # pragma: no cover - depends on the environment
+        raise ImportError("seqpar.integrations.huggingface needs transformers >= 4.53 (AttentionInterface and "
+                          f"masking_utils.AttentionMaskInterface): {e}") from e
+    handle = Handle(mesh=mesh, method=method, layout=layout, kernel=kernel, name=name,
+                    check_positions=check_positions, ignore_kwargs=frozenset(ignore_kwargs),
+                    deterministic=deterministic, grad_dtype=grad_dtype, options=dict(options))
+    handle._register(AttentionInterface, AttentionMaskInterface)
+    return handle
+
+
+class Handle:
+    """The configuration of one ``enable`` call; its bound methods are what transformers calls.
+
+    Attributes:
+        mesh, method, layout, kernel, options: where tokens live and how attention runs (fixed).
+        config: the validated ``AttentionConfig`` of every call (per-call: causal, window, documents).
+        name: the registered ``attn_implementation``.
+    """
+
+    def __init__(self, *, mesh: Any, method: str, layout: str | None, kernel: str, name: str, check_positions: bool,
+                 ignore_kwargs: frozenset[str], deterministic: bool, grad_dtype: torch.dtype,
+                 options: dict[str, Any]):
+        if not isinstance(name, str) or not name or name in ("eager", "sdpa", "flex_attention") \
+                or name.startswith(("flash_attention", "paged")):
+            raise ValueError(f"name must be a new attn_implementation name, got {name!r}{rank_suffix()}")
+        if method != "auto":
+            self.config: AttentionConfig | None = attention_config(
+                method, layout=layout, kernel=kernel, deterministic=deterministic, grad_dtype=grad_dtype, **options)
+            if dist.is_available() and dist.is_initialized():
+                SeqParallelGroups.resolve(mesh, methods.get(method).mesh_dims)
+        else:
+            self.config = None
+        self.mesh, self.method, self.layout, self.kernel, self.name = mesh, method, layout, kernel, name
+        self.options = dict(options)
+        self.deterministic, self.grad_dtype = deterministic, grad_dtype
+        self.check_positions, self.ignore_kwargs = check_positions, ignore_kwargs
+        self.active = False
+        self._previous: tuple[Any, Any] = (None, None)
+        self._interfaces: tuple[Any, Any] = (None, None)
+        # Note [Host reads of refillable buffers]: small caches keyed by object identity AND content stamp
+        self._cu_seen = _BoundaryReads()
+        self._pos_seen: tuple[Any, tuple[int, int] | None, Any] = (None, None, None)
+        self._glob: dict[tuple, torch.Tensor] = {}
+        self.attention_fn = self._attention
+        self.kv_cache: Any = None   # a hf_generate.SeqparCache while generate() runs: its tokens go to it
+
+    # -- registry ------------------------------------------------------------------------------------------
+
+    def _register(self, attn_iface: Any, mask_iface: Any) -> None:
+        self._interfaces = (attn_iface, mask_iface)
+        self._previous = (attn_iface().get(self.name), mask_iface().get(self.name))
+        attn_iface.register(self.name, self.attention_fn)
+        mask_iface.register(self.name, self._mask)
+        self.active = True
+
+    def disable(self) -> None:
+        """Restore the registry entries ``name`` had before ``enable`` (a raising stub if there were none)."""
+        if not self.active:
+            return
+        attn_iface, mask_iface = self._interfaces
+        prev_attn, prev_mask = self._previous
+        attn_iface.register(self.name, prev_attn if prev_attn is not None else _disabled(self.name))
+        mask_iface.register(self.name, prev_mask if prev_mask is not None else _disabled(self.name))
+        self.active = False
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.disable()
+
+    def __repr__(self) -> str:
+        extra = "".join(f", {k}={v!r}" for k, v in sorted(self.options.items()))
+        return (f"Handle(name={self.name!r}, method={self.method!r}, layout={self.layout!r}, kernel={self.kernel!r}"
+                f"{extra}, active={self.active})")
+
+    # -- what transformers calls ---------------------------------------------------------------------------
+
+    def _mask(self, *args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> None:
+        """The mask function registered for ``name``: seqpar needs no dense mask; any padding mask raises.
+
+        Without a registered mask function transformers would drop a user's 2D ``attention_mask`` silently
+        for an unknown implementation; registering this one makes that an error instead.
+        """
+        if attention_mask is not None and self.kv_cache is not None:     # seqpar's KV cache: its left padding
+            self.kv_cache.check_padding(attention_mask)
+            return None
+        if attention_mask is not None:
+            raise ValueError(
+                f"attention_mask must be None with attn_implementation={self.name!r}, got a tensor of shape "
+                f"{tuple(attention_mask.shape)}: pass the batch through shard_batch, which turns padding and "
+                f"packed documents into global document boundaries (cu_seq_lens_q) and drops the mask"
+                f"{rank_suffix()}")
+        return None
+
+    def _attention(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                   sliding_window: Any = _UNSET, is_causal: bool | None = None, **kwargs: Any
+                   ) -> tuple[torch.Tensor, None]:
+        """transformers' attention-function signature -> ``seqpar.attention`` -> ``(out (B, L, H, D), None)``.
+
+        Args:
+            module: the calling attention module (``is_causal``, ``sliding_window``, ``layer_idx`` are read).
+            query: ``(B, H, L, D)`` this rank's queries (RoPE applied at global positions).
+            key, value: ``(B, Hkv, L, D)``.
+            attention_mask: must be None (see ``_mask``); a 4D mask raises as well.
+        """
+        where = f"layer {getattr(module, 'layer_idx', '?')} ({type(module).__name__})"
+        cached = self.kv_cache is not None and self.kv_cache.serves(getattr(module, "layer_idx", None), key)
+        sinks = kwargs.pop("s_aux", None)                              # gpt-oss's per-head sink logits
+        if sinks is None:
+            sinks = kwargs.pop("sinks", None)
+        softcap = kwargs.pop("softcap", None)                          # Gemma 2's attn_logit_softcapping
+        if cached and softcap:
+            raise NotImplementedError(f"logit softcapping (softcap={softcap}) is not served by seqpar's KV cache "
+                                      f"(decode and extension kernels do not cap scores), in {where}{rank_suffix()}")
+        self._refuse(where, attention_mask, dropout, kwargs)
+        if cached:                                                     # seqpar's KV cache: prefill or decode
+            if sliding_window is _UNSET:
+                sliding_window = getattr(module, "sliding_window", None)
+            causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+            return self.kv_cache.attention(module.layer_idx, query, causal=causal, scaling=scaling,
+                                           window=_window(sliding_window, causal, where), sinks=sinks), None
+        if key.shape[2] != query.shape[2]:
+            raise NotImplementedError(
+                f"decoding with a KV cache is not supported by attn_implementation={self.name!r} (query length "
+                f"{query.shape[2]}, key length {key.shape[2]} in {where}): call the model with use_cache=False, "
+                f"every token of the sequence sharded{rank_suffix()}")
+        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        if sliding_window is _UNSET:
+            sliding_window = getattr(module, "sliding_window", None)
+        window = _window(sliding_window, causal, where)
+        if torch.compiler.is_compiling():      # Note [Compiling a model with seqpar attention]
+            cu = kwargs.get("cu_seq_lens_q")
+            cu = host_boundaries(cu) if isinstance(cu, torch.Tensor) else cu
+        else:
+            cu = self._documents(kwargs)
+            self._check_positions(kwargs.get("position_ids"), cu, query.shape[2])
+        q_BSHD, k_BSHD, v_BSHD = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        out_BSHD = attention(q_BSHD, k_BSHD, v_BSHD, mesh=self.mesh, method=self.method,
+                             layout=batch_layout(self.method, self.layout, cu), causal=causal,
+                             softmax_scale=scaling, kernel=self.kernel, window_size=window, cu_seqlens=cu,
+                             deterministic=self.deterministic, grad_dtype=self.grad_dtype,
+                             softcap=float(softcap or 0.0), sinks=sinks, **self.options)
+        return out_BSHD, None
+
+    # Note [Compiling a model with seqpar attention]
+    #     seqpar.attention traces as one custom op (seqpar.runtime.op), so a compiled model has no graph break
+    #     at attention. What this function adds is host-side: reading cu_seq_lens_q into ints and checking
+    #     position_ids. Under compile both would be data-dependent reads, so the boundaries stay a tensor
+    #     (an input of the op, read on the host inside it: a new packed batch neither recompiles nor guards on
+    #     data), and positions are checked in eager calls only. The op reads its boundary tensor with
+    #     .tolist() in forward and again in backward, which for a tensor on the GPU (a training loop that
+    #     moves the whole batch there) is a device-to-host sync per layer, twice. So the tensor first goes
+    #     through ``host_boundaries``, one more opaque op, which returns it on the host: it reads a device
+    #     tensor once per content (Note [Host reads of refillable buffers]: every layer of a forward, its
+    #     backward and a checkpointed recompute get the copy made by the first layer; a buffer refilled in
+    #     place is read again) and copies a host tensor, with no sync. seqpar.attention then gets a CPU int
+    #     tensor and saves it for backward; transformers' own attention paths, which would want it on the
+    #     GPU, are not called (seqpar's attention is the registered one).
+
+    def _refuse(self, where: str, attention_mask: Any, dropout: float, kwargs: dict[str, Any]) -> None:
+        rs = rank_suffix()
+        if attention_mask is not None:
+            shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+            raise ValueError(f"attention_mask must be None with attn_implementation={self.name!r}, got {shape} in "
+                             f"{where}: shard_batch turns padding and documents into cu_seq_lens_q{rs}")
+        if dropout:
+            raise NotImplementedError(
+                f"attention dropout is not supported (seqpar has no position-keyed dropout RNG), got dropout="
+                f"{dropout} in {where}: set config.attention_dropout=0.0 or call model.eval(){rs}")
+        for key, value in kwargs.items():
+            if key in _REFUSED:
+                if value is not None and value is not False:
+                    raise NotImplementedError(f"{_REFUSED[key]} is not supported by attn_implementation="
+                                              f"{self.name!r}, got {key}={_short(value)} in {where}{rs}")
+            elif key not in _BENIGN and key not in self.ignore_kwargs and value is not None and value is not False:
+                raise NotImplementedError(
+                    f"keyword argument {key!r} passed to attention is not understood by attn_implementation="
+                    f"{self.name!r} (got {_short(value)} in {where}); if it does not change attention, list it "
+                    f"in enable(..., ignore_kwargs=[{key!r}]){rs}")
+
+    def _world(self) -> int:
+        dims = _mesh_dims(self.mesh, self.method)
+        return SeqParallelGroups.resolve(self.mesh, dims).world
+
+    def _documents(self, kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+        """Global document boundaries from ``cu_seq_lens_q`` (read on the host once per content)."""
+        cu_q = kwargs.get("cu_seq_lens_q")
+        if cu_q is None:
+            if kwargs.get("cu_seq_lens_k") is not None:
+                raise ValueError(f"cu_seq_lens_k must come with cu_seq_lens_q (self-attention), got only "
+                                 f"cu_seq_lens_k{rank_suffix()}")
+            return None
+        cu = self._host_cu(cu_q)
+        cu_k = kwargs.get("cu_seq_lens_k")
+        if cu_k is not None and cu_k is not cu_q and self._host_cu(cu_k) != cu:
+            raise NotImplementedError(f"cu_seq_lens_k must equal cu_seq_lens_q (self-attention over the same "
+                                      f"documents), got {self._host_cu(cu_k)[:8]} and {cu[:8]}{rank_suffix()}")
+        return cu
+
+    def _host_cu(self, cu: Any) -> tuple[int, ...]:
+        """Host ints of a boundary tensor, read once per content (Note [Host reads of refillable buffers])."""
+        if not isinstance(cu, torch.Tensor):
+            return _as_tuple(cu)
+        return self._cu_seen.read(cu)[0]
+
+    # Note [Host reads of refillable buffers]
+    #     A forward calls the attention function once per layer with the same cu_seq_lens_q and position_ids
+    #     objects; reading a CUDA boundary tensor or checking CUDA positions costs a device-to-host sync, so
+    #     each is done once per forward and remembered. The memory is keyed on the object (held, so its id
+    #     cannot be reused) AND its stamp (``_stamp``: the version counter every in-place op bumps, and the
+    #     storage pointer): a collator or a CUDA-graph feeder that refills one buffer in place between steps
+    #     changes the stamp, so the next forward reads the new documents and checks the new positions instead
+    #     of reusing the previous batch's. Inference tensors (``torch.inference_mode``) carry no version
+    #     counter: they are read on every call (one read per layer; use ``torch.no_grad`` to read once).
+
+    def _check_positions(self, pos: Any, cu: tuple[int, ...] | None, local_len: int) -> None:
+        """``position_ids`` must be global positions (or positions within documents), checked once per content.
+
+        Note [RoPE sees global positions]: RoPE is applied before attention, from ``position_ids``. A model
+        called on a shard without them numbers the shard's tokens 0..L-1 and every rank but the first is
+        silently wrong; so is a zigzag shard given positions in global order. This check turns both into an
+        error (``shard_batch`` gives the right ones).
+        """
+        if not self.check_positions or not isinstance(pos, torch.Tensor):
+            return
+        pos_BL = pos[None] if pos.dim() == 1 else pos
+        if pos_BL.dim() != 2 or pos_BL.shape[-1] != local_len:
+            return                                            # other position schemes (e.g. M-RoPE): not ours
+        seen, seen_stamp, seen_cu = self._pos_seen
+        stamp = _stamp(pos)
+        if seen is pos and stamp is not None and seen_stamp == stamp and seen_cu == cu:
+            return                                            # Note [Host reads of refillable buffers]
+        layout = batch_layout(self.method, self.layout, cu)
+        key = (local_len, str(pos.device), layout, cu if layout in DOCUMENT_LAYOUTS else None)
+        if key not in self._glob:
+            self._glob = {key: positions(local_len * self._world(), mesh=self.mesh, method=self.method,
+                                         layout=layout, device=pos.device, cu_seqlens=key[3])}
+        glob = self._glob[key]
+        ok = pos_BL == glob
+        if cu is not None:
+            bounds = torch.tensor(cu, dtype=torch.long, device=pos.device)
+            starts = bounds[torch.searchsorted(bounds[1:], glob, right=True).clamp_(max=len(cu) - 2)]
+            ok = ok | (pos_BL == glob - starts)
+        if not bool(ok.all()):
+            first = pos_BL[0, :6].tolist()
+            raise ValueError(
+                f"position_ids must be the global positions of this rank's tokens (or positions within the "
+                f"batch's documents), got {first}... where the {layout} layout of method={self.method!r} "
+                f"holds positions {glob[:6].tolist()}...: build the batch with shard_batch (RoPE must see global "
+                f"positions), or pass check_positions=False to enable() for another position scheme"
+                f"{rank_suffix()}")
+        self._pos_seen = (pos, stamp, cu)
+
+    # -- conveniences bound to this handle's placement -----------------------------------------------------
+
+    def shard_batch(self, batch: Mapping[str, Any], **kwargs: Any) -> dict[str, Any]:
+        """``shard_batch(batch, self.mesh, self.method, self.layout, **kwargs)``."""
+        return shard_batch(batch, self.mesh, self.method, self.layout, **kwargs)
+
+    def positions(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global positions of this rank's tokens, int64 ``(L,)`` (``seqpar.positions``)."""
+        return positions(seq_len, mesh=self.mesh, method=self.method, layout=self.layout, device=device)
+
+
+GRAPH_BREAK_REASON = "seqpar attention runs eagerly (host-side schedules over collectives)"
+
+
+def _eager(fn: Any) -> Any:
+    """``fn`` excluded from torch.compile tracing: one documented graph break per attention call."""
+    try:
+        return torch.compiler.disable(fn, recursive=True, reason=GRAPH_BREAK_REASON)
+    except TypeError:                      # torch < 2.8: no reason argument
+        return torch.compiler.disable(fn, recursive=True)
+
+
+class _BoundaryReads:
+    """The last ``keep`` boundary tensors read to the host, each held with its stamp and both host forms
+    (ints and a CPU tensor of the same dtype): Note [Host reads of refillable buffers]."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self.seen: dict[int, tuple[torch.Tensor, tuple[int, int] | None, tuple[tuple[int, ...], torch.Tensor]]] = {}
+        self.reads = 0
+        """Tensors read (one device-to-host copy each for a device tensor)."""
+
+    def read(self, cu: torch.Tensor) -> tuple[tuple[int, ...], torch.Tensor]:
+        stamp = _stamp(cu)
+        hit = self.seen.get(id(cu))
+        if hit is not None and hit[0] is cu and stamp is not None and hit[1] == stamp:
+            return hit[2]
+        _check_boundary_tensor(cu)
+        self.reads += 1
+        host = cu.detach().to("cpu", copy=True)
+        value = (tuple(int(x) for x in host.tolist()), host)
+        if stamp is not None:
+            if len(self.seen) >= self.keep and id(cu) not in self.seen:
+                self.seen.pop(next(iter(self.seen)))
+            self.seen[id(cu)] = (cu, stamp, value)
+        return value
+
+
+_OP_READS = _BoundaryReads()
+"""The reads of ``host_boundaries``: module-level because a custom op takes only tensors (a few small tensors)."""
+
+
+@torch.library.custom_op("seqpar::host_boundaries", mutates_args=(), schema="(Tensor cu) -> Tensor")
+def host_boundaries(cu: torch.Tensor) -> torch.Tensor:
+    """``cu`` (any device) as a CPU tensor of its dtype, read once per content (Note [Compiling a model with
+    seqpar attention]); opaque to torch.compile."""
+    return _OP_READS.read(cu)[1].clone()                   # an op's output is never shared between calls
+
+
+@host_boundaries.register_fake
+def _(cu: torch.Tensor) -> torch.Tensor:
+    return torch.empty(cu.shape, dtype=cu.dtype, device="cpu")
+
+
+def _disabled(name: str):
+    def fn(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"the seqpar attention registered as {name!r} was disabled: call "
+                           f"seqpar.integrations.huggingface.enable(..., name={name!r}) again{rank_suffix()}")
+    return fn
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) < 60 else text[:57] + "..."
+
+
+def _stamp(t: Any) -> tuple[int, int] | None:
+    """What changes when a tensor is refilled in place: its version counter and its storage pointer; None
+    when it cannot be told (not a tensor, or an inference tensor, which has no version counter)."""
+    if not isinstance(t, torch.Tensor) or t.is_inference():
+        return None
+    return (t._version, t.data_ptr())
+
+
+def _window(sliding_window: Any, causal: bool, where: str) -> tuple[int, int]:
+    """HF's ``sliding_window=w``: a query sees the ``w`` keys ending at itself, i.e. flash-attn ``(w - 1, 0)``."""
+    if sliding_window is None or sliding_window is False:
+        return (-1, -1)
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r} in {where}"
+                         f"{rank_suffix()}")
+    return (sliding_window - 1, 0 if causal else sliding_window - 1)
+
+
+def _mesh_dims(mesh: Any, method: str) -> int:
+    if method == "auto":
+        return 2 if getattr(mesh, "ndim", 1) == 2 else 1
+    return methods.get(method).mesh_dims
