@@ -1,0 +1,124 @@
+"""The emulated world (rank r of W on torch's fake process group, one process) on CPU: the step program of each
+method - kernel calls per step, merges per call - and the benchmark's ``--emulate-world`` mode as a smoke run.
+
+A fake group moves no data, so nothing here checks values (the oracle tests do, on gloo); what it pins down is
+the per-rank path's structure, so a regression to per-step merges or extra kernel calls cannot come back
+silently (Note [One merge per call] in ``seqpar.kernels.combine``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.kernels import combine, merge
+from seqpar.kernels.executor import TaskRunner
+from seqpar.runtime import call as _call
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def fake_world():
+    """``start(W, rank)``: this process becomes rank ``rank`` of a W-rank fake group (torn down after)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def start(world: int, rank: int = 0) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _call.cache_clear()
+
+
+@pytest.fixture
+def counts(monkeypatch):
+    """Counts of kernel calls (forward, backward), step-by-step merges, one-pass merges and sums."""
+    seen: Counter = Counter()
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            seen[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(TaskRunner, "forward", counting("kernel_fwd", TaskRunner.forward))
+    monkeypatch.setattr(TaskRunner, "backward", counting("kernel_bwd", TaskRunner.backward))
+    monkeypatch.setattr(merge, "merge_", counting("merge_step", merge.merge_))
+    monkeypatch.setattr(combine, "merge_parts", counting("merge_once", combine.merge_parts))
+    monkeypatch.setattr(combine, "sum_parts", counting("sum_once", combine.sum_parts))
+    return seen
+
+
+def _call_once(method: str, layout: str | None, world: int, causal: bool = True, **options):
+    L, H, Hkv, D = 4 * world * max(world - 1, 1), 4, 2, 16
+    q = torch.randn(1, L, H, D, requires_grad=True)
+    k = torch.randn(1, L, Hkv, D, requires_grad=True)
+    v = torch.randn(1, L, Hkv, D, requires_grad=True)
+    out = seqpar.attention(q, k, v, method=method, layout=layout, causal=causal, check_ranks=False, kernel="reference",
+                           **options)
+    return out, (q, k, v)
+
+
+#: method, layout, options -> (kernel calls per forward, per backward) at W ranks: one call per ring step
+STEP_PROGRAMS = {
+    ("ring", "zigzag"): lambda W: (W, W),
+    ("ring", "contiguous"): lambda W: (W, W),
+    ("double_ring", "zigzag"): lambda W: (W, W),
+}
+
+
+@pytest.mark.parametrize("world", [4, 8])
+@pytest.mark.parametrize("method,layout", sorted(STEP_PROGRAMS))
+def test_ring_family_step_program(fake_world, counts, method, layout, world):
+    """A pass-KV ring's forward is one kernel call per step and ONE merge per call (never one per step); its
+    backward one kernel call per step and one dQ sum."""
+    fake_world(world, rank=world - 1)              # the busiest rank of a contiguous ring, any rank of zigzag
+    options = {"node_size": 2} if method == "double_ring" else {}
+    out, leaves = _call_once(method, layout, world, **options)
+    fwd, bwd = STEP_PROGRAMS[(method, layout)](world)
+    assert counts["kernel_fwd"] == fwd and counts["merge_once"] == 1 and counts["merge_step"] == 0, counts
+    counts.clear()
+    torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert counts["kernel_bwd"] == bwd and counts["merge_step"] == 0, counts
+    assert counts["sum_once"] == (1 if method == "ring" else 0), counts
+
+
+@pytest.mark.parametrize("method,layout", [("tasp", "zigzag"), ("ulysses", None), ("usp", "zigzag")])
+def test_other_methods_merge_once(fake_world, counts, method, layout):
+    """TASP, Ulysses and USP merge their partials once per call, whatever the step count."""
+    fake_world(4)
+    options = {"mesh": seqpar.make_mesh(ulysses=2, device_type="cpu")} if method == "usp" else {}
+    _call_once(method, layout, 4, **options)
+    assert counts["merge_step"] == 0 and counts["merge_once"] <= 1, counts
+    assert counts["kernel_fwd"] >= 1
+
+
+def test_bench_emulated_world_smoke(tmp_path):
+    """``python -m seqpar.bench --emulate-world 4`` on CPU: one process, records with the emulation fields for
+    the busiest rank of each configuration."""
+    cmd = [sys.executable, "-m", "seqpar.bench", "--emulate-world", "4", "--preset", "tiny-causal", "--device",
+           "cpu", "--methods", "ring/contiguous,ulysses", "--warmup", "0", "--iters", "1", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    recs = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
+    ours = [r for r in recs if not r["method"].startswith("limit")]
+    assert {r["method"] for r in ours} == {"ring/contiguous", "ulysses"}
+    for r in ours:
+        for key in ("emulated_world", "tokens_per_rank", "method", "mode", "causal", "heads", "kv_heads",
+                    "compute_efficiency", "host_ms_per_call", "emulated_rank"):
+            assert key in r, (key, r)
+        assert r["emulated_world"] == 4 and r["tokens_per_rank"] == 128 and r["backend"] == "fake"
+    ranks = {r["method"]: r["emulated_rank"] for r in ours}
+    assert ranks == {"ring/contiguous": 3, "ulysses": 0}      # the busiest rank of a causal contiguous ring
