@@ -293,6 +293,8 @@ class Bench:
             for label, factory in peer_runners(preset, self.device).items():
                 if self.over_budget():
                     return
+                if self.emulated:
+                    self.emulate_as(self.busiest(_peer_layout(label), preset.seq_len, preset.causal))
                 self.time_config(preset, label, factory, limit, profile=False)
 
     def run_scaling(self) -> None:
@@ -319,6 +321,16 @@ class Bench:
                                      lambda s=spec, g=g, p=preset: ours_runner(s, p, self.device, g),
                                      limit, profile=False, world=n, group=g, extra={"scaling": kind})
             dist.barrier()
+
+
+def _peer_layout(label: str) -> str:
+    """The token layout a peer configuration runs (to emulate its busiest rank): ring-flash-attn's ring and llama3
+    and yunchang's basic ring are contiguous; PyTorch's CP balances (rank 0 stands for all)."""
+    for name in ("zigzag", "stripe"):
+        if name in label:
+            return name
+    balanced = "torch-cp" in label or ("/u" in label and "r1/" in label)     # Ulysses alone: every rank the same
+    return "zigzag" if balanced else "contiguous"
 
 
 def _select(names: list[str]) -> list[Preset]:
