@@ -217,7 +217,8 @@ class _TiledMLP(torch.autograd.Function):
 #         parameters and tensors under ``min_bytes`` always stay; host memory has its own budget
 #         (``host_bytes``, default: MemAvailable at first use minus 4 GiB), past which tensors stay too and
 #         ``stats.host_refused_bytes`` says so;
-#       - pinned buffers of the exact size (cudaHostRegister on plain host memory), kept for the next step.
+#       - pinned buffers of the exact size (cudaHostRegister on plain host memory), kept for the next step;
+#       - a tensor saved twice in one forward (RMSNorm saves its fp32 input for two ops) is copied once.
 #     CPU tensors pass through untouched, so on CPU the context changes nothing (and the tests check that
 #     values are equal bitwise with and without it).
 
@@ -279,6 +280,7 @@ class ActivationOffload:
         self._pool = _PinnedPool()
         self._hooks: Any = None
         self._items: list[weakref.ref] = []
+        self._seen: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
         self._streams: dict[torch.device, tuple[Any, Any]] = {}
         self._kept = 0
         self._budget = 0
@@ -292,7 +294,7 @@ class ActivationOffload:
         if self._pool.budget is None:
             self._pool.budget = self.host_bytes if self.host_bytes is not None else _host_available() - (4 << 30)
         self.stats = OffloadStats(host_pinned_bytes=self._pool.held)
-        self._items = []
+        self._items, self._seen = [], {}
         self._kept = 0
         self._budget = self._keep_budget()
         self.stats.keep_budget_bytes = self._budget
@@ -303,6 +305,7 @@ class ActivationOffload:
     def __exit__(self, *exc: Any) -> None:
         hooks, self._hooks = self._hooks, None
         hooks.__exit__(*exc)
+        self._seen = {}
         if exc[0] is None:
             self._prefetch_before(len(self._items))   # the first tensors backward asks for
         self.stats.host_pinned_bytes = self._pool.held
@@ -326,6 +329,11 @@ class ActivationOffload:
         nbytes = t.numel() * t.element_size()
         if nbytes < self.min_bytes or isinstance(t, nn.Parameter) or t.layout != torch.strided:
             return t
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version and seen[2]() is not None:
+            item = seen[2]()                           # the same tensor saved again (RMSNorm's fp32 input): one copy
+            item.pending += 1
+            return self._ref(item)
         if t.device.type != "cuda" or not t.is_contiguous() or self._kept + nbytes <= self._budget:
             self._kept += nbytes
             self.stats.kept_bytes += nbytes
@@ -336,32 +344,38 @@ class ActivationOffload:
         if buf is None:                                # host budget spent: it stays on the GPU
             self.stats.host_refused_bytes += nbytes
             return t
-        item = _Offloaded(t, buf, self._stream_pair(t.device)[0], len(self._items))
+        item = _Offloaded(t, buf, self._stream_pair(t.device)[0])
         weakref.finalize(item, self._pool.give, buf)
-        self._items.append(weakref.ref(item))
+        self._seen[id(t)] = (weakref.ref(t), t._version, weakref.ref(item))
         self.stats.offloaded_bytes += nbytes
         self.stats.offloaded_tensors += 1
-        return item
+        return self._ref(item)
+
+    def _ref(self, item: _Offloaded) -> _Ref:
+        self._items.append(weakref.ref(item))
+        return _Ref(item, len(self._items) - 1)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Offloaded):
+        if not isinstance(packed, _Ref):
             return packed
+        item = packed.item
         with self._lock:
-            if packed.gpu is None:
+            if item.gpu is None:
                 self.stats.waited_fetches += 1
-                packed.fetch(self._stream_pair(packed.device)[1])
-            gpu = packed.take()
-            self._prefetch_before(packed.index)
+                item.fetch(self._stream_pair(item.device)[1])
+            gpu = item.take()
+            self._prefetch_before(packed.position)
         return gpu
 
-    def _prefetch_before(self, index: int) -> None:
-        """Start the host->device copies of the ``prefetch`` saved tensors before ``index`` not yet fetched."""
+    def _prefetch_before(self, position: int) -> None:
+        """Start the host->device copies of the ``prefetch`` saved tensors packed before ``position`` (backward
+        unpacks in about the reverse order of packing) that are still to be unpacked and not on the GPU."""
         started = 0
-        for j in range(index - 1, -1, -1):
+        for j in range(position - 1, -1, -1):
             if started >= self.prefetch:
                 break
             item = self._items[j]()
-            if item is None or item.used or item.gpu is not None:
+            if item is None or item.pending == 0 or item.gpu is not None:
                 continue
             item.fetch(self._stream_pair(item.device)[1])
             started += 1
@@ -372,15 +386,24 @@ class ActivationOffload:
         return self._streams[device]
 
 
+@dataclass(frozen=True)
+class _Ref:
+    """What one pack returns: the offloaded tensor and the position of this save in packing order."""
+
+    item: _Offloaded
+    position: int
+
+
 class _Offloaded:
     """One saved tensor in pinned host memory; ``gpu`` holds it again between prefetch and unpack."""
 
-    def __init__(self, t: torch.Tensor, buf: _Pinned, d2h: Any, index: int):
-        self.shape, self.dtype, self.device, self.index = t.shape, t.dtype, t.device, index
+    def __init__(self, t: torch.Tensor, buf: _Pinned, d2h: Any):
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
         self.buf = buf
         self.host = buf.tensor[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         self.gpu: torch.Tensor | None = None
-        self.used = False
+        self.pending = 1
+        """Saves of it not yet unpacked."""
         compute = torch.cuda.current_stream(t.device)
         with torch.cuda.stream(d2h):
             d2h.wait_stream(compute)                   # t is ready
@@ -406,7 +429,7 @@ class _Offloaded:
     def take(self) -> torch.Tensor:
         torch.cuda.current_stream(self.device).wait_event(self.ready)
         gpu, self.gpu = self.gpu, None
-        self.used = True
+        self.pending = max(0, self.pending - 1)
         return gpu
 
 
