@@ -11,6 +11,13 @@ parameters over the whole data x sequence mesh.
     python examples/train_long_context.py --preset cpu-tiny --spawn 4 --check --out tiny.jsonl    # CPU, gloo
     python examples/train_long_context.py --plot-from r128k.jsonl r1m.jsonl --plot loss.png      # plot only
 
+The recipe for a 7-8B model at a million tokens (Note [Rank 0 of W on one GPU]):
+
+    python examples/train_long_context.py --preset gpu-1m --model llama3-8b --seq-len 1M --world 8 --emulate \
+        --tile-mlp --offload --steps 1 --json r8b.jsonl        # one full step of rank 0 of 8: peak, time, MFU
+    python examples/train_long_context.py --preset gpu-1m --model llama3-8b --seq-len 2M --world 8 --emulate \
+        --tile-mlp --offload --steps 1 --search --budget-s 600 --fit-probe 4096 --json r8b.jsonl   # longest fit
+
 ``--check`` (CPU) trains the same model on one process (transformers' "sdpa" attention on the whole batch)
 next to the sequence-parallel run and records, per step, both losses and the largest normalised error over
 every parameter gradient; ``tests/test_train_example.py`` asserts on them.
@@ -26,16 +33,43 @@ attention's communication; every rank recomputes in the same order, so collectiv
 keeps one chunk of logits at a time. FSDP2 shards parameters, gradients and AdamW states over all ranks.
 
 One JSON object per line in ``--out``: a header (config, versions, devices, command), one line per step (loss,
-step time, tokens/s, peak memory of every rank), and a summary.
+step time, tokens/s, peak memory of every rank), and a summary. ``--json`` appends one record per run (the
+recipe's keys: ``model``, ``seq_len``, ``world``, ``emulated``, ``fits``, ``peak_gib``, ``step_s``, ``mfu``, and
+more), and ``--search`` one per try plus one with ``max_seq_len`` and ``bound``.
+
+Note [Rank 0 of W on one GPU]
+    ``--world W --emulate`` runs one process as rank 0 of W on torch's fake process group (as ``python -m
+    seqpar.bench --emulate-world``): collectives return at once and move nothing, so FSDP2 holds 1/W of the
+    parameters, gradients and AdamW states, and seqpar's attention runs rank 0's true per-rank kernels at its
+    true shapes; the values are meaningless (nothing arrives) and seqpar's agreement round is off (it cannot
+    agree over a group that moves no data). Peak memory is rank 0's; the step time is its compute path with
+    free communication, an upper bound on what W GPUs reach.
+    Memory per local token, Llama-3-8B shape: checkpointed layer inputs 32 x 8 KiB (``--offload``: pinned host
+    memory, Note [Activation offload] in seqpar.integrations.hf_memory), one layer's MLP intermediates 3 x 28
+    KiB (``--tile-mlp``: one chunk at a time, Note [Tiled MLP]), logits (the tiled loss: one chunk at a time).
+    MFU counts model FLOPs only: 6 x (parameters doing matmuls: all but the embedding table) x tokens per rank,
+    plus causal attention 6 x S^2 x heads x head_dim x layers / W per rank (forward 2, backward 4), not the
+    recompute; over ``--peak-tflops`` (989: H100 SXM dense bf16).
+    ``--search`` runs each try in a fresh process (an OOM leaves nothing behind): doubling from ``--seq-len``
+    until a try fails, then bisection until the bracket is under 1/16 of the start, within ``--budget-s``.
+    ``bound`` is why the smallest failing try failed: "gpu memory", "host memory" (the offload's host budget
+    was spent, or the process was killed), "time" (a try outlived the budget, or the budget ended before any
+    try failed). A full causal step grows as S^2 (an 8B step at 1M tokens on rank 0 of 8 is minutes), so
+    ``--fit-probe N`` runs each try with a sliding window of N tokens instead of causal attention: the same
+    tensors, layer inputs and buffers, attention work linear in S (the attention kernel may differ: FA2 for
+    windows, cuDNN for causal); such records say ``"probe"`` and carry no step time or MFU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import re
 import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,10 +82,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import seqpar
+from seqpar.integrations import hf_memory
 from seqpar.integrations import huggingface as sp_hf
 from seqpar.testing import rel_error
 
-__all__ = ["PRESETS", "Preset", "main", "make_batch", "train"]
+__all__ = ["MODELS", "PRESETS", "Preset", "main", "make_batch", "model_flops", "search", "train"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,13 +126,38 @@ class Preset:
     kernel: str = "auto"
     pairs: int = 8
     """(KEY, k, v) triples per sequence."""
+    model: str = "llama-323m"
+    """The name of the model shape (``MODELS``), recorded in ``--json`` records."""
+    head_chunks: int = 1
+    """method="ring": run the ring over this many groups of KV heads (smaller fp32 buffers)."""
+    tile_mlp: int = 0
+    """Tokens per chunk of every decoder layer's MLP (``hf_memory.tile_mlp``); 0: the plain MLP."""
+    offload: bool = False
+    """Checkpointed layer inputs (and the other saved activations) in pinned host memory (``hf_memory``)."""
+    offload_reserve_gib: float | None = None
+    """With offload: keep saved activations on the GPU up to its free memory at the forward less this much
+    (``ActivationOffload(reserve_bytes=...)``); None: offload all of them."""
+    fit_probe: int = 0
+    """> 0: attention over a sliding window of this many tokens instead of causal (Note [Rank 0 of W on one
+    GPU]: a memory probe with linear attention work)."""
 
+
+MODELS = {
+    "tiny": dict(vocab=96, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, head_dim=8),
+    "llama-323m": dict(vocab=128256, hidden=1024, intermediate=4096, layers=4, heads=8, kv_heads=2, head_dim=128),
+    "llama3-8b": dict(vocab=128256, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128),
+}
+"""Model shapes (random weights; Llama 3's vocabulary). llama3-8b: Llama-3-8B's architecture, 8.03B parameters."""
+
+MODEL_DEFAULTS = {"llama3-8b": dict(method="ring", layout="zigzag", head_chunks=8, loss_chunk=4096)}
+"""What ``--model`` also sets unless given: the 8B runs ring attention over one KV head at a time (its fp32
+buffers are then 1/8 of a layer's heads) and computes the loss 4096 tokens at a time (4 GiB of fp32 logits)."""
 
 PRESETS = {
     "gpu-128k": Preset(seq_len=131072, steps=20),
     "gpu-1m": Preset(seq_len=1048576, steps=5),
-    "cpu-tiny": Preset(vocab=96, hidden=32, intermediate=64, layers=2, heads=4, kv_heads=2, head_dim=8, seq_len=128,
-                       steps=3, lr=1e-2, dtype="float64", device="cpu", loss_chunk=24, pairs=3),
+    "cpu-tiny": Preset(**MODELS["tiny"], model="tiny", seq_len=128, steps=3, lr=1e-2, dtype="float64",
+                       device="cpu", loss_chunk=24, pairs=3),
 }
 
 FILLER = 16            # filler alphabet size
@@ -188,14 +248,30 @@ def checkpoint_layers(model: nn.Module) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def train(p: Preset, out_path: str | None = None, check: bool = False) -> list[dict[str, Any]]:
-    """Run ``p.steps`` optimizer steps on an initialised process group; returns (and writes) the JSON records."""
+def train(p: Preset, out_path: str | None = None, check: bool = False, *, emulated: bool = False,
+          json_path: str | None = None, peak_tflops: float = 989.0) -> list[dict[str, Any]]:
+    """Run ``p.steps`` optimizer steps on an initialised process group; returns (and writes) the JSON records.
+
+    ``emulated``: the group is a fake one (Note [Rank 0 of W on one GPU]). ``json_path``: append the run's
+    recipe record there (rank 0); in one process (W = 1 or emulated) a step that runs out of memory ends the
+    run with a record saying ``"fits": false`` and what ran out, instead of raising.
+    """
     device = torch.device(p.device, torch.cuda.current_device()) if p.device == "cuda" else torch.device("cpu")
     sp_mesh, fsdp_mesh, dp_index = meshes(p, device)
     if not p.fsdp and p.dp != 1:
         raise ValueError(f"fsdp=False supports dp=1 only (gradients are summed over the sequence group), got {p.dp}")
-    handle = sp_hf.enable(sp_mesh, method=p.method, layout=p.layout, kernel=p.kernel, name="seqpar")
+    options = {"head_chunks": p.head_chunks} if p.method == "ring" and p.head_chunks > 1 else {}
+    handle = sp_hf.enable(sp_mesh, method=p.method, layout=p.layout, kernel=p.kernel, name="seqpar", **options)
+    if emulated:
+        # the agreement round off (a fake group moves no digests): enable() has no check_ranks argument, and
+        # handle.options go to every seqpar.attention call as keyword arguments
+        handle.options["check_ranks"] = False
     lm = build_model(p, handle.name, device)
+    if p.tile_mlp:
+        hf_memory.tile_mlp(lm, chunk_tokens=p.tile_mlp)
+    if p.fit_probe:
+        for layer in lm.model.layers:
+            layer.self_attn.sliding_window = p.fit_probe        # read by seqpar's attention function
     if p.checkpointing:
         checkpoint_layers(lm)
     if p.compile:
@@ -205,41 +281,147 @@ def train(p: Preset, out_path: str | None = None, check: bool = False) -> list[d
     if p.fsdp:
         _fully_shard(model, fsdp_mesh, p)
     opt = torch.optim.AdamW(model.parameters(), lr=p.lr, weight_decay=0.0)
+    offload = None
+    if p.offload:
+        reserve = None if p.offload_reserve_gib is None else int(p.offload_reserve_gib * 2**30)
+        offload = hf_memory.ActivationOffload(reserve_bytes=reserve)
     ref = _Reference(p, device) if check else None
     records = [_header(p, check)]
     _emit(records[-1], out_path)
-    for step in range(p.steps):
-        batch = make_batch(p, seed=1000 * step + dp_index)
-        local = handle.shard_batch(batch)
-        local = {k: v.to(device) if isinstance(v, torch.Tensor) and not k.startswith("cu_seq_lens") else v
-                 for k, v in local.items() if k != "labels"}       # document boundaries stay on the host
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        share, value, _ = model(**local)
-        share.backward()
-        if not p.fsdp:
-            sp_hf.all_reduce_gradients(model.parameters(), sp_mesh)
-        rec = {"step": step, "loss": _dp_mean(value, p)}
-        if ref is not None:
-            rec.update(ref.step(step, model))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        rec.update(step_time_s=dt, tokens_per_s=p.seq_len * p.batch * p.dp / dt, peak_mem_gib=_peak_memory(device))
-        records.append(rec)
-        _emit(rec, out_path)
-    steady = [r["tokens_per_s"] for r in records[2:]] or [records[-1]["tokens_per_s"]]
-    summary = {"summary": True, "tokens_per_s_median": sorted(steady)[len(steady) // 2],
-               "peak_mem_gib_max": max(max(r["peak_mem_gib"]) for r in records[1:]),
-               "final_loss": records[-1]["loss"]}
-    records.append(summary)
-    _emit(summary, out_path)
+    failure = None
+    try:
+        for step in range(p.steps):
+            records.append(_step(p, step, model, opt, handle, dp_index, device, sp_mesh, offload, ref, emulated))
+            _emit(records[-1], out_path)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not (emulated or dist.get_world_size() == 1) or not _out_of_memory(e):
+            raise
+        failure = e
+    if failure is None:
+        steady = [r["tokens_per_s"] for r in records[2:]] or [records[-1]["tokens_per_s"]]
+        summary = {"summary": True, "tokens_per_s_median": sorted(steady)[len(steady) // 2],
+                   "peak_mem_gib_max": max(max(r["peak_mem_gib"]) for r in records[1:]),
+                   "final_loss": records[-1]["loss"]}
+        records.append(summary)
+        _emit(summary, out_path)
+    if json_path:
+        _emit(recipe_record(p, records, world=dist.get_world_size(), emulated=emulated, peak_tflops=peak_tflops,
+                            device=device, offload=offload, failure=failure), json_path)
+    if offload is not None:
+        offload.close()
     handle.disable()
     return records
+
+
+def _step(p: Preset, step: int, model: nn.Module, opt: Any, handle: Any, dp_index: int, device: torch.device,
+          sp_mesh: Any, offload: Any, ref: Any, emulated: bool) -> dict[str, Any]:
+    """One optimizer step: forward (under the offload context), backward, AdamW; its record."""
+    batch = make_batch(p, seed=1000 * step + dp_index)
+    local = handle.shard_batch(batch)
+    local = {k: v.to(device) if isinstance(v, torch.Tensor) and not k.startswith("cu_seq_lens") else v
+             for k, v in local.items() if k != "labels"}       # document boundaries stay on the host
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    with offload if offload is not None else contextlib.nullcontext():
+        share, value, _ = model(**local)
+    t_fwd = _since(t0, device, f"step {step}: forward")
+    share.backward()
+    if not p.fsdp:
+        sp_hf.all_reduce_gradients(model.parameters(), sp_mesh)
+    t_bwd = _since(t0, device, f"step {step}: backward")
+    rec = {"step": step, "loss": float(value) if emulated else _dp_mean(value, p)}
+    if ref is not None:
+        rec.update(ref.step(step, model))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    dt = _since(t0, device)
+    peak = [round(_local_peak(device), 3)] if emulated else _peak_memory(device)
+    rec.update(step_time_s=dt, tokens_per_s=p.seq_len * p.batch * p.dp / dt, peak_mem_gib=peak,
+               forward_s=t_fwd, backward_s=t_bwd - t_fwd)
+    if offload is not None:
+        rec["offload"] = offload.stats.as_dict()
+    return rec
+
+
+def _since(t0: float, device: torch.device, progress: str | None = None) -> float:
+    """Seconds since ``t0`` once the device is idle; with ``progress``, a line on stderr (rank 0) that says how
+    far a long step got, with the peak memory so far."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    if progress and dist.get_rank() == 0:
+        print(f"{progress} done at {dt:.1f} s, peak {_local_peak(device):.2f} GiB", file=sys.stderr, flush=True)
+    return dt
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e) or "can't allocate memory" in str(e)
+
+
+def model_flops(p: Preset, world: int) -> float:
+    """Model FLOPs of one step on one rank (Note [Rank 0 of W on one GPU]): 6 x matmul parameters x tokens
+    plus causal attention, forward and backward, recompute not counted."""
+    qo = 2 * p.hidden * p.heads * p.head_dim
+    kv = 2 * p.hidden * p.kv_heads * p.head_dim
+    matmul_params = p.layers * (qo + kv + 3 * p.hidden * p.intermediate) + p.vocab * p.hidden   # + LM head
+    sp = world // p.dp
+    tokens = p.seq_len * p.batch / sp
+    attention = 6 * p.batch * p.seq_len ** 2 * p.heads * p.head_dim * p.layers / sp
+    if p.fit_probe:
+        attention = 0.0                   # a probe's attention is windowed: no MFU is claimed for it
+    return 6 * matmul_params * tokens + attention
+
+
+def recipe_record(p: Preset, records: list[dict[str, Any]], *, world: int, emulated: bool, peak_tflops: float,
+                  device: torch.device, offload: Any = None, failure: BaseException | None = None) -> dict[str, Any]:
+    """The recipe's record of a run (keys: model, seq_len, world, emulated, fits, peak_gib, step_s, mfu, ...)."""
+    steps = [r for r in records if "step" in r]
+    timed = steps[1:] or steps
+    step_s = sorted(r["step_time_s"] for r in timed)[len(timed) // 2] if timed else None
+    flops = model_flops(p, world)
+    peak = max((max(r["peak_mem_gib"]) for r in steps), default=None)
+    if failure is not None:
+        peak = max(peak or 0.0, round(_local_peak(device), 3))
+    rec = {"model": p.model, "seq_len": p.seq_len, "world": world, "emulated": emulated,
+           "fits": failure is None, "peak_gib": peak,
+           "step_s": None if failure is not None or p.fit_probe else step_s,
+           "mfu": None if failure is not None or p.fit_probe or not step_s else flops / step_s / (peak_tflops * 1e12),
+           "tokens_per_s_per_gpu": None if failure is not None or p.fit_probe or not step_s
+           else p.seq_len * p.batch * p.dp / step_s / world,
+           "probe": f"window {p.fit_probe}" if p.fit_probe else None,
+           "steps_timed": len(timed), "first_step_only": len(steps) == 1, "model_flops_per_rank": flops,
+           "peak_tflops": peak_tflops, "method": p.method, "layout": p.layout, "head_chunks": p.head_chunks,
+           "tile_mlp": p.tile_mlp, "offload": p.offload, "offload_reserve_gib": p.offload_reserve_gib,
+           "checkpointing": p.checkpointing,
+           "loss_chunk": p.loss_chunk, "dtype": p.dtype, "device": records[0]["device"],
+           "host_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+           "host_total_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
+    if device.type == "cuda":
+        rec["gpu_total_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 2)
+        rec["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2**30, 3)
+    if offload is not None:
+        rec["offload_stats"] = offload.stats.as_dict()
+    if failure is not None:
+        rec.update(bound=_which_memory(failure, offload), error=str(failure).splitlines()[0][:300])
+    return rec
+
+
+def _which_memory(e: BaseException, offload: Any) -> str:
+    """"host memory" when the offload's host budget was spent or the CPU allocator failed, else "gpu memory"."""
+    if offload is not None and offload.stats.host_refused_bytes > 0:
+        return "host memory"
+    if isinstance(e, torch.OutOfMemoryError) or "CUDA" in str(e) or "cuda" in str(e):
+        return "gpu memory"
+    return "host memory"
+
+
+def _local_peak(device: torch.device) -> float:
+    """This rank's peak memory in GiB (CUDA: max allocated; CPU: max RSS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def _fully_shard(model: TiledLossLM, mesh: Any, p: Preset) -> None:
@@ -264,10 +446,7 @@ def _dp_mean(value: torch.Tensor, p: Preset) -> float:
 
 def _peak_memory(device: torch.device) -> list[float]:
     """Peak memory of every rank in GiB (CUDA: max allocated; CPU: max RSS)."""
-    if device.type == "cuda":
-        mine = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
-    else:
-        mine = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20])
+    mine = torch.tensor([_local_peak(device)], device=device)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, mine)
     return [round(float(t), 3) for t in parts]
@@ -315,7 +494,7 @@ def _header(p: Preset, check: bool) -> dict[str, Any]:
 
 
 def _emit(record: dict[str, Any], path: str | None) -> None:
-    if dist.get_rank() != 0:
+    if dist.is_initialized() and dist.get_rank() != 0:
         return
     line = json.dumps(record)
     print(line, flush=True)
@@ -365,14 +544,15 @@ def _quiesce() -> None:
     dist.barrier()
 
 
-def _init_and_train(rank: int, world: int, init_file: str, p: Preset, out: str | None, check: bool) -> None:
+def _init_and_train(rank: int, world: int, init_file: str, p: Preset, out: str | None, check: bool,
+                    json_path: str | None = None, peak_tflops: float = 989.0) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo" if p.device == "cpu" else "nccl", init_method=f"file://{init_file}",
                             rank=rank, world_size=world)
     try:
         if p.device == "cuda":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        train(p, out, check)
+        train(p, out, check, json_path=json_path, peak_tflops=peak_tflops)
         _quiesce()
     finally:
         dist.destroy_process_group()
@@ -381,49 +561,226 @@ def _init_and_train(rank: int, world: int, init_file: str, p: Preset, out: str |
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-tiny")
+    ap.add_argument("--model", choices=sorted(MODELS), help="model shape (random weights), over the preset's")
     ap.add_argument("--out", help="append JSON lines here (rank 0)")
+    ap.add_argument("--json", help="append the run's recipe record (and a search's) here (rank 0)")
     ap.add_argument("--plot", help="draw the loss curve(s) into this PNG after the run (or of --plot-from files)")
     ap.add_argument("--plot-from", nargs="+", help="only plot these JSON-lines files (no training)")
     ap.add_argument("--spawn", type=int, default=0, help="start N local ranks (file:// rendezvous) instead of torchrun")
+    ap.add_argument("--world", type=int, default=0, help="with --emulate: the number of ranks emulated")
+    ap.add_argument("--emulate", action="store_true",
+                    help="one process as rank 0 of --world on a fake group (Note [Rank 0 of W on one GPU])")
     ap.add_argument("--check", action="store_true", help="also train on one process and record loss/gradient errors")
-    for field in ("steps", "seq_len", "layers", "dp", "ulysses", "loss_chunk", "batch"):
+    ap.add_argument("--seq-len", type=tokens, help="global tokens per sequence: 131072, 128K, 512K, 1M, 1.5M")
+    for field in ("steps", "layers", "dp", "ulysses", "loss_chunk", "batch", "head_chunks"):
         ap.add_argument("--" + field.replace("_", "-"), type=int)
-    for field in ("method", "layout", "kernel", "dtype"):
+    for field in ("method", "layout", "kernel", "dtype", "device"):
         ap.add_argument("--" + field)
     ap.add_argument("--lr", type=float)
     ap.add_argument("--no-checkpointing", dest="checkpointing", action="store_false", default=None)
     ap.add_argument("--no-fsdp", dest="fsdp", action="store_false", default=None)
     ap.add_argument("--compile", action="store_true", default=None)
+    ap.add_argument("--tile-mlp", type=int, nargs="?", const=8192, metavar="TOKENS",
+                    help="every decoder layer's MLP in chunks of TOKENS tokens (default 8192)")
+    ap.add_argument("--offload", action="store_true", default=None,
+                    help="saved activations (checkpointed layer inputs) in pinned host memory")
+    ap.add_argument("--offload-reserve-gib", type=float, metavar="GIB",
+                    help="with --offload: keep what fits in the GPU's free memory less GIB on the GPU")
+    ap.add_argument("--fit-probe", type=int, metavar="WINDOW",
+                    help="attention over a sliding window instead of causal: a memory probe (no MFU)")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100 SXM: 989)")
+    ap.add_argument("--search", action="store_true", help="find the longest --seq-len that fits, from --seq-len up")
+    ap.add_argument("--budget-s", type=float, default=600.0, help="--search: wall-clock budget in seconds")
+    ap.add_argument("--search-max", type=tokens, help="--search: the longest sequence to try")
+    ap.add_argument("--try", dest="one_try", action="store_true", help=argparse.SUPPRESS)   # a search's child
     args = ap.parse_args(argv)
     if args.plot_from:
         if not args.plot:
             ap.error("--plot-from needs --plot OUT.png")
         plot(args.plot_from, args.plot)
         return
-    over = {k: v for k, v in vars(args).items() if k in Preset.__dataclass_fields__ and v is not None}
-    p = replace(PRESETS[args.preset], **over)
+    p = preset_from(args)
+    if args.emulate and (args.world < 1 or args.spawn or args.check or "RANK" in os.environ):
+        ap.error("--emulate needs --world W >= 1 and runs one process (no --spawn, torchrun or --check)")
+    if args.world and not args.emulate:
+        ap.error("--world is the emulated world size (with --emulate); start real ranks with torchrun or --spawn")
+    if args.search and not args.one_try:
+        if not args.emulate:
+            ap.error("--search runs emulated tries (--world W --emulate)")
+        search(p, list(sys.argv[1:] if argv is None else argv), args)
+        return
     if args.out and os.path.exists(args.out):
         os.remove(args.out)
-    if args.spawn:
+    if args.emulate:
+        _emulated(p, args)
+    elif args.spawn:
         fd, init_file = tempfile.mkstemp(prefix="seqpar_train_")
         os.close(fd)
         os.unlink(init_file)
-        mp.spawn(_init_and_train, args=(args.spawn, init_file, p, args.out, args.check), nprocs=args.spawn)
+        mp.spawn(_init_and_train, args=(args.spawn, init_file, p, args.out, args.check, args.json, args.peak_tflops),
+                 nprocs=args.spawn)
     elif "RANK" in os.environ:
         backend = "gloo" if p.device == "cpu" else "nccl"
         if p.device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend)
         try:
-            train(p, args.out, args.check)
+            train(p, args.out, args.check, json_path=args.json, peak_tflops=args.peak_tflops)
             _quiesce()
         finally:
             dist.destroy_process_group()
     else:
-        ap.error("run under torchrun (torchrun --nproc-per-node N examples/train_long_context.py ...) or pass "
-                 "--spawn N")
-    if args.plot and args.out and (args.spawn or os.environ.get("RANK", "0") == "0"):
+        ap.error("run under torchrun (torchrun --nproc-per-node N examples/train_long_context.py ...), pass "
+                 "--spawn N, or emulate rank 0 of W on one device (--world W --emulate)")
+    if args.plot and args.out and (args.spawn or args.emulate or os.environ.get("RANK", "0") == "0"):
         plot([args.out], args.plot)
+
+
+def tokens(text: str) -> int:
+    """A token count: an int, or with a binary suffix (128K = 131072, 1M = 1048576, 1.5M)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"a token count like 131072, 512K or 1M, got {text!r}")
+    n = float(m.group(1)) * 1024 ** " kmg".index(m.group(2).lower() or " ")
+    if n != int(n) or n < 1:
+        raise argparse.ArgumentTypeError(f"a positive whole number of tokens, got {text!r}")
+    return int(n)
+
+
+def preset_from(args: argparse.Namespace) -> Preset:
+    """The preset, then ``--model``'s shape (and its defaults), then every option given."""
+    p = PRESETS[args.preset]
+    if args.model:
+        p = replace(p, model=args.model, **MODELS[args.model], **MODEL_DEFAULTS.get(args.model, {}))
+    over = {k: v for k, v in vars(args).items() if k in Preset.__dataclass_fields__ and v is not None}
+    return replace(p, **over)
+
+
+def _emulated(p: Preset, args: argparse.Namespace) -> None:
+    """Rank 0 of ``args.world`` on a fake group (Note [Rank 0 of W on one GPU]); an OOM before the first step
+    (building the model) still leaves its record."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if p.device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("fake", rank=0, world_size=args.world, store=FakeStore())
+    try:
+        train(p, args.out, emulated=True, json_path=args.json, peak_tflops=args.peak_tflops)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not args.json or not _out_of_memory(e):
+            raise
+        device = torch.device("cuda", 0) if p.device == "cuda" else torch.device("cpu")
+        head = {"device": torch.cuda.get_device_name() if p.device == "cuda" else platform.processor() or "cpu"}
+        _emit(recipe_record(p, [head], world=args.world, emulated=True, peak_tflops=args.peak_tflops, device=device,
+                            failure=e), args.json)
+    finally:
+        dist.destroy_process_group()
+
+
+def search(p: Preset, argv: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """The longest sequence that fits (Note [Rank 0 of W on one GPU]): doubling from ``p.seq_len``, then
+    bisection, each try a fresh process running ``argv`` at one length; records appended to ``args.json``."""
+    deadline = time.monotonic() + args.budget_s
+    unit = 2 * (args.world // p.dp)
+    quantum = max(unit, p.seq_len // 16 // unit * unit)
+    lo = hi = None
+    hi_bound, tries = None, []
+    S = p.seq_len
+    while True:
+        left = deadline - time.monotonic()
+        if left < 1 or left < 0.8 * _expected_wall(tries, S):
+            break                                 # this try would not finish: the budget is the bound
+        rec = _one_try(argv, S, left)
+        tries.append(rec)
+        _emit({**rec, "search_try": True}, args.json)
+        if rec["fits"]:
+            lo = S
+        else:
+            hi, hi_bound = S, rec.get("bound", "error")
+        if hi is None:
+            if args.search_max and S >= args.search_max:
+                break
+            S = min(2 * S, args.search_max) if args.search_max else 2 * S
+        elif lo is None:
+            S = S // 2 // unit * unit
+            if S < unit:
+                break
+        elif hi - lo <= quantum:
+            break
+        else:
+            S = (lo + hi) // 2 // unit * unit
+    if hi is not None:
+        bound = hi_bound
+    elif args.search_max and lo is not None and lo >= args.search_max:
+        bound = "search max"
+    else:
+        bound = "time"
+    best = max((t for t in tries if t["fits"]), key=lambda t: t["seq_len"], default=None)
+    summary = {**(best or {"model": p.model, "seq_len": None, "world": args.world, "emulated": True, "fits": False,
+                           "peak_gib": None, "step_s": None, "mfu": None}),
+               "search": True, "max_seq_len": lo, "bound": bound, "failed_seq_len": hi, "resolution": quantum,
+               "tries": [{k: t.get(k) for k in ("seq_len", "fits", "peak_gib", "bound", "wall_s")} for t in tries],
+               "budget_s": args.budget_s, "budget_model": budget_model(tries)}
+    summary.pop("search_try", None)
+    _emit(summary, args.json)
+    return summary
+
+
+def _expected_wall(tries: list[dict[str, Any]], seq_len: int) -> float:
+    """A try's wall time at ``seq_len`` from the finished ones (linear in the length: start-up and the linear
+    work dominate a probe; a lower bound for a full causal step)."""
+    done = [t for t in tries if t.get("fits")]
+    return max((t["wall_s"] * seq_len / t["seq_len"] for t in done), default=0.0)
+
+
+def _one_try(argv: list[str], seq_len: int, timeout: float) -> dict[str, Any]:
+    """Run this script at ``seq_len`` in a fresh process (argparse: the last --seq-len / --json win)."""
+    fd, path = tempfile.mkstemp(prefix="seqpar_try_", suffix=".jsonl")
+    os.close(fd)
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--try", "--seq-len", str(seq_len), "--json", path]
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        rc, err = proc.returncode, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, err = None, (e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr) or ""
+    wall = time.monotonic() - t0
+    with open(path) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    os.unlink(path)
+    base = {"seq_len": seq_len, "fits": False, "peak_gib": None, "step_s": None, "mfu": None, "wall_s": round(wall, 1)}
+    if recs:
+        return {**recs[-1], "wall_s": base["wall_s"]}
+    if rc is None:
+        return {**base, "bound": "time", "error": f"the try outlived the budget ({timeout:.0f} s left)"}
+    if rc in (-9, 137):
+        return {**base, "bound": "host memory", "error": "killed (SIGKILL: the kernel's OOM killer?)"}
+    return {**base, "bound": "error", "error": f"exit code {rc}: {err.strip().splitlines()[-1] if err.strip() else ''}"}
+
+
+def budget_model(tries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Peak GPU memory and offloaded host bytes of the fitting tries, linear in the sequence length (least
+    squares over >= 2 lengths): the longest sequence each budget allows, here and on a 2 TB host."""
+    fits = [t for t in tries if t.get("fits") and t.get("peak_gib") is not None]
+    if len({t["seq_len"] for t in fits}) < 2:
+        return None
+    out: dict[str, Any] = {"from_seq_lens": sorted({t["seq_len"] for t in fits})}
+    host = [((t.get("offload_stats") or {}).get("offloaded_bytes", 0) / 2**30) for t in fits]
+    for name, ys, cap in (("gpu", [t["peak_gib"] for t in fits], fits[0].get("gpu_total_gib")),
+                          ("host", host, fits[0].get("host_total_gib")), ("host_2tb", host, 2000 * 1e9 / 2**30)):
+        a, b = _line([t["seq_len"] / 2**20 for t in fits], ys)
+        out[f"{name}_gib_fixed"], out[f"{name}_gib_per_mtok"] = round(a, 3), round(b, 3)
+        if cap and b > 0:
+            out[f"{name}_max_seq_len"] = int(max(0.0, (0.95 * cap - a) / b) * 2**20)
+    return out
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares intercept and slope."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b
 
 
 if __name__ == "__main__":
