@@ -235,3 +235,27 @@ def test_sequence_parallel_equals_plain_step(pools, world, spec, dtype):
         kept = errors.pop("kept_layer_inputs")
         _judge(errors, getattr(torch, dtype), f"W={world} {spec['method']} {dtype} rank {rank}")
         assert kept > 0
+
+
+def test_pinned_pool_budget_reuse_and_eviction(monkeypatch):
+    """The host side of the offload without a GPU (pinning stubbed): sizes round up to whole pages, a freed
+    buffer serves the next request of its size, a request past the budget evicts free buffers first and is
+    refused (None: the tensor stays on the GPU) when even that is not enough."""
+    page = hf_memory.PAGE
+    monkeypatch.setattr(hf_memory, "_pin", lambda size: hf_memory._Pinned(torch.empty(size, dtype=torch.uint8),
+                                                                         size, False))
+    pool = hf_memory._PinnedPool()
+    pool.budget = 4 * page
+    a = pool.take(1)
+    assert a.size == page and pool.held == page
+    b = pool.take(2 * page)
+    pool.give(a)
+    assert pool.take(page - 7) is a                          # reused, not pinned again
+    assert pool.take(2 * page) is None and pool.held == 3 * page     # over budget, nothing free to evict
+    pool.give(b)
+    c = pool.take(3 * page)                                  # evicts b (2 pages) to fit 3 pages
+    assert c is not None and c.size == 3 * page and pool.held == 4 * page and not pool.free[2 * page]
+    pool.give(a)
+    pool.give(c)
+    pool.close()
+    assert pool.held == 0 and not pool.free

@@ -217,7 +217,8 @@ class _TiledMLP(torch.autograd.Function):
 #         parameters and tensors under ``min_bytes`` always stay; host memory has its own budget
 #         (``host_bytes``, default: MemAvailable at first use minus 4 GiB), past which tensors stay too and
 #         ``stats.host_refused_bytes`` says so;
-#       - pinned buffers of the exact size (cudaHostRegister on plain host memory), kept for the next step;
+#       - pinned buffers of the size asked, in whole pages (cudaHostRegister on plain host memory), kept for
+#         the next step;
 #       - a tensor saved twice in one forward (RMSNorm saves its fp32 input for two ops) is copied once.
 #     CPU tensors pass through untouched, so on CPU the context changes nothing (and the tests check that
 #     values are equal bitwise with and without it).
@@ -327,7 +328,7 @@ class ActivationOffload:
 
     def _pack(self, t: torch.Tensor) -> Any:
         nbytes = t.numel() * t.element_size()
-        if nbytes < self.min_bytes or isinstance(t, nn.Parameter) or t.layout != torch.strided:
+        if nbytes == 0 or nbytes < self.min_bytes or isinstance(t, nn.Parameter) or t.layout != torch.strided:
             return t
         seen = self._seen.get(id(t))
         if seen is not None and seen[0]() is t and seen[1] == t._version and seen[2]() is not None:
@@ -436,14 +437,18 @@ class _Offloaded:
 @dataclass
 class _Pinned:
     tensor: torch.Tensor
-    """uint8, pinned."""
+    """uint8, pinned, page-aligned, ``size`` bytes."""
+    size: int
     registered: bool
     event: Any = None
     """The last host->device copy that read it."""
 
 
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 class _PinnedPool:
-    """Pinned host buffers of exact sizes, reused across steps, within a byte budget."""
+    """Pinned host buffers (sizes rounded up to whole pages), reused across steps, within a byte budget."""
 
     def __init__(self):
         self.free: dict[int, list[_Pinned]] = {}
@@ -451,20 +456,20 @@ class _PinnedPool:
         self.budget: int | None = None
 
     def take(self, nbytes: int) -> _Pinned | None:
-        if self.free.get(nbytes):
-            return self.free[nbytes].pop()
-        while self.held + nbytes > (self.budget or 0) and self._evict_one():
+        size = -(-nbytes // PAGE) * PAGE
+        if self.free.get(size):
+            return self.free[size].pop()
+        while self.held + size > (self.budget or 0) and self._evict_one():
             pass
-        if self.held + nbytes > (self.budget or 0):
+        if self.held + size > (self.budget or 0):
             return None
-        buf = _pin(nbytes)
-        if buf is None:
-            return None
-        self.held += nbytes
+        buf = _pin(size)
+        if buf is not None:
+            self.held += size
         return buf
 
     def give(self, buf: _Pinned) -> None:
-        self.free.setdefault(buf.tensor.numel(), []).append(buf)
+        self.free.setdefault(buf.size, []).append(buf)
 
     def _evict_one(self) -> bool:
         for bufs in self.free.values():
@@ -478,7 +483,7 @@ class _PinnedPool:
             buf.event.synchronize()
         if buf.registered:
             torch.cuda.cudart().cudaHostUnregister(buf.tensor.data_ptr())
-        self.held -= buf.tensor.numel()
+        self.held -= buf.size
 
     def close(self) -> None:
         for bufs in self.free.values():
@@ -487,27 +492,44 @@ class _PinnedPool:
         self.free.clear()
 
 
-def _pin(nbytes: int) -> _Pinned | None:
-    """``nbytes`` of pinned host memory: plain memory registered with CUDA (no power-of-two rounding), else the
-    caching host allocator's; None when the host has no memory for it."""
+def _pin(size: int) -> _Pinned | None:
+    """``size`` (a whole number of pages) bytes of pinned host memory; None when the host has none to give.
+
+    Plain host memory registered with CUDA (what torch.distributed.checkpoint's stager does), page-aligned
+    inside its own allocation so no two registrations share a page; the caching host allocator (which rounds
+    to a power of two) only where registering fails."""
     try:
-        t = torch.empty(nbytes, dtype=torch.uint8)
+        raw = torch.empty(size + PAGE, dtype=torch.uint8)
     except RuntimeError:
         return None
+    skip = -raw.data_ptr() % PAGE
+    t = raw[skip:skip + size]
     cudart = torch.cuda.cudart()
-    try:
-        ok = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0
-    except (AttributeError, TypeError, RuntimeError):
-        ok = False
+    ok = int(cudart.cudaHostRegister(t.data_ptr(), size, 1)) == 0      # 1: cudaHostRegisterPortable
     if ok and t.is_pinned():
-        return _Pinned(t, True)
+        return _Pinned(t, size, True)
     if ok:
         cudart.cudaHostUnregister(t.data_ptr())
-    del t
+    else:
+        _clear_cuda_error()
+    del raw, t
     try:
-        return _Pinned(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), False)
-    except RuntimeError:
+        return _Pinned(torch.empty(size, dtype=torch.uint8, pin_memory=True), size, False)
+    except RuntimeError:                        # torch's check has cleared the CUDA error
         return None
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed cudaHostRegister (torch's binding leaves it set, and
+    the next kernel launch check would raise it): cudaGetLastError from the loaded libcudart, best effort."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            path = next(line.split()[-1] for line in f if "libcudart" in line.split()[-1])
+        ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, StopIteration, AttributeError, IndexError):
+        pass
 
 
 def _host_available() -> int:
