@@ -1,6 +1,7 @@
 """Reports from benchmark records (JSON lines): the console table, the README table, and the plots.
 
     python -m seqpar.bench.report benchmarks/results/<run>.jsonl [--readme] [--plot out.png]
+    python -m seqpar.bench.report --emulated <emulated runs>.jsonl [--before <baseline runs>.jsonl]
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["best_rows", "console_table", "load", "plot", "readme_table"]
+__all__ = ["best_rows", "console_table", "emulated_table", "load", "plot", "readme_table"]
 
 
 def load(paths: Iterable[str | Path]) -> list[dict]:
@@ -149,13 +150,59 @@ def plot(rows: list[dict], path: str | Path) -> str | None:
     return None
 
 
+#: the methods' columns of the emulated table: each the best configuration (layout, options) of that method
+_EMULATED_COLUMNS = ("ring", "allgather", "ulysses", "usp", "tokenring", "tasp", "double_ring")
+
+
+def emulated_table(rows: list[dict], before: list[dict] | None = None) -> str:
+    """The README table of emulated runs (Note [Emulated world] in ``seqpar.bench``): per preset, emulated W and
+    mode, each method's compute efficiency (its busiest rank, communication free; the method's best
+    configuration), the best seqpar and the best peer; ``before``: a baseline run's best seqpar beside it.
+    A peer above 1.3 is marked: beyond the kernel's limit, not a meaningful emulated figure."""
+    def table(rs):
+        out: dict[tuple, dict[str, float]] = defaultdict(dict)
+        for r in rs:
+            if _ok(r) and r.get("emulated_world") and not r["method"].startswith("limit"):
+                key = (r["preset"], r["emulated_world"], r["mode"])
+                out[key][r["method"]] = max(out[key].get(r["method"], 0.0), r["compute_efficiency"])
+        return out
+
+    now, base = table(rows), table(before or [])
+    head = ["preset", "W", "tokens/rank", "mode", *_EMULATED_COLUMNS, "best seqpar", "best peer"]
+    head += ["best seqpar before"] if before else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (preset, W, mode), effs in sorted(now.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2])):
+        ours = {m: e for m, e in effs.items() if not m.startswith("peer:")}
+        peers = {m: e for m, e in effs.items() if m.startswith("peer:")}
+        cells = []
+        for c in _EMULATED_COLUMNS:
+            got = [e for m, e in ours.items() if m.split("/")[0] == c]
+            cells.append(f"{max(got):.2f}" if got else "-")
+        best = max(ours, key=ours.get) if ours else None
+        peer = max(peers, key=peers.get) if peers else None
+        seq = next(r["seq_len"] for r in rows if r.get("preset") == preset and r.get("seq_len"))
+        row = [preset, str(W), f"{seq // W // 1024}K", mode, *cells,
+               f"**{ours[best]:.2f}** ({best})" if best else "-",
+               f"{peers[peer]:.2f}{' (!)' if peers[peer] > 1.3 else ''} ({peer[5:]})" if peer else "not run"]
+        if before:
+            b = {m: e for m, e in base.get((preset, W, mode), {}).items() if not m.startswith("peer:")}
+            row.append(f"{max(b.values()):.2f}" if b else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m seqpar.bench.report")
     ap.add_argument("files", nargs="+")
     ap.add_argument("--readme", action="store_true", help="print the README table (markdown)")
     ap.add_argument("--plot", help="write the efficiency / scaling plot to this PNG")
+    ap.add_argument("--emulated", action="store_true", help="print the emulated-world table (markdown)")
+    ap.add_argument("--before", nargs="*", default=[], help="with --emulated: a baseline run's records")
     args = ap.parse_args(argv)
     rows = load(args.files)
+    if args.emulated:
+        print(emulated_table(rows, load(args.before) if args.before else None))
+        return 0
     print(readme_table(rows) if args.readme else console_table(rows))
     if args.plot:
         msg = plot(rows, args.plot)
