@@ -163,16 +163,22 @@ class PassQ:
         r, n, sp, runner = self.ring.rank, self.sp.n_steps, self.sp, self.runner
         B, L, H, _ = q.shape
         Dv = v.shape[-1]
-        acc = Accumulator(q, Dv)
-        if n > 1:
-            acc.owned()
+        # every partial is a fresh tensor (kernel outputs; returns land in a buffer of their own), so the
+        # accumulator holds them and merges once (Note [One merge per call] in seqpar.kernels.combine)
+        acc = Accumulator(q, Dv, defer=True)
         lse_dt = acc.acc_dtype
         cur = Double(seq_major(q)) if n > 1 else None
         res = [(q.new_empty(L, B, H, Dv), torch.empty(L, B, H, dtype=lse_dt, device=q.device)) for _ in range(2)]
-        got = [q.new_empty(L, B, H, Dv), torch.empty(L, B, H, dtype=lse_dt, device=q.device)]
+        landing: list[list[torch.Tensor]] = []      # the receive buffers of the return in flight
+
+        def post_return(ex: Exchange, t: int) -> Rows:
+            landing[:] = [q.new_empty(L, B, H, Dv), torch.empty(L, B, H, dtype=lse_dt, device=q.device)]
+            return self._return(ex, t, list(res[t % 2]), landing)
+
         scratch = None
         if any(len(ts) > 1 for ts in sp.steps[r]):
-            scratch = (torch.empty(L, B, H, Dv, dtype=lse_dt, device=q.device), torch.empty_like(got[1]))
+            scratch = (torch.empty(L, B, H, Dv, dtype=lse_dt, device=q.device),
+                       torch.empty(L, B, H, dtype=lse_dt, device=q.device))
 
         def own(tasks) -> None:
             for t in runner.prepare(tasks, q, k):
@@ -201,14 +207,14 @@ class PassQ:
             res_l[a:b].copy_(sl[a:b])
 
         def land_return(m: Rows) -> None:
-            acc.add(slice(*m), bshd(got[0])[:, m[0]:m[1]], bhs(got[1])[:, :, m[0]:m[1]])
+            acc.add(slice(*m), bshd(landing[0])[:, m[0]:m[1]], bhs(landing[1])[:, :, m[0]:m[1]])
 
         if n == 1:
             own(sp.early[r])
             own(sp.late[r])
             return acc.result(q.dtype)
-        self._run(n, [cur], lambda s: own(sp.early[r]) if s == 0 else guest(s),
-                  lambda ex, t: self._return(ex, t, list(res[t % 2]), got), land_return, lambda: own(sp.late[r]))
+        self._run(n, [cur], lambda s: own(sp.early[r]) if s == 0 else guest(s), post_return, land_return,
+                  lambda: own(sp.late[r]))
         return acc.result(q.dtype)
 
     def backward(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor
