@@ -271,6 +271,9 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
         for label, factory in _peer_varlen(bench, total, cu, H, Hkv, D).items():
             if keep and label not in keep:
                 continue
+            if bench.emulated:                          # its busiest rank: llama3 cuts the row contiguously
+                lay = "doc_zigzag" if "zigzag" in label else "contiguous"
+                bench.emulate_as(bench.busiest(make_layout(lay, W, cu), total, True, cu))
             _time_rows(bench, preset, label, factory, limit, {"documents": len(cu) - 1, "packed": True, "row": preset,
                                                               "seq_len": total})
 
@@ -327,13 +330,13 @@ def _peer_varlen(bench: Any, total: int, cu: tuple[int, ...], H: int, Hkv: int, 
     """ring-flash-attn's varlen paths on the same row: zigzag varlen (per-document zigzag) and llama3."""
     from .runners import _rfa
 
-    dev, W, rank = bench.device, bench.world, bench.rank
+    dev, W = bench.device, bench.world           # the rank is read when a runner is built (emulation moves it)
     out: dict[str, Callable] = {}
 
     def inputs(layout: str):
         """This rank's rows (T, H, D) of the row in ring-flash-attn's sharding of ``layout``."""
         full = [_randn((total, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv, H))]
-        idx = make_layout(layout, W, cu).positions(rank, total, dev)
+        idx = make_layout(layout, W, cu).positions(bench.rank, total, dev)
         return [t.index_select(0, idx) for t in full]
 
     def zigzag(mode: str):
@@ -350,7 +353,7 @@ def _peer_varlen(bench: Any, total: int, cu: tuple[int, ...], H: int, Hkv: int, 
         rfa = _rfa()
         q, k, v, do = inputs("contiguous")
         cq, ck, mq, mk, sl = rfa.llama3_flash_attn_prepare_cu_seqlens(
-            torch.tensor(cu, dtype=torch.int32, device=dev), True, rank, W)
+            torch.tensor(cu, dtype=torch.int32, device=dev), True, bench.rank, W)
 
         def call(q, k, v):
             return rfa.llama3_flash_attn_varlen_func(q, k, v, cq, ck, mq, mk, heads_k_stride=1, local_k_slice=sl,
