@@ -25,7 +25,9 @@ Note [One merge per call]
 Note [Tables under capture]
     The table of addresses is a pinned host tensor copied to the device without blocking. Captured in a CUDA
     graph, that copy reads the host tensor at every replay, so the tensor must live as long as the graph:
-    ``keep_tables(list)`` collects the tables made while a graph is captured (``seqpar.runtime.graphs``).
+    ``keep_tables(list)`` collects the tables made while a graph is captured (``seqpar.runtime.graphs``); a
+    table captured into a graph seqpar does not own (``torch.compile(mode="reduce-overhead")``) is kept for the
+    life of the process, since nothing says when that graph goes.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ __all__ = ["keep_tables", "merge_parts", "pieces", "sum_parts"]
 Part = tuple[slice, torch.Tensor, torch.Tensor]
 
 _KEEP: list[list[torch.Tensor]] = []
+_FOREIGN: list[torch.Tensor] = []      # tables captured into graphs seqpar does not own (64 bytes per partial)
 
 
 @contextlib.contextmanager
@@ -162,6 +165,8 @@ def _triton_pass(views: list[tuple[torch.Tensor, torch.Tensor | None]], out_BSHD
     table = torch.tensor(rows, dtype=torch.int64).pin_memory()
     if _KEEP:
         _KEEP[-1].append(table)
+    elif torch.cuda.is_current_stream_capturing():
+        _FOREIGN.append(table)               # a caller's capture (reduce-overhead): kept for its graph's life
     table_d = table.to(out_BSHD.device, non_blocking=True)
     dtypes = (views[0][0].dtype, views[-1][0].dtype)
     _triton().launch(table_d, len(views), out_BSHD, lse_BHS, dtypes, weighted)
