@@ -1,4 +1,9 @@
-"""Shared fixtures: process pools reused per world size (at most two alive at once, 2-core CI)."""
+"""Shared fixtures: process pools reused per world size by every module of the session.
+
+Pools fork their workers from one preloaded server (``start_method="forkserver"``): a spawned worker pays
+torch's import, seconds of CPU each on 2 cores, and the suite starts pools of 1 to 16 ranks many times.
+Idle pools hold memory, not CPU; at most ``MAX_IDLE_RANKS`` ranks stay up (least recently used closed).
+"""
 
 from __future__ import annotations
 
@@ -8,21 +13,31 @@ import re
 import pytest
 
 from seqpar.testing import ProcessPool
+from seqpar.testing.harness import PRELOAD
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+MAX_IDLE_RANKS = 24
+# what test workers import besides the harness's default (an ImportError here is skipped by the server)
+TEST_PRELOAD = (*PRELOAD, "seqpar.methods", "transformers", "seqpar.integrations.huggingface")
+
+
+def new_pool(world: int, **kwargs) -> ProcessPool:
+    """A pool as the tests start them: forked from the preloaded server."""
+    return ProcessPool(world, start_method="forkserver", preload=TEST_PRELOAD, **kwargs)
+
 
 class _Pools:
-    def __init__(self, keep: int = 2):
-        self.keep = keep
+    def __init__(self, max_ranks: int = MAX_IDLE_RANKS):
+        self.max_ranks = max_ranks
         self.pools: dict[int, ProcessPool] = {}
 
     def __call__(self, world: int) -> ProcessPool:
         if world not in self.pools:
-            while len(self.pools) >= self.keep:
+            while self.pools and sum(self.pools) + world > self.max_ranks:
                 oldest = next(iter(self.pools))
                 self.pools.pop(oldest).close()
-            self.pools[world] = ProcessPool(world, timeout=900, pg_timeout=300)
+            self.pools[world] = new_pool(world, timeout=900, pg_timeout=300)
         else:                                    # most recently used last
             self.pools[world] = self.pools.pop(world)
         return self.pools[world]

@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from _workers_reliability import run_cases_raw, run_linear_raw
+from conftest import new_pool
 from linear_cases import LinearCase
 from reliability_methods import LINEAR, SOFTMAX, linear_layout, softmax_setup
 
-from seqpar.testing import Case, ProcessPool, WorkerError
+from seqpar.testing import Case, WorkerError
 
 W = 4
 
@@ -23,7 +24,7 @@ W = 4
 @pytest.fixture(scope="module")
 def fresh_pool():
     """A second pool of new processes, started after the shared one has run the same cases."""
-    pool = ProcessPool(W, timeout=600)
+    pool = new_pool(W, timeout=600)
     yield pool
     pool.close()
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import pytest
 from _workers_reliability import fault_case
+from conftest import new_pool
 from reliability_methods import LINEAR, SOFTMAX, all_rejected, linear_layout, softmax_setup
-
-from seqpar.testing import ProcessPool
 
 W = 4
 T = 4.0                 # seconds: the fresh group's timeout
@@ -25,7 +24,7 @@ MARGIN = 20.0           # seconds a loaded 2-core machine may add
 
 @pytest.fixture(scope="module")
 def fault_pool():
-    pool = ProcessPool(W, timeout=300)
+    pool = new_pool(W, timeout=300)
     yield pool
     pool.close(kill=True)           # its fresh groups may still hold timed-out transfers
 
