@@ -27,6 +27,25 @@ def new_pool(world: int, **kwargs) -> ProcessPool:
     return ProcessPool(world, start_method="forkserver", preload=TEST_PRELOAD, **kwargs)
 
 
+FUZZ_EXAMPLES = 40
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-examples", type=int, default=FUZZ_EXAMPLES, metavar="N",
+                     help=f"examples per world size of the default (derandomized) fuzz tests in tests/test_fuzz.py "
+                          f"(default {FUZZ_EXAMPLES}; the linear ones draw 3/5 of it). The long random run is "
+                          f"'-m slow' with SEQPAR_FUZZ_EXAMPLES.")
+
+
+@pytest.fixture(scope="session")
+def fuzz_examples(request) -> int:
+    """``--fuzz-examples``: how deep the default fuzz tests go."""
+    n = request.config.getoption("--fuzz-examples")
+    if n < 1:
+        raise pytest.UsageError(f"--fuzz-examples must be >= 1, got {n}")
+    return n
+
+
 class _Pools:
     def __init__(self, max_ranks: int = MAX_IDLE_RANKS):
         self.max_ranks = max_ranks

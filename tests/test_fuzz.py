@@ -8,7 +8,9 @@ other than the key's, attention sinks and softcapping; every field
 the method declares in FEATURES is drawn, others are left at their defaults. The world size is a pytest
 parameter so each pool is started once and reused by every example.
 
-CI runs a bounded, derandomized sample (fixed examples, reproducible). The long run is marked ``slow``::
+CI runs a bounded, derandomized sample (fixed examples, reproducible): 40 examples per world size, or
+``--fuzz-examples N`` (the linear tests draw 3/5 of N), e.g. ``python -m pytest tests/test_fuzz.py
+--fuzz-examples 400`` for a deeper sample that is still derandomized. The long run is marked ``slow``::
 
     SEQPAR_FUZZ_EXAMPLES=400 SEQPAR_FUZZ_REPORT=benchmarks/results/fuzz-$(date +%F).txt \\
         python -m pytest tests/test_fuzz.py -m slow -q -p no:cacheprovider
@@ -45,10 +47,11 @@ SLOW_EXAMPLES = int(os.environ.get("SEQPAR_FUZZ_EXAMPLES", "200"))
 STATS: collections.Counter = collections.Counter()
 FAILURES: list[str] = []
 
-CI = settings(max_examples=10, deadline=None, derandomize=True, database=None, print_blob=True,
+CI = settings(deadline=None, derandomize=True, database=None, print_blob=True,
               phases=[Phase.explicit, Phase.generate],
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 LONG = settings(CI, max_examples=SLOW_EXAMPLES, derandomize=False)
+# the CI tests take their depth from --fuzz-examples (conftest)
 
 # query-head degree each method splits heads over (Ulysses-style methods); others take any head counts
 HEAD_DEGREE = {"ulysses": lambda world, ulysses: world, "usp": lambda world, ulysses: ulysses}
@@ -187,8 +190,8 @@ SELF_ONLY = Case(method="ring", layout="contiguous", batch=2, seq_len=24, heads=
 
 
 @pytest.mark.parametrize("world", CI_WORLDS)
-def test_fuzz_softmax(pools, world):
-    @CI
+def test_fuzz_softmax(pools, world, fuzz_examples):
+    @settings(CI, max_examples=fuzz_examples)
     @example(case=SELF_ONLY)
     @given(case=softmax_cases(world))
     def run(case):
@@ -210,8 +213,8 @@ def test_fuzz_regressions(pools):
 
 
 @pytest.mark.parametrize("world", CI_WORLDS[:2])
-def test_fuzz_linear(pools, world):
-    @settings(CI, max_examples=6)
+def test_fuzz_linear(pools, world, fuzz_examples):
+    @settings(CI, max_examples=max(1, fuzz_examples * 3 // 5))
     @given(case=linear_cases(world))
     def run(case):
         failure = _judge_linear(pools(world), case, world)
