@@ -17,11 +17,19 @@ Note [Varlen backward in row groups]
     rows (a longer document alone) whose gradients are disjoint row ranges of the result: no sums, no fp32
     buffers, the same values as one call (every document sees the same kernel on the same rows), and the
     workspace bounded by one group. The cost is the copy of each group's gradients into the whole tensors.
+
+Note [Runner memos]
+    The grouping of a step's tasks into varlen calls and the row groups of a varlen backward are computed once
+    per runner, not in module-level caches: a runner belongs to one planned call, so what it derived for a
+    packed batch goes when that batch's plan leaves the plan cache (Note [Bounded plan cache] in
+    ``seqpar.runtime.call``) - a module-level cache keyed by task tuples kept hundreds of dead batches' tasks.
+    A runner meets a handful of task tuples (its schedule's steps); ``MEMO_SIZE`` bounds the memo anyway.
 """
 
 from __future__ import annotations
 
-import functools
+from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -32,20 +40,16 @@ from ..numerics import GradRows, acc_dtype
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, mask_kind, select
 
-__all__ = ["GROUP_AT", "VARLEN_BWD_ROWS", "TaskRunner", "row_groups"]
+__all__ = ["GROUP_AT", "MEMO_SIZE", "VARLEN_BWD_ROWS", "TaskRunner", "row_groups"]
 
 GROUP_AT = 3
 """Tasks of one step from which ``TaskRunner.prepare`` packs them into varlen calls."""
 VARLEN_BWD_ROWS = 1 << 18
 """Rows (batch x sequence) per varlen backward call (Note [Varlen backward in row groups])."""
+MEMO_SIZE = 64
+"""Entries of one runner's memo (Note [Runner memos])."""
 
 
-@functools.lru_cache(maxsize=1024)
-def _grouped(tasks: tuple[Task, ...]) -> tuple[Task, ...]:
-    return group_varlen(tasks)
-
-
-@functools.lru_cache(maxsize=64)
 def row_groups(task: Task, most: int) -> tuple[Task, ...]:
     """``task`` (varlen) cut at document boundaries into consecutive tasks of at most ``most`` query rows each
     (a longer document alone), covering its rows and keys (Note [Varlen backward in row groups])."""
@@ -71,6 +75,16 @@ class TaskRunner:
         self.kernel, self.scale, self.softcap = kernel, scale, float(softcap)
         self.deterministic = deterministic
         self._chosen: dict[tuple, Kernel] = {}
+        self._memo: OrderedDict[tuple, Any] = OrderedDict()
+
+    def _memoized(self, key: tuple, make) -> Any:
+        """``make()``, computed once per ``key`` for this runner (Note [Runner memos])."""
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = make()
+            if len(self._memo) > MEMO_SIZE:
+                self._memo.popitem(last=False)
+        return hit
 
     def kernel_for(self, q: torch.Tensor, k: torch.Tensor, task: Task, dv: int | None = None) -> Kernel:
         """The kernel for this kind of block (``dv``: the value head dim, default q's)."""
@@ -108,7 +122,7 @@ class TaskRunner:
         """Pack many per-document tasks into varlen calls where a kernel serves varlen."""
         if len(tasks) < GROUP_AT:
             return tasks
-        grouped = _grouped(tasks)
+        grouped = self._memoized(("grouped", tasks), lambda: group_varlen(tasks))
         try:
             for t in grouped:
                 if isinstance(t.mask, Varlen):
@@ -158,7 +172,9 @@ class TaskRunner:
         if len(tasks) == 1 and tasks[0].rows == q.shape[1] and tasks[0].cols == k.shape[1]:
             t = tasks[0]
             if isinstance(t.mask, Varlen) and q.shape[0] * t.rows > VARLEN_BWD_ROWS:
-                return self._backward_groups(rows, q, k, v, lse, row_groups(t, VARLEN_BWD_ROWS // q.shape[0]))
+                most = VARLEN_BWD_ROWS // q.shape[0]
+                groups = self._memoized(("rows", t, most), lambda: row_groups(t, most))
+                return self._backward_groups(rows, q, k, v, lse, groups)
             return self.backward(rows, q, k, v, lse, t)
         acc = acc_dtype(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))

@@ -1,6 +1,8 @@
 """FlexAttention: any band or varlen mask as a compiled block-sparse kernel (CUDA).
 
-The mask becomes a ``mask_mod`` over call-local indices; block masks are cached per (mask, shape, device).
+The mask becomes a ``mask_mod`` over call-local indices; block masks are cached per (mask, shape, device),
+bounded by entries and bytes: a block mask holds device tensors, and a document (varlen) mask is one packed
+batch's, so those keep only ``VARLEN_MASKS`` entries (``_block_mask``).
 Score capping (``softcap``) is a ``score_mod``; every head dim from 16 to 256 (powers of two or not) and a value
 head dim that differs from the key head dim are served (probed forward and backward, ``sdpa.py``'s probe note).
 Flex keeps its lse in base 2 internally; the public lse output is converted in ``_natural_lse`` (the one
@@ -14,6 +16,9 @@ recomputed block ``(o_b, l_b)`` with upstream ``w dO`` on ``o_b`` and ``w (rowsu
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -21,7 +26,7 @@ from ..masks import Band, Mask
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, register
 
-__all__ = ["FlexKernel"]
+__all__ = ["BAND_MASKS", "MASK_BYTES", "VARLEN_MASKS", "FlexKernel"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -88,11 +93,48 @@ def _mask_mod(mask: Mask, m: int, n: int, device: torch.device):
     return varlen_mod
 
 
-@functools.lru_cache(maxsize=64)
+BAND_MASKS = 64
+"""Band block masks kept (one per band, shape and device: reused by every batch)."""
+VARLEN_MASKS = 4
+"""Document block masks kept: one packed batch's each, used by one step."""
+MASK_BYTES = 256 << 20
+"""Device bytes all kept block masks may hold together (the least recently used go first, documents first)."""
+
+_BANDS: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()      # key -> (block mask, bytes), least recent first
+_DOCS: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+_HELD = [0]                                                       # bytes of both
+_LOCK = threading.Lock()
+
+
 def _block_mask(mask: Mask, m: int, n: int, device: torch.device):
+    """The block mask of ``mask`` over ``m`` x ``n`` call-local rows, cached (module docstring)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    return create_block_mask(_mask_mod(mask, m, n, device), None, None, m, n, device=device)
+    key, tier = (mask, m, n, device), _BANDS if isinstance(mask, Band) else _DOCS
+    with _LOCK:
+        hit = tier.get(key)
+        if hit is not None:
+            tier.move_to_end(key)
+            return hit[0]
+    bm = create_block_mask(_mask_mod(mask, m, n, device), None, None, m, n, device=device)
+    nbytes, dropped = _mask_bytes(bm), []
+    with _LOCK:
+        old = tier.pop(key, None)
+        _HELD[0] += nbytes - (0 if old is None else old[1])
+        tier[key] = (bm, nbytes)
+        for t, most in ((_DOCS, VARLEN_MASKS), (_BANDS, BAND_MASKS)):
+            while len(t) > most or (_HELD[0] > MASK_BYTES and t and next(iter(t)) != key):
+                dropped.append(t.popitem(last=False)[1])
+                _HELD[0] -= dropped[-1][1]
+    del dropped                          # released outside the lock
+    return bm
+
+
+def _mask_bytes(bm: Any) -> int:
+    """Device bytes of a block mask: its index tensors and the tensors its ``mask_mod`` closes over."""
+    cells = [c.cell_contents for c in getattr(bm.mask_mod, "__closure__", None) or ()]
+    tensors = [t for t in (*vars(bm).values(), *cells) if isinstance(t, torch.Tensor)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 @functools.lru_cache(maxsize=16)

@@ -229,15 +229,28 @@ def gather_plan(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds:
     return GatherPlan(plan(q, k, rule), chunk, order, ((0, seq_len),))
 
 
-@functools.lru_cache(maxsize=64)
-def _index(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(order, dtype=torch.long, device=device)
+@dataclass(frozen=True)
+class _ChunkIndex:
+    """A ``GatherPlan.order`` as device index tensors, built once per planned call and held by it (a per-batch
+    layout's order is one entry per chunk, up to one per token: never kept in a module-level cache).
+
+    Attributes:
+        to_global: global chunk c <- rank-order chunk ``to_global[c]``; to_rank: its inverse.
+    """
+
+    to_global: torch.Tensor
+    to_rank: torch.Tensor
+
+    @staticmethod
+    def of(order: tuple[int, ...], device: torch.device) -> _ChunkIndex:
+        fwd = torch.tensor(order, dtype=torch.long)
+        return _ChunkIndex(fwd.to(device), torch.argsort(fwd).to(device))
 
 
-def _permute_chunks(src: torch.Tensor, dst: torch.Tensor, order: tuple[int, ...]) -> None:
-    """``dst`` chunk c = ``src`` chunk ``order[c]`` (dim 0 cut into ``len(order)`` chunks), one device op."""
-    n = len(order)
-    torch.index_select(src.view(n, -1), 0, _index(order, src.device), out=dst.view(n, -1))
+def _permute_chunks(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor) -> None:
+    """``dst`` chunk c = ``src`` chunk ``index[c]`` (dim 0 cut into ``len(index)`` chunks), one device op."""
+    n = len(index)
+    torch.index_select(src.view(n, -1), 0, index, out=dst.view(n, -1))
 
 
 class _Gathered:
@@ -248,13 +261,13 @@ class _Gathered:
     gathered K is the view ``(B, S, stride, D)``.
     """
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, stride: int, ag: AllGather, gp: GatherPlan):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, stride: int, ag: AllGather, chunks: _ChunkIndex | None):
         B, L, _, D = k.shape
-        self.k, self.v, self.stride, self.ag, self.gp, self.d = k, v, stride, ag, gp, D
+        self.k, self.v, self.stride, self.ag, self.chunks, self.d = k, v, stride, ag, chunks, D
         self.rounds = k.shape[2] // stride
         self.send = k.new_empty(L, B, stride, D + v.shape[-1])
         self.recv = [k.new_empty(ag.world * L, B, stride, D + v.shape[-1]) for _ in range(min(2, self.rounds))]
-        self.glob = None if gp.order is None else torch.empty_like(self.recv[0])
+        self.glob = None if chunks is None else torch.empty_like(self.recv[0])
 
     def post(self, c: int) -> Handle:
         """Pack KV heads of chunk c and post their gather (Note [All-gather pipeline])."""
@@ -265,13 +278,13 @@ class _Gathered:
 
     def grads(self, grad_dtype: torch.dtype, loop: Loop) -> _DKV:
         """The matching dK/dV return: fp32 accumulators reduce-scattered to the owners."""
-        return _DKV(self.k, self.v, self.stride, self.ag, self.rounds, self.gp.order, grad_dtype, loop)
+        return _DKV(self.k, self.v, self.stride, self.ag, self.rounds, self.chunks, grad_dtype, loop)
 
     def kv(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Chunk c's gathered ``k (B, S, stride, D), v (B, S, stride, Dv)`` in global order (after its wait)."""
         buf = self.recv[c % len(self.recv)]
-        if self.glob is not None:
-            _permute_chunks(buf, self.glob, self.gp.order)
+        if self.chunks is not None:
+            _permute_chunks(buf, self.glob, self.chunks.to_global)
             buf = self.glob
         return buf[..., : self.d].transpose(0, 1), buf[..., self.d:].transpose(0, 1)
 
@@ -285,19 +298,19 @@ class _DKV:
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, stride: int, ag: AllGather, rounds: int,
-                 order: tuple[int, ...] | None, grad_dtype: torch.dtype, loop: Loop):
+                 chunks: _ChunkIndex | None, grad_dtype: torch.dtype, loop: Loop):
         B, L, _, D = k.shape
         F = D + v.shape[-1]
         self.acc_dtype = acc_dtype(k.dtype)
         self.wire = wire_dtype(grad_dtype, k.dtype)
-        self.order, self.shape, self.d, self.loop, self.ag = order, (B, L, k.shape[2], D, v.shape[-1]), D, loop, ag
-        self.direct = order is None and self.wire == self.acc_dtype      # reduce-scatter the accumulator
+        self.chunks, self.shape, self.d, self.loop, self.ag = chunks, (B, L, k.shape[2], D, v.shape[-1]), D, loop, ag
+        self.direct = chunks is None and self.wire == self.acc_dtype     # reduce-scatter the accumulator
         nbuf = min(2, rounds)
         self.acc = [k.new_empty(ag.world * L, B, stride, F, dtype=self.acc_dtype)
                     for _ in range(nbuf if self.direct else 1)]
         self.send = [] if self.direct else [torch.empty_like(self.acc[0], dtype=self.wire) for _ in range(nbuf)]
         self.stage = (torch.empty_like(self.acc[0], dtype=self.wire)
-                      if order is not None and self.wire != self.acc_dtype else None)
+                      if chunks is not None and self.wire != self.acc_dtype else None)
         self.out = k.new_empty(rounds, L, B, stride, F, dtype=self.wire)
         self.pending: list[Handle | None] = [None] * nbuf
 
@@ -319,13 +332,13 @@ class _DKV:
         if not self.direct:
             self._wait(slot)
             send = self.send[slot]
-            if self.order is None:
+            if self.chunks is None:
                 send.copy_(buf)
             elif self.stage is None:
-                _permute_chunks(buf, send, _inverse(self.order))
+                _permute_chunks(buf, send, self.chunks.to_rank)
             else:
                 self.stage.copy_(buf)
-                _permute_chunks(self.stage, send, _inverse(self.order))
+                _permute_chunks(self.stage, send, self.chunks.to_rank)
             buf = send
         self.pending[slot] = self.ag.reduce_scatter(buf, self.out[c])
         return self.pending[slot]
@@ -458,14 +471,6 @@ class _SelectedDKV:
         return g[..., :D].to(dtype), g[..., D:].to(dtype)
 
 
-@functools.lru_cache(maxsize=64)
-def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
-    inv = [0] * len(order)
-    for c, i in enumerate(order):
-        inv[i] = c
-    return tuple(inv)
-
-
 @functools.lru_cache(maxsize=256)
 def _disjoint(tasks: tuple[Task, ...]) -> bool:
     """No query row is in two calls (always so for a global-order plan unless varlen packing interleaves)."""
@@ -501,11 +506,12 @@ class _Engine:
         self.groups, self.grad_dtype = call.groups, cfg.grad_dtype
         sel = self.gp.selection
         self.index = None if sel is None else _SelectionIndex.of(sel, call.device)
+        self.chunks = None if self.gp.order is None else _ChunkIndex.of(self.gp.order, call.device)
 
     def _transport(self, k: torch.Tensor, v: torch.Tensor) -> _Gathered | _Selected:
         """The full all-gather, or the selective one when the plan has a selection."""
         if self.index is None:
-            return _Gathered(k, v, self.stride, AllGather(self.groups.group), self.gp)
+            return _Gathered(k, v, self.stride, AllGather(self.groups.group), self.chunks)
         return _Selected(k, v, self.stride, AllToAllV(self.groups.group), self.index)
 
     def _heads(self, c: int) -> slice:

@@ -10,13 +10,23 @@ Note [Planned calls]
     the call is validated (every rule that needs only local facts, with errors naming the argument, the value
     and the rank), ``method="auto"`` is resolved, the placement and the engine are built (block schedule,
     kernel per kind of block, the communication plan) and the agreement round is read at once. A hit goes
-    straight to the engine. The cache holds ``CACHE_SIZE`` signatures, least recently used first out; packed
-    batches make a new signature per batch (new ``cu_seqlens``), which is why planning is linear in the
-    documents (``seqpar.layouts.blocks``).
+    straight to the engine. Planning is linear in the documents (``seqpar.layouts.blocks``), since packed
+    batches make a new signature per batch.
 
     The agreement round (``seqpar.agreement``, Note [When the round is read]) runs on every call of a group
     with more than one rank; it is read at once on a miss and every ``check_ranks`` calls (an int), otherwise
     when it has arrived.
+
+Note [Bounded plan cache]
+    Plans are kept in two least-recently-used tiers under one byte budget. A signature with per-batch facts
+    (``cu_seqlens`` or ``seq_len``: a packed or padded batch) is reused by every layer of one step, forward and
+    backward, and then never again, so those plans live in a tier of ``BATCH_CACHE_SIZE`` entries: a batch's
+    plan, with its schedule and the device index tensors of a selective gather (~20 MB at 1M tokens), goes
+    a few batches after its step. Other signatures (one per layer shape and option set) keep ``CACHE_SIZE``
+    entries. Every plan is entered with an estimate of the bytes it holds (``footprint``: the storages of the
+    tensors its engine holds, once each, and its host structures by its documents and ranks); past
+    ``CACHE_BYTES`` the least recently used plans go, per-batch ones first, never the plan just made. A plan
+    in use is never broken by eviction: a call holds its plan (autograd keeps it for backward).
 """
 
 from __future__ import annotations
@@ -34,19 +44,23 @@ from .. import agreement, methods
 from ..config import AttentionConfig
 from ..errors import rank_suffix
 from ..groups import SeqParallelGroups
-from ..kernels import available_kernels
+from ..kernels import Kernel, available_kernels
 from ..layouts import LAYOUTS
 from ..methods.base import Call, Engine, Method
 from ..types import AttnOutput
 from . import op as _op
 
 __all__ = [
+    "BATCH_CACHE_SIZE",
+    "CACHE_BYTES",
     "CACHE_SIZE",
     "CHECK_EVERY",
     "Plan",
     "attention",
     "cache_clear",
+    "cache_info",
     "config",
+    "footprint",
     "host_cu_seqlens",
     "planned",
     "traced_key",
@@ -55,8 +69,12 @@ __all__ = [
     "validated",
 ]
 
-#: signatures kept (Note [Planned calls])
+#: plans of signatures without per-batch facts (Note [Bounded plan cache])
 CACHE_SIZE = 256
+#: plans of signatures with ``cu_seqlens`` or ``seq_len``: one per packed or padded batch, used for one step
+BATCH_CACHE_SIZE = 8
+#: the estimated bytes all cached plans may hold together
+CACHE_BYTES = 1 << 30
 #: ``check_ranks=True``: the round is read at once every this many calls of a group (and on every new signature)
 CHECK_EVERY = 64
 
@@ -78,23 +96,71 @@ class Plan:
     in ``seqpar.kernels.base``): W = 1, out only, no sinks."""
 
 
-_PLANS: OrderedDict[Any, Plan] = OrderedDict()
+_PLANS: OrderedDict[Any, tuple[Plan, int]] = OrderedDict()        # key -> (plan, bytes), least recent first
+_BATCH_PLANS: OrderedDict[Any, tuple[Plan, int]] = OrderedDict()  # the same for per-batch signatures
+_BYTES = 0                          # the bytes of both tiers' entries
 _TRACKERS: dict[int | None, agreement.Tracker] = {}
 _LOCK = threading.Lock()
-_MESH_AT = 11                      # the mesh's position in a plan key
+_MESH_AT = 11                       # the mesh's position in a plan key
 
 
 def cache_clear() -> None:
     """Forget every planned call (tests; a process that changes process groups)."""
-    _PLANS.clear()
+    global _BYTES
+    with _LOCK:
+        dropped = [*_PLANS.values(), *_BATCH_PLANS.values()]
+        _PLANS.clear()
+        _BATCH_PLANS.clear()
+        _BYTES = 0
+    del dropped                     # released outside the lock
+
+
+def cache_info() -> dict[str, int]:
+    """``{"plans", "batch_plans", "bytes", "trackers"}``: what the caches hold now (Note [Bounded plan cache])."""
+    with _LOCK:
+        return {"plans": len(_PLANS), "batch_plans": len(_BATCH_PLANS), "bytes": _BYTES, "trackers": len(_TRACKERS)}
 
 
 def _forget(mesh_id: int) -> None:
     """A mesh (or group) went away: drop its plans and its agreement tracker (weakref finalizer)."""
+    global _BYTES
     with _LOCK:
-        for key in [k for k in _PLANS if k[_MESH_AT].id == mesh_id]:
-            del _PLANS[key]
+        for tier in (_PLANS, _BATCH_PLANS):
+            for key in [k for k in tier if k[_MESH_AT].id == mesh_id]:
+                _BYTES -= tier.pop(key)[1]
         _TRACKERS.pop(mesh_id, None)
+
+
+def _lookup(key: Any, batch: bool) -> Plan | None:
+    with _LOCK:
+        tier = _BATCH_PLANS if batch else _PLANS
+        hit = tier.get(key)
+        if hit is not None:
+            tier.move_to_end(key)
+    return None if hit is None else hit[0]
+
+
+def _insert(key: Any, batch: bool, plan: Plan) -> None:
+    global _BYTES
+    nbytes = footprint(plan)
+    dropped = []
+    with _LOCK:
+        tier = _BATCH_PLANS if batch else _PLANS
+        old = tier.pop(key, None)
+        if old is not None:
+            dropped.append(old)
+            _BYTES -= old[1]
+        tier[key] = (plan, nbytes)
+        _BYTES += nbytes
+        for t, most in ((_BATCH_PLANS, BATCH_CACHE_SIZE), (_PLANS, CACHE_SIZE)):
+            while len(t) > most:
+                dropped.append(t.popitem(last=False)[1])
+                _BYTES -= dropped[-1][1]
+        for t in (_BATCH_PLANS, _PLANS):                # over the budget: least recent first, batches first
+            while _BYTES > CACHE_BYTES and t and next(iter(t)) != key:
+                dropped.append(t.popitem(last=False)[1])
+                _BYTES -= dropped[-1][1]
+    del dropped
 
 
 def _tracker(mesh: Any) -> agreement.Tracker:
@@ -105,6 +171,38 @@ def _tracker(mesh: Any) -> agreement.Tracker:
         if mesh is not None:
             weakref.finalize(mesh, _forget, key)
     return t
+
+
+def footprint(plan: Plan) -> int:
+    """The bytes ``plan`` holds, estimated (Note [Bounded plan cache]): the storages of the tensors within a few
+    attribute levels of its engine (each once; index tensors, captured buffers), plus its host structures at
+    16 KiB and ``_DOC_BYTES`` per document and rank (schedules and their tasks grow with both). Walking every
+    task of a schedule would cost as much as planning it; this costs microseconds."""
+    seen: set[int] = set()
+    storages: dict[tuple[str, int], int] = {}
+    todo: list[tuple[Any, int]] = [(plan.engine, 0)]
+    while todo and len(seen) < 512:
+        obj, depth = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            storages[(str(st.device), st.data_ptr())] = st.nbytes()
+        elif depth < 4 and isinstance(obj, (tuple, list)):
+            todo += [(x, depth + 1) for x in obj[:16]]
+        elif depth < 4 and isinstance(obj, dict):
+            todo += [(x, depth + 1) for x in list(obj.values())[:16]]
+        elif depth < 4 and type(obj).__module__.startswith("seqpar.") and not isinstance(obj, (Kernel, Method)):
+            fields = [*getattr(obj, "__dict__", {}).values()]
+            fields += [getattr(obj, n, None) for c in type(obj).__mro__ for n in getattr(c, "__slots__", ())]
+            todo += [(x, depth + 1) for x in fields]
+    docs = 0 if plan.cfg.cu_seqlens is None else len(plan.cfg.cu_seqlens) - 1
+    return sum(storages.values()) + (16 << 10) + _DOC_BYTES * docs * plan.groups.world
+
+
+_DOC_BYTES = 96
+"""Host bytes of a plan per document and rank (tracemalloc at W = 4, 300 documents: 40-165 KB per plan)."""
 
 
 def _in_recompute() -> bool:
@@ -186,10 +284,10 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
         hash(key)
     except TypeError:
         key = None                     # an unhashable argument: plan without caching (validation explains it)
-    plan = _PLANS.get(key) if key is not None else None
+    batch = cu_seqlens is not None or seq_len is not None
+    plan = _lookup(key, batch) if key is not None else None
     rounds = check_ranks is not False and not _in_recompute()
     if plan is not None:
-        _PLANS.move_to_end(key)
         _check_ranks_arg(check_ranks)
         if rounds and plan.groups.world > 1:
             _round(plan.items, mesh, check_ranks, q.device, fresh=False)
@@ -212,10 +310,7 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
                 direct(call) if direct is not None and not (return_lse or verify or sinks is not None) else None)
     if key is not None:
         _tracker(mesh)                  # registers the mesh's finalizer (drops these plans with it)
-        with _LOCK:
-            _PLANS[key] = plan
-            if len(_PLANS) > CACHE_SIZE:
-                _PLANS.popitem(last=False)
+        _insert(key, batch, plan)
     return plan
 
 
