@@ -27,10 +27,21 @@ Note [Bounded plan cache]
     tensors its engine holds, once each, and its host structures by its documents and ranks); past
     ``CACHE_BYTES`` the least recently used plans go, per-batch ones first, never the plan just made. A plan
     in use is never broken by eviction: a call holds its plan (autograd keeps it for backward).
+
+Note [Threads and the plan cache]
+    Every read and write of the caches happens under ``_LOCK``, and nothing that can block or call back runs
+    inside it: plans are built outside (two threads that miss on one signature both build; one is kept),
+    and evicted plans are released after the lock is. A mesh's plans and agreement tracker go with the mesh,
+    through a weakref finalizer - which may run inside any allocation, the locked section included, so it
+    never takes the lock: it only records that a mesh died (``_DEAD``), and the next locked access drops the
+    entries whose mesh is gone. Agreement rounds are collectives of a group, so one group's calls must come
+    in the same order on every rank; different threads should use different groups.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import threading
 import weakref
 from collections import OrderedDict
@@ -101,6 +112,7 @@ _BATCH_PLANS: OrderedDict[Any, tuple[Plan, int]] = OrderedDict()  # the same for
 _BYTES = 0                          # the bytes of both tiers' entries
 _TRACKERS: dict[int | None, agreement.Tracker] = {}
 _LOCK = threading.Lock()
+_DEAD: list[int] = []               # ids of meshes that died since the last locked access (Note [Threads ...])
 _MESH_AT = 11                       # the mesh's position in a plan key
 
 
@@ -118,33 +130,50 @@ def cache_clear() -> None:
 def cache_info() -> dict[str, int]:
     """``{"plans", "batch_plans", "bytes", "trackers"}``: what the caches hold now (Note [Bounded plan cache])."""
     with _LOCK:
-        return {"plans": len(_PLANS), "batch_plans": len(_BATCH_PLANS), "bytes": _BYTES, "trackers": len(_TRACKERS)}
+        dropped = _drain()
+        info = {"plans": len(_PLANS), "batch_plans": len(_BATCH_PLANS), "bytes": _BYTES, "trackers": len(_TRACKERS)}
+    del dropped                     # released outside the lock
+    return info
 
 
 def _forget(mesh_id: int) -> None:
-    """A mesh (or group) went away: drop its plans and its agreement tracker (weakref finalizer)."""
+    """A mesh (or group) went away (weakref finalizer): noted only, never locked (Note [Threads and the plan
+    cache]); the next locked access drops its plans and its agreement tracker."""
+    _DEAD.append(mesh_id)
+
+
+def _drain() -> list[Any]:
+    """Under ``_LOCK``: drop the entries of meshes that died; returns them, to be released after the lock."""
     global _BYTES
-    with _LOCK:
-        for tier in (_PLANS, _BATCH_PLANS):
-            for key in [k for k in tier if k[_MESH_AT].id == mesh_id]:
-                _BYTES -= tier.pop(key)[1]
-        _TRACKERS.pop(mesh_id, None)
+    if not _DEAD:
+        return []
+    del _DEAD[:len(_DEAD)]
+    dropped: list[Any] = []
+    for tier in (_PLANS, _BATCH_PLANS):
+        for key in [k for k in tier if k[_MESH_AT].dead()]:
+            dropped.append(tier.pop(key))
+            _BYTES -= dropped[-1][1]
+    for key in [k for k, t in _TRACKERS.items() if k is not None and t.mesh is None]:
+        dropped.append(_TRACKERS.pop(key))
+    return dropped
 
 
 def _lookup(key: Any, batch: bool) -> Plan | None:
     with _LOCK:
+        dropped = _drain()
         tier = _BATCH_PLANS if batch else _PLANS
         hit = tier.get(key)
         if hit is not None:
             tier.move_to_end(key)
+    del dropped
     return None if hit is None else hit[0]
 
 
 def _insert(key: Any, batch: bool, plan: Plan) -> None:
     global _BYTES
     nbytes = footprint(plan)
-    dropped = []
     with _LOCK:
+        dropped = _drain()
         tier = _BATCH_PLANS if batch else _PLANS
         old = tier.pop(key, None)
         if old is not None:
@@ -165,11 +194,12 @@ def _insert(key: Any, batch: bool, plan: Plan) -> None:
 
 def _tracker(mesh: Any) -> agreement.Tracker:
     key = None if mesh is None else id(mesh)
-    t = _TRACKERS.get(key)
-    if t is None or not t.serves(mesh):
-        t = _TRACKERS[key] = agreement.Tracker(mesh)
-        if mesh is not None:
-            weakref.finalize(mesh, _forget, key)
+    with _LOCK:
+        t = _TRACKERS.get(key)
+        if t is None or not t.serves(mesh):
+            t = _TRACKERS[key] = agreement.Tracker(mesh)
+            if mesh is not None:
+                weakref.finalize(mesh, _forget, key)
     return t
 
 
@@ -214,8 +244,8 @@ class _Same:
     """A cache-key element for a mesh: equal by identity (two DeviceMeshes over the same ranks are equal as
     values but carry different process groups), holding it by weak reference - a cache must never keep a
     process group alive (gloo closes a group's connections only when the group object goes away, which the
-    fail-fast recipe of docs/RELIABILITY.md relies on). When the mesh dies its entries are dropped
-    (``_forget``), so an id is never reused by a live entry."""
+    fail-fast recipe of docs/RELIABILITY.md relies on). An entry of a dead mesh never equals a live one (its
+    reference is dead), and it is dropped at the next locked access after the mesh dies (``_drain``)."""
 
     __slots__ = ("id", "ref")
 
@@ -229,6 +259,9 @@ class _Same:
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Same) and other.id == self.id and (
             self.ref is None or (other.ref is not None and other.ref() is self.ref()))
+
+    def dead(self) -> bool:
+        return self.ref is not None and self.ref() is None
 
 
 def host_cu_seqlens(cu: Any) -> tuple[int, ...] | None:
@@ -501,7 +534,7 @@ def check_tensors(q, k, v) -> None:
 
 # ------------------------------------------------------------------------------------------ under torch.compile
 
-_TRACED: dict[str, dict[str, Any]] = {}
+_MESH_TAGS: dict[str, list[weakref.ref]] = {}      # a mesh description -> the meshes tagged #0, #1, ... (weak)
 
 
 def _mesh_description(mesh: Any) -> str:
@@ -516,50 +549,94 @@ def _mesh_description(mesh: Any) -> str:
     return type(mesh).__name__
 
 
+def _mesh_tag(mesh: Any) -> str:
+    """``mesh``'s description, with ``#n`` when another live mesh has the same one. Meshes are held weakly: a
+    dead mesh's slot goes to the next mesh with its description, so the table holds at most as many meshes
+    as are alive at once."""
+    text = _mesh_description(mesh)
+    if mesh is None:
+        return text
+    with _LOCK:
+        refs = _MESH_TAGS.setdefault(text, [])
+        n = next((i for i, r in enumerate(refs) if r() is mesh), None)
+        if n is None:
+            n = next((i for i, r in enumerate(refs) if r() is None), len(refs))
+            refs[n:n + 1] = [weakref.ref(mesh)]
+    return text if n == 0 else f"{text}#{n}"
+
+
+def _tagged_mesh(tag: str) -> Any:
+    if tag == "default-group":
+        return None
+    text, _, n = tag.partition("#")
+    with _LOCK:
+        refs = _MESH_TAGS.get(text, [])
+        mesh = refs[int(n or 0)]() if int(n or 0) < len(refs) else None
+    if mesh is None:
+        raise RuntimeError(f"the mesh of this compiled seqpar call ({tag}) no longer exists: a compiled graph can "
+                           f"only run on the mesh it was traced with{rank_suffix()}")
+    return mesh
+
+
+_TRACED_ARGS = ("method", "layout", "causal", "softmax_scale", "kernel", "window_size", "seq_len", "deterministic",
+                "grad_dtype", "softcap", "check_ranks", "options")
+
+
 @torch.compiler.assume_constant_result
 def traced_key(mesh: Any, method: str, layout: str | None, causal: bool, softmax_scale: float | None, kernel: str,
                window_size: tuple[int, int], seq_len: int | None, deterministic: bool, grad_dtype: torch.dtype,
                softcap: float, check_ranks: Any, options: tuple[tuple[str, Any], ...]) -> str:
     """Intern the non-tensor arguments of a traced call as a string key (Note [Tracing seqpar.attention]).
 
-    The key spells the arguments out, so the same key means the same call in every process (compiled graphs
-    are cached on disk and shared between processes); two different mesh objects over the same ranks get
-    ``#1``, ``#2`` ... in the order they first appear.
+    The key spells the arguments out and is read back by ``traced_plan``, so the same key means the same call
+    in every process (compiled graphs are cached on disk and shared between processes) and no table of
+    arguments grows with the calls; only the mesh is named, by its description and ``#1``, ``#2`` ... for
+    other live meshes over the same ranks (held weakly, ``_mesh_tag``).
     """
-    args = dict(mesh=mesh, method=method, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
+    args = dict(method=method, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
                 window_size=tuple(window_size), seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
                 softcap=softcap, check_ranks=check_ranks, options=dict(options))
-    text = ";".join(f"{k}={v!r}" for k, v in args.items() if k != "mesh") + f";mesh={_mesh_description(mesh)}"
-    n = 0
-    while True:
-        key = text if n == 0 else f"{text}#{n}"
-        known = _TRACED.get(key)
-        if known is None:
-            _TRACED[key] = args
-            return key
-        if known["mesh"] is mesh and known == args:
-            return key
-        n += 1
+    key = ";".join(f"{k}={v!r}" for k, v in args.items()) + f";mesh={_mesh_tag(mesh)}"
+    try:
+        back = _traced_args(key)
+    except (ValueError, SyntaxError):
+        back = None
+    if back is None or {k: back[k] for k in _TRACED_ARGS} != args:
+        raise TypeError(f"seqpar.attention under torch.compile takes options whose values are literals (None, "
+                        f"bool, int, float, str, tuples of them), got {dict(options)!r}{rank_suffix()}")
+    return key
+
+
+@functools.lru_cache(maxsize=256)
+def _traced_args(key: str) -> dict[str, Any]:
+    """The arguments ``traced_key`` spelled out (the mesh as its tag); cached per key (cheap to re-read)."""
+    parts = dict(part.split("=", 1) for part in key.split(";"))
+    args: dict[str, Any] = {"mesh": parts.pop("mesh")}
+    for name, text in parts.items():
+        args[name] = getattr(torch, text[len("torch."):]) if text.startswith("torch.") else ast.literal_eval(text)
+    if not isinstance(args["grad_dtype"], torch.dtype):
+        raise ValueError(f"grad_dtype must be a torch.dtype, got {args['grad_dtype']!r}")
+    return args
 
 
 def traced_plan(key: str, q, k, v, sinks, cu_seqlens) -> Plan:
     """The planned call behind a custom-op call (its arguments were interned by ``traced_key``)."""
-    a = _TRACED[key]
-    return planned(q, k, v, sinks, mesh=a["mesh"], method=a["method"], layout=a["layout"], causal=a["causal"],
-                   softmax_scale=a["softmax_scale"], kernel=a["kernel"], return_lse=True, window_size=a["window_size"],
-                   cu_seqlens=cu_seqlens, seq_len=a["seq_len"], deterministic=a["deterministic"],
-                   grad_dtype=a["grad_dtype"], dropout_p=0.0, alibi_slopes=None, softcap=a["softcap"],
-                   check_ranks=a["check_ranks"], verify=False, options=a["options"])
+    a = _traced_args(key)
+    return planned(q, k, v, sinks, mesh=_tagged_mesh(a["mesh"]), method=a["method"], layout=a["layout"],
+                   causal=a["causal"], softmax_scale=a["softmax_scale"], kernel=a["kernel"], return_lse=True,
+                   window_size=a["window_size"], cu_seqlens=cu_seqlens, seq_len=a["seq_len"],
+                   deterministic=a["deterministic"], grad_dtype=a["grad_dtype"], dropout_p=0.0, alibi_slopes=None,
+                   softcap=a["softcap"], check_ranks=a["check_ranks"], verify=False, options=a["options"])
 
 
 def traced_saved_meta(key: str, q, k, v) -> list[tuple[tuple[Any, ...], torch.dtype]]:
     """Shapes and dtypes of what the method's engine saves for backward (fake tensors; shapes may be symbolic)."""
-    a = _TRACED[key]
+    a = _traced_args(key)
     if a["method"] == "auto":
         raise NotImplementedError(f"method='auto' is not supported under torch.compile (it chooses from concrete "
                                   f"shapes): name the method{rank_suffix()}")
     m = methods.get(a["method"])
     if m.saved_meta is None:
         return []
-    groups = SeqParallelGroups.resolve(a["mesh"], m.mesh_dims)
+    groups = SeqParallelGroups.resolve(_tagged_mesh(a["mesh"]), m.mesh_dims)
     return m.saved_meta(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, groups, a["options"])
