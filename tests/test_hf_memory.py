@@ -259,3 +259,247 @@ def test_pinned_pool_budget_reuse_and_eviction(monkeypatch):
     pool.give(c)
     pool.close()
     assert pool.held == 0 and not pool.free
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the CUDA path's stream order, on CPU (Note [Offload stream order])
+
+
+class _FakeStream:
+    """A side stream's work runs only when something waits for it; a compute stream's (``eager``) at once, as
+    the CPU ops that stand for its kernels do. ``snaps[i][s]``: how many of stream ``s``'s operations this one
+    is ordered after (transitively) after its own first ``i``."""
+
+    def __init__(self, name: str, eager: bool = False):
+        self.name, self.ops, self.done, self.eager = name, [], 0, eager
+        self.snaps: list[dict] = [{}]
+
+    def pos(self) -> int:
+        return len(self.ops)
+
+    def enqueue(self, fn) -> None:
+        self.ops.append(fn)
+        self.snaps.append(dict(self.snaps[-1]))
+
+    def run_to(self, n: int) -> None:
+        while self.done < n:
+            self.done += 1
+            self.ops[self.done - 1]()
+
+    def after(self, other: _FakeStream, n: int) -> None:
+        if other is self:
+            return
+        seen = dict(self.snaps[-1])
+        for s, m in [*other.snaps[n].items(), (other, n)]:
+            if s is not self:
+                seen[s] = max(seen.get(s, 0), m)
+        self.enqueue(lambda: other.run_to(n))
+        self.snaps[-1] = seen
+        if self.eager:
+            self.run_to(self.pos())
+
+    def ordered_after(self, other: _FakeStream, n: int) -> bool:
+        return other is self or self.snaps[-1].get(other, 0) >= n
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.after(other, other.pos())
+
+    def wait_event(self, ev: _FakeEvent) -> None:
+        self.after(ev.stream, ev.pos)
+
+
+class _FakeEvent:
+    stream: _FakeStream
+    pos: int
+
+    def record(self, stream: _FakeStream) -> None:
+        self.stream, self.pos = stream, stream.pos()
+
+    def synchronize(self) -> None:
+        self.stream.run_to(self.pos)
+
+
+def _garbage(t: torch.Tensor) -> torch.Tensor:
+    t.reshape(-1).view(torch.uint8).fill_(0xFF)            # NaN in floats, -1 in ints
+    return t
+
+
+class _FakeCuda:
+    """``hf_memory._CudaOps`` on CPU tensors: copies are deferred until a wait reaches them (a missing wait
+    leaves NaN / stale values), and every copy is checked against the order rules; ``violations`` lists the
+    broken ones. ``current`` is the compute stream; each query of it stands for kernels launched since."""
+
+    def __init__(self):
+        self.current = _FakeStream("compute", eager=True)
+        self.alloc: dict[int, tuple[_FakeStream, int]] = {}       # restored tensors: where allocated
+        self.host_reads: dict[int, tuple[_FakeStream, int]] = {}   # pinned buffers: the last H2D that read them
+        self.recorded: set[tuple[int, _FakeStream]] = set()
+        self.uses: list[tuple[int, _FakeStream, str]] = []         # (storage, stream, what) to be recorded
+        self.violations: list[str] = []
+        self.hosts: set[int] = set()
+
+    def offloadable(self, t):
+        return True
+
+    def current_stream(self, device):
+        self.current.enqueue(lambda: None)
+        return self.current
+
+    def new_stream(self, device):
+        return _FakeStream("side")
+
+    def new_event(self):
+        return _FakeEvent()
+
+    def empty(self, shape, dtype, device, stream):
+        t = _garbage(torch.empty(shape, dtype=dtype))
+        self.alloc[t.untyped_storage().data_ptr()] = (stream, stream.pos())
+        return t
+
+    def copy(self, dst, src, stream):
+        d, s = dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr()
+        if d in self.hosts:                                       # device -> host
+            if not stream.ordered_after(self.current, self.current.pos()):
+                self.violations.append("D2H before the compute stream wrote its source")
+            last = self.host_reads.get(d)
+            if last is not None and not stream.ordered_after(*last):
+                self.violations.append("D2H overwrites a pinned buffer an H2D may still read")
+            self.uses.append((s, stream, "D2H source"))
+        else:                                                     # host -> device
+            where = self.alloc[d]
+            if not stream.ordered_after(*where):
+                self.violations.append("H2D writes a block its allocation stream may still use")
+            self.uses.append((d, stream, "H2D destination"))
+        dst, src = dst.detach(), src.detach()                    # the memory, not the graph (record_stream's)
+        stream.enqueue(lambda: dst.copy_(src))
+        if s in self.hosts:
+            self.host_reads[s] = (stream, stream.pos())
+
+    def clone(self, t, stream):
+        return t.detach().clone()
+
+    def differ(self, a, b, stream):
+        return hf_memory._byte_diff(a, b)
+
+    def record_stream(self, t, stream):
+        self.recorded.add((t.untyped_storage().data_ptr(), stream))
+
+    def unrecorded(self) -> list[str]:
+        """Uses on a stream other than the allocation's that were not recorded (the block could be reused)."""
+        out = []
+        for ptr, stream, what in self.uses:
+            home = self.alloc.get(ptr, (self.current, 0))[0]
+            if stream is not home and (ptr, stream) not in self.recorded:
+                out.append(what)
+        return out
+
+
+def _fake_offload(monkeypatch, **kw):
+    fake = _FakeCuda()
+
+    def pin(size):
+        t = _garbage(torch.empty(size, dtype=torch.uint8))
+        fake.hosts.add(t.untyped_storage().data_ptr())
+        return hf_memory._Pinned(t, size, False)
+
+    take = hf_memory._Offloaded.take
+
+    def take_and_note(self):                                      # the consumer's use of the restored tensor
+        gpu = take(self)
+        fake.uses.append((gpu.untyped_storage().data_ptr(), fake.current, "use in backward"))
+        return gpu
+
+    monkeypatch.setattr(hf_memory, "_pin", pin)
+    monkeypatch.setattr(hf_memory._Offloaded, "take", take_and_note)
+    off = hf_memory.ActivationOffload(min_bytes=0, host_bytes=1 << 30, verify=True, **kw)
+    off._ops = fake
+    return off, fake
+
+
+def _offloaded_steps(monkeypatch, dtype, steps=2, consumer_switch=True, **kw):
+    """A tiny checkpointed Llama, plain vs every saved tensor through the (fake) CUDA path; the backward on
+    another compute stream than the forward when ``consumer_switch`` (autograd's device thread)."""
+    plain, off_model = _pair("llama", dtype)
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(3))
+    off, fake = _fake_offload(monkeypatch, **kw)
+    results = []
+    for _ in range(steps):                                        # the second step reuses the pinned buffers
+        for m in (plain, off_model):
+            m.zero_grad(set_to_none=True)
+        plain(input_ids=ids, labels=ids).loss.backward()
+        with off:
+            loss = off_model(input_ids=ids, labels=ids).loss
+        if consumer_switch:
+            fake.current = _FakeStream("backward", eager=True)
+        loss.backward()
+        ref = dict(plain.named_parameters())
+        bad = [n for n, p in off_model.named_parameters() if not torch.equal(p.grad, ref[n].grad)]
+        results.append((bad, off.verify(), off.stats.as_dict()))
+    return results, fake
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cuda_path_stream_order_on_cpu(monkeypatch, dtype):
+    """Every saved tensor through the offload's CUDA logic with deferred copies and an order checker: gradients
+    bitwise equal to plain, every restored tensor equal to the saved one, no order rule broken, every
+    cross-stream use recorded, over two steps (pinned buffers reused)."""
+    results, fake = _offloaded_steps(monkeypatch, dtype)
+    for bad, check, stats in results:
+        assert stats["offloaded_tensors"] > 0 and stats["fetches"] >= stats["offloaded_tensors"]
+        assert check["checked"] > 0 and check["mismatched"] == 0, check
+        assert bad == []
+    assert fake.violations == []
+    assert fake.unrecorded() == []
+
+
+def test_reused_buffer_waits_for_its_last_copy(monkeypatch):
+    """A forward whose graph is dropped after its prefetch (at the context's exit, of every saved tensor here):
+    the pinned buffers go back to the pool with their host->device copies still queued; the next forward's
+    device->host copies into them wait for those, and its backward gets its own values back."""
+    off, fake = _fake_offload(monkeypatch, prefetch=1 << 20)
+    x = torch.randn(64, 32, dtype=torch.float64, requires_grad=True)
+    with off:
+        y = (x * 3).sin().exp().sum()
+    assert off.stats.fetches == off.stats.offloaded_tensors > 0
+    del y
+    assert sum(len(v) for v in off._pool.free.values()) == off.stats.offloaded_tensors
+    with off:
+        y = (x * 5).sin().exp().sum()
+    y.backward()
+    x2 = x.detach().requires_grad_()
+    (x2 * 5).sin().exp().sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    assert off.verify()["mismatched"] == 0
+    assert fake.violations == [] and fake.unrecorded() == []
+
+
+def test_order_checker_catches_the_old_bugs(monkeypatch):
+    """The checker is not vacuous: the pre-fix fetch (no wait for the allocation stream) and a take that does
+    not wait for its copy are both caught."""
+
+    def old_fetch(self, h2d):
+        gpu = self.ops.empty(self.shape, self.dtype, self.device, self.ops.current_stream(self.device))
+        h2d.wait_event(self.saved)
+        self.ops.copy(gpu, self.host, h2d)
+        self.ready = self.ops.new_event()
+        self.ready.record(h2d)
+        self.ops.record_stream(gpu, h2d)
+        self.buf.last = self.ready
+        self.gpu = gpu
+
+    with monkeypatch.context() as mp:
+        mp.setattr(hf_memory._Offloaded, "fetch", old_fetch)
+        _, fake = _offloaded_steps(mp, torch.float64, steps=1)
+        assert "H2D writes a block its allocation stream may still use" in fake.violations
+
+    def take_without_wait(self):
+        gpu, self.gpu = self.gpu, None
+        self.pending = max(0, self.pending - 1)
+        return gpu
+
+    with monkeypatch.context() as mp:
+        mp.setattr(hf_memory._Offloaded, "take", take_without_wait)
+        with pytest.raises((IndexError, RuntimeError, AssertionError)):     # garbage (-1) indices, or
+            results, _ = _offloaded_steps(mp, torch.float64, steps=1)
+            bad, check, _ = results[0]
+            assert bad == [] and check["mismatched"] == 0  # ... wrong values: either way it fails

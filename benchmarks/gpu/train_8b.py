@@ -4,8 +4,10 @@
 
 Phases, each in a fresh process (its log next to ``--out``), every record a JSON line in ``--out``:
   selfcheck  on this GPU, a small Llama: plain vs ``ActivationOffload`` (every saved tensor through the CUDA
-             path: pinned buffers, side streams, prefetch) vs ``tile_mlp`` + offload - loss and every gradient
-             (offload alone must be bitwise), then step time and peak memory of the three on a 32K-token model
+             path: pinned buffers, side streams, prefetch; verify=True compares every restored tensor with the
+             saved one) - as is, and with the GPU held ~30 ms behind the CPU before forward and backward (the
+             regime where stream-order races show) - vs ``tile_mlp`` + offload: loss and every gradient
+             (offload alone must be bitwise: ``ok``), then step time and peak memory of the three on a 32K-token model
              (is the offload's copy hidden behind compute?). Seconds.
   step       examples/train_long_context.py: llama3-8b, 1M tokens, ``--world 8 --emulate``, one full step
              (forward, backward, AdamW) with tiled MLP, offload, checkpointing and the tiled loss: peak memory,
@@ -186,32 +188,47 @@ def _exactness(dtype, device: str) -> dict:
     torch.use_deterministic_algorithms(True, warn_only=True)
     plain = _llama(256, 1024, 4, 8, 2, 1024, dtype, 4096, device)
     models = {"plain": plain, "plain again": copy.deepcopy(plain), "offload": copy.deepcopy(plain),
-              "tile_mlp+offload": copy.deepcopy(plain)}
+              "offload, gpu behind": copy.deepcopy(plain), "tile_mlp+offload": copy.deepcopy(plain)}
     hf_memory.tile_mlp(models["tile_mlp+offload"], chunk_tokens=1024)
     ids = torch.randint(0, 1024, (1, 4096), device=device, generator=torch.Generator(device).manual_seed(1))
-    losses, stats = {}, {}
+    losses, stats, restored = {}, {}, {}
+    behind = lambda: torch.cuda._sleep(50_000_000) if device == "cuda" else None   # noqa: E731 (~30 ms spin)
     for name, m in models.items():
-        off = hf_memory.ActivationOffload(min_bytes=0) if "offload" in name else None
+        # verify: every restored tensor compared bitwise with a device copy of the saved one (after the wait)
+        off = hf_memory.ActivationOffload(min_bytes=0, verify=True) if "offload" in name else None
+        if "behind" in name:          # the GPU far behind the CPU: queued kernels still use freed blocks
+            behind()
         with off if off is not None else contextlib.nullcontext():
             loss = m(input_ids=ids, labels=ids).loss
+        if "behind" in name:
+            behind()
         loss.backward()
         _sync(device)
         losses[name] = loss.detach()
         if off is not None:
             stats[name] = off.stats.as_dict()
+            restored[name] = off.verify()
             off.close()
     rec = {"check": "exactness", "dtype": str(dtype).replace("torch.", "")}
     ref = dict(plain.named_parameters())
-    for name in ("plain again", "offload", "tile_mlp+offload"):
-        errs = {}
+    for name in ("plain again", "offload", "offload, gpu behind", "tile_mlp+offload"):
+        errs, nonfinite = {}, []
         for n, p in models[name].named_parameters():
             a, b = p.grad.double(), ref[n].grad.double()
             errs[n] = 0.0 if torch.equal(p.grad, ref[n].grad) else float((a - b).abs().max() / b.abs().max())
-        rec[name] = {"loss_bitwise": bool(torch.equal(losses[name], losses["plain"])),
-                     "loss_error": abs(float(losses[name]) - float(losses["plain"])) / abs(float(losses["plain"])),
-                     "grads_bitwise": sum(v == 0.0 for v in errs.values()), "grads": len(errs),
-                     "grad_error_max": max(errs.values()), "worst": max(errs, key=errs.get),
-                     "offload_stats": stats.get(name)}
+            if not bool(torch.isfinite(p.grad).all()):
+                nonfinite.append(n)
+                errs[n] = float("inf")          # max() and the worst name stay meaningful (nan never wins)
+        r = {"loss_bitwise": bool(torch.equal(losses[name], losses["plain"])),
+             "loss_error": abs(float(losses[name]) - float(losses["plain"])) / abs(float(losses["plain"])),
+             "grads_bitwise": sum(v == 0.0 for v in errs.values()), "grads": len(errs),
+             "grad_error_max": max(errs.values()), "worst": max(errs, key=errs.get),
+             "grads_nonfinite": len(nonfinite), "first_nonfinite": nonfinite[:4],
+             "restored": restored.get(name), "offload_stats": stats.get(name)}
+        if name in ("offload", "offload, gpu behind"):   # offload alone changes no value: all of it bitwise
+            r["ok"] = (r["loss_bitwise"] and r["grads_bitwise"] == r["grads"]
+                       and r["restored"]["mismatched"] == 0 and r["offload_stats"]["offloaded_tensors"] > 0)
+        rec[name] = r
     torch.use_deterministic_algorithms(False)
     return rec
 

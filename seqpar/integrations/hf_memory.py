@@ -209,9 +209,9 @@ class _TiledMLP(torch.autograd.Function):
 #     does this, but copies on the compute stream (the GPU stops while PCIe moves gigabytes), offloads every
 #     tensor, and its pinned buffers come from the caching host allocator, which rounds each up to a power of
 #     two. ActivationOffload keeps the mechanism and changes those three:
-#       - copies run on two side streams: device->host after the tensor is produced (the compute stream goes
-#         on; the allocator is told the tensor is in use there, record_stream), host->device when backward
-#         unpacks the NEXT tensor in backward order (prefetch: ready when the layer's recompute starts);
+#       - copies run on two side streams: device->host after the tensor is produced, host->device when
+#         backward unpacks the NEXT tensor in backward order (prefetch: ready when the layer's recompute
+#         starts); the order of every copy against the compute stream is Note [Offload stream order];
 #       - a budget: ``keep_bytes`` of saved tensors stay on the GPU (the first ones saved), from the GPU's
 #         free memory at entry minus ``reserve_bytes`` (what the rest of the step needs) when not given;
 #         parameters and tensors under ``min_bytes`` always stay; host memory has its own budget
@@ -222,6 +222,34 @@ class _TiledMLP(torch.autograd.Function):
 #       - a tensor saved twice in one forward (RMSNorm saves its fp32 input for two ops) is copied once.
 #     CPU tensors pass through untouched, so on CPU the context changes nothing (and the tests check that
 #     values are equal bitwise with and without it).
+
+# Note [Offload stream order]
+#     Three streams meet: C, the stream current when a tensor is saved or used (queried at each call, never
+#     cached: backward runs on autograd's device thread, under each node's forward stream), and the side
+#     streams d2h and h2d. The caching allocator only orders a block's reuse on the stream it was allocated
+#     on; every other stream that touches it must be ordered by hand. The rules, each for one hazard:
+#       pack (t made on C)    d2h.wait_stream(C)         the copy reads t after its producer wrote it
+#                             d2h.wait_event(buf.last)   the pinned buffer's previous copy (the H2D of an
+#                                                        earlier step that read it) is done before it is
+#                                                        overwritten
+#                             copy host <- t on d2h; saved, buf.last = an event after it
+#                             t.record_stream(d2h)       t's block is not reused before the copy read it
+#       fetch (A current)     gpu = empty on A
+#                             h2d.wait_stream(A)         the block was free on A, so kernels A queued before
+#                                                        may still read or write it: the copy waits for them
+#                                                        (without this wait the copy races them: garbage)
+#                             h2d.wait_event(saved)      the host copy is complete
+#                             copy gpu <- host on h2d; ready, buf.last = an event after it
+#                             gpu.record_stream(h2d)     gpu's block is not reused before the copy wrote it
+#       take (B current)      B.wait_event(ready)        every unpack, prefetched or not, waits for its copy
+#                             gpu.record_stream(B)       B may differ from A (a prefetch at the end of the
+#                                                        forward, on the main thread); a no-op when equal
+#       release of a buffer   buf.last.synchronize()     no copy reads or writes host memory unregistered
+#     The pinned buffer goes back to the pool only when its item is garbage (its last unpack is done and
+#     autograd dropped it); the next write into it waits for buf.last, the last copy of either direction.
+#     ``verify=True`` (a debug mode; it doubles the saved tensors' GPU memory) keeps a device copy of each
+#     offloaded tensor and compares each restored tensor with it, bitwise, on B after the wait: ``verify()``
+#     then says how many came back different - the CUDA path's own check (benchmarks/gpu/train_8b.py).
 
 
 @dataclass
@@ -235,8 +263,11 @@ class OffloadStats:
     host_refused_bytes: int = 0
     """Tensors that would have been offloaded but the host budget was spent (left on the GPU)."""
     keep_budget_bytes: int = 0
+    fetches: int = 0
+    """Host->device copies posted (prefetched or not)."""
     waited_fetches: int = 0
-    """Backward unpacks whose copy had not been prefetched (the compute stream waited for it)."""
+    """Backward unpacks whose copy had not been prefetched (posted at the unpack itself). Every unpack, this one
+    or a prefetched one, makes the current stream wait for its copy (Note [Offload stream order])."""
     pin_s: float = 0.0
     """Seconds spent pinning new host buffers (first steps only; buffers are reused)."""
     host_pinned_bytes: int = 0
@@ -266,26 +297,31 @@ class ActivationOffload:
         host_bytes: pinned host memory this offloader may hold. Default: MemAvailable at first use - 4 GiB.
         min_bytes: smaller tensors stay where they are (not worth a copy).
         prefetch: saved tensors brought back ahead of use in backward (1: the next one).
+        verify: debug mode: keep a device copy of every offloaded tensor and compare what comes back with it
+            (``verify()``); doubles the saved tensors' device memory.
     """
 
     def __init__(self, *, keep_bytes: int | None = None, reserve_bytes: int | None = None,
-                 host_bytes: int | None = None, min_bytes: int = 1 << 20, prefetch: int = 1):
+                 host_bytes: int | None = None, min_bytes: int = 1 << 20, prefetch: int = 1,
+                 verify: bool = False):
         for name, v in (("keep_bytes", keep_bytes), ("reserve_bytes", reserve_bytes), ("host_bytes", host_bytes)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
                 raise ValueError(f"{name} must be a non-negative int or None, got {v!r}{rank_suffix()}")
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be a non-negative int, got {prefetch!r}{rank_suffix()}")
         self.keep_bytes, self.reserve_bytes, self.host_bytes = keep_bytes, reserve_bytes, host_bytes
-        self.min_bytes, self.prefetch = int(min_bytes), prefetch
+        self.min_bytes, self.prefetch, self.verify_copies = int(min_bytes), prefetch, bool(verify)
         self.stats = OffloadStats()
+        self._ops: Any = _CudaOps()
         self._pool = _PinnedPool()
         self._hooks: Any = None
         self._items: list[weakref.ref] = []
         self._seen: dict[int, tuple[weakref.ref, int, weakref.ref]] = {}
         self._streams: dict[torch.device, tuple[Any, Any]] = {}
+        self._checks: list[tuple[int, tuple[int, ...], torch.dtype, torch.Tensor]] = []
         self._kept = 0
         self._budget = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     # -- the context ---------------------------------------------------------------------------------------
 
@@ -295,7 +331,7 @@ class ActivationOffload:
         if self._pool.budget is None:
             self._pool.budget = self.host_bytes if self.host_bytes is not None else _host_available() - (4 << 30)
         self.stats = OffloadStats(host_pinned_bytes=self._pool.held)
-        self._items, self._seen = [], {}
+        self._items, self._seen, self._checks = [], {}, []
         self._kept = 0
         self._budget = self._keep_budget()
         self.stats.keep_budget_bytes = self._budget
@@ -308,12 +344,26 @@ class ActivationOffload:
         hooks.__exit__(*exc)
         self._seen = {}
         if exc[0] is None:
-            self._prefetch_before(len(self._items))   # the first tensors backward asks for
+            with self._lock:
+                self._prefetch_before(len(self._items))   # the first tensors backward asks for
         self.stats.host_pinned_bytes = self._pool.held
 
     def close(self) -> None:
         """Release the pinned host buffers kept for later steps (those still in use go when they are freed)."""
         self._pool.close()
+
+    def verify(self) -> dict[str, Any]:
+        """With ``verify=True``, after backward: the restored tensors compared bitwise with the saved ones
+        (``checked`` unpacks, ``mismatched`` of them, the first few as ``(position, shape, dtype, bytes that
+        differ)``). Synchronizes."""
+        with self._lock:
+            checks = list(self._checks)
+        bad = []
+        for pos, shape, dtype, diff in checks:
+            n = int(diff)
+            if n:
+                bad.append((pos, list(shape), str(dtype).replace("torch.", ""), n))
+        return {"checked": len(checks), "mismatched": len(bad), "first_mismatches": bad[:8]}
 
     def _keep_budget(self) -> int:
         if self.keep_bytes is not None:
@@ -333,9 +383,10 @@ class ActivationOffload:
         seen = self._seen.get(id(t))
         if seen is not None and seen[0]() is t and seen[1] == t._version and seen[2]() is not None:
             item = seen[2]()                           # the same tensor saved again (RMSNorm's fp32 input): one copy
-            item.pending += 1
+            with self._lock:
+                item.pending += 1
             return self._ref(item)
-        if t.device.type != "cuda" or not t.is_contiguous() or self._kept + nbytes <= self._budget:
+        if not self._ops.offloadable(t) or not t.is_contiguous() or self._kept + nbytes <= self._budget:
             self._kept += nbytes
             self.stats.kept_bytes += nbytes
             return t
@@ -345,7 +396,7 @@ class ActivationOffload:
         if buf is None:                                # host budget spent: it stays on the GPU
             self.stats.host_refused_bytes += nbytes
             return t
-        item = _Offloaded(t, buf, self._stream_pair(t.device)[0])
+        item = _Offloaded(self._ops, t, buf, self._stream_pair(t.device)[0], self.verify_copies)
         weakref.finalize(item, self._pool.give, buf)
         self._seen[id(t)] = (weakref.ref(t), t._version, weakref.ref(item))
         self.stats.offloaded_bytes += nbytes
@@ -363,10 +414,17 @@ class ActivationOffload:
         with self._lock:
             if item.gpu is None:
                 self.stats.waited_fetches += 1
-                item.fetch(self._stream_pair(item.device)[1])
-            gpu = item.take()
+                self._fetch(item)
+            gpu = item.take()                          # the current stream waits for the copy
+            if item.check is not None:
+                diff = self._ops.differ(gpu, item.check, self._ops.current_stream(item.device))
+                self._checks.append((packed.position, tuple(item.shape), item.dtype, diff))
             self._prefetch_before(packed.position)
         return gpu
+
+    def _fetch(self, item: _Offloaded) -> None:
+        item.fetch(self._stream_pair(item.device)[1])
+        self.stats.fetches += 1
 
     def _prefetch_before(self, position: int) -> None:
         """Start the host->device copies of the ``prefetch`` saved tensors packed before ``position`` (backward
@@ -378,13 +436,63 @@ class ActivationOffload:
             item = self._items[j]()
             if item is None or item.pending == 0 or item.gpu is not None:
                 continue
-            item.fetch(self._stream_pair(item.device)[1])
+            self._fetch(item)
             started += 1
 
     def _stream_pair(self, device: torch.device) -> tuple[Any, Any]:
         if device not in self._streams:
-            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            self._streams[device] = (self._ops.new_stream(device), self._ops.new_stream(device))
         return self._streams[device]
+
+
+class _CudaOps:
+    """The CUDA calls of the offload path, in one place (the CPU tests put a stream-order checker here)."""
+
+    @staticmethod
+    def offloadable(t: torch.Tensor) -> bool:
+        return t.device.type == "cuda"
+
+    @staticmethod
+    def current_stream(device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    @staticmethod
+    def new_stream(device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    @staticmethod
+    def new_event() -> Any:
+        return torch.cuda.Event()
+
+    @staticmethod
+    def empty(shape: torch.Size, dtype: torch.dtype, device: torch.device, stream: Any) -> torch.Tensor:
+        with torch.cuda.stream(stream):
+            return torch.empty(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def copy(dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    @staticmethod
+    def clone(t: torch.Tensor, stream: Any) -> torch.Tensor:
+        with torch.cuda.stream(stream):
+            return t.detach().clone()
+
+    @staticmethod
+    def differ(a: torch.Tensor, b: torch.Tensor, stream: Any) -> torch.Tensor:
+        """Bytes where ``a`` and ``b`` differ (a device scalar, computed on ``stream``)."""
+        b.record_stream(stream)
+        with torch.cuda.stream(stream):
+            return _byte_diff(a, b)
+
+    @staticmethod
+    def record_stream(t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+
+def _byte_diff(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.reshape(-1).view(torch.uint8) != b.reshape(-1).view(torch.uint8)).sum()
 
 
 @dataclass(frozen=True)
@@ -396,40 +504,49 @@ class _Ref:
 
 
 class _Offloaded:
-    """One saved tensor in pinned host memory; ``gpu`` holds it again between prefetch and unpack."""
+    """One saved tensor in pinned host memory; ``gpu`` holds it again between fetch and take (Note [Offload
+    stream order])."""
 
-    def __init__(self, t: torch.Tensor, buf: _Pinned, d2h: Any):
+    def __init__(self, ops: Any, t: torch.Tensor, buf: _Pinned, d2h: Any, verify: bool):
+        self.ops = ops
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
         self.buf = buf
         self.host = buf.tensor[:t.numel() * t.element_size()].view(t.dtype).view(t.shape)
         self.gpu: torch.Tensor | None = None
+        self.ready: Any = None
         self.pending = 1
         """Saves of it not yet unpacked."""
-        compute = torch.cuda.current_stream(t.device)
-        with torch.cuda.stream(d2h):
-            d2h.wait_stream(compute)                   # t is ready
-            if buf.event is not None:                  # the buffer's last host->device copy has read it
-                d2h.wait_event(buf.event)
-            self.host.copy_(t, non_blocking=True)
-            self.saved = torch.cuda.Event()
-            self.saved.record(d2h)
-        t.record_stream(d2h)                           # its memory is not reused before the copy is done
+        compute = ops.current_stream(t.device)
+        self.check = ops.clone(t, compute) if verify else None
+        d2h.wait_stream(compute)                       # t is written
+        if buf.last is not None:
+            d2h.wait_event(buf.last)                   # the buffer's previous copy is done
+        ops.copy(self.host, t, d2h)
+        self.saved = ops.new_event()
+        self.saved.record(d2h)
+        buf.last = self.saved
+        ops.record_stream(t, d2h)                      # t's block is not reused before the copy has read it
 
     def fetch(self, h2d: Any) -> None:
-        """Post the host->device copy on ``h2d``; the destination belongs to the current stream."""
-        gpu = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        with torch.cuda.stream(h2d):
-            h2d.wait_event(self.saved)
-            gpu.copy_(self.host, non_blocking=True)
-            self.ready = torch.cuda.Event()
-            self.ready.record(h2d)
-        gpu.record_stream(h2d)
-        self.buf.event = self.ready
+        """Post the host->device copy on ``h2d`` into a tensor of the current stream."""
+        alloc = self.ops.current_stream(self.device)
+        gpu = self.ops.empty(self.shape, self.dtype, self.device, alloc)
+        h2d.wait_stream(alloc)                         # the block's earlier users on ``alloc`` are done
+        h2d.wait_event(self.saved)                     # the host copy is complete
+        self.ops.copy(gpu, self.host, h2d)
+        self.ready = self.ops.new_event()
+        self.ready.record(h2d)
+        self.buf.last = self.ready
+        self.ops.record_stream(gpu, h2d)               # gpu's block is not reused before the copy wrote it
         self.gpu = gpu
 
     def take(self) -> torch.Tensor:
-        torch.cuda.current_stream(self.device).wait_event(self.ready)
+        """The restored tensor, the current stream ordered after its copy."""
         gpu, self.gpu = self.gpu, None
+        assert gpu is not None and self.ready is not None
+        current = self.ops.current_stream(self.device)
+        current.wait_event(self.ready)
+        self.ops.record_stream(gpu, current)           # used here, allocated where the fetch ran
         self.pending = max(0, self.pending - 1)
         return gpu
 
@@ -440,36 +557,38 @@ class _Pinned:
     """uint8, pinned, page-aligned, ``size`` bytes."""
     size: int
     registered: bool
-    event: Any = None
-    """The last host->device copy that read it."""
-
-
+    last: Any = None
+    """An event after the last copy (either direction) that used it."""
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class _PinnedPool:
-    """Pinned host buffers (sizes rounded up to whole pages), reused across steps, within a byte budget."""
+    """Pinned host buffers (sizes rounded up to whole pages), reused across steps, within a byte budget.
+    ``give`` runs from a finalizer, possibly on autograd's device thread: a lock orders it with ``take``."""
 
     def __init__(self):
         self.free: dict[int, list[_Pinned]] = {}
         self.held = 0
         self.budget: int | None = None
+        self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> _Pinned | None:
         size = -(-nbytes // PAGE) * PAGE
-        if self.free.get(size):
-            return self.free[size].pop()
-        while self.held + size > (self.budget or 0) and self._evict_one():
-            pass
-        if self.held + size > (self.budget or 0):
-            return None
-        buf = _pin(size)
-        if buf is not None:
-            self.held += size
-        return buf
+        with self._lock:
+            if self.free.get(size):
+                return self.free[size].pop()
+            while self.held + size > (self.budget or 0) and self._evict_one():
+                pass
+            if self.held + size > (self.budget or 0):
+                return None
+            buf = _pin(size)
+            if buf is not None:
+                self.held += size
+            return buf
 
     def give(self, buf: _Pinned) -> None:
-        self.free.setdefault(buf.size, []).append(buf)
+        with self._lock:
+            self.free.setdefault(buf.size, []).append(buf)
 
     def _evict_one(self) -> bool:
         for bufs in self.free.values():
@@ -479,17 +598,18 @@ class _PinnedPool:
         return False
 
     def _release(self, buf: _Pinned) -> None:
-        if buf.event is not None:
-            buf.event.synchronize()
+        if buf.last is not None:
+            buf.last.synchronize()                 # no copy of either direction still uses it
         if buf.registered:
             torch.cuda.cudart().cudaHostUnregister(buf.tensor.data_ptr())
         self.held -= buf.size
 
     def close(self) -> None:
-        for bufs in self.free.values():
-            for buf in bufs:
-                self._release(buf)
-        self.free.clear()
+        with self._lock:
+            for bufs in self.free.values():
+                for buf in bufs:
+                    self._release(buf)
+            self.free.clear()
 
 
 def _pin(size: int) -> _Pinned | None:
