@@ -34,7 +34,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
               cu_seqlens: torch.Tensor | Sequence[int] | None = None, seq_len: int | None = None,
               deterministic: bool = False, grad_dtype: torch.dtype = torch.float32, dropout_p: float = 0.0,
               alibi_slopes: torch.Tensor | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
-              check_ranks: bool | int = True, verify: bool = False, **options: Any) -> torch.Tensor | AttnOutput:
+              check_ranks: bool | int = True, verify: bool = False, graphs: bool | None = None,
+              **options: Any) -> torch.Tensor | AttnOutput:
     """Sequence-parallel softmax attention over the ranks of ``mesh``.
 
     Args:
@@ -78,6 +79,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
         verify: after the call, recompute a sample of heads and rows densely and raise
             ``VerificationError`` if the error exceeds the tolerance (Note [Verify mode] in
             ``seqpar.verification``; a collective; use ``verify=(step % N == 0)`` on every rank).
+        graphs: run the planned call's forward and backward as CUDA graphs (Note [Graphed calls] in
+            ``seqpar.runtime.graphs``): the host cost of a call becomes one replay. None (auto): on CUDA with
+            several ranks, at most ``GRAPH_ROWS`` (8192) local rows and no ``cu_seqlens`` - the short chunks
+            where a call is host-bound; True: always (CUDA only; a capture that fails raises); False: never.
+            Not inside another capture (``torch.compile(mode="reduce-overhead")``): there the call is captured
+            with the caller's graph.
         **options: method-specific options (``seqpar.methods.get(method).options``).
 
     Returns:
@@ -86,16 +93,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
     if torch.compiler.is_compiling():
         return _traced(q, k, v, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size,
                        cu_seqlens, seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, sinks,
-                       check_ranks, verify, options)
+                       check_ranks, verify, options, graphs)
     return _call.attention(q, k, v, mesh=mesh, method=method, layout=layout, causal=causal,
                            softmax_scale=softmax_scale, kernel=kernel, return_lse=return_lse, window_size=window_size,
                            cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
                            dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-                           check_ranks=check_ranks, verify=verify, options=options)
+                           check_ranks=check_ranks, verify=verify, options=options, graphs=graphs)
 
 
 def _traced(q, k, v, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size, cu_seqlens,
-            seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, sinks, check_ranks, verify, options):
+            seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, sinks, check_ranks, verify, options,
+            graphs):
     """``attention`` under ``torch.compile``: one custom op (Note [Tracing seqpar.attention] in runtime.op)."""
     from .runtime.op import attention_op
 
@@ -105,7 +113,8 @@ def _traced(q, k, v, mesh, method, layout, causal, softmax_scale, kernel, return
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int32)
     key = _call.traced_key(mesh, method, layout, causal, softmax_scale, kernel, tuple(window_size), seq_len,
-                           deterministic, grad_dtype, float(softcap), check_ranks, tuple(sorted(options.items())))
+                           deterministic, grad_dtype, float(softcap), check_ranks, tuple(sorted(options.items())),
+                           graphs)
     out, lse, _ = attention_op(q, k, v, sinks, cu_seqlens, key)
     return AttnOutput(out, lse) if return_lse else out
 

@@ -70,7 +70,9 @@ def _fold(do_BSHD: torch.Tensor, out_BSHD: torch.Tensor, dlse_BHS: torch.Tensor)
     B, S, H, Dv = do_BSHD.shape
     k, floor = _FOLD.get(out_BSHD.dtype, (30, 2.0 ** -100))
     rows = (do_BSHD.reshape(-1, Dv), out_BSHD.reshape(-1, Dv), dlse_BHS.transpose(1, 2).reshape(-1, 1))
-    fold = _fused_fold() if do_BSHD.is_cuda else _fold_rows
+    # inside a CUDA graph capture the plain torch form (compiling there is not capturable; Note [Graphed calls])
+    fused = do_BSHD.is_cuda and not torch.cuda.is_current_stream_capturing()
+    fold = _fused_fold() if fused else _fold_rows
     w, o = fold(*rows, 2.0 ** -k, floor)
     return w.view(B, S, H, Dv), o.view(B, S, H, Dv)
 

@@ -1,0 +1,158 @@
+"""A planned call's engine captured as CUDA graphs and replayed: the host cost of a call becomes one launch.
+
+    engine = Graphed(engine)          # same interface: forward(q, k, v), backward(BackwardInputs), saves
+
+Note [Graphed calls]
+    At 2-4K tokens per rank a call's kernels take a few hundred microseconds and the Python that launches them
+    (ring steps, merges, transfers) takes several milliseconds: the GPU idles most of a call (the emulated
+    W = 8 ring at 2K per rank: 89 launches, 4 ms of host time for 0.9 ms of GPU work). A planned call fixes
+    every shape, so its engine's work is the same sequence of launches on every call: it is captured once
+    as a CUDA graph and replayed.
+
+    * Static buffers: the graph reads its inputs from buffers it owns; a call copies ``q, k, v`` (backward:
+      ``dO, O, lse, q, k, v`` and what the engine saved) into them, replays, and returns clones of the graph's
+      outputs, since the next replay (the next layer, which shares the plan) overwrites them. The copies cost
+      a few percent of the call at the sizes where graphs pay; above ``GRAPH_ROWS`` rows per rank a call is
+      not host-bound and runs eagerly.
+    * Capture: the first call of a plan runs eagerly (it builds cuDNN plans, compiles Triton kernels, opens
+      NCCL connections - none of which may happen inside a capture); the second is captured and replayed;
+      later calls replay. Forward and backward are separate graphs sharing one memory pool (they never run
+      concurrently and their outputs are copied out at once). A backward whose optional inputs differ (an
+      lse gradient present or not) gets its own graph.
+    * Transfers: P2P and collectives are captured with the kernels (NCCL supports capture; the fake group of
+      the emulated world does nothing). The agreement round runs before the engine, outside the graph.
+    * Never inside another capture: under ``torch.compile(mode="reduce-overhead")`` or a user's own graph,
+      the call is already being captured, and the engine runs eagerly into that capture.
+    * A capture that fails (an engine that reads a device value on the host, or compiles) raises with
+      ``graphs=True``; under ``graphs=None`` (auto) the plan logs a warning once and runs eagerly from then on.
+      A failed capture can leave CUDA's RNG bookkeeping inconsistent for kernels that draw from it (FA2), so
+      engines must be capturable by construction: ``tests/test_gpu_emulated.py`` captures every method.
+    * One thread per plan: the static buffers are the plan's, so two threads replaying one plan at once would
+      overwrite each other's inputs (calls on distinct signatures are independent).
+
+    Auto (``graphs=None``): CUDA, more than one rank, at most ``GRAPH_ROWS`` local rows, a fixed signature
+    (no ``cu_seqlens``: a packed batch is a new plan per batch, and a capture per batch would cost more than
+    it saves), and not the single-kernel direct path (W = 1 has no steps to save).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..kernels.combine import keep_tables
+from ..methods.base import BackwardInputs
+from ..numerics import GradRows
+
+__all__ = ["GRAPH_ROWS", "Graphed", "wanted"]
+
+log = logging.getLogger("seqpar.runtime")
+
+GRAPH_ROWS = 8192
+"""Auto graphs a call with at most this many local rows (batch x sequence) per rank (Note [Graphed calls])."""
+
+
+def wanted(graphs: bool | None, *, device: torch.device, world: int, rows: int, packed: bool, direct: bool) -> bool:
+    """Whether a planned call runs as graphs: ``graphs=True`` (then CUDA is required), False, or auto."""
+    if graphs is None:
+        return device.type == "cuda" and world > 1 and rows <= GRAPH_ROWS and not packed and not direct
+    return bool(graphs)
+
+
+class _Captured:
+    """One captured function: static inputs (None where absent), flat static outputs, the graph."""
+
+    def __init__(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor | None], pool: Any):
+        self.device = next(x.device for x in inputs if x is not None)
+        self.static = [None if x is None else torch.empty_like(x) for x in inputs]
+        for s, x in zip(self.static, inputs):
+            if s is not None:
+                s.copy_(x)
+        self.graph = torch.cuda.CUDAGraph()
+        self.tables: list[torch.Tensor] = []          # Note [Tables under capture] in seqpar.kernels.combine
+        with torch.cuda.device(self.device), keep_tables(self.tables), \
+                torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
+            res = fn(*self.static)
+        self.flat, self.spec = _flatten(res)
+
+    def __call__(self, inputs: Sequence[torch.Tensor | None]) -> Any:
+        for s, x in zip(self.static, inputs):
+            if s is not None:
+                s.copy_(x)
+        with torch.cuda.device(self.device):
+            self.graph.replay()
+        return _unflatten([t.clone() for t in self.flat], self.spec)
+
+
+def _flatten(res: Any) -> tuple[list[torch.Tensor], list[int]]:
+    """Tensors of an engine's result (a tuple of tensors and tuples/lists of tensors) and its shape."""
+    flat, spec = [], []
+    for x in res:
+        if isinstance(x, torch.Tensor):
+            flat.append(x)
+            spec.append(-1)
+        else:
+            flat.extend(x)
+            spec.append(len(x))
+    return flat, spec
+
+
+def _unflatten(flat: list[torch.Tensor], spec: list[int]) -> tuple:
+    out: list[Any] = []
+    i = 0
+    for n in spec:
+        if n < 0:
+            out.append(flat[i])
+            i += 1
+        else:
+            out.append(tuple(flat[i:i + n]))
+            i += n
+    return tuple(out)
+
+
+class Graphed:
+    """``engine`` run as CUDA graphs (Note [Graphed calls]); ``required``: a failed capture raises."""
+
+    def __init__(self, engine: Any, *, required: bool):
+        self.engine, self.required = engine, required
+        self.saves = engine.saves
+        self.pool = torch.cuda.graph_pool_handle()
+        self.eager = False                     # a capture failed under auto: eager from then on
+        self._seen: set[Any] = set()
+        self._graphs: dict[Any, _Captured] = {}
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        return self._run("fwd", lambda q, k, v: self.engine.forward(q, k, v), [q, k, v])
+
+    def backward(self, b: BackwardInputs):
+        r = b.rows
+        inputs = [r.do, r.out, r.dlse, b.lse, b.q, b.k, b.v, b.sinks, *b.saved]
+        n_saved, lse_grad = len(b.saved), b.lse_grad
+
+        def bwd(do, out, dlse, lse, q, k, v, sinks, *saved):
+            assert len(saved) == n_saved
+            return self.engine.backward(BackwardInputs(GradRows(do, out, dlse), lse, q, k, v, tuple(saved), sinks,
+                                                       lse_grad))
+        return self._run(("bwd", tuple(x is None for x in inputs)), bwd, inputs)
+
+    def _run(self, key: Any, fn: Callable[..., Any], inputs: list[torch.Tensor | None]):
+        if self.eager or torch.cuda.is_current_stream_capturing():
+            return fn(*inputs)
+        g = self._graphs.get(key)
+        if g is None:
+            if key not in self._seen:          # the first call runs eagerly: plans, compiles, connections
+                self._seen.add(key)
+                return fn(*inputs)
+            try:
+                g = self._graphs[key] = _Captured(fn, inputs, self.pool)
+            except Exception as err:
+                if self.required:
+                    raise RuntimeError(f"graphs=True: capturing this call as a CUDA graph failed ({err}); pass "
+                                       f"graphs=False") from err
+                log.warning("seqpar: capturing a call as a CUDA graph failed (%s); it runs eagerly", err)
+                self.eager = True
+                return fn(*inputs)
+        return g(inputs)

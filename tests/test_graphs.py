@@ -1,0 +1,54 @@
+"""Graphed calls (Note [Graphed calls] in ``seqpar.runtime.graphs``) on CPU: when auto graphs a call, and the
+argument's errors. Capture and replay need CUDA: ``tests/test_gpu_runtime.py`` checks values against eager at
+W = 1 and ``tests/test_gpu_emulated.py`` captures every method as rank 0 of 8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.runtime import call as _call
+from seqpar.runtime.graphs import GRAPH_ROWS, wanted
+
+CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
+
+
+@pytest.mark.parametrize("kw,expect", [
+    (dict(device=CUDA, world=8, rows=2048, packed=False, direct=False), True),        # short chunks: graphed
+    (dict(device=CUDA, world=8, rows=GRAPH_ROWS + 1, packed=False, direct=False), False),   # not host-bound
+    (dict(device=CUDA, world=1, rows=2048, packed=False, direct=False), False),       # one rank: one step
+    (dict(device=CUDA, world=8, rows=2048, packed=True, direct=False), False),        # a new plan per batch
+    (dict(device=CUDA, world=8, rows=2048, packed=False, direct=True), False),        # one aten call
+    (dict(device=CPU, world=8, rows=2048, packed=False, direct=False), False),        # no graphs on CPU
+])
+def test_auto_graphs_only_host_bound_fixed_signatures(kw, expect):
+    assert wanted(None, **kw) is expect
+    assert wanted(True, **kw) is True and wanted(False, **kw) is False
+
+
+@pytest.fixture
+def fake2():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    yield
+    dist.destroy_process_group()
+    _call.cache_clear()
+
+
+@pytest.mark.parametrize("graphs,err,match", [
+    (True, ValueError, r"graphs=True needs CUDA tensors .*device cpu \(rank 0 of 2\)"),
+    ("yes", TypeError, r"graphs must be None \(auto\), True or False, got 'yes' \(rank 0 of 2\)"),
+])
+def test_bad_graphs_argument_names_it(fake2, graphs, err, match):
+    q = torch.randn(1, 8, 2, 4)
+    with pytest.raises(err, match=match):
+        seqpar.attention(q, q, q, method="ring", graphs=graphs, check_ranks=False)
+
+
+def test_graphs_false_and_auto_run_on_cpu(fake2):
+    q = torch.randn(1, 8, 2, 4)
+    for graphs in (None, False):
+        assert seqpar.attention(q, q, q, method="ring", graphs=graphs, check_ranks=False).shape == q.shape
