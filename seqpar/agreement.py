@@ -10,10 +10,10 @@ message on every rank, naming the ranks that differ and how::
     ranks disagree on the call: rank 2 has k shape (1, 8, 2, 16) where ranks 0-1, 3 have (1, 8, 4, 16)
 
 Note [Agreement protocol]
-    Every call runs exactly ONE small collective on every rank (the *round*), whatever the local outcome:
-    an all-reduce (MAX) of four int64 ``[h, -h, e, -e]``, where ``h`` is a 62-bit digest of this rank's
-    signature and ``e`` is 1 when this rank rejected the call in local validation. Every rank then holds the
-    same ``max h, min h, max e, min e`` and so takes the same branch - which is what makes it hang-free:
+    A round is ONE small collective that every rank of the group runs, whatever its local outcome: an
+    all-reduce (MAX) of four int64 ``[h, -h, e, -e]``, where ``h`` is a 62-bit digest of this rank's signature
+    and ``e`` is 1 when this rank rejected the call in local validation. Every rank then holds the same
+    ``max h, min h, max e, min e`` and so takes the same branch - which is what makes it hang-free:
 
     * digests equal, nobody rejected: the call proceeds (the common path: one collective, nothing else);
     * everybody rejected: each rank raises its own validation error (no further communication);
@@ -23,26 +23,45 @@ Note [Agreement protocol]
 
     On a 2D mesh the round runs over each mesh axis in turn (MAX over the Ulysses axis, then over the ring
     axis, is the MAX over all of them); the group list depends only on the ``mesh`` argument, so a rank that
-    failed validation joins exactly the collectives the others run.
+    failed validation joins exactly the collectives the others run. ``check`` / ``share_error`` run a round
+    on every call (``linear_attention``, ``verify``); ``seqpar.attention`` runs it on the calls Note [When
+    the round is read] picks.
 
 Note [When the round is read]
-    Skipping the round on a repeated signature is unsafe on its own: the decision is local, so a rank whose
-    inputs changed would run the round while the others skip it, and its all-reduce would pair with their
-    next collective (a hang, or silently mixed data). So the round's collective is POSTED on every call, by
-    every rank of the group - the sequence of collectives stays identical whatever each rank decides - and
-    what is optional is *reading* its result, which is what costs on a GPU (a device synchronisation):
+    Whether a call runs the round must be decided identically on every rank: a rank that runs an extra
+    all-reduce pairs it with the others' next collective (a hang, or silently mixed data). Local facts - a
+    plan-cache miss, a changed input - cannot decide it: they are exactly what differs on the rank that
+    went wrong. So ``seqpar.attention`` decides from a per-group call counter (``Tracker``), which is the same
+    on every rank as long as the ranks make the same calls: the group's calls with ``check_ranks`` not
+    False count (calls recomputed by activation checkpointing do not: they run no round), the first call of
+    the group is call 0, and with ``check_ranks=N`` (``True`` is ``CHECK_EVERY``) a call runs the round when
+    its counter is a multiple of the period ``p``. ``check_ranks`` must then be the same on every rank, as
+    ``False`` always had to be.
 
-    * the result is read at once on a call whose signature is new to this rank's plan cache, on every
-      ``period``-th call of the group, and on every call of a gloo (CPU) group, where reading costs nothing
-      beyond the collective;
-    * otherwise (NCCL, a repeated signature) the round's result is copied to pinned host memory behind the
-      call and checked when it has arrived - at the start of the next call on this group at the latest, so
-      a rank that disagrees makes every rank raise within one call. A fourth pair of values in the round
-      says whether every rank read it at once; only then do the ranks exchange their signatures to name who
-      differs (an object all-gather every rank must join); otherwise each raises without the gather.
+    * Read at once (the host waits for the result before the method's first collective): on the group's
+      first call - which catches most misuse (a wrong shape, layout or option is wrong from the start) -
+      on every call with ``check_ranks=1`` (a check on every call, read at once: the explicit request), and
+      on every round of a group whose backend carries CPU tensors (gloo), where reading costs nothing
+      beyond the collective. Here ``p = N``, and a disagreement or a rejection raises on every rank before
+      any method collective of that call.
+    * Read lazily (a device group, NCCL): the round is posted on the stream, its result copied to pinned
+      host memory behind it and an event recorded; no call waits for it. The next round settles it, on
+      every rank at the same call (``event.query()``; the wait in ``event.synchronize()`` happens only if
+      the device has not yet reached work queued a whole period earlier), and a disagreement then raises
+      the same named error everywhere (every rank is at the same point, so all join the signature
+      exchange). Here ``p = N // 2``, so a disagreement that starts at call k is posted by call k + p - 1
+      and raised by call k + 2p - 1 < k + N.
 
-    Calls recomputed by activation checkpointing (inside the backward pass, the same call on every rank)
-    and calls captured in a CUDA graph (``check_ranks=False`` is then required) run no round.
+    Either way a disagreement present from call k on raises ``RankDisagreementError`` on every rank by call
+    k + N - 1, and in steady state the round adds no per-call collective and no host stall (one 32-byte
+    all-reduce every ``p`` calls). What a sampled check cannot do: a disagreement confined to calls without a
+    round goes unseen, and the calls between a disagreement and its round run the methods on mismatched
+    inputs - a mismatch that changes a method's collectives blocks there, and the process-group timeout
+    bounds it (docs/RELIABILITY.md, section 2). A rank that rejects a call on a round read lazily raises at
+    once while the others post and proceed; it keeps the round's outcome so that, should the group be called
+    again, every rank settles it alike. ``check_ranks=1`` checks every call before any method collective.
+
+    Calls captured in a CUDA graph (``check_ranks=False`` is then required) run no round.
 
 Note [Cost of the round]
     The round is one collective - the floor for any cross-rank check. On a group whose backend carries CPU
@@ -51,12 +70,13 @@ Note [Cost of the round]
     (``benchmarks/bench_agreement.py``: 0.7 ms at W = 2 and 3.4 ms at W = 4 on the 2-core CI VM, where a
     barrier costs 0.3 / 1.5 ms; tens of microseconds on an unloaded multi-core host). The signature and
     its cached digest cost ~40 us of Python. On a NCCL-only group the round is a device all-reduce
-    (~10-20 us on NVLink) whose result the host must read: the read waits for every kernel queued before
-    the call (a device sync per call, which costs the CPU's run-ahead). Measured on 4x H200, a
+    (~10-20 us on NVLink) whose result the host must read: read at once, the read waits for every kernel
+    queued before the call (a device sync, which costs the CPU's run-ahead). Measured on 4x H200, a
     ``"cpu:gloo,cuda:nccl"`` group (the round on gloo) was slower still (+0.6 ms per short call, docs/
-    RELIABILITY.md), so on GPUs keep NCCL and, where calls are only a few ms, check periodically:
-    ``check_ranks=(step % N == 0)`` - a value that must be the same on EVERY rank: a rank that skips the
-    round while the others run it hangs them, which no library can detect.
+    RELIABILITY.md). Hence the schedule of Note [When the round is read]: ``seqpar.attention`` runs the
+    round every ``p`` calls of a group and reads it at once only on the group's first call, with
+    ``check_ranks=1`` and on gloo; on NCCL the other rounds are read lazily, so the steady state has neither
+    a per-call collective nor a host stall.
 
     Scope: the round compares what the ranks pass. A rank that never calls, or passes a different group,
     cannot be detected by it; the process-group timeout bounds those (docs: fault handling).
@@ -166,7 +186,7 @@ class _Payload(NamedTuple):
 
 def _gather(payload: _Payload, groups) -> list[_Payload]:
     """Every rank's payload (the slow path only): one ``all_gather_object`` per mesh axis."""
-    got: list[Any] = [payload]
+    got: list[Any] = [payload._replace(items=_canon(payload.items))]
     for g in groups:
         parts: list[Any] = [None] * dist.get_world_size(g)
         dist.all_gather_object(parts, got, group=g)
@@ -180,21 +200,34 @@ class _Outcome(NamedTuple):
     same: bool          # every digest equal
     anybody: bool       # some rank rejected the call
     everybody: bool     # every rank rejected it
-    all_read: bool      # every rank read the round at once (so all can join the signature exchange)
 
 
-def _round(h: int, rejected: bool, groups, device, read_now: bool = True) -> _Outcome:
-    """One round, read at once: ``[h, -h, e, -e, b, -b]`` MAX-reduced (Note [Agreement protocol])."""
-    e, b = int(rejected), int(read_now)
-    hmax, neg_hmin, emax, neg_emin, _, neg_bmin = _all_reduce_max([h, -h, e, -e, b, -b], torch.int64, groups, device)
-    return _Outcome(hmax == -neg_hmin, emax == 1, -neg_emin == 1, -neg_bmin == 1)
+def _outcome(values: list[int]) -> _Outcome:
+    hmax, neg_hmin, emax, neg_emin = values
+    return _Outcome(hmax == -neg_hmin, emax == 1, -neg_emin == 1)
+
+
+def _round(h: int, rejected: bool, groups, device) -> _Outcome:
+    """One round, read at once: ``[h, -h, e, -e]`` MAX-reduced (Note [Agreement protocol])."""
+    e = int(rejected)
+    return _outcome(_all_reduce_max([h, -h, e, -e], torch.int64, groups, device))
+
+
+def _accepted(items: Items, h: int) -> _Payload:
+    return _Payload(dist.get_rank(), items, None, h)
+
+
+def _rejected(err: BaseException) -> _Payload:
+    text = re.sub(r" \(rank \d+ of \d+\)$", "", str(err))          # the others add their own suffix
+    return _Payload(dist.get_rank(), None, f"{type(err).__name__}: {text}", 0)
 
 
 class _Posted:
-    """One round posted on a device group; its result is read when ready (Note [When the round is read])."""
+    """One round posted on a device group, read lazily (Note [When the round is read]): the reduced values
+    land in pinned host memory behind the round, and an event says when."""
 
-    def __init__(self, values: list[int], groups, device: torch.device, call: int):
-        self.call = call
+    def __init__(self, values: list[int], groups, device: torch.device, call: int, mine: _Payload):
+        self.call, self.mine = call, mine
         t = torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
         for g in groups:
             if dist.get_world_size(g) > 1:
@@ -204,22 +237,22 @@ class _Posted:
         self.event = torch.cuda.Event()
         self.event.record()
 
-    def ready(self) -> bool:
-        return self.event.query()
-
     def values(self) -> list[int]:
-        self.event.synchronize()
+        if not self.event.query():     # posted a whole period ago: waits only for a device that far behind
+            self.event.synchronize()
         return self.host.tolist()
 
 
 class Tracker:
-    """The agreement policy of one mesh argument (Note [When the round is read]): counts calls, posts every
-    round, reads them at once or lazily. One per mesh object; ``seqpar.runtime.call`` keeps them."""
+    """The agreement schedule of one mesh argument (Note [When the round is read]): counts the group's calls,
+    runs the round on the calls whose count is a multiple of the period, reads it at once or settles it at
+    the next round. One per mesh object; ``seqpar.runtime.call`` keeps them."""
 
     def __init__(self, mesh: Any):
         self._mesh = None if mesh is None else weakref.ref(mesh)     # never keeps a group alive
         self.calls = 0
-        self.pending: list[_Posted] = []
+        self.pending: _Posted | None = None
+        self._lazily: bool | None = None        # a device group: rounds read lazily (found on the first call)
 
     def serves(self, mesh: Any) -> bool:
         return (mesh is None and self._mesh is None) or (self._mesh is not None and self._mesh() is mesh)
@@ -232,30 +265,55 @@ class Tracker:
     def groups(self) -> list:
         return reduce_groups(self.mesh)
 
-    def poll(self, block: bool = False) -> None:
-        """Check the lazily read rounds that have arrived (all of them with ``block``)."""
-        while self.pending and (block or self.pending[0].ready()):
-            posted = self.pending.pop(0)
-            hmax, neg_hmin, emax, _, _, _ = posted.values()
-            if hmax != -neg_hmin or emax:
-                self.pending.clear()
-                raise RankDisagreementError(
-                    f"ranks disagree on the call: call {posted.call} on this group differs between ranks (found "
-                    f"after the call; a rank's arguments or inputs differ from another's: run the step with "
-                    f"check_ranks=1 to have the ranks named){rank_suffix()}")
+    def _count(self, every: int, device: torch.device | None) -> tuple[int, bool, bool]:
+        """Count one call: ``(its index, whether it runs the round, whether the round is read at once)``, from
+        facts that are the same on every rank (the counter, ``every``, the group's backend)."""
+        if self._lazily is None:
+            self._lazily = _device(self.groups, device).type != "cpu"
+        call, self.calls = self.calls, self.calls + 1
+        if not self._lazily or every == 1:
+            return call, call % every == 0, True
+        return call, call % max(1, every // 2) == 0, call == 0
 
-    def round(self, items: Items, *, read_now: bool, device: torch.device | None) -> None:
-        """Post this call's round; read it now, or leave it for ``poll``; raise on a disagreement."""
-        self.calls += 1
+    def round(self, items: Items, *, every: int, device: torch.device | None) -> None:
+        """A call that passed local validation, checked every ``every`` calls: count it; if it runs the round,
+        settle the previous one, then run this one; raise ``RankDisagreementError`` on a disagreement."""
+        call, due, at_once = self._count(every, device)
+        if not due:
+            return
         groups = self.groups
         dev = _device(groups, device)
+        self._settle(groups)
         h = digest(items)
-        if dev.type == "cpu" or read_now:
-            self.poll(block=True)
-            _raise_unless_agreed(items, h, _round(h, False, groups, dev), groups, self.calls)
+        if at_once:
+            _raise_unless_agreed(_round(h, False, groups, dev), _accepted(items, h), groups)
+        else:
+            self.pending = _Posted([h, -h, 0, 0], groups, dev, call, _accepted(items, h))
+
+    def share_error(self, err: BaseException, every: int) -> None:
+        """A call that failed local validation: count it and, if it runs the round, join it as a rank that
+        rejected the call (``share_error``); the caller re-raises ``err``."""
+        if not (dist.is_available() and dist.is_initialized()):
             return
-        self.poll()
-        self.pending.append(_Posted([h, -h, 0, 0, 0, 0], groups, dev, self.calls))
+        try:
+            groups = self.groups
+            dev = _device(groups, None)
+            call, due, at_once = self._count(every, None)
+        except Exception:        # the mesh argument is the problem: there is no group to run a round on
+            return
+        if not due:
+            return
+        self._settle(groups)
+        if at_once:
+            _raise_unless_agreed(_round(0, True, groups, dev), _rejected(err), groups)
+        else:                    # the others read it later: keep it, so that every rank settles it alike
+            self.pending = _Posted([0, 0, 1, -1], groups, dev, call, _rejected(err))
+
+    def _settle(self, groups) -> None:
+        """Act on the round read lazily: every rank does so at the same call (the next round)."""
+        posted, self.pending = self.pending, None
+        if posted is not None:
+            _raise_unless_agreed(_outcome(posted.values()), posted.mine, groups, call=posted.call)
 
 
 def check(items: Items, mesh: Any, device: torch.device | None = None) -> None:
@@ -266,24 +324,19 @@ def check(items: Items, mesh: Any, device: torch.device | None = None) -> None:
     """
     groups = reduce_groups(mesh)
     h = digest(items)
-    _raise_unless_agreed(items, h, _round(h, False, groups, _device(groups, device)), groups, None)
+    _raise_unless_agreed(_round(h, False, groups, _device(groups, device)), _accepted(items, h), groups)
 
 
-def _raise_unless_agreed(items: Items, h: int, res: _Outcome, groups, call: int | None) -> None:
-    if res.same and not res.anybody:
+def _raise_unless_agreed(res: _Outcome, mine: _Payload, groups, call: int | None = None) -> None:
+    """Raise what a round says, on every rank alike. ``call``: the group's call a lazily read round belonged
+    to (it is settled at the next round, where a rank that rejected it raises the common error too)."""
+    if (res.same and not res.anybody) or res.everybody:     # everybody rejected: each raised its own error
         return
-    if res.all_read:                   # every rank is here: name who differs
-        payloads = _gather(_Payload(dist.get_rank(), _canon(items), None, h), groups)
-        raise RankDisagreementError(f"ranks disagree on the call: {_describe(payloads)}{rank_suffix()}")
-    raise RankDisagreementError(
-        f"ranks disagree on the call: call {call} on this group differs between ranks (some ranks repeated an "
-        f"earlier call signature; run the step with check_ranks=1 to have the ranks named){rank_suffix()}")
-
-
-def share_error_tracked(err: BaseException, tracker: Tracker) -> None:
-    """``share_error`` for a call of a tracked mesh (counts the call)."""
-    tracker.calls += 1
-    share_error(err, tracker.mesh)
+    payloads = _gather(mine, groups)                         # every rank is here: name who differs
+    if mine.error is not None and call is None:
+        return                                               # the caller re-raises this rank's own error
+    found = "" if call is None else f" (call {call} of this group, found at its next round)"
+    raise RankDisagreementError(f"ranks disagree on the call: {_describe(payloads)}{found}{rank_suffix()}")
 
 
 def share_error(err: BaseException, mesh: Any) -> None:
@@ -299,10 +352,7 @@ def share_error(err: BaseException, mesh: Any) -> None:
         device = _device(groups, None)
     except Exception:        # the mesh argument is the problem: there is no group to run a round on
         return
-    res = _round(0, True, groups, device)
-    if not res.everybody and res.all_read:
-        text = re.sub(r" \(rank \d+ of \d+\)$", "", str(err))          # the others add their own suffix
-        _gather(_Payload(dist.get_rank(), None, f"{type(err).__name__}: {text}", 0), groups)
+    _raise_unless_agreed(_round(0, True, groups, device), _rejected(err), groups)
 
 
 # ------------------------------------------------------------------------------------------------ messages

@@ -2,14 +2,24 @@
 
 Every spec runs on every rank of a pool with a short run timeout: a hang fails the test instead of stalling it.
 The message must be identical on every rank (up to the rank suffix), name the rank that differs and how.
+Attention specs pass ``check_ranks=1`` (a round on every call, read at once: these are disagreements on one
+call); when the round runs otherwise, and what a disagreement then costs, is tested on fresh groups below
+(Note [When the round is read]).
 """
 
 from __future__ import annotations
 
+from typing import Any
+from unittest import mock
+
 import pytest
 import torch
-from _workers_reliability import call_specs, count_collectives, round_cost
+import torch.distributed as dist
+from _workers_reliability import call_specs, round_cost
 from conftest import strip_rank
+
+import seqpar
+from seqpar import agreement
 
 Q, KV = (1, 8, 4, 16), (1, 8, 2, 16)
 OK = {"q": Q, "k": KV, "v": KV}
@@ -17,7 +27,9 @@ RUN_TIMEOUT = 180          # seconds per pool call: generous for a loaded 2-core
 
 
 def _spec(per_rank=None, kwargs=None, shapes=None, kind="attention", **extra):
-    return {"kind": kind, "shapes": shapes or OK, "kwargs": kwargs or {}, "per_rank": per_rank or {}, **extra}
+    every = {"check_ranks": 1} if kind == "attention" else {}
+    return {"kind": kind, "shapes": shapes or OK, "kwargs": {**every, **(kwargs or {})}, "per_rank": per_rank or {},
+            **extra}
 
 
 # (what, spec, words every accepting rank's message must contain)
@@ -144,14 +156,135 @@ def test_linear_attention_disagreement_and_rejection(pools):
                        ["rank 0 has method 'lasp1' where ranks 1-2 have 'lasp2'"])
 
 
-def test_the_agreeing_path_is_one_all_reduce_and_nothing_else(pools):
-    """One small collective per call (never skipped, Note [Why the round is never skipped]); none when disabled."""
-    on = pools(2).run(count_collectives, _spec(shapes={"q": (1, 4, 2, 8), "k": (1, 4, 2, 8), "v": (1, 4, 2, 8)}), 3,
-                      timeout=RUN_TIMEOUT)
-    off = pools(2).run(count_collectives, _spec(shapes={"q": (1, 4, 2, 8), "k": (1, 4, 2, 8), "v": (1, 4, 2, 8)},
-                                                kwargs={"check_ranks": False}), 3, timeout=RUN_TIMEOUT)
-    assert on == [{"all_reduce": 3, "all_gather_object": 0}] * 2, on
-    assert off == [{"all_reduce": 0, "all_gather_object": 0}] * 2, off
+# --- when the round runs (Note [When the round is read]): fresh groups, so every count starts at call 0 -------
+
+TINY = (1, 4, 2, 8)
+
+
+def _fresh() -> Any:
+    return dist.new_group(list(range(dist.get_world_size())))
+
+
+def _attend(group, i: int, check_ranks: Any, scale: float | None = None) -> None:
+    g = torch.Generator().manual_seed(i)
+    q, k, v = (torch.randn(*TINY, generator=g) for _ in range(3))
+    seqpar.attention(q, k, v, mesh=group, check_ranks=check_ranks, softmax_scale=scale)
+
+
+def count_rounds(check_ranks: Any, calls: int) -> list[int]:
+    """The agreeing path on a fresh group: the calls at which an all-reduce (a round) ran."""
+    group, at, real, i = _fresh(), [], dist.all_reduce, 0
+
+    def counted(*a, **kw):
+        at.append(i)
+        return real(*a, **kw)
+
+    with mock.patch.object(dist, "all_reduce", counted):
+        for i in range(calls):
+            _attend(group, i, check_ranks)
+    return at
+
+
+class _HostPosted(agreement._Posted):
+    """The lazily read round of a device group, on gloo: the same schedule and settling, the result on the host."""
+
+    def __init__(self, values, groups, device, call, mine):
+        self.call, self.mine = call, mine
+        self.result = agreement._all_reduce_max(values, torch.int64, groups, torch.device("cpu"))
+
+    def values(self) -> list[int]:
+        return self.result
+
+
+def _lazily(fn, *args):
+    """``fn(*args)`` with every group taken for a device group (rounds read lazily, as on NCCL) whose collectives
+    still run on gloo."""
+    real = agreement._all_reduce_max
+
+    def on_host(values, dtype, groups, device):
+        return real(values, dtype, groups, torch.device("cpu"))
+
+    with mock.patch.object(agreement, "_device", lambda groups, hint: torch.device("cuda", 0)), \
+            mock.patch.object(agreement, "_all_reduce_max", on_host), \
+            mock.patch.object(agreement, "_Posted", _HostPosted):
+        return fn(*args)
+
+
+def drift(every: int, k: int, calls: int, lazily: bool) -> tuple[int, str, str] | None:
+    """A fresh group, ``check_ranks=every``; from call ``k`` on rank 1 passes another softmax scale (a
+    disagreement the methods run through: no collective changes). ``(call, type, message)`` of what this rank
+    raised first, or None."""
+    def run():
+        group = _fresh()
+        for i in range(calls):
+            try:
+                _attend(group, i, every, 0.5 if i >= k and dist.get_rank() == 1 else None)
+            except Exception as e:   # the test inspects which call raised what
+                return i, type(e).__name__, str(e)
+        return None
+    return _lazily(run) if lazily else run()
+
+
+def reject_lazily(every: int, at: int, calls: int) -> list[tuple[int, str, str]]:
+    """The tracker alone (no method runs), rounds read lazily: rank 2 rejects call ``at``; what each call raised."""
+    def run():
+        tracker = agreement.Tracker(_fresh())
+        items = (("q shape", TINY),)
+        raised = []
+        for i in range(calls):
+            try:
+                if i == at and dist.get_rank() == 2:
+                    tracker.share_error(ValueError("q must be 4D (rank 2 of 3)"), every)
+                    raise ValueError("q must be 4D (rank 2 of 3)")
+                tracker.round(items, every=every, device=None)
+            except Exception as e:   # the test inspects which call raised what
+                raised.append((i, type(e).__name__, str(e)))
+        return raised
+    return _lazily(run)
+
+
+def test_the_round_runs_on_the_first_call_and_every_n_calls(pools):
+    """No per-call collective in steady state: check_ranks=True is a round every CHECK_EVERY calls, N every N,
+    1 every call, False never; the group's first call always has one."""
+    from seqpar.runtime.call import CHECK_EVERY
+
+    pool = pools(2)
+    assert pool.run(count_rounds, True, CHECK_EVERY + 2, timeout=RUN_TIMEOUT) == [[0, CHECK_EVERY]] * 2
+    assert pool.run(count_rounds, 4, 10, timeout=RUN_TIMEOUT) == [[0, 4, 8]] * 2
+    assert pool.run(count_rounds, 1, 3, timeout=RUN_TIMEOUT) == [[0, 1, 2]] * 2
+    assert pool.run(count_rounds, False, 3, timeout=RUN_TIMEOUT) == [[]] * 2
+    # read lazily (a device group): every N // 2 calls, so that a round is settled within N calls
+    assert pool.run(_lazily, count_rounds, 4, 10, timeout=RUN_TIMEOUT) == [[0, 2, 4, 6, 8]] * 2
+
+
+@pytest.mark.parametrize("lazily", [False, True], ids=["read-at-once", "read-lazily"])
+def test_a_disagreement_from_call_k_raises_on_every_rank_by_call_k_plus_n(pools, lazily):
+    """Every rank raises the same named error at the same call, no later than k + N - 1: from a round read at
+    once (gloo), or settled at the next round (NCCL), whichever call k falls on."""
+    N, pool = 4, pools(3)
+    for k in (1, 4, 5, 7):
+        results = pool.run(drift, N, k, k + 2 * N, lazily, timeout=RUN_TIMEOUT)
+        calls = {r[0] for r in results if r is not None}
+        assert len(calls) == 1 and None not in results, f"k={k}: ranks raised at different calls: {results}"
+        call = calls.pop()
+        assert k <= call <= k + N - 1, f"k={k}: raised at call {call}"
+        _assert_same_error(f"k={k}", [r[1:] for r in results], 3,
+                           ["rank 1 has softmax_scale 0.5 where ranks 0, 2 have None"])
+        if lazily:
+            assert all("found at its next round" in r[2] for r in results), results
+
+
+def test_a_rank_that_rejects_a_lazily_read_round_is_named_at_the_next_round(pools):
+    """Rank 2 rejects call 2 (a round read lazily): it raises its own error there; at the next round (call 4)
+    every rank raises the same error naming it, and the group goes on."""
+    results = pools(3).run(reject_lazily, 4, 2, 6, timeout=RUN_TIMEOUT)
+    for rank, raised in enumerate(results):
+        mine = [(i, name) for i, name, _ in raised]
+        want = [(4, "RankDisagreementError")] if rank != 2 else [(2, "ValueError"), (4, "RankDisagreementError")]
+        assert mine == want, f"rank {rank}: {raised}"
+    msgs = [strip_rank(raised[-1][2]) for raised in results]
+    assert len(set(msgs)) == 1 and "rank 2 rejected it with ValueError: q must be 4D" in msgs[0], msgs
+    assert "call 2 of this group" in msgs[0], msgs
 
 
 @pytest.mark.parametrize("world", [2])

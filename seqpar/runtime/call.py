@@ -8,14 +8,13 @@ Note [Planned calls]
     whether a backward follows, the mesh, the method and its options, the layout, the mask (causal, window,
     documents, valid length), the scale, the kernel, sinks and softcap, the wire dtype, the flags. On a miss
     the call is validated (every rule that needs only local facts, with errors naming the argument, the value
-    and the rank), ``method="auto"`` is resolved, the placement and the engine are built (block schedule,
-    kernel per kind of block, the communication plan) and the agreement round is read at once. A hit goes
-    straight to the engine. Planning is linear in the documents (``seqpar.layouts.blocks``), since packed
-    batches make a new signature per batch.
+    and the rank), ``method="auto"`` is resolved, and the placement and the engine are built (block schedule,
+    kernel per kind of block, the communication plan). A hit goes straight to the engine. Planning is linear
+    in the documents (``seqpar.layouts.blocks``), since packed batches make a new signature per batch.
 
-    The agreement round (``seqpar.agreement``, Note [When the round is read]) runs on every call of a group
-    with more than one rank; it is read at once on a miss and every ``check_ranks`` calls (an int), otherwise
-    when it has arrived.
+    The agreement round (``seqpar.agreement``, Note [When the round is read]) runs on the calls of a group with
+    more than one rank whose per-group count is a multiple of the period ``check_ranks`` sets - hit or miss
+    alike, since a miss is a local fact - and on the group's first call.
 
 Note [Bounded plan cache]
     Plans are kept in two least-recently-used tiers under one byte budget. A signature with per-batch facts
@@ -59,7 +58,6 @@ from ..kernels import Kernel, available_kernels
 from ..layouts import LAYOUTS
 from ..methods.base import Call, Engine, Method
 from ..types import AttnOutput
-from . import graphs as _graphs
 from . import op as _op
 
 __all__ = [
@@ -87,7 +85,7 @@ CACHE_SIZE = 256
 BATCH_CACHE_SIZE = 8
 #: the estimated bytes all cached plans may hold together
 CACHE_BYTES = 1 << 30
-#: ``check_ranks=True``: the round is read at once every this many calls of a group (and on every new signature)
+#: ``check_ranks=True``: the round's period in calls of a group (Note [When the round is read])
 CHECK_EVERY = 64
 
 
@@ -281,14 +279,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any, m
               causal: bool, softmax_scale: float | None, kernel: str, return_lse: bool,
               window_size: Any, cu_seqlens: Any, seq_len: int | None, deterministic: bool,
               grad_dtype: torch.dtype, dropout_p: float, alibi_slopes: Any, softcap: float,
-              sinks: torch.Tensor | None, check_ranks: Any, verify: bool, options: dict[str, Any],
-              graphs: bool | None = None):
+              sinks: torch.Tensor | None, check_ranks: Any, verify: bool, options: dict[str, Any]):
     """``seqpar.attention`` (documented there): the cache lookup, then the planned call."""
     plan = planned(q, k, v, sinks, mesh=mesh, method=method, layout=layout, causal=causal,
                    softmax_scale=softmax_scale, kernel=kernel, return_lse=return_lse, window_size=window_size,
                    cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
                    dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, check_ranks=check_ranks,
-                   verify=verify, options=options, graphs=graphs)
+                   verify=verify, options=options)
     if plan.direct is not None:
         return plan.direct(q, k, v)
     if plan.call.grad:
@@ -305,7 +302,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any, m
 
 def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size,
             cu_seqlens, seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, check_ranks, verify,
-            options, graphs: bool | None = None) -> Plan:
+            options) -> Plan:
     """The planned call for these arguments: cached, or built (Note [Planned calls]); runs the round."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (sinks is not None and sinks.requires_grad))
@@ -315,7 +312,7 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
                None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), _Same(mesh), method, layout,
                causal, softmax_scale, kernel, return_lse, window, host_cu_seqlens(cu_seqlens), seq_len,
                deterministic, grad_dtype, dropout_p, alibi_slopes is None, softcap, verify,
-               tuple(options.items()) if options else (), graphs)
+               tuple(options.items()) if options else ())
         hash(key)
     except TypeError:
         key = None                     # an unhashable argument: plan without caching (validation explains it)
@@ -325,57 +322,52 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
     if plan is not None:
         _check_ranks_arg(check_ranks)
         if rounds and plan.groups.world > 1:
-            _round(plan.items, mesh, check_ranks, q.device, fresh=False)
+            _round(plan.items, mesh, check_ranks, q.device)
         return plan
     m, cfg, groups, lay, index = validated(
         q, k, v, sinks, mesh=mesh, method=method, layout=layout, causal=causal, softmax_scale=softmax_scale,
         kernel=kernel, window_size=window, cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic,
         grad_dtype=grad_dtype, dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, options=options,
-        grad=grad, check_ranks=check_ranks, round_now=False,
-        extra=lambda: (_flag_args(check_ranks, verify, return_lse), _graphs_arg(graphs, q.device)))
+        grad=grad, check_ranks=check_ranks, round_now=False, extra=lambda: _flag_args(check_ranks, verify, return_lse))
     items = agreement.attention_signature(q, k, v, cfg, groups, return_lse=return_lse, verify=verify,
                                           sinks=None if sinks is None else tuple(sinks.shape))
     if rounds and groups.world > 1:     # before the method's own rules: a disagreement names what differs
-        _round(items, mesh, check_ranks, q.device, fresh=True)
+        _round(items, mesh, check_ranks, q.device)
     call = Call(tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, q.device, cfg, groups, lay, index, grad,
                 return_lse)
     m.check(call)                       # the same on every rank now that the signatures agree
     engine = m.engine(call)
     direct = getattr(engine, "direct", None)
-    direct = direct(call) if direct is not None and not (return_lse or verify or sinks is not None) else None
-    if _graphs.wanted(graphs, device=q.device, world=groups.world, rows=q.shape[0] * q.shape[1],
-                      packed=cfg.cu_seqlens is not None, direct=direct is not None):
-        engine, direct = _graphs.Graphed(engine, required=graphs is True), None
-    plan = Plan(m, cfg, groups, call, engine, items, return_lse, verify, direct)
+    plan = Plan(m, cfg, groups, call, engine, items, return_lse, verify,
+                direct(call) if direct is not None and not (return_lse or verify or sinks is not None) else None)
     if key is not None:
         _tracker(mesh)                  # registers the mesh's finalizer (drops these plans with it)
         _insert(key, batch, plan)
     return plan
 
 
-def _round(items: agreement.Items, mesh: Any, check_ranks: Any, device: torch.device, fresh: bool) -> None:
+def _every(check_ranks: Any) -> int:
+    """The round's period asked for by ``check_ranks`` (True: ``CHECK_EVERY``; an invalid value: every call,
+    so that a rank rejecting it still joins a round)."""
+    if check_ranks is True:
+        return CHECK_EVERY
+    return check_ranks if isinstance(check_ranks, int) and check_ranks >= 1 else 1
+
+
+def _round(items: agreement.Items, mesh: Any, check_ranks: Any, device: torch.device) -> None:
+    """Count the call on its group; run the round when it is due (Note [When the round is read])."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise ValueError(f"check_ranks must be False for a call captured in a CUDA graph (the agreement round "
                          f"reads its result on the host), got {check_ranks!r}{rank_suffix()}")
-    tracker = _tracker(mesh)
-    every = CHECK_EVERY if check_ranks is True else int(check_ranks)
-    tracker.round(items, read_now=fresh or (tracker.calls + 1) % every == 0, device=device)
+    _tracker(mesh).round(items, every=_every(check_ranks), device=device)
 
 
 def _check_ranks_arg(check_ranks: Any) -> None:
     if check_ranks is True or check_ranks is False:
         return
     if not isinstance(check_ranks, int) or check_ranks < 1:
-        raise TypeError(f"check_ranks must be True, False or a positive int (read the round every N calls), got "
+        raise TypeError(f"check_ranks must be True, False or a positive int (check every N calls), got "
                         f"{check_ranks!r}{rank_suffix()}")
-
-
-def _graphs_arg(graphs: Any, device: torch.device) -> None:
-    if graphs is not None and not isinstance(graphs, bool):
-        raise TypeError(f"graphs must be None (auto), True or False, got {graphs!r}{rank_suffix()}")
-    if graphs and device.type != "cuda":
-        raise ValueError(f"graphs=True needs CUDA tensors (a call captured as a CUDA graph), got device {device}"
-                         f"{rank_suffix()}")
 
 
 def _flag_args(check_ranks: Any, verify: Any, return_lse: Any) -> None:
@@ -388,11 +380,12 @@ def _flag_args(check_ranks: Any, verify: Any, return_lse: Any) -> None:
 def validated(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kernel, window_size, cu_seqlens,
               seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, options, grad,
               check_ranks: Any = True, round_now: bool = True, extra=None, flags: dict | None = None):
-    """Every local check of a call, then (``round_now``) the agreement round read at once:
+    """Every local check of a call, then (``round_now``) an agreement round read at once:
     ``(method, cfg, groups, layout, index)``, or the same error on every rank.
 
     A rank whose validation fails still joins the round (``share_error``) so the others raise too, naming it,
-    instead of waiting in the method's first collective.
+    instead of waiting in the method's first collective: with ``round_now`` always, else (``planned``) when
+    the call's round is due (Note [When the round is read]).
     """
     try:
         if extra is not None:
@@ -413,11 +406,13 @@ def validated(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, ke
         validate_inputs(q, k, v, sinks, cfg, groups, m, lay)
     except Exception as err:    # every rank must hear of it; re-raised unchanged below
         if check_ranks is not False and not _in_recompute():
-            agreement.share_error_tracked(err, _tracker(mesh))
+            if round_now:
+                agreement.share_error(err, mesh)
+            else:
+                _tracker(mesh).share_error(err, _every(check_ranks))
         raise
     if round_now:
-        items = agreement.attention_signature(q, k, v, cfg, groups, **(flags or {}))
-        _tracker(mesh).round(items, read_now=True, device=q.device)
+        agreement.check(agreement.attention_signature(q, k, v, cfg, groups, **(flags or {})), mesh, q.device)
     return m, cfg, groups, lay, index
 
 
@@ -593,14 +588,13 @@ def _tagged_mesh(tag: str) -> Any:
 
 
 _TRACED_ARGS = ("method", "layout", "causal", "softmax_scale", "kernel", "window_size", "seq_len", "deterministic",
-                "grad_dtype", "softcap", "check_ranks", "options", "graphs")
+                "grad_dtype", "softcap", "check_ranks", "options")
 
 
 @torch.compiler.assume_constant_result
 def traced_key(mesh: Any, method: str, layout: str | None, causal: bool, softmax_scale: float | None, kernel: str,
                window_size: tuple[int, int], seq_len: int | None, deterministic: bool, grad_dtype: torch.dtype,
-               softcap: float, check_ranks: Any, options: tuple[tuple[str, Any], ...], graphs: bool | None = None
-               ) -> str:
+               softcap: float, check_ranks: Any, options: tuple[tuple[str, Any], ...]) -> str:
     """Intern the non-tensor arguments of a traced call as a string key (Note [Tracing seqpar.attention]).
 
     The key spells the arguments out and is read back by ``traced_plan``, so the same key means the same call
@@ -610,7 +604,7 @@ def traced_key(mesh: Any, method: str, layout: str | None, causal: bool, softmax
     """
     args = dict(method=method, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
                 window_size=tuple(window_size), seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
-                softcap=softcap, check_ranks=check_ranks, options=dict(options), graphs=graphs)
+                softcap=softcap, check_ranks=check_ranks, options=dict(options))
     key = ";".join(f"{k}={v!r}" for k, v in args.items()) + f";mesh={_mesh_tag(mesh)}"
     try:
         back = _traced_args(key)
@@ -641,8 +635,7 @@ def traced_plan(key: str, q, k, v, sinks, cu_seqlens) -> Plan:
                    causal=a["causal"], softmax_scale=a["softmax_scale"], kernel=a["kernel"], return_lse=True,
                    window_size=a["window_size"], cu_seqlens=cu_seqlens, seq_len=a["seq_len"],
                    deterministic=a["deterministic"], grad_dtype=a["grad_dtype"], dropout_p=0.0, alibi_slopes=None,
-                   softcap=a["softcap"], check_ranks=a["check_ranks"], verify=False, options=a["options"],
-                   graphs=a["graphs"])
+                   softcap=a["softcap"], check_ranks=a["check_ranks"], verify=False, options=a["options"])
 
 
 def traced_saved_meta(key: str, q, k, v) -> list[tuple[tuple[Any, ...], torch.dtype]]:
