@@ -58,6 +58,7 @@ from ..kernels import Kernel, available_kernels
 from ..layouts import LAYOUTS
 from ..methods.base import Call, Engine, Method
 from ..types import AttnOutput
+from . import graphs as _graphs
 from . import op as _op
 
 __all__ = [
@@ -279,13 +280,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any, m
               causal: bool, softmax_scale: float | None, kernel: str, return_lse: bool,
               window_size: Any, cu_seqlens: Any, seq_len: int | None, deterministic: bool,
               grad_dtype: torch.dtype, dropout_p: float, alibi_slopes: Any, softcap: float,
-              sinks: torch.Tensor | None, check_ranks: Any, verify: bool, options: dict[str, Any]):
+              sinks: torch.Tensor | None, check_ranks: Any, verify: bool, options: dict[str, Any],
+              graphs: bool | None = None):
     """``seqpar.attention`` (documented there): the cache lookup, then the planned call."""
     plan = planned(q, k, v, sinks, mesh=mesh, method=method, layout=layout, causal=causal,
                    softmax_scale=softmax_scale, kernel=kernel, return_lse=return_lse, window_size=window_size,
                    cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
                    dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, check_ranks=check_ranks,
-                   verify=verify, options=options)
+                   verify=verify, options=options, graphs=graphs)
     if plan.direct is not None:
         return plan.direct(q, k, v)
     if plan.call.grad:
@@ -302,7 +304,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any, m
 
 def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size,
             cu_seqlens, seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, check_ranks, verify,
-            options) -> Plan:
+            options, graphs: bool | None = None) -> Plan:
     """The planned call for these arguments: cached, or built (Note [Planned calls]); runs the round."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (sinks is not None and sinks.requires_grad))
@@ -312,7 +314,7 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
                None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), _Same(mesh), method, layout,
                causal, softmax_scale, kernel, return_lse, window, host_cu_seqlens(cu_seqlens), seq_len,
                deterministic, grad_dtype, dropout_p, alibi_slopes is None, softcap, verify,
-               tuple(options.items()) if options else ())
+               tuple(options.items()) if options else (), graphs)
         hash(key)
     except TypeError:
         key = None                     # an unhashable argument: plan without caching (validation explains it)
@@ -328,7 +330,8 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
         q, k, v, sinks, mesh=mesh, method=method, layout=layout, causal=causal, softmax_scale=softmax_scale,
         kernel=kernel, window_size=window, cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic,
         grad_dtype=grad_dtype, dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, options=options,
-        grad=grad, check_ranks=check_ranks, round_now=False, extra=lambda: _flag_args(check_ranks, verify, return_lse))
+        grad=grad, check_ranks=check_ranks, round_now=False,
+        extra=lambda: (_flag_args(check_ranks, verify, return_lse), _graphs_arg(graphs, q.device)))
     items = agreement.attention_signature(q, k, v, cfg, groups, return_lse=return_lse, verify=verify,
                                           sinks=None if sinks is None else tuple(sinks.shape))
     if rounds and groups.world > 1:     # before the method's own rules: a disagreement names what differs
@@ -338,8 +341,11 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
     m.check(call)                       # the same on every rank now that the signatures agree
     engine = m.engine(call)
     direct = getattr(engine, "direct", None)
-    plan = Plan(m, cfg, groups, call, engine, items, return_lse, verify,
-                direct(call) if direct is not None and not (return_lse or verify or sinks is not None) else None)
+    direct = direct(call) if direct is not None and not (return_lse or verify or sinks is not None) else None
+    if _graphs.wanted(graphs, device=q.device, world=groups.world, rows=q.shape[0] * q.shape[1],
+                      packed=cfg.cu_seqlens is not None, direct=direct is not None):
+        engine, direct = _graphs.Graphed(engine, required=graphs is True), None
+    plan = Plan(m, cfg, groups, call, engine, items, return_lse, verify, direct)
     if key is not None:
         _tracker(mesh)                  # registers the mesh's finalizer (drops these plans with it)
         _insert(key, batch, plan)
@@ -368,6 +374,14 @@ def _check_ranks_arg(check_ranks: Any) -> None:
     if not isinstance(check_ranks, int) or check_ranks < 1:
         raise TypeError(f"check_ranks must be True, False or a positive int (check every N calls), got "
                         f"{check_ranks!r}{rank_suffix()}")
+
+
+def _graphs_arg(graphs: Any, device: torch.device) -> None:
+    if graphs is not None and not isinstance(graphs, bool):
+        raise TypeError(f"graphs must be None (auto), True or False, got {graphs!r}{rank_suffix()}")
+    if graphs and device.type != "cuda":
+        raise ValueError(f"graphs=True needs CUDA tensors (a call captured as a CUDA graph), got device {device}"
+                         f"{rank_suffix()}")
 
 
 def _flag_args(check_ranks: Any, verify: Any, return_lse: Any) -> None:
@@ -588,13 +602,14 @@ def _tagged_mesh(tag: str) -> Any:
 
 
 _TRACED_ARGS = ("method", "layout", "causal", "softmax_scale", "kernel", "window_size", "seq_len", "deterministic",
-                "grad_dtype", "softcap", "check_ranks", "options")
+                "grad_dtype", "softcap", "check_ranks", "options", "graphs")
 
 
 @torch.compiler.assume_constant_result
 def traced_key(mesh: Any, method: str, layout: str | None, causal: bool, softmax_scale: float | None, kernel: str,
                window_size: tuple[int, int], seq_len: int | None, deterministic: bool, grad_dtype: torch.dtype,
-               softcap: float, check_ranks: Any, options: tuple[tuple[str, Any], ...]) -> str:
+               softcap: float, check_ranks: Any, options: tuple[tuple[str, Any], ...], graphs: bool | None = None
+               ) -> str:
     """Intern the non-tensor arguments of a traced call as a string key (Note [Tracing seqpar.attention]).
 
     The key spells the arguments out and is read back by ``traced_plan``, so the same key means the same call
@@ -604,7 +619,7 @@ def traced_key(mesh: Any, method: str, layout: str | None, causal: bool, softmax
     """
     args = dict(method=method, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
                 window_size=tuple(window_size), seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
-                softcap=softcap, check_ranks=check_ranks, options=dict(options))
+                softcap=softcap, check_ranks=check_ranks, options=dict(options), graphs=graphs)
     key = ";".join(f"{k}={v!r}" for k, v in args.items()) + f";mesh={_mesh_tag(mesh)}"
     try:
         back = _traced_args(key)
@@ -635,7 +650,8 @@ def traced_plan(key: str, q, k, v, sinks, cu_seqlens) -> Plan:
                    causal=a["causal"], softmax_scale=a["softmax_scale"], kernel=a["kernel"], return_lse=True,
                    window_size=a["window_size"], cu_seqlens=cu_seqlens, seq_len=a["seq_len"],
                    deterministic=a["deterministic"], grad_dtype=a["grad_dtype"], dropout_p=0.0, alibi_slopes=None,
-                   softcap=a["softcap"], check_ranks=a["check_ranks"], verify=False, options=a["options"])
+                   softcap=a["softcap"], check_ranks=a["check_ranks"], verify=False, options=a["options"],
+                   graphs=a["graphs"])
 
 
 def traced_saved_meta(key: str, q, k, v) -> list[tuple[tuple[Any, ...], torch.dtype]]:
