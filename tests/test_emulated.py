@@ -122,3 +122,17 @@ def test_bench_emulated_world_smoke(tmp_path):
         assert r["emulated_world"] == 4 and r["tokens_per_rank"] == 128 and r["backend"] == "fake"
     ranks = {r["method"]: r["emulated_rank"] for r in ours}
     assert ranks == {"ring/contiguous": 3, "ulysses": 0}      # the busiest rank of a causal contiguous ring
+
+
+def test_bench_emulated_packed_smoke(tmp_path):
+    """The packed suite emulated (CPU, 1/64 sizes): the single-GPU varlen limit is this process's own (a fake
+    group broadcasts nothing), records carry packed, row and the busiest rank."""
+    cmd = [sys.executable, "-m", "seqpar.bench", "--emulate-world", "4", "--preset", "packed", "--small", "--device",
+           "cpu", "--methods", "ring/balanced", "--modes", "fwd", "--warmup", "0", "--iters", "1", "--out",
+           str(tmp_path)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-2000:]
+    recs = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
+    rows = [r for r in recs if r.get("method") == "ring/balanced"]
+    assert len(rows) == 4 and all(r["packed"] and r["row"].startswith("packed-") and r["emulated_world"] == 4
+                                  and r["compute_efficiency"] > 0 for r in rows), rows

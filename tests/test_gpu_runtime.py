@@ -165,8 +165,9 @@ def test_compile_fullgraph_on_gpu():
 def test_graphed_calls_equal_eager(method, options):
     """graphs=True (Note [Graphed calls]): the first call eager, the second captured, later ones replayed - each
     with new inputs copied into the graph's buffers - give the eager call's out, lse and gradients bitwise
-    (deterministic kernels: FA2's and cuDNN's default backward sum dQ in a run-dependent order), with and
-    without a gradient through lse."""
+    (deterministic kernels: FA2's and cuDNN's default backward sum dQ in a run-dependent order). With a
+    gradient through lse the captured call folds it with the plain torch form of the fold (the compiled one
+    cannot run inside a capture), which rounds differently: dQ within one bf16 ulp (measured 4.9e-4)."""
     kw = dict(method=method, return_lse=True, deterministic=True, **options)
     for step in range(4):
         torch.manual_seed(step)
@@ -181,7 +182,11 @@ def test_graphed_calls_equal_eager(method, options):
                                         (do, dlse) if dlse is not None else (do,))
             res.append((out, lse, *grads))
         for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *res):
-            assert torch.equal(a, b), (method, step, name, float((a.float() - b.float()).abs().max()))
+            err = float((a.float() - b.float()).abs().max())
+            if dlse is None or name in ("out", "lse"):
+                assert torch.equal(a, b), (method, step, name, err)
+            else:
+                assert err <= 2 ** -8 * float(b.float().abs().max()), (method, step, name, err)
 
 
 def test_reduce_overhead_compile_equals_eager():
