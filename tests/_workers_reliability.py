@@ -325,11 +325,14 @@ def run_cases_list(cases: list[Case], lossy_merge: bool = False) -> list[dict[st
         return [run_case(c) for c in cases]
     from seqpar.kernels import merge
 
-    real = merge.merge_
+    real, real_init = merge.merge_, merge.Accumulator.__init__
 
     def lossy(acc_out, acc_lse, out, lse):
         real(acc_out, acc_lse, out, lse)
         acc_out.copy_(acc_out.to(torch.bfloat16))
 
-    with mock.patch.object(merge, "merge_", lossy):
+    def step_by_step(self, *args, defer=False, **kwargs):     # the merge after every block, as the peers do
+        real_init(self, *args, defer=False, **kwargs)
+
+    with mock.patch.object(merge, "merge_", lossy), mock.patch.object(merge.Accumulator, "__init__", step_by_step):
         return [run_case(c) for c in cases]

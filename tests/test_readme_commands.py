@@ -32,6 +32,9 @@ SKIP = {
 REDUCED = {
     "python -m seqpar demo": ("python -m seqpar demo --world 2 --seq-len 128",
                               "every method vs the oracle on 2 processes and 128 tokens: seconds, not a minute"),
+    "python -m seqpar.bench --emulate-world W": (
+        "python -m seqpar.bench --emulate-world 4 --preset tiny-causal --device cpu --methods ulysses --warmup 0 "
+        "--iters 1", "rank r of 4 emulated on CPU at the smoke preset: the GPU run takes minutes"),
 }
 #: commands shown as a name whose real run needs inputs and minutes: their ``--help`` must work
 HELP_ONLY = {

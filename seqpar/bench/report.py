@@ -16,8 +16,10 @@ __all__ = ["best_rows", "console_table", "emulated_table", "load", "plot", "read
 
 
 def load(paths: Iterable[str | Path]) -> list[dict]:
+    """The records of JSON-lines files; a directory stands for every ``*.jsonl`` in it."""
     rows = []
-    for p in paths:
+    files = [f for p in paths for f in (sorted(Path(p).glob("*.jsonl")) if Path(p).is_dir() else [Path(p)])]
+    for p in files:
         for line in Path(p).read_text().splitlines():
             if line.strip():
                 rows.append(json.loads(line))
