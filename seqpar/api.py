@@ -70,12 +70,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
         sinks: ``(H,)`` attention-sink logits (gpt-oss): one learned logit per query head joining every row's
             softmax denominator once (Note [Attention sinks] in ``seqpar.numerics``); differentiable. Its
             gradient is this rank's share: reduce it over the sequence-parallel group like any parameter's.
-        check_ranks: the agreement round (Note [When the round is read] in ``seqpar.agreement``): on every call
-            of a group with several ranks, a tiny collective makes ranks that make different calls raise the
-            same clear error instead of hanging. ``True`` reads it at once on every new call signature and
-            every 64 calls (otherwise when it has arrived, at the next call at the latest); an int N reads it
-            every N calls (1: every call); ``False`` skips it - only on EVERY rank at once (required inside a
-            CUDA graph capture).
+        check_ranks: the agreement round (Note [When the round is read] in ``seqpar.agreement``): a tiny
+            collective that makes ranks making different calls raise the same clear error instead of hanging.
+            It runs on a group's first call and then by a per-group call counter (the same on every rank):
+            ``True`` every 64 calls, an int N every N calls (``1``: every call, read before any method
+            collective); on NCCL it is read lazily, so a disagreement raises on every rank within N calls and
+            steady state adds no host stall. ``False`` skips it - only on EVERY rank at once (required inside a
+            CUDA graph capture). The value must be the same on every rank.
         verify: after the call, recompute a sample of heads and rows densely and raise
             ``VerificationError`` if the error exceeds the tolerance (Note [Verify mode] in
             ``seqpar.verification``; a collective; use ``verify=(step % N == 0)`` on every rank).
