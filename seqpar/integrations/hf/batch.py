@@ -1,5 +1,5 @@
-"""``shard_batch``: this rank's share of a global causal-LM batch (tokens, global positions, shifted labels,
-documents), and the per-batch layout the attention calls use (``batch_layout``)."""
+"""``shard_batch``: this rank's share of a global causal-LM batch (tokens, global positions, shifted labels and
+loss weights, documents), and the per-batch layout the attention calls use (``batch_layout``)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ from ... import methods
 from ...api import placement, shard
 from ...errors import rank_suffix
 from ...layouts import DOCUMENT_LAYOUTS
+from .loss import _check_weights
 
 __all__ = ["batch_layout", "shard_batch"]
 
 _SEQ_KEYS = ("input_ids", "inputs_embeds")
 _KNOWN = frozenset({"input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels",
-                    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "num_items_in_batch"})
+                    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "num_items_in_batch",
+                    "loss_weights"})
 
 
 def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp", layout: str | None = None, *,
@@ -32,6 +34,10 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
     t and t+1 may live on different ranks (always, at a zigzag seam). So labels are shifted on the GLOBAL
     sequence (``shift_labels[t] = labels[t + 1]``, ``ignore_index`` at the end, exactly as transformers'
     loss does) and then sharded like the tokens; transformers' loss uses ``shift_labels`` when given.
+    ``loss_weights`` (the weight of each token as a target, aligned with ``labels``) are shifted the same way
+    (the weight at t is that of the token t+1 it predicts, 0 at the end) and sharded with the labels, so
+    ``sequence_parallel_loss(..., weights=batch["loss_weights"])`` weighs each target by its own weight (Note
+    [Weighted token loss]).
 
     Documents (Note [Documents, padding and positions]): boundaries come from, in any combination,
     ``cu_seq_lens_q`` (global, as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` makes them),
@@ -46,7 +52,9 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
     Args:
         batch: global tensors ``(B, S)`` (``inputs_embeds``: ``(B, S, C)``) with keys among ``input_ids`` or
             ``inputs_embeds``, ``attention_mask``, ``position_ids``, ``labels``, ``shift_labels``,
-            ``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``, ``num_items_in_batch``, plus ``seq_keys``.
+            ``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``, ``num_items_in_batch``, ``loss_weights`` (a
+            finite, non-negative float ``(B, S)`` per token, with ``labels`` or ``shift_labels``), plus
+            ``seq_keys``.
         mesh, method, layout: the placement (as in ``enable``; ``layout=None``: ``balanced`` when the batch has
             documents and the method accepts it, else the method's default, see ``batch_layout``).
         pad: end-pad a length the layout cannot split (with ``pad_token_id``, ignored labels, one more
@@ -58,7 +66,11 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
         ``input_ids`` (or ``inputs_embeds``) and ``position_ids`` ``(B, L)``; with labels, ``labels`` and
         ``shift_labels`` (both the shifted, sharded targets) and ``num_items_in_batch`` (the global count of
         targets, so ``model(**batch).loss`` is this rank's share of the global mean); with documents,
-        ``cu_seq_lens_q``/``_k`` (global boundaries, int32 on the CPU) and ``max_length_q``/``_k``.
+        ``cu_seq_lens_q``/``_k`` (global boundaries, int32 on the CPU) and ``max_length_q``/``_k``; with
+        ``loss_weights``, ``loss_weights`` ``(B, L)`` (shifted and sharded like ``shift_labels``) for
+        ``sequence_parallel_loss(..., weights=)``: pop it before ``model(**batch)`` (transformers' loss has no
+        per-token weights, and the attention function refuses the unknown key). ``num_items_in_batch`` stays
+        the target count, not the weight sum.
     """
     seq_keys = tuple(seq_keys)
     rs = rank_suffix()
@@ -91,6 +103,7 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
         pos = _doc_positions(explicit, S, x.device).expand(B, S) if explicit is not None else \
             torch.arange(S, device=x.device).expand(B, S)
     targets = _shift_labels(batch, valid, ignore_index)
+    weights = _shift_weights(batch.get("loss_weights"), targets, B, S)
     out: dict[str, Any] = {}
     items = batch.get("num_items_in_batch")
     if targets is not None and items is None:
@@ -100,6 +113,8 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
     tensors = {given[0]: x, "position_ids": pos, **{k: batch[k] for k in seq_keys if batch.get(k) is not None}}
     if targets is not None:
         tensors["labels"] = targets
+    if weights is not None:
+        tensors["loss_weights"] = weights               # end padding: weight 0 (_pad_end)
     if S % lay_div:
         if not pad:
             need = -(-S // lay_div) * lay_div
@@ -223,6 +238,17 @@ def _shift_labels(batch: Mapping[str, Any], valid: torch.Tensor | None, ignore: 
         shifted = shifted.masked_fill(~valid, ignore)
         shifted[:, :-1].masked_fill_(~valid[:, 1:], ignore)
     return shifted
+
+
+def _shift_weights(weights: Any, targets: torch.Tensor | None, B: int, S: int) -> torch.Tensor | None:
+    """Global per-target weights: ``loss_weights[t + 1]`` at t (the predicted token's), 0 at the end."""
+    if weights is None:
+        return None
+    if targets is None:
+        raise ValueError(f"loss_weights must come with labels or shift_labels (they weigh the targets), got "
+                         f"loss_weights alone{rank_suffix()}")
+    _check_weights(weights, (B, S), "loss_weights", "labels")
+    return torch.cat([weights[:, 1:], weights.new_zeros((B, 1))], 1)
 
 
 def _pad_end(tensors: dict[str, torch.Tensor], cu: tuple[int, ...] | None, S: int, div: int, pad_id: int,
