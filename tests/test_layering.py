@@ -159,3 +159,21 @@ def test_import_seqpar_leaves_the_planner_unloaded():
             "from seqpar.planner.search import plan; assert seqpar.plan is plan")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_import_seqpar_is_the_core():
+    """The top level is the core API (issue 24): ``import seqpar`` loads no compat, inference, integration or
+    planner module, ``__all__`` holds no peer's names, and the old top-level ring-flash-attn names, the cache and
+    the subpackages still resolve on first use."""
+    code = ("import sys, seqpar; heavy = ('compat', 'inference', 'integrations', 'planner', 'flash_api'); "
+            "bad = [m for m in sys.modules if any(m.startswith('seqpar.' + h) for h in heavy)]; assert not bad, bad; "
+            "assert not [n for n in seqpar.__all__ if 'flash_attn' in n], seqpar.__all__; "
+            "assert len(seqpar.__all__) <= 24, len(seqpar.__all__); "
+            "from seqpar.compat import ring_flash_attn as rfa; "
+            "assert seqpar.zigzag_ring_flash_attn_func is rfa.zigzag_ring_flash_attn_func; "
+            "assert seqpar.substitute_hf_flash_attn is rfa.substitute_hf_flash_attn; "
+            "from seqpar.inference import ShardedKVCache; assert seqpar.ShardedKVCache is ShardedKVCache; "
+            "assert seqpar.inference.attend is not None; "
+            "assert not hasattr(seqpar, 'no_such_name')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
