@@ -171,9 +171,11 @@ class CudnnKernel(Kernel):
         return split_backward(lambda *a: self._bwd(*a, scale=scale), do, q, k, v, out, lse, band_of(mask))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)
 def _cu_tensor(cu: tuple[int, ...], batch: int, stride: int, device: torch.device) -> torch.Tensor:
-    """Varlen offsets for ``batch`` packed copies of one row layout (``stride`` rows each), int32."""
+    """Varlen offsets for ``batch`` packed copies of one row layout (``stride`` rows each), int32. Cached for the
+    calls of one packed batch (a ring step's query and key offsets, forward and backward: 2 per step, at most 32
+    distinct ones for W <= 16); a batch that is gone leaves at most a few small device tensors behind."""
     full = [c + b * stride for b in range(batch) for c in (cu if b == 0 else cu[1:])]
     return torch.tensor(full, dtype=torch.int32, device=device)
 
