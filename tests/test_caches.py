@@ -70,8 +70,7 @@ def packed_batches(batches: int, measure_at: tuple[int, ...]) -> dict[str, Any]:
 
     # the workers are shared with other test modules: start from empty caches, so what is counted is this test's
     call.cache_clear()
-    for memo in (_passkv._schedule, _passkv._batch_schedule):
-        memo.cache_clear()
+    _passkv.schedule.cache_clear()
     gc.collect()
     rng = random.Random(dist.get_rank() * 0 + 7)     # the same batches on every rank
     holders = tuple(getattr(allgather, n) for n in ("_SelectionIndex", "_ChunkIndex") if hasattr(allgather, n))
@@ -134,3 +133,26 @@ def test_block_masks_of_past_batches_go():
         assert flex._HELD[0] <= held // 2 and len(flex._DOCS) < flex.VARLEN_MASKS and len(flex._BANDS) == 41
     finally:
         flex.MASK_BYTES = budget
+
+
+def test_batch_memo_keeps_per_batch_plans_apart():
+    """Note [Per-batch memos]: calls with documents or a valid length go to a small tier, so a stream of new
+    batches never evicts the fixed-shape plans and never holds more than BATCH_ENTRIES batches' plans."""
+    from seqpar.memo import BATCH_ENTRIES, batch_memo
+
+    built: list = []
+
+    @batch_memo(4)
+    def plan_of(seq_len, doc_bounds=None, valid_len=None):
+        built.append((seq_len, doc_bounds, valid_len))
+        return object()
+
+    fixed = plan_of(64)
+    for i in range(100):                                   # 100 packed batches, then a padded one
+        plan_of(64, (0, i + 1, 64))
+    plan_of(64, valid_len=60)
+    assert plan_of(64) is fixed and len(built) == 102       # the fixed plan survived every batch
+    fixed_tier, batch_tier = plan_of.tiers
+    assert fixed_tier.cache_info().currsize == 1 and batch_tier.cache_info().currsize == BATCH_ENTRIES
+    plan_of.cache_clear()
+    assert batch_tier.cache_info().currsize == 0 and plan_of(64) is not fixed

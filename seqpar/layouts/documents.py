@@ -195,7 +195,7 @@ class Balanced(DocumentLayout):
         return _segments(_balanced(self.world, self.bounds, seq_len)[rank])
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _balanced(world: int, bounds: tuple[int, ...], seq_len: int) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Every rank's ``(global start, length)`` pieces in global order (Note [Balanced layout])."""
     W, C = world, seq_len // world

@@ -41,6 +41,7 @@ import torch
 from ..errors import rank_suffix
 from ..kernels.linear import LinearKernel, cumulative_gate
 from ..layouts import Layout, Segments
+from ..memo import batch_memo
 from ..numerics import acc_dtype
 
 __all__ = ["LinearConfig", "LinearPlan", "Seg", "Slot", "add_state_grads", "add_state_output", "linear_plan",
@@ -138,7 +139,7 @@ class LinearPlan:
         return self.slots.index(slot)
 
 
-@functools.lru_cache(maxsize=256)
+@batch_memo()
 def linear_plan(layout: Layout, seq_len: int, doc_bounds: tuple[int, ...] | None, valid_len: int | None,
                 has_init: bool) -> LinearPlan:
     """Every rank's slots and segments (host ints, identical on every rank; Note [Slot summaries])."""
@@ -308,7 +309,7 @@ def segment_sums(a: torch.Tensor, b: torch.Tensor, slots: tuple[Slot, ...], dtyp
             for slot in slots]
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)
 def noncausal_sources(plan: LinearPlan, rank: int) -> tuple[tuple[tuple[int, ...] | None, ...], ...]:
     """For each own slot and segment: the rows of the gathered ``(W * pieces * 2)`` boundary sums that make its
     document's total, or None for a segment inside the slot (its own sum is the total).

@@ -16,7 +16,6 @@ Note [Ring truncation]
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +25,7 @@ from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator, RowSum
 from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, any_visible, plan
+from ..memo import BATCH_ENTRIES, batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
 from ..runtime.loop import Double, Loop, run_steps
 from ._shared import head_groups, pack_kv, unpack_kv
@@ -41,31 +41,21 @@ class Schedule:
     n_steps: int
 
 
-BATCH_SCHEDULES = 8
-"""Schedules kept of ring layouts with per-batch facts (documents, a valid length): one packed batch's each,
-read when its plans are built (the plans then hold them); other schedules keep 256."""
+BATCH_SCHEDULES = BATCH_ENTRIES
+"""Schedules kept of ring layouts with per-batch facts (documents, a valid length): Note [Per-batch memos]."""
 
 
+@batch_memo()
 def schedule(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
              valid_len: int | None) -> Schedule:
     """Rank ``rank``'s tasks at every step of a pass-KV ring over ``layout`` (Note [Ring truncation]); cached,
-    per-batch ones apart (``BATCH_SCHEDULES``): a packed batch's schedule is never asked for after its step."""
-    batch = doc_bounds is not None or valid_len is not None
-    return (_batch_schedule if batch else _schedule)(layout, rank, seq_len, rule, doc_bounds, valid_len)
-
-
-def _build_schedule(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
-                    valid_len: int | None) -> Schedule:
+    per-batch ones apart (Note [Per-batch memos]): a packed batch's schedule is never asked for after its step."""
     W = layout.world
     segs = [layout.segments(j, seq_len).cut(doc_bounds, valid_len) for j in range(W)]
     mine = tuple(plan(segs[rank], segs[(rank - s) % W], rule) for s in range(W))
     last = next((s for s in range(W - 1, 0, -1) if any(any_visible(segs[r], segs[(r - s) % W], rule)
                                                        for r in range(W))), 0)
     return Schedule(mine[: last + 1], last + 1)
-
-
-_schedule = functools.lru_cache(maxsize=256)(_build_schedule)
-_batch_schedule = functools.lru_cache(maxsize=BATCH_SCHEDULES)(_build_schedule)
 
 
 def build(call) -> PassKV:

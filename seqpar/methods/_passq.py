@@ -30,7 +30,6 @@ Note [Pass-Q schedule]
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +40,7 @@ from ..kernels.executor import GROUP_AT, TaskRunner
 from ..kernels.merge import Accumulator, merge_
 from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, plan
+from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
 from ..runtime.loop import Double, Loop, run_steps
 from ._shared import Rows, bhs, bshd, hull, row_hull, seq_major, split_own
@@ -73,7 +73,7 @@ class PassQPlan:
     kinds: frozenset[str]
 
 
-@functools.lru_cache(maxsize=64)
+@batch_memo(64)
 def schedule(layout: Layout, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
              valid_len: int | None) -> PassQPlan:
     """The pass-Q schedule over ``layout`` (Note [Pass-Q schedule])."""

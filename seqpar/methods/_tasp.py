@@ -32,7 +32,6 @@ Note [TASP rounds]
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +42,7 @@ from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator
 from ..layouts.blocks import Rule, Task, plan, slice_rows
 from ..layouts.subchunks import Subchunked
+from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
 from ..runtime.loop import Loop, run_steps
 from ._shared import bshd, pack_kv, seq_major, split_own, unpack_kv
@@ -164,7 +164,7 @@ def _order(hops: list[Hop], peer: str) -> tuple[Hop, ...]:
     return tuple(sorted(hops, key=lambda h: (getattr(h, peer), h.piece.start)))
 
 
-@functools.lru_cache(maxsize=64)
+@batch_memo(64)
 def schedule(layout: Subchunked, rank: int, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
              valid_len: int | None, kind: str) -> TaspPlan:
     """Rank ``rank``'s TASP schedule (Note [TASP rounds]); ``kind`` is "cycles" or "direct".

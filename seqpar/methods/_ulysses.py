@@ -49,7 +49,6 @@ Note [Head-group pipeline]
 
 from __future__ import annotations
 
-import functools
 from typing import Protocol
 
 import torch
@@ -61,6 +60,7 @@ from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator
 from ..layouts.blocks import Rule, Task, plan
 from ..layouts.contiguous import Contiguous
+from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, apply_sinks, wire_dtype
 from ..runtime.loop import Loop, run_steps
 from ._shared import head_groups
@@ -165,7 +165,7 @@ class Inner(Protocol):
         ...
 
 
-@functools.lru_cache(maxsize=256)
+@batch_memo()
 def local_tasks(seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None, valid_len: int | None
                 ) -> tuple[Task, ...]:
     """The kernel calls of the whole sequence against itself: windows, documents and padding included."""

@@ -70,6 +70,7 @@ from ..kernels.executor import TaskRunner
 from ..kernels.merge import merge_
 from ..layouts import Layout, make_layout
 from ..layouts.blocks import Rule, Run, Segments, Task, plan
+from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
 from ..planner import model
 from ..runtime.loop import Loop, run_steps
@@ -136,7 +137,7 @@ def _chunk_order(layout: Layout, seq_len: int) -> tuple[int, tuple[int, ...] | N
     return chunk, None if order == sorted(order) else tuple(order)
 
 
-@functools.lru_cache(maxsize=256)
+@batch_memo()
 def needed_keys(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
                 valid_len: int | None) -> Spans:
     """The global key positions rank ``rank``'s queries see, as merged intervals (Note [Selective gather])."""
@@ -209,7 +210,7 @@ def selected_rows(layout: Layout, seq_len: int, rule: Rule, doc_bounds: tuple[in
     return max(rows), max(x - o for x, o in zip(rows, own))
 
 
-@functools.lru_cache(maxsize=256)
+@batch_memo()
 def gather_plan(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
                 valid_len: int | None) -> GatherPlan:
     """Rank ``rank``'s queries against the whole sequence in global order (Note [Gather into global order]),
@@ -471,7 +472,7 @@ class _SelectedDKV:
         return g[..., :D].to(dtype), g[..., D:].to(dtype)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)
 def _disjoint(tasks: tuple[Task, ...]) -> bool:
     """No query row is in two calls (always so for a global-order plan unless varlen packing interleaves)."""
     spans = sorted((t.q_start, t.q_stop) for t in tasks)

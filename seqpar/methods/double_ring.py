@@ -29,7 +29,6 @@ Note [Double ring]
 
 from __future__ import annotations
 
-import functools
 import os
 import weakref
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator
 from ..layouts import Layout
 from ..layouts.blocks import Rule, Task, plan
+from ..memo import batch_memo
 from ..numerics import acc_dtype, wire_dtype
 from ..planner import model
 from ..runtime.loop import Double, Loop, run_steps
@@ -82,7 +82,7 @@ def peers(rank: int, world: int, node_size: int) -> Peers:
     return Peers(at(t, p + 1), at(t, p - 1), at(t + 1, p), at(t - 1, p), at(t + 1, p + 1), at(t - 1, p - 1))
 
 
-@functools.lru_cache(maxsize=256)
+@batch_memo()
 def schedule(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
              valid_len: int | None, node_size: int) -> tuple[tuple[tuple[Task, ...], ...], ...]:
     """``tasks[j][s]``: rank ``rank``'s kernel calls at outer step j, inner step s."""
