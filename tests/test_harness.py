@@ -53,3 +53,20 @@ def test_a_hang_is_killed_at_the_timeout():
     with pytest.raises(WorkerError, match=r"timed out[\s\S]*rank 0: no result"):
         pool.run(hang_on, 0, 60.0, timeout=3)
     pool.close()
+
+
+def _fails_on_last_rank(rank_to_fail: int) -> str:
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank_to_fail:
+        raise ValueError("boom on the last rank")
+    return "ok"
+
+
+def test_a_failure_reported_last_raises_not_returns():
+    """A rank whose failure is the last result to arrive makes ``run`` raise (it returned the traceback text as
+    that rank's result, so a test reading rank 0 alone could pass)."""
+    from seqpar.testing import ProcessPool, WorkerError
+
+    with ProcessPool(1) as pool, pytest.raises(WorkerError, match="boom on the last rank"):
+        pool.run(_fails_on_last_rank, 0)

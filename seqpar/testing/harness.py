@@ -118,6 +118,8 @@ class ProcessPool:
                     self._collect(call_id, got, 0.2)
                 self._fail(fn, got, timed_out=left <= 0)
             self._collect(call_id, got, min(0.5, max(left, 0.01)))
+        if any(not ok for ok, _ in got.values()):    # the last rank to report failed: never a traceback as a result
+            self._fail(fn, got, timed_out=False)
         return [got[r][1] for r in range(self.world_size)]
 
     def _collect(self, call_id: int, got: dict, wait: float) -> None:
