@@ -83,7 +83,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
         graphs: run the planned call's forward and backward as CUDA graphs (Note [Graphed calls] in
             ``seqpar.runtime.graphs``): the host cost of a call becomes one replay. None (auto): on CUDA with
             several ranks, at most ``GRAPH_ROWS`` (8192) local rows and no ``cu_seqlens`` - the short chunks
-            where a call is host-bound; True: always (CUDA only; a capture that fails raises); False: never.
+            where a call is host-bound; True: always (CUDA only); False: never. A capture that fails raises
+            (pass False); graphs on NCCL groups of several GPUs have not yet been run on hardware.
             Not inside another capture (``torch.compile(mode="reduce-overhead")``): there the call is captured
             with the caller's graph.
         **options: method-specific options (``seqpar.methods.get(method).options``).

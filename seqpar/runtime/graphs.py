@@ -23,10 +23,12 @@ Note [Graphed calls]
       the emulated world does nothing). The agreement round runs before the engine, outside the graph.
     * Never inside another capture: under ``torch.compile(mode="reduce-overhead")`` or a user's own graph,
       the call is already being captured, and the engine runs eagerly into that capture.
-    * A capture that fails (an engine that reads a device value on the host, or compiles) raises with
-      ``graphs=True``; under ``graphs=None`` (auto) the plan logs a warning once and runs eagerly from then on.
-      A failed capture can leave CUDA's RNG bookkeeping inconsistent for kernels that draw from it (FA2), so
-      engines must be capturable by construction: ``tests/test_gpu_emulated.py`` captures every method.
+    * A capture that fails (an engine that reads a device value on the host, or compiles) raises, under auto
+      as under ``graphs=True``, with the advice to pass ``graphs=False``: running on eagerly is not safe,
+      since a failed capture can leave CUDA's RNG bookkeeping inconsistent for kernels that draw from it
+      (measured: FA2 then fails with "Offset increment outside graph capture"). Engines are capturable by
+      construction (``tests/test_gpu_emulated.py`` captures every method); graphs on real NCCL groups of
+      several GPUs have not been run here (only one GPU was lent).
     * One thread per plan: the static buffers are the plan's, so two threads replaying one plan at once would
       overwrite each other's inputs (calls on distinct signatures are independent).
 
@@ -37,19 +39,17 @@ Note [Graphed calls]
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from ..errors import rank_suffix
 from ..kernels.combine import keep_tables
 from ..methods.base import BackwardInputs
 from ..numerics import GradRows
 
 __all__ = ["GRAPH_ROWS", "Graphed", "wanted"]
-
-log = logging.getLogger("seqpar.runtime")
 
 GRAPH_ROWS = 8192
 """Auto graphs a call with at most this many local rows (batch x sequence) per rank (Note [Graphed calls])."""
@@ -120,7 +120,6 @@ class Graphed:
         self.engine, self.required = engine, required
         self.saves = engine.saves
         self.pool = torch.cuda.graph_pool_handle()
-        self.eager = False                     # a capture failed under auto: eager from then on
         self._seen: set[Any] = set()
         self._graphs: dict[Any, _Captured] = {}
 
@@ -139,7 +138,7 @@ class Graphed:
         return self._run(("bwd", tuple(x is None for x in inputs)), bwd, inputs)
 
     def _run(self, key: Any, fn: Callable[..., Any], inputs: list[torch.Tensor | None]):
-        if self.eager or torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_current_stream_capturing():
             return fn(*inputs)
         g = self._graphs.get(key)
         if g is None:
@@ -149,10 +148,7 @@ class Graphed:
             try:
                 g = self._graphs[key] = _Captured(fn, inputs, self.pool)
             except Exception as err:
-                if self.required:
-                    raise RuntimeError(f"graphs=True: capturing this call as a CUDA graph failed ({err}); pass "
-                                       f"graphs=False") from err
-                log.warning("seqpar: capturing a call as a CUDA graph failed (%s); it runs eagerly", err)
-                self.eager = True
-                return fn(*inputs)
+                how = "graphs=True" if self.required else "graphs=None (auto: CUDA, several ranks, short chunks)"
+                raise RuntimeError(f"{how}: capturing this call as a CUDA graph failed ({err}); pass graphs=False "
+                                   f"to run it eagerly{rank_suffix()}") from err
         return g(inputs)
