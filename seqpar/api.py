@@ -35,7 +35,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
               deterministic: bool = False, grad_dtype: torch.dtype = torch.float32, dropout_p: float = 0.0,
               alibi_slopes: torch.Tensor | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
               check_ranks: bool | int = True, verify: bool = False, graphs: bool | None = None,
-              **options: Any) -> torch.Tensor | AttnOutput:
+              mask_mod: Any = None, **options: Any) -> torch.Tensor | AttnOutput:
     """Sequence-parallel softmax attention over the ranks of ``mesh``.
 
     Args:
@@ -87,6 +87,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
             (pass False); graphs on NCCL groups of several GPUs have not yet been run on hardware.
             Not inside another capture (``torch.compile(mode="reduce-overhead")``): there the call is captured
             with the caller's graph.
+        mask_mod: a named mask from ``seqpar.masks`` (``chunked``, ``spans``, ``prefix_lm``, ``block_causal``,
+            ``shared_prefix``, ``tree``, ``sink_window``: block structure declared, every block on a dense
+            kernel) or a flex-style ``fn(b, h, q_idx, kv_idx) -> bool`` on GLOBAL positions (evaluated once per
+            planned call, partly visible blocks on flex / the reference kernel; it must not read ``b`` or ``h``).
+            ANDed with ``causal``, ``window_size``, ``cu_seqlens`` and padding. A plan is cached per function
+            object: pass the same object each step, and the same function on every rank.
         **options: method-specific options (``seqpar.methods.get(method).options``).
 
     Returns:
@@ -95,28 +101,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
     if torch.compiler.is_compiling():
         return _traced(q, k, v, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size,
                        cu_seqlens, seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, sinks,
-                       check_ranks, verify, options, graphs)
+                       check_ranks, verify, options, graphs, mask_mod)
     return _call.attention(q, k, v, mesh=mesh, method=method, layout=layout, causal=causal,
                            softmax_scale=softmax_scale, kernel=kernel, return_lse=return_lse, window_size=window_size,
                            cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
                            dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-                           check_ranks=check_ranks, verify=verify, options=options, graphs=graphs)
+                           check_ranks=check_ranks, verify=verify, options=options, graphs=graphs,
+                           mask_mod=mask_mod)
 
 
 def _traced(q, k, v, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size, cu_seqlens,
             seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, sinks, check_ranks, verify, options,
-            graphs):
+            graphs, mask_mod):
     """``attention`` under ``torch.compile``: one custom op (Note [Tracing seqpar.attention] in runtime.op)."""
     from .runtime.op import attention_op
 
     if dropout_p or alibi_slopes is not None or verify:
         raise NotImplementedError(f"dropout_p, alibi_slopes and verify=True are not supported under torch.compile"
                                   f"{rank_suffix()}")
+    from .masks import PieceMask
+
+    if mask_mod is not None and not isinstance(mask_mod, PieceMask):
+        raise NotImplementedError(f"mask_mod under torch.compile must be a named mask from seqpar.masks (a function "
+                                  f"cannot be keyed across processes), got {mask_mod!r}{rank_suffix()}")
     if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
         cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int32)
     key = _call.traced_key(mesh, method, layout, causal, softmax_scale, kernel, tuple(window_size), seq_len,
                            deterministic, grad_dtype, float(softcap), check_ranks, tuple(sorted(options.items())),
-                           graphs)
+                           graphs, None if mask_mod is None else mask_mod.spec())
     out, lse, _ = attention_op(q, k, v, sinks, cu_seqlens, key)
     return AttnOutput(out, lse) if return_lse else out
 
@@ -125,13 +137,14 @@ def attention_config(method: str = "ring", *, layout: str | None = None, causal:
                      softmax_scale: float | None = None, kernel: str = "auto",
                      window_size: tuple[int, int] = (-1, -1), cu_seqlens: Sequence[int] | None = None,
                      seq_len: int | None = None, deterministic: bool = False, grad_dtype: torch.dtype = torch.float32,
-                     softcap: float = 0.0, **options: Any) -> AttentionConfig:
+                     softcap: float = 0.0, mask_mod: Any = None, **options: Any) -> AttentionConfig:
     """The validated ``AttentionConfig`` of a ``seqpar.attention`` call to ``method`` (no tensors needed):
     what ``SequenceParallelAttention`` and the integrations check at construction time."""
     m = methods.get(method)
     return _call.config(m, layout=layout or m.default_layout(), causal=causal, softmax_scale=softmax_scale,
                         kernel=kernel, window_size=window_size, cu_seqlens=cu_seqlens, seq_len=seq_len,
-                        deterministic=deterministic, grad_dtype=grad_dtype, softcap=softcap, options=options)
+                        deterministic=deterministic, grad_dtype=grad_dtype, softcap=softcap, options=options,
+                        mask_mod=mask_mod)
 
 
 def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None = None, *,
@@ -139,7 +152,7 @@ def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
            cu_seqlens: torch.Tensor | Sequence[int] | None = None, seq_len: int | None = None,
            softcap: float = 0.0, sinks: torch.Tensor | None = None, heads: int = 2, rows: int = 256, seed: int = 0,
-           tolerance: float | None = None, raise_on_error: bool = True, **options: Any):
+           tolerance: float | None = None, raise_on_error: bool = True, mask_mod: Any = None, **options: Any):
     """Check a distributed attention result against a dense recomputation of a sample (Note [Verify mode]).
 
     Call it on every rank with the local shards and the arguments of the ``attention`` call that produced
@@ -168,6 +181,7 @@ def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         q, k, v, sinks, mesh=mesh, method=method, layout=layout, causal=causal, softmax_scale=softmax_scale,
         kernel="auto", window_size=window_size, cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=False,
         grad_dtype=torch.float32, dropout_p=0.0, alibi_slopes=None, softcap=softcap, options=options, grad=False,
+        mask_mod=mask_mod,
         extra=sample_args, flags={"verify_out": _shape(out), "verify_lse": _shape(lse),
                                   "sample": (heads, rows, seed, tolerance)})
     with torch.no_grad():

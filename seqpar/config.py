@@ -46,6 +46,8 @@ class AttentionConfig:
     """Dtype of gradient partials on the wire (dK/dV in pass-KV, dQ in pass-Q, reduce-scatters)."""
     softcap: float = 0.0
     """Score capping ``softcap * tanh(s / softcap)`` (Gemma 2); 0 = none."""
+    mask: Any = None
+    """A named mask or ``ModMask`` (``seqpar.masks``) ANDed with causal, window, documents and padding."""
     options: tuple[tuple[str, Any], ...] = field(default=())
     """Method-specific options as sorted ``(name, value)`` pairs (see ``option``)."""
 
@@ -71,7 +73,7 @@ class AttentionConfig:
 
     @property
     def rule(self) -> Rule:
-        return Rule(self.causal, self.window_size)
+        return Rule(self.causal, self.window_size, self.mask)
 
     @property
     def valid_len(self) -> int | None:

@@ -88,6 +88,10 @@ def row_mask(rows: torch.Tensor, seq_len: int, cfg: AttentionConfig) -> torch.Te
     doc = torch.searchsorted(bounds, t, right=True) - 1           # document of each position
     doc[t >= end] = -1                                            # padding sees nothing and is seen by nothing
     vis &= (doc[rows][:, None] == doc[None, :]) & (doc[rows][:, None] >= 0)
+    if cfg.mask is not None:                                      # the mask_mod, evaluated on every cell
+        fn = getattr(cfg.mask, "fn", cfg.mask)
+        zero = torch.zeros((), dtype=torch.long, device=rows.device)
+        vis &= fn(zero, zero, rows[:, None], t[None, :]).expand_as(vis)
     return vis
 
 

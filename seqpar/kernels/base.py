@@ -38,7 +38,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import UnsupportedInputError, rank_suffix
-from ..masks import Band, Mask, Varlen
+from ..masks.forms import Band, Mask, Modded, Varlen
 from ..types import AttnOutput
 
 __all__ = ["KERNELS", "Kernel", "KernelCall", "available_kernels", "register", "select"]
@@ -55,7 +55,7 @@ class KernelCall:
     head_dim: int
     heads: int
     kv_heads: int
-    mask: str          # "full" | "causal" (Band with lo unbounded) | "band" | "varlen"
+    mask: str          # "full" | "causal" (Band with lo unbounded) | "band" | "varlen" | "mod" (Modded)
     deterministic: bool = False
     single: bool = False        # a 1 x 1 block (one query, one key)
     value_dim: int = 0          # Dv; 0 means equal to head_dim
@@ -76,6 +76,8 @@ class KernelCall:
 def mask_kind(mask: Mask) -> str:
     if isinstance(mask, Varlen):
         return "varlen"
+    if isinstance(mask, Modded):
+        return "mod"
     if mask.is_full:
         return "full"
     return "causal" if mask.lo is None else "band"

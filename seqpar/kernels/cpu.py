@@ -40,7 +40,7 @@ class CpuFlashKernel(Kernel):
             r.append(f"runs on CPU only, got device {call.device!r}")
         if call.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
             r.append(f"dtype must be a float dtype, got {call.dtype}")
-        if call.mask in ("band", "varlen"):
+        if call.mask in ("band", "varlen", "mod"):
             r.append(f"no {call.mask} masks (top-left causal only); the reference kernel serves them")
         if call.softcap:
             r.append("no score capping (softcap)")

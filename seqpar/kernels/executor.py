@@ -35,7 +35,7 @@ import torch
 
 from ..errors import UnsupportedInputError
 from ..layouts.blocks import Task, group_varlen
-from ..masks import Band, Varlen
+from ..masks.forms import Band, Modded, Varlen
 from ..numerics import GradRows, acc_dtype
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, mask_kind, select
@@ -66,6 +66,11 @@ def row_groups(task: Task, most: int) -> tuple[Task, ...]:
                                m.window)))
         a = b
     return tuple(out)
+
+
+def _all_visible(b, h, q_idx, kv_idx):
+    """A ``mask_mod`` that hides nothing (the probe block of ``takes_delta``)."""
+    return kv_idx >= 0
 
 
 class TaskRunner:
@@ -137,6 +142,8 @@ class TaskRunner:
         for kind in sorted(kinds):
             if kind == "varlen":
                 task = Task(0, 2, 0, 2, Varlen((0, 2), (0, 2)))
+            elif kind == "mod":
+                task = Task(0, 2, 0, 2, Modded(Band(), _all_visible, ((0, 2),), ((0, 2),)))
             else:
                 m, n, lo, hi = probe[kind]
                 task = Task(0, m, 0, n, Band(lo, hi))

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from ..masks import Band, Mask
+from ..masks.forms import Band, Mask, Modded
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, register
 
-__all__ = ["BAND_MASKS", "MASK_BYTES", "VARLEN_MASKS", "FlexKernel"]
+__all__ = ["BAND_MASKS", "MASK_BYTES", "MOD_MASKS", "VARLEN_MASKS", "FlexKernel"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -65,7 +65,14 @@ _BIG = 1 << 30
 
 def _mask_mod(mask: Mask, m: int, n: int, device: torch.device):
     """The mask as a ``mask_mod`` whose parameters are tensors, so dynamo compiles one kernel per mask family
-    (band, varlen) rather than one per mask."""
+    (band, varlen; a user's ``mask_mod`` once per function) rather than one per mask."""
+    if isinstance(mask, Modded):            # the user's function on the rows' global positions
+        base, fn = _mask_mod(mask.base, m, n, device), mask.fn
+        q_pos, k_pos = mask.positions(device)
+
+        def user_mod(b, h, qi, ki):
+            return base(b, h, qi, ki) & fn(b, h, q_pos[qi], k_pos[ki])
+        return user_mod
     if isinstance(mask, Band):
         bounds = torch.tensor([-_BIG if mask.lo is None else mask.lo, _BIG if mask.hi is None else mask.hi],
                               device=device)
@@ -97,11 +104,14 @@ BAND_MASKS = 64
 """Band block masks kept (one per band, shape and device: reused by every batch)."""
 VARLEN_MASKS = 4
 """Document block masks kept: one packed batch's each, used by one step."""
+MOD_MASKS = 256
+"""Block masks of ``mask_mod`` blocks kept (one per block of a planned call: a ring's steps, a call's pieces)."""
 MASK_BYTES = 256 << 20
 """Device bytes all kept block masks may hold together (the least recently used go first, documents first)."""
 
 _BANDS: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()      # key -> (block mask, bytes), least recent first
 _DOCS: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
+_MODS: OrderedDict[tuple, tuple[Any, int]] = OrderedDict()
 _HELD = [0]                                                       # bytes of both
 _LOCK = threading.Lock()
 
@@ -110,7 +120,7 @@ def _block_mask(mask: Mask, m: int, n: int, device: torch.device):
     """The block mask of ``mask`` over ``m`` x ``n`` call-local rows, cached (module docstring)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key, tier = (mask, m, n, device), _BANDS if isinstance(mask, Band) else _DOCS
+    key, tier = (mask, m, n, device), _BANDS if isinstance(mask, Band) else _MODS if isinstance(mask, Modded) else _DOCS
     with _LOCK:
         hit = tier.get(key)
         if hit is not None:
@@ -122,7 +132,7 @@ def _block_mask(mask: Mask, m: int, n: int, device: torch.device):
         old = tier.pop(key, None)
         _HELD[0] += nbytes - (0 if old is None else old[1])
         tier[key] = (bm, nbytes)
-        for t, most in ((_DOCS, VARLEN_MASKS), (_BANDS, BAND_MASKS)):
+        for t, most in ((_DOCS, VARLEN_MASKS), (_MODS, MOD_MASKS), (_BANDS, BAND_MASKS)):
             while len(t) > most or (_HELD[0] > MASK_BYTES and t and next(iter(t)) != key):
                 dropped.append(t.popitem(last=False)[1])
                 _HELD[0] -= dropped[-1][1]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import Band, Mask, Varlen
+from ..masks.forms import Band, Mask, Modded, Varlen, dense
 from ..numerics import acc_dtype
 from ..types import AttnOutput
 from .base import KERNELS, Kernel, KernelCall, register
@@ -32,20 +32,14 @@ def _ungrouped(x_BKGSD: torch.Tensor) -> torch.Tensor:
     return x_BKGSD.permute(0, 3, 1, 2, 4).reshape(B, S, K * G, D)
 
 
-def _visible(band: Band, m: int, n: int, device: torch.device) -> torch.Tensor | None:
-    """Boolean ``(m, n)`` mask of the band, or None when everything is visible."""
-    if band.is_full:
+def _visible(mask: Band | Modded, m: int, n: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean ``(m, n)`` visibility of a band or ``Modded`` block, or None when everything is visible."""
+    if isinstance(mask, Band) and mask.is_full:
         return None
-    d = torch.arange(n, device=device)[None, :] - torch.arange(m, device=device)[:, None]
-    vis = torch.ones(m, n, dtype=torch.bool, device=device)
-    if band.lo is not None:
-        vis &= d >= band.lo
-    if band.hi is not None:
-        vis &= d <= band.hi
-    return vis
+    return dense(mask, m, n, device)
 
 
-def _probs(q: torch.Tensor, k: torch.Tensor, band: Band, scale: float, lse: torch.Tensor | None,
+def _probs(q: torch.Tensor, k: torch.Tensor, band: Band | Modded, scale: float, lse: torch.Tensor | None,
            softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Scores -> (probabilities ``(B, Hkv, G, Sq, Sk)``, lse ``(B, Hkv, G, Sq)``, d capped / d raw or None)
     in the accumulation dtype.
@@ -125,7 +119,7 @@ class ReferenceKernel(Kernel):
         return []
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
-        if isinstance(mask, Band):
+        if not isinstance(mask, Varlen):
             return _band_forward(q, k, v, mask, scale, softcap)
         acc = acc_dtype(q.dtype)
         B, Sq, H, _ = q.shape
@@ -138,7 +132,7 @@ class ReferenceKernel(Kernel):
 
     def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
                  deterministic=False):
-        if isinstance(mask, Band):
+        if not isinstance(mask, Varlen):
             return _band_backward(do, q, k, v, out, lse, mask, scale, delta, softcap)
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)

@@ -127,7 +127,7 @@ class CudnnKernel(Kernel):
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
         r = _gpu_reasons(call, _HALF, cudnn_max_head_dim())
-        if call.mask in ("band", "varlen"):
+        if call.mask in ("band", "varlen", "mod"):
             r.append(f"no {call.mask} masks from Python (top-left causal only); use flash or flex")
         if call.deterministic:
             r.append("its backward is not deterministic")
@@ -191,7 +191,10 @@ class FlashKernel(Kernel):
     auto_rank = {"cuda": 70}
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
-        return _gpu_reasons(call, _HALF, 256)
+        r = _gpu_reasons(call, _HALF, 256)
+        if call.mask == "mod":
+            r.append("a mask_mod block runs on flex (GPU) or the reference kernel")
+        return r
 
     @staticmethod
     def _padded(q, k, v):
@@ -273,7 +276,7 @@ class EfficientKernel(Kernel):
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
         r = _gpu_reasons(call, (torch.float32,), 256)
-        if call.mask in ("band", "varlen"):
+        if call.mask in ("band", "varlen", "mod"):
             r.append(f"no {call.mask} masks through this entry point; use flash or flex")
         if call.deterministic:
             r.append("its backward is not deterministic")

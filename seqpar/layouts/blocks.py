@@ -25,6 +25,10 @@ Note [Block planning]
        ``lo <= n - m <= hi`` (n key rows, m query rows), so it is a flash-attn bottom-right window, and a
        band with ``lo`` unbounded is "full" plus a top-left causal square that cuDNN serves.
     Rows of a call that see nothing are trimmed away; rows no call covers keep (out, lse) = (0, -inf).
+    5. A named mask (``Rule.mask``, Note [Masks as pieces] in ``seqpar.masks.named``) first cuts the runs at
+       its piece boundaries; a pair's band is then the rule's bounds intersected with the mask's relation of
+       the two pieces, and pairs it relates by nothing are empty like different documents. A generic
+       ``mask_mod`` is applied after steps 1-4, block by block (Note [Generic mask_mod] in ``seqpar.masks.mod``).
     Cost: O(K + (Q + P) log K) for Q query runs, K key runs and P same-document pairs (plus g^2 for a
     query run whose g key runs are grouped in step 3). With a bounded number of runs per document on each
     side that is O(runs log runs); the full (query run x key run) matrix was quadratic in the documents.
@@ -36,9 +40,14 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-from ..masks import Band, Varlen, bottom_right_window
+from ..masks.forms import Band, Modded, Varlen, bottom_right_window
+
+if TYPE_CHECKING:
+    from ..masks.mod import ModMask
+    from ..masks.named import PieceMask
 
 __all__ = ["Rule", "Run", "Segments", "Task", "any_visible", "group_varlen", "plan", "slice_rows", "visible_dense"]
 
@@ -49,12 +58,14 @@ def _ceil_div(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Run:
-    """``length`` local rows from ``local``; global positions ``glob + stride * i``; document ``doc``."""
+    """``length`` local rows from ``local``; global positions ``glob + stride * i``; document ``doc``; the piece
+    of a named mask ``piece`` (Note [Block planning] step 5)."""
 
     local: int
     glob: int
     length: int
     doc: int = 0
+    piece: int = 0
 
     @property
     def end(self) -> int:
@@ -132,13 +143,22 @@ class Segments:
 
 @dataclass(frozen=True)
 class Rule:
-    """Global visibility: causal (key pos <= query pos) and a flash-attn window ``(left, right)``, -1 = none.
+    """Global visibility: causal (key pos <= query pos), a flash-attn window ``(left, right)`` (-1 = none) and a
+    mask (``seqpar.masks``: a named mask or a ``ModMask``), all of which must allow a key.
 
     With ``causal`` the right window is 0 whatever is given (flash-attn's convention).
     """
 
     causal: bool = False
     window: tuple[int, int] = (-1, -1)
+    mask: PieceMask | ModMask | None = None
+
+    @property
+    def pieces(self) -> PieceMask | None:
+        """The named mask, if the mask is one (declared structure, step 5)."""
+        from ..masks.named import PieceMask
+
+        return self.mask if isinstance(self.mask, PieceMask) else None
 
     def delta_bounds(self) -> tuple[int | None, int | None]:
         """Bounds on ``key_pos - query_pos`` (None = unbounded)."""
@@ -156,7 +176,7 @@ class Task:
     q_stop: int
     k_start: int
     k_stop: int
-    mask: Band | Varlen
+    mask: Band | Varlen | Modded
 
     @property
     def q(self) -> slice:
@@ -184,9 +204,39 @@ def _clip(lo: int | None, hi: int | None, m: int, n: int) -> _Eff:
     return None if lo_e > hi_e else (lo_e, hi_e)
 
 
-def _pair_band(qr: Run, kr: Run, stride: int, lo_g: int | None, hi_g: int | None) -> _Eff:
+def _max(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _min(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def split_pieces(seg: Segments, mask: PieceMask | None) -> Segments:
+    """``seg`` with every run cut at the piece boundaries of ``mask`` and labelled with its piece."""
+    if mask is None:
+        return seg
+    out: list[Run] = []
+    s = seg.stride
+    for r in seg.runs:
+        i = 0
+        while i < r.length:
+            pos = r.glob + s * i
+            n = min(r.length - i, _ceil_div(mask.piece_end(pos) - pos, s))
+            out.append(Run(r.local + i, pos, n, r.doc, mask.piece(pos)))
+            i += n
+    return Segments(tuple(out), s)
+
+
+def _pair_band(qr: Run, kr: Run, stride: int, lo_g: int | None, hi_g: int | None,
+               mask: PieceMask | None = None) -> _Eff:
     if qr.doc != kr.doc or qr.doc < 0:
         return None
+    if mask is not None:
+        rel = mask.relation(qr.piece, kr.piece)
+        if rel is None:
+            return None
+        lo_g, hi_g = _max(lo_g, rel[0]), _min(hi_g, rel[1])
     d0 = kr.glob - qr.glob                      # key_pos - query_pos = d0 + stride * (j - i)
     lo = None if lo_g is None else _ceil_div(lo_g - d0, stride)
     hi = None if hi_g is None else (hi_g - d0) // stride
@@ -205,16 +255,15 @@ class _Grid:
         if q.stride != k.stride:
             raise ValueError(f"query and key segments must share a stride, got {q.stride} and {k.stride}")
         lo_g, hi_g = rule.delta_bounds()
+        pieces = rule.pieces
         self.q, self.k = q.runs, k.runs
         self.k_start = [r.local for r in k.runs]
         self.k_end = [r.end for r in k.runs]
-        by_doc: dict[int, list[int]] = {}
-        for j, kr in enumerate(k.runs):
-            if kr.doc >= 0:
-                by_doc.setdefault(kr.doc, []).append(j)
+        by_doc = _buckets(k, pieces)
         #: per query run, its non-empty ``(key run, band)`` pairs in key order
         self.rows: list[list[tuple[int, tuple[int, int]]]] = [
-            [(j, b) for j in by_doc.get(qr.doc, ()) if (b := _pair_band(qr, k.runs[j], q.stride, lo_g, hi_g))]
+            [(j, b) for j in by_doc.get(_bucket(qr, pieces), ())
+             if (b := _pair_band(qr, k.runs[j], q.stride, lo_g, hi_g, pieces))]
             for qr in q.runs]
         self.row_keys = [[j for j, _ in row] for row in self.rows]
 
@@ -262,19 +311,62 @@ class _Grid:
         return Task(q0 + r0, q0 + r1 + 1, k0 + c0, k0 + c1 + 1, mask)
 
 
-def any_visible(q: Segments, k: Segments, rule: Rule) -> bool:
-    """Whether some query of ``q`` sees some key of ``k``: ``bool(plan(q, k, rule))`` without planning (a
-    ring's step count asks it of every rank pair; O(runs))."""
-    lo_g, hi_g = rule.delta_bounds()
-    by_doc: dict[int, list[Run]] = {}
-    for kr in k.runs:
+def _bucket(r: Run, pieces: PieceMask | None) -> tuple[int, int]:
+    return (r.doc, r.piece if pieces is not None and pieces.same_piece_only else 0)
+
+
+def _buckets(k: Segments, pieces: PieceMask | None) -> dict[tuple[int, int], list[int]]:
+    """Key runs by document (and piece, for masks relating only a piece to itself): the only candidates."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for j, kr in enumerate(k.runs):
         if kr.doc >= 0:
-            by_doc.setdefault(kr.doc, []).append(kr)
-    return any(_pair_band(qr, kr, q.stride, lo_g, hi_g) for qr in q.runs for kr in by_doc.get(qr.doc, ()))
+            out.setdefault(_bucket(kr, pieces), []).append(j)
+    return out
+
+
+def any_visible(q: Segments, k: Segments, rule: Rule) -> bool:
+    """Whether some query of ``q`` may see some key of ``k``: ``bool(plan(q, k, rule))`` without planning (a
+    ring's step count asks it of every rank pair; O(runs)). A generic ``mask_mod`` is not evaluated here, so
+    for one this may say True of a pair that plans to nothing (never the reverse)."""
+    lo_g, hi_g = rule.delta_bounds()
+    pieces = rule.pieces
+    q, k = split_pieces(q, pieces), split_pieces(k, pieces)
+    by_doc = _buckets(k, pieces)
+    return any(_pair_band(qr, k.runs[j], q.stride, lo_g, hi_g, pieces)
+               for qr in q.runs for j in by_doc.get(_bucket(qr, pieces), ()))
 
 
 def plan(q: Segments, k: Segments, rule: Rule) -> tuple[Task, ...]:
     """The kernel calls that compute queries ``q`` against keys ``k`` under ``rule`` (Note [Block planning])."""
+    from ..masks.mod import ModMask
+
+    pieces = rule.pieces
+    tasks = _plan(split_pieces(q, pieces), split_pieces(k, pieces), rule)
+    if isinstance(rule.mask, ModMask):
+        tasks = _apply_mod(tasks, q, k, rule.mask)
+    return tasks
+
+
+def _apply_mod(tasks: tuple[Task, ...], q: Segments, k: Segments, mask: ModMask) -> tuple[Task, ...]:
+    """Each block of ``tasks`` dropped, kept, or made ``Modded`` by a generic mask (Note [Generic mask_mod])."""
+    from ..masks.mod import classify
+
+    out = []
+    for t in tasks:
+        assert isinstance(t.mask, Band)
+        qr = tuple((r.glob, r.length) for r in slice_rows(q, t.q_start, t.q_stop).runs)
+        kr = tuple((r.glob, r.length) for r in slice_rows(k, t.k_start, t.k_stop).runs)
+        form = Modded(t.mask, mask.fn, qr, kr, q.stride)
+        qp, kp = form.positions()
+        kind = classify(mask.fn, t.mask.lo, t.mask.hi, qp, kp)
+        if kind == "all":
+            out.append(t)
+        elif kind == "some":
+            out.append(replace(t, mask=form))
+    return tuple(out)
+
+
+def _plan(q: Segments, k: Segments, rule: Rule) -> tuple[Task, ...]:
     g = _Grid(q, k, rule)
     rows = [i for i, row in enumerate(g.rows) if row]
     if not rows:
@@ -311,8 +403,8 @@ def group_varlen(tasks: Sequence[Task]) -> tuple[Task, ...]:
     # and a group of only such tasks takes the window of the first other task that joins it
     either = ((-1, -1), (-1, 0))
     groups: list[list] = []                     # [window or None, members]
-    for t in sorted(tasks, key=lambda t: (t.q_start, t.k_start)):
-        assert isinstance(t.mask, Band)
+    others = tuple(t for t in tasks if not isinstance(t.mask, Band))      # Modded blocks run alone
+    for t in sorted((t for t in tasks if isinstance(t.mask, Band)), key=lambda t: (t.q_start, t.k_start)):
         w = bottom_right_window(t.mask, t.rows, t.cols)
         w = None if w == (-1, -1) and t.rows == 1 else w
         for g in groups:
@@ -342,7 +434,7 @@ def group_varlen(tasks: Sequence[Task]) -> tuple[Task, ...]:
             cu_q.append(t.q_stop - q0)
             cu_k.append(t.k_stop - k0)
         out.append(Task(q0, members[-1].q_stop, k0, members[-1].k_stop, Varlen(tuple(cu_q), tuple(cu_k), w)))
-    return tuple(out)
+    return tuple(out) + others
 
 
 def visible_dense(q_pos: Sequence[int], k_pos: Sequence[int], rule: Rule,
@@ -351,8 +443,17 @@ def visible_dense(q_pos: Sequence[int], k_pos: Sequence[int], rule: Rule,
     lo, hi = rule.delta_bounds()
     qd = q_doc or [0] * len(q_pos)
     kd = k_doc or [0] * len(k_pos)
-    return [[qd[i] == kd[j] and qd[i] >= 0 and (lo is None or kp - qp >= lo) and (hi is None or kp - qp <= hi)
-             for j, kp in enumerate(k_pos)] for i, qp in enumerate(q_pos)]
+    vis = [[qd[i] == kd[j] and qd[i] >= 0 and (lo is None or kp - qp >= lo) and (hi is None or kp - qp <= hi)
+            for j, kp in enumerate(k_pos)] for i, qp in enumerate(q_pos)]
+    if rule.mask is None or not q_pos or not k_pos:
+        return vis
+    import torch
+
+    fn = getattr(rule.mask, "fn", rule.mask)
+    zero = torch.zeros((), dtype=torch.long)
+    allowed = fn(zero, zero, torch.tensor(list(q_pos))[:, None], torch.tensor(list(k_pos))[None, :])
+    allowed = allowed.expand(len(q_pos), len(k_pos)).tolist()
+    return [[a and b for a, b in zip(r, m)] for r, m in zip(vis, allowed)]
 
 
 def slice_rows(seg: Segments, start: int, stop: int) -> Segments:

@@ -69,7 +69,8 @@ def work(layout: Layout, seq_len: int, rule: Rule, cu_seqlens: Sequence[int] | N
 
 def _task_pairs(t: Task) -> int:
     """Cells of a planned call's band (every row of a trimmed call sees at least one key)."""
-    lo, hi = t.mask.lo, t.mask.hi  # type: ignore[union-attr]   (plan returns Band tasks)
+    band = getattr(t.mask, "base", t.mask)       # a mask_mod block counts its band: an upper bound
+    lo, hi = band.lo, band.hi  # type: ignore[union-attr]   (plan returns Band and Modded tasks)
     top = t.rows * (t.cols - 1) if hi is None else _sum_min(hi, 1, t.rows, t.cols - 1)
     bottom = 0 if lo is None else _sum_max(lo, 1, t.rows, 0)
     return top - bottom + t.rows

@@ -673,7 +673,7 @@ METHOD = Method(
     summary="all-gather K, V per head chunk; reduce-scatter dK/dV (fp32)",
     layouts=("contiguous", "zigzag", "balanced", "doc_zigzag", "doc_contiguous"),
     options={"heads_k_stride": None},
-    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",
+    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "mask",
                         "document_layouts"}),
     check=_check,
     engine=_engine,

@@ -45,7 +45,7 @@ __all__ = ["BUILTIN", "FEATURES", "LONG_CONTEXT", "BackwardInputs", "Call", "Eng
            "causal_layouts", "get", "register", "ring_placement", "unregister"]
 
 #: every feature a method may declare; the API refuses a call that uses one its method does not declare
-FEATURES = ("window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "document_layouts")
+FEATURES = ("window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "document_layouts", "mask")
 
 #: the built-in methods, by module (imported on first use, so importing seqpar stays cheap)
 BUILTIN = ("ring", "allgather", "ulysses", "usp", "tokenring", "tasp", "double_ring")

@@ -357,7 +357,7 @@ METHOD = Method(
     summary="inner ring per node, outer ring across nodes",
     layouts=("zigzag", "contiguous", "balanced", "doc_zigzag", "doc_contiguous"),
     options={"node_size": None},
-    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",
+    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "mask",
                         "document_layouts"}),
     check=_check,
     engine=_Engine,

@@ -59,7 +59,7 @@ METHOD = Method(
     summary="K, V around a ring (pass-KV), dK/dV one step behind",
     layouts=("contiguous", "zigzag", "stripe", "balanced", "doc_zigzag", "doc_contiguous"),
     options={"head_chunks": 1},
-    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",
+    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "mask",
                         "document_layouts"}),
     check=_check,
     engine=_engine,

@@ -96,7 +96,7 @@ METHOD = Method(
     name="tokenring",
     summary="Q travels (pass-Q), partial outputs return directly",
     layouts=("zigzag", "contiguous", "stripe", "balanced", "doc_zigzag", "doc_contiguous"),
-    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",
+    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "mask",
                         "document_layouts"}),
     engine=_Engine,
     cost=_cost,

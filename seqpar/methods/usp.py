@@ -133,7 +133,7 @@ METHOD = Method(
     layouts=("contiguous", "zigzag", "stripe", "balanced", "doc_zigzag", "doc_contiguous"),
     mesh_dims=2,
     options={"head_chunks": 1},
-    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap",
+    features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "mask",
                         "document_layouts"}),
     placement=_placement,
     check=_chunks,

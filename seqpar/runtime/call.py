@@ -40,6 +40,7 @@ Note [Threads and the plan cache]
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import threading
 import weakref
@@ -56,6 +57,8 @@ from ..errors import rank_suffix
 from ..groups import SeqParallelGroups
 from ..kernels import Kernel, available_kernels
 from ..layouts import LAYOUTS
+from ..masks import mod as _masks
+from ..masks import named as _named
 from ..methods.base import Call, Engine, Method
 from ..types import AttnOutput
 from . import graphs as _graphs
@@ -281,13 +284,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any, m
               window_size: Any, cu_seqlens: Any, seq_len: int | None, deterministic: bool,
               grad_dtype: torch.dtype, dropout_p: float, alibi_slopes: Any, softcap: float,
               sinks: torch.Tensor | None, check_ranks: Any, verify: bool, options: dict[str, Any],
-              graphs: bool | None = None):
+              graphs: bool | None = None, mask_mod: Any = None):
     """``seqpar.attention`` (documented there): the cache lookup, then the planned call."""
     plan = planned(q, k, v, sinks, mesh=mesh, method=method, layout=layout, causal=causal,
                    softmax_scale=softmax_scale, kernel=kernel, return_lse=return_lse, window_size=window_size,
                    cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
                    dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, check_ranks=check_ranks,
-                   verify=verify, options=options, graphs=graphs)
+                   verify=verify, options=options, graphs=graphs, mask_mod=mask_mod)
     if plan.direct is not None:
         return plan.direct(q, k, v)
     if plan.call.grad:
@@ -304,7 +307,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any, m
 
 def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size,
             cu_seqlens, seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, check_ranks, verify,
-            options, graphs: bool | None = None) -> Plan:
+            options, graphs: bool | None = None, mask_mod: Any = None) -> Plan:
     """The planned call for these arguments: cached, or built (Note [Planned calls]); runs the round."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (sinks is not None and sinks.requires_grad))
@@ -314,7 +317,7 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
                None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), _Same(mesh), method, layout,
                causal, softmax_scale, kernel, return_lse, window, host_cu_seqlens(cu_seqlens), seq_len,
                deterministic, grad_dtype, dropout_p, alibi_slopes is None, softcap, verify,
-               tuple(options.items()) if options else (), graphs)
+               tuple(options.items()) if options else (), graphs, mask_mod)
         hash(key)
     except TypeError:
         key = None                     # an unhashable argument: plan without caching (validation explains it)
@@ -330,7 +333,7 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
         q, k, v, sinks, mesh=mesh, method=method, layout=layout, causal=causal, softmax_scale=softmax_scale,
         kernel=kernel, window_size=window, cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic,
         grad_dtype=grad_dtype, dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, options=options,
-        grad=grad, check_ranks=check_ranks, round_now=False,
+        grad=grad, check_ranks=check_ranks, round_now=False, mask_mod=mask_mod,
         extra=lambda: (_flag_args(check_ranks, verify, return_lse), _graphs_arg(graphs, q.device)))
     items = agreement.attention_signature(q, k, v, cfg, groups, return_lse=return_lse, verify=verify,
                                           sinks=None if sinks is None else tuple(sinks.shape))
@@ -393,7 +396,8 @@ def _flag_args(check_ranks: Any, verify: Any, return_lse: Any) -> None:
 
 def validated(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kernel, window_size, cu_seqlens,
               seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, options, grad,
-              check_ranks: Any = True, round_now: bool = True, extra=None, flags: dict | None = None):
+              check_ranks: Any = True, round_now: bool = True, extra=None, flags: dict | None = None,
+              mask_mod: Any = None):
     """Every local check of a call, then (``round_now``) an agreement round read at once:
     ``(method, cfg, groups, layout, index)``, or the same error on every rank.
 
@@ -408,14 +412,17 @@ def validated(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, ke
         if method == "auto":
             layout = layout or "zigzag"
             method, options = _auto(q, k, v, mesh, layout, causal, window_size, cu_seqlens, seq_len, kernel,
-                                    grad_dtype, options, grad)
+                                    grad_dtype, options, grad, mask_mod)
         m = methods.get(method)
         layout = layout or m.default_layout()
         cfg = config(m, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
                      window_size=window_size, cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic,
                      grad_dtype=grad_dtype, dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap,
-                     options=options, value_dim=v.shape[-1], head_dim=q.shape[-1], sinks=sinks is not None)
+                     options=options, value_dim=v.shape[-1], head_dim=q.shape[-1], sinks=sinks is not None,
+                     mask_mod=mask_mod)
         groups = SeqParallelGroups.resolve(mesh, m.mesh_dims)
+        if cfg.mask is not None:        # probed before any collective (Note [Generic mask_mod])
+            cfg = dataclasses.replace(cfg, mask=_masks.checked(cfg.mask, q.shape[1] * groups.world))
         lay, index = m.placement(cfg.layout, groups, cfg.cu_seqlens)
         validate_inputs(q, k, v, sinks, cfg, groups, m, lay)
     except Exception as err:    # every rank must hear of it; re-raised unchanged below
@@ -430,7 +437,7 @@ def validated(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, ke
     return m, cfg, groups, lay, index
 
 
-def _auto(q, k, v, mesh, layout, causal, window, cu_seqlens, seq_len, kernel, grad_dtype, options, grad):
+def _auto(q, k, v, mesh, layout, causal, window, cu_seqlens, seq_len, kernel, grad_dtype, options, grad, mask_mod):
     """``method="auto"``: (method, options) from the planner (Note [Auto is deterministic] in planner.search)."""
     from .. import planner  # the planner is imported only when asked for
 
@@ -442,7 +449,7 @@ def _auto(q, k, v, mesh, layout, causal, window, cu_seqlens, seq_len, kernel, gr
     dims = 2 if getattr(mesh, "ndim", 1) == 2 else 1
     groups = SeqParallelGroups.resolve(mesh, dims)
     used = {"window": window != (-1, -1), "varlen": cu_seqlens is not None, "padding": seq_len is not None,
-            "value_dim": v.shape[-1] != q.shape[-1]}
+            "value_dim": v.shape[-1] != q.shape[-1], "mask": mask_mod is not None}
     name, chosen, _ = planner.choose(
         tuple(q.shape), k.shape[2], bool(causal), window, groups.world, dims, layout, options.get("profile"),
         ulysses=groups.ulysses_size if dims == 2 else None, dtype=q.dtype, device=q.device.type,
@@ -453,7 +460,7 @@ def _auto(q, k, v, mesh, layout, causal, window, cu_seqlens, seq_len, kernel, gr
 
 def config(m: Method, *, layout, causal, softmax_scale, kernel, window_size, cu_seqlens, seq_len, deterministic,
            grad_dtype, dropout_p=0.0, alibi_slopes=None, softcap=0.0, options, value_dim=None, head_dim=None,
-           sinks=False) -> AttentionConfig:
+           sinks=False, mask_mod: Any = None) -> AttentionConfig:
     """The validated ``AttentionConfig`` of a call to ``m`` (errors name the argument, the value, the rank)."""
     name = m.name
     unsupported = {"dropout_p": (dropout_p, dropout_p != 0.0), "alibi_slopes": (alibi_slopes, alibi_slopes is not None)}
@@ -481,7 +488,8 @@ def config(m: Method, *, layout, causal, softmax_scale, kernel, window_size, cu_
     window = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
     need = {"window": window != (-1, -1), "varlen": cu_seqlens is not None, "padding": seq_len is not None,
             "value_dim": value_dim is not None and head_dim is not None and value_dim != head_dim,
-            "sinks": sinks, "softcap": bool(softcap), "document_layouts": layout not in LAYOUTS}
+            "sinks": sinks, "softcap": bool(softcap), "document_layouts": layout not in LAYOUTS,
+            "mask": mask_mod is not None}
     for feature, used in need.items():
         if used and feature not in m.features:
             raise NotImplementedError(f"method={name!r} does not support {feature.replace('_', ' ')} yet"
@@ -489,6 +497,7 @@ def config(m: Method, *, layout, causal, softmax_scale, kernel, window_size, cu_
     return AttentionConfig(method=name, layout=layout, causal=causal, window_size=window,
                            softmax_scale=softmax_scale, kernel=kernel, cu_seqlens=host_cu_seqlens(cu_seqlens),
                            seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype, softcap=softcap,
+                           mask=None if mask_mod is None else _masks.wrap(mask_mod),
                            options=AttentionConfig.pack_options({**m.options, **options}))
 
 
@@ -602,14 +611,14 @@ def _tagged_mesh(tag: str) -> Any:
 
 
 _TRACED_ARGS = ("method", "layout", "causal", "softmax_scale", "kernel", "window_size", "seq_len", "deterministic",
-                "grad_dtype", "softcap", "check_ranks", "options", "graphs")
+                "grad_dtype", "softcap", "check_ranks", "options", "graphs", "mask")
 
 
 @torch.compiler.assume_constant_result
 def traced_key(mesh: Any, method: str, layout: str | None, causal: bool, softmax_scale: float | None, kernel: str,
                window_size: tuple[int, int], seq_len: int | None, deterministic: bool, grad_dtype: torch.dtype,
-               softcap: float, check_ranks: Any, options: tuple[tuple[str, Any], ...], graphs: bool | None = None
-               ) -> str:
+               softcap: float, check_ranks: Any, options: tuple[tuple[str, Any], ...], graphs: bool | None = None,
+               mask: tuple | None = None) -> str:
     """Intern the non-tensor arguments of a traced call as a string key (Note [Tracing seqpar.attention]).
 
     The key spells the arguments out and is read back by ``traced_plan``, so the same key means the same call
@@ -619,7 +628,7 @@ def traced_key(mesh: Any, method: str, layout: str | None, causal: bool, softmax
     """
     args = dict(method=method, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
                 window_size=tuple(window_size), seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
-                softcap=softcap, check_ranks=check_ranks, options=dict(options), graphs=graphs)
+                softcap=softcap, check_ranks=check_ranks, options=dict(options), graphs=graphs, mask=mask)
     key = ";".join(f"{k}={v!r}" for k, v in args.items()) + f";mesh={_mesh_tag(mesh)}"
     try:
         back = _traced_args(key)
@@ -651,7 +660,7 @@ def traced_plan(key: str, q, k, v, sinks, cu_seqlens) -> Plan:
                    window_size=a["window_size"], cu_seqlens=cu_seqlens, seq_len=a["seq_len"],
                    deterministic=a["deterministic"], grad_dtype=a["grad_dtype"], dropout_p=0.0, alibi_slopes=None,
                    softcap=a["softcap"], check_ranks=a["check_ranks"], verify=False, options=a["options"],
-                   graphs=a["graphs"])
+                   graphs=a["graphs"], mask_mod=None if a["mask"] is None else _named.from_spec(a["mask"]))
 
 
 def traced_saved_meta(key: str, q, k, v) -> list[tuple[tuple[Any, ...], torch.dtype]]:

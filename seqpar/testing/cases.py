@@ -20,7 +20,22 @@ import torch
 from .oracle import dense_attention
 from .tolerances import FIELDS, Verdict, judge
 
-__all__ = ["Case", "Report", "check_case", "make_inputs", "make_sinks", "run_case", "run_cases"]
+__all__ = ["Case", "HashMask", "Report", "check_case", "make_inputs", "make_sinks", "run_case", "run_cases"]
+
+
+@dataclass(frozen=True)
+class HashMask:
+    """A seeded pseudo-random ``mask_mod`` (picklable, vmap-friendly): cell (q, k) is visible when a hash of it
+    falls under ``keep`` (0..1). ``period`` > 0 repeats it in blocks, so whole blocks come out empty or full."""
+
+    seed: int
+    keep: float = 0.5
+    period: int = 0
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        qb, kb = (q_idx, kv_idx) if self.period <= 0 else (q_idx // self.period, kv_idx // self.period)
+        x = (qb * 7919 + kb * 104729 + self.seed * 15485863) % 1000003
+        return (x * 2654435761 % 4294967296) < int(self.keep * 4294967296)
 
 
 @dataclass(frozen=True)
@@ -57,6 +72,8 @@ class Case:
     sinks: bool = False
     """Per-head sink logits ``(H,)`` (gpt-oss), with their gradient checked."""
     softcap: float = 0.0
+    mask: Any = None
+    """``mask_mod=``: a named mask of ``seqpar.masks`` or a picklable function such as ``HashMask``."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -79,6 +96,8 @@ class Case:
             parts.append("sinks")
         if self.softcap:
             parts.append(f"softcap{self.softcap}")
+        if self.mask is not None:
+            parts.append(f"mask{self.mask.spec() if hasattr(self.mask, 'spec') else self.mask}")
         parts += [f"{k}={v}" for k, v in self.options]
         return " ".join(parts)
 
@@ -137,7 +156,7 @@ def run_case(case: Case) -> dict[str, Any]:
     res = seqpar.attention(ql, kl, vl, causal=case.causal, window_size=case.window, cu_seqlens=case.cu_seqlens,
                            seq_len=case.valid_len, kernel=case.kernel, softmax_scale=case.scale, return_lse=True,
                            deterministic=case.deterministic, sinks=sinks, softcap=case.softcap, **where,
-                           **dict(case.options))
+                           mask_mod=case.mask, **dict(case.options))
     t1 = time.perf_counter()
     loss = (res.out.float() * dol.float()).sum()
     if case.lse_grad:
@@ -209,7 +228,8 @@ def check_case(case: Case, results: list[dict[str, Any]]) -> Report:
     if got["lse"].dtype != lse_dt:
         report.problems.append(f"lse has dtype {got['lse'].dtype}, want {lse_dt}")
     kw = {"causal": case.causal, "window": case.window, "cu_seqlens": case.cu_seqlens,
-          "valid_len": case.valid_len, "scale": case.scale, "softcap": case.softcap, "sinks": sinks}
+          "valid_len": case.valid_len, "scale": case.scale, "softcap": case.softcap, "sinks": sinks,
+          "mask_mod": case.mask}
     truth = dense_attention(q, k, v, do, dtype=torch.float64, dlse=dlse if case.lse_grad else None, **kw)
     base = None
     if case.dtype in ("bfloat16", "float16"):

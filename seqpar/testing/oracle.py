@@ -1,7 +1,8 @@
 """The oracle: dense attention on the whole (gathered) sequence in one process, with an explicit mask.
 
 ``dense_attention`` builds the full ``(S, S)`` visibility from global positions (causal, window, documents,
-padding) - deliberately independent of the block planner - and differentiates with autograd. It runs in
+padding, and a ``mask_mod`` evaluated on the full grid) - deliberately independent of the block planner - and
+differentiates with autograd. It runs in
 any dtype: fp64 is the truth; the input dtype gives the "single-device computation" whose error sets the
 tolerance for low-precision runs (``tolerances.py``).
 """
@@ -17,8 +18,8 @@ __all__ = ["dense_attention", "dense_mask"]
 
 def dense_mask(seq_len: int, *, causal: bool, window: tuple[int, int] = (-1, -1),
                cu_seqlens: Sequence[int] | None = None, valid_len: int | None = None,
-               device: torch.device | str = "cpu") -> torch.Tensor:
-    """Boolean ``(S, S)``: query p sees key t."""
+               device: torch.device | str = "cpu", mask_mod=None) -> torch.Tensor:
+    """Boolean ``(S, S)``: query p sees key t (``mask_mod(b, h, q_idx, kv_idx)``, if given, on every cell)."""
     p = torch.arange(seq_len, device=device)
     d = p[None, :] - p[:, None]                      # key - query
     vis = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device)
@@ -36,6 +37,11 @@ def dense_mask(seq_len: int, *, causal: bool, window: tuple[int, int] = (-1, -1)
         doc[bounds[i]:bounds[i + 1]] = i
     doc[end:] = -1
     vis &= (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0)
+    if mask_mod is not None:
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        b, h = zero.clone(), zero.clone()
+        for i in range(seq_len):         # one row at a time: the function sees scalar query positions too
+            vis[i] &= mask_mod(b, h, p[i], p).to(device)
     return vis
 
 
@@ -43,14 +49,14 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
                     causal: bool, window: tuple[int, int] = (-1, -1), cu_seqlens: Sequence[int] | None = None,
                     valid_len: int | None = None, scale: float | None = None, dtype: torch.dtype = torch.float64,
                     upcast_softmax: bool = True, softcap: float = 0.0, sinks: torch.Tensor | None = None,
-                    dlse: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                    dlse: torch.Tensor | None = None, mask_mod=None) -> dict[str, torch.Tensor]:
     """Dense attention on global ``q (B, S, H, D)``, ``k (B, S, Hkv, D)``, ``v (B, S, Hkv, Dv)``, in ``dtype``.
 
     Returns ``out``, ``lse`` (``(B, H, S)``, -inf for rows that see nothing) and, with ``do``, ``dq``, ``dk``,
     ``dv`` (by autograd of ``sum(out * do) + sum(lse * dlse)`` over finite lse), plus ``dsinks`` with
     ``sinks``. ``softcap > 0`` caps the scores (``softcap * tanh(s / softcap)``); ``sinks (H,)`` join every
-    row's denominator (lse includes them). ``upcast_softmax=False`` keeps the softmax in ``dtype`` too (the
-    naive single-device low-precision computation).
+    row's denominator (lse includes them). ``mask_mod`` further masks every cell. ``upcast_softmax=False``
+    keeps the softmax in ``dtype`` too (the naive single-device low-precision computation).
     """
     _, S, H, D = q.shape
     G = H // k.shape[2]
@@ -62,7 +68,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     s = torch.einsum("bqhd,bkhd->bhqk", qd, kr) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
-    vis = dense_mask(S, causal=causal, window=window, cu_seqlens=cu_seqlens, valid_len=valid_len, device=q.device)
+    vis = dense_mask(S, causal=causal, window=window, cu_seqlens=cu_seqlens, valid_len=valid_len, device=q.device,
+                     mask_mod=mask_mod)
     s = s.masked_fill(~vis, float("-inf"))
     sm = s.float() if upcast_softmax and dtype in (torch.float16, torch.bfloat16) else s
     lse = torch.logsumexp(sm, dim=-1)

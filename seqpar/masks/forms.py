@@ -1,0 +1,135 @@
+"""The mask forms a local kernel is asked to apply, in the coordinates of ONE kernel call.
+
+Every distributed schedule reduces its work to kernel calls on blocks (query rows x key rows). The block
+planner (``seqpar.layouts.blocks``) turns global visibility rules (causal, sliding window, documents,
+padding) into one of these two forms, so kernels never see global positions.
+
+``Band(lo, hi)``: query row i sees key row j iff ``lo <= j - i <= hi`` (None = unbounded)::
+
+    Band()            full              Band(None, 0)  causal, top-left     Band(None, 2) on 3x5
+    x x x x                             x . . .                             x x x . .   (bottom-right
+    x x x x                             x x . .                             x x x x .    causal: the last
+    x x x x                             x x x .                             x x x x x    query sees all)
+
+The planner trims every band to the bounding box of what it shows, so a band always satisfies
+``hi >= n - m`` and ``lo <= n - m`` (m query rows, n key rows): it is expressible as a flash-attn
+bottom-right window. ``bottom_right_window`` gives that window.
+
+``Varlen(cu_q, cu_k, window)``: the call's rows are packed segments; segment s pairs query rows
+``cu_q[s]:cu_q[s+1]`` with key rows ``cu_k[s]:cu_k[s+1]``, aligned bottom-right (flash-attn's varlen
+convention), with the window ``(left, right)`` (-1 = unbounded; causal is right = 0) in every segment.
+Segments with no query rows or no key rows fill the gaps between documents.
+
+``Modded(base, fn, q, k, stride)``: a user's ``mask_mod`` ``fn`` on top of a band or varlen ``base``. The call's
+rows keep their global positions (runs ``(glob, length)`` advancing by ``stride``), so a kernel evaluates
+``base(i, j) & fn(b, h, pos_q[i], pos_k[j])``. Only flex (GPU) and the reference kernel (CPU) serve it; the block
+planner hands out this form only for blocks the mask leaves partly visible (Note [Generic mask_mod]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Band", "Mask", "Modded", "Varlen", "bottom_right_window", "dense", "run_positions"]
+
+
+@dataclass(frozen=True)
+class Band:
+    """Key j visible to query i iff ``lo <= j - i <= hi``; None means unbounded on that side."""
+
+    lo: int | None = None
+    hi: int | None = None
+
+    @property
+    def is_full(self) -> bool:
+        return self.lo is None and self.hi is None
+
+
+@dataclass(frozen=True)
+class Varlen:
+    """Packed segments, each aligned bottom-right with ``window = (left, right)``; host ints only."""
+
+    cu_q: tuple[int, ...]
+    cu_k: tuple[int, ...]
+    window: tuple[int, int] = (-1, -1)
+
+    @property
+    def max_q(self) -> int:
+        return max(b - a for a, b in zip(self.cu_q[:-1], self.cu_q[1:]))
+
+    @property
+    def max_k(self) -> int:
+        return max(b - a for a, b in zip(self.cu_k[:-1], self.cu_k[1:]))
+
+
+@dataclass(frozen=True)
+class Modded:
+    """``base`` and a flex-style ``fn(b, h, q_pos, k_pos) -> bool`` on the rows' global positions."""
+
+    base: Band | Varlen
+    fn: Callable[..., Any]
+    q: tuple[tuple[int, int], ...]
+    k: tuple[tuple[int, int], ...]
+    stride: int = 1
+
+    @property
+    def is_full(self) -> bool:
+        """Never: a mask_mod block hides some of its band (the planner keeps blocks it leaves whole as bands)."""
+        return False
+
+    def positions(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """Global positions of the call's query rows and key rows, int64 on ``device``."""
+        return run_positions(self.q, self.stride, device), run_positions(self.k, self.stride, device)
+
+
+Mask = Band | Varlen | Modded
+
+
+def run_positions(runs: tuple[tuple[int, int], ...], stride: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The positions ``glob + stride * i`` of every ``(glob, length)`` run, in order."""
+    if not runs:
+        return torch.zeros(0, dtype=torch.long, device=device)
+    return torch.cat([torch.arange(g, g + stride * n, stride, device=device) for g, n in runs])
+
+
+def dense(mask: Mask, m: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The boolean ``(m, n)`` visibility of ``mask`` on an m x n call (tests, the reference kernel, planning)."""
+    if isinstance(mask, Band):
+        d = torch.arange(n, device=device)[None, :] - torch.arange(m, device=device)[:, None]
+        vis = torch.ones(m, n, dtype=torch.bool, device=device)
+        if mask.lo is not None:
+            vis &= d >= mask.lo
+        if mask.hi is not None:
+            vis &= d <= mask.hi
+        return vis
+    if isinstance(mask, Varlen):
+        vis = torch.zeros(m, n, dtype=torch.bool, device=device)
+        left, right = mask.window
+        for s in range(len(mask.cu_q) - 1):
+            qa, qb, ka, kb = mask.cu_q[s], mask.cu_q[s + 1], mask.cu_k[s], mask.cu_k[s + 1]
+            if qa < qb and ka < kb:
+                shift = (kb - ka) - (qb - qa)
+                band = Band(None if left < 0 else shift - left, None if right < 0 else shift + right)
+                vis[qa:qb, ka:kb] = dense(band, qb - qa, kb - ka, device)
+        return vis
+    qp, kp = mask.positions(device)
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    return dense(mask.base, m, n, device) & mask.fn(zero, zero, qp[:, None], kp[None, :])
+
+
+def bottom_right_window(band: Band, m: int, n: int) -> tuple[int, int]:
+    """The flash-attn window ``(left, right)`` (-1 = unbounded) that equals ``band`` on an m x n block.
+
+    Bottom-right alignment puts query i on key diagonal ``i + (n - m)``; the window then admits
+    ``j - i`` in ``[(n - m) - left, (n - m) + right]``.
+    """
+    shift = n - m
+    left = -1 if band.lo is None else shift - band.lo
+    right = -1 if band.hi is None else band.hi - shift
+    if left < -1 or right < -1 or (band.lo is not None and left < 0) or (band.hi is not None and right < 0):
+        raise ValueError(f"band {band} on a {m}x{n} block is not trimmed; plan it with seqpar.layouts.blocks")
+    return left, right

@@ -1,0 +1,169 @@
+"""A user's ``mask_mod``: validated, fingerprinted for the agreement round, and classified per planned block.
+
+Note [Generic mask_mod]
+    A function ``fn(b, h, q_idx, kv_idx) -> bool`` on global positions (flex's convention) declares no structure,
+    so the planner finds it: it plans the blocks of causal/window/documents as usual, then evaluates ``fn`` on
+    each block's global positions, once per planned call (the plan is cached per signature), on the GPU when
+    there is one, in row slabs of at most ``EVAL_CELLS`` cells. A block where ``fn`` hides every visible cell is
+    dropped; one where it hides none keeps its dense kernel; the rest become ``Modded`` blocks, which flex
+    (GPU, its own block mask skipping empty and unmasking full tiles) or the reference kernel (CPU) run.
+    ``fn`` must not depend on ``b`` or ``h`` (checked by tracing it; such masks are refused by name): one
+    plan serves every batch row and head.
+
+    Before any collective, ``check`` calls ``fn`` on a probe grid of the sequence (its first and last positions
+    and a seeded sample between), the same on every rank: a function that raises, returns a wrong shape or
+    dtype raises there, and the grid's bits become the call's fingerprint in the agreement round, so ranks
+    passing different masks fail together instead of hanging. A difference outside the probe grid is not
+    seen; pass the same function on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import rank_suffix
+
+__all__ = ["EVAL_CELLS", "ModMask", "check", "checked", "classify", "evaluate", "wrap"]
+
+EVAL_CELLS = 1 << 26
+"""Cells (query x key) a planning evaluation of a ``mask_mod`` holds at once."""
+PROBE = 48
+"""Query and key positions of the probe grid (``check``)."""
+
+
+@dataclass(frozen=True)
+class ModMask:
+    """A user's ``mask_mod``, hashed by identity (a plan is cached per function object), with the probe grid's
+    fingerprint once ``checked``."""
+
+    fn: Callable[..., Any]
+    fingerprint: str = field(default="", compare=False)
+
+    def spec(self) -> tuple:
+        return ("mask_mod", self.fingerprint)
+
+
+def wrap(mask: Any) -> Any:
+    """``mask_mod=`` as the config holds it: a named mask as is, a callable as a ``ModMask``."""
+    from .named import PieceMask
+
+    if isinstance(mask, (PieceMask, ModMask)):
+        return mask
+    if not callable(mask):
+        raise TypeError(f"mask_mod must be a callable (b, h, q_idx, kv_idx) -> bool tensor or a seqpar.masks named "
+                        f"mask, got {mask!r}{rank_suffix()}")
+    return ModMask(mask)
+
+
+def checked(mask: Any, total: int) -> Any:
+    """The config's mask after ``check`` on a sequence of ``total`` positions (a ``ModMask`` gets its fingerprint)."""
+    if isinstance(mask, ModMask):
+        return ModMask(mask.fn, check(mask.fn, total)[1])
+    check(mask, total)
+    return mask
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def evaluate(fn: Callable[..., Any], q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """``fn`` on the grid ``q_pos x k_pos`` (b = h = 0), as a bool ``(len(q_pos), len(k_pos))`` tensor."""
+    zero = torch.zeros((), dtype=torch.long, device=q_pos.device)
+    out = fn(zero, zero, q_pos[:, None], k_pos[None, :])
+    shape = (len(q_pos), len(k_pos))
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
+        raise TypeError(f"mask_mod must return a bool tensor, got {type(out).__name__}"
+                        f"{'' if not isinstance(out, torch.Tensor) else ' of dtype ' + str(out.dtype)}{rank_suffix()}")
+    if tuple(torch.broadcast_shapes(out.shape, shape)) != shape:
+        raise ValueError(f"mask_mod must return the broadcast shape of its index tensors {shape}, got "
+                         f"{tuple(out.shape)}{rank_suffix()}")
+    return out.expand(shape)
+
+
+def _uses_batch_or_head(fn: Callable[..., Any]) -> list[str]:
+    """Which of ``b``, ``h`` the traced ``fn`` reads (tracing with make_fx: exact for traceable functions)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    args = (torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long),
+            torch.arange(4)[:, None], torch.arange(4)[None, :])
+    try:
+        graph = make_fx(fn)(*args).graph
+    except Exception:           # not traceable: compare values at several (b, h) instead
+        base = fn(*args)
+        used = []
+        for i, name in ((0, "b"), (1, "h")):
+            for x in (1, 3, 7):
+                alt = list(args)
+                alt[i] = torch.tensor(x)
+                if not torch.equal(fn(*alt), base):
+                    used.append(name)
+                    break
+        return used
+    holders = [n for n in graph.nodes if n.op == "placeholder"]
+    return [name for name, n in zip("bh", holders) if n.users]
+
+
+def check(mask: Any, total: int) -> tuple:
+    """Validate ``mask`` (a ``mask_mod`` or a named mask) for a sequence of ``total`` global positions; returns
+    the literal the agreement round compares (Note [Generic mask_mod])."""
+    from .named import PieceMask
+
+    if isinstance(mask, PieceMask):
+        return mask.spec()
+    if not callable(mask):
+        raise TypeError(f"mask_mod must be a callable (b, h, q_idx, kv_idx) -> bool tensor or a seqpar.masks named "
+                        f"mask, got {mask!r}{rank_suffix()}")
+    g = torch.Generator().manual_seed(total)
+    inner = torch.randint(0, max(total, 1), (PROBE - 2,), generator=g)
+    pos = torch.cat([torch.tensor([0, total - 1]), inner]).sort().values
+    try:
+        bits = evaluate(mask, pos, pos)
+        used = _uses_batch_or_head(mask)
+    except (TypeError, ValueError) as err:
+        if "mask_mod must" in str(err):
+            raise
+        raise ValueError(f"mask_mod raised {type(err).__name__}: {err} when called on global positions in "
+                         f"[0, {total}){rank_suffix()}") from err
+    except Exception as err:
+        raise ValueError(f"mask_mod raised {type(err).__name__}: {err} when called on global positions in "
+                         f"[0, {total}){rank_suffix()}") from err
+    if used:
+        raise NotImplementedError(f"mask_mod must not depend on the batch or head index (one plan serves every "
+                                  f"row and head), got a function reading {' and '.join(used)}{rank_suffix()}")
+    digest = hashlib.sha1(bits.cpu().numpy().tobytes()).hexdigest()[:16]
+    return ("mask_mod", digest)
+
+
+def _band_rows(lo: int | None, hi: int | None, a: int, b: int, n: int, device: torch.device) -> torch.Tensor:
+    d = torch.arange(n, device=device)[None, :] - torch.arange(a, b, device=device)[:, None]
+    vis = torch.ones(b - a, n, dtype=torch.bool, device=device)
+    if lo is not None:
+        vis &= d >= lo
+    if hi is not None:
+        vis &= d <= hi
+    return vis
+
+
+def classify(fn: Callable[..., Any], lo: int | None, hi: int | None, q_pos: torch.Tensor, k_pos: torch.Tensor) -> str:
+    """How much of a band block's visible cells ``fn`` keeps: "none", "all" or "some" (row slabs of at most
+    ``EVAL_CELLS`` cells, on the GPU when there is one; Note [Generic mask_mod])."""
+    dev = _device()
+    q_pos, k_pos = q_pos.to(dev), k_pos.to(dev)
+    m, n = len(q_pos), len(k_pos)
+    rows = max(1, EVAL_CELLS // max(n, 1))
+    kept = hidden = False
+    for a in range(0, m, rows):
+        b = min(m, a + rows)
+        vis = _band_rows(lo, hi, a, b, n, dev)
+        f = evaluate(fn, q_pos[a:b], k_pos)
+        kept = kept or bool((vis & f).any())
+        hidden = hidden or bool((vis & ~f).any())
+        if kept and hidden:
+            return "some"
+    return "all" if kept else "none"

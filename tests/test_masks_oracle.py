@@ -1,0 +1,63 @@
+"""Every softmax method x every named mask, and seeded ``mask_mod`` functions, against the fp64 oracle.
+
+The oracle (``seqpar.testing.oracle``) evaluates the mask on the full grid, independently of the planner's
+pieces (Note [Masks as pieces]) and its per-block classification (Note [Generic mask_mod]). W = 1, 2, 3, 4 and
+8; out, lse, dq, dk, dv; with documents and end padding on some cases.
+"""
+
+from __future__ import annotations
+
+import pytest
+from reliability_methods import SOFTMAX, length_divisor, softmax_setup
+
+from seqpar import masks
+from seqpar.methods import causal_layouts, get
+from seqpar.testing import Case, check_case
+from seqpar.testing.cases import HashMask, run_cases
+
+WORLDS = [1, 2, 3, 4, 8]
+
+
+def _round(n: int, div: int) -> int:
+    return div * max(1, -(-n // div))
+
+
+def mask_cases(method: str, world: int, base_len: int = 8) -> list[Case]:
+    """The named masks and two seeded mask_mods on ``method`` at ``world`` ranks."""
+    setup = softmax_setup(method, world)
+    causal_ok = setup.layout in causal_layouts(get(method))
+    heads, kv_heads = {3: (6, 3), 8: (8, 2)}.get(world, (4, 2))
+    S = _round(base_len * world, length_divisor(method, setup.layout, world, setup.ulysses))
+    base = Case(method=method, layout=setup.layout, ulysses=setup.ulysses, options=setup.options, heads=heads,
+                kv_heads=kv_heads, head_dim=8, seq_len=S, seed=world, causal=False, lse_grad=True)
+    third = max(2, S // 3)
+    docs = (0, S // 2 + 1, S - 3)                  # two documents and 3 rows of end padding
+    named = [
+        base.with_(mask=masks.chunked(third), causal=causal_ok),
+        base.with_(mask=masks.chunked(third), causal=causal_ok, cu_seqlens=docs, valid_len=S - 3),
+        base.with_(mask=masks.spans([(1, 4), (S // 2, S // 2 + third)])),
+        base.with_(mask=masks.spans([(0, 3)], window=2)),
+        base.with_(mask=masks.prefix_lm(third)),
+        base.with_(mask=masks.block_causal(max(2, S // 5))),
+        base.with_(mask=masks.shared_prefix(third, [third // 2 + 1, S - third - (third // 2 + 1)])),
+        base.with_(mask=masks.sink_window(3, 2)),
+        base.with_(mask=masks.sink_window(2, 3), cu_seqlens=docs, valid_len=S - 3),
+    ]
+    mods = [
+        base.with_(mask=HashMask(world, keep=0.6), causal=causal_ok),
+        base.with_(mask=HashMask(world + 1, keep=0.5, period=3), cu_seqlens=docs, valid_len=S - 3),
+    ]
+    return named + mods
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_masks_match_the_oracle(pools, world):
+    cases = [c for m in SOFTMAX for c in mask_cases(m, world)]
+    per_rank = pools(world).run(run_cases, cases, timeout=900)
+    failures = []
+    for i, case in enumerate(cases):
+        report = check_case(case, [r[i] for r in per_rank])
+        if not report.ok:
+            failures.append(f"W={world} {report}")
+    assert not failures, "\n".join(failures)
+    assert {c.method for c in cases} == set(SOFTMAX)
