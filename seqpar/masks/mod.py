@@ -80,7 +80,11 @@ def evaluate(fn: Callable[..., Any], q_pos: torch.Tensor, k_pos: torch.Tensor) -
     if not isinstance(out, torch.Tensor) or out.dtype != torch.bool:
         raise TypeError(f"mask_mod must return a bool tensor, got {type(out).__name__}"
                         f"{'' if not isinstance(out, torch.Tensor) else ' of dtype ' + str(out.dtype)}{rank_suffix()}")
-    if tuple(torch.broadcast_shapes(out.shape, shape)) != shape:
+    try:
+        fits = tuple(torch.broadcast_shapes(out.shape, shape)) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
         raise ValueError(f"mask_mod must return the broadcast shape of its index tensors {shape}, got "
                          f"{tuple(out.shape)}{rank_suffix()}")
     return out.expand(shape)
