@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from . import methods
-from .config import AttentionConfig
+from .config import AttentionConfig, balance_rule
 from .errors import rank_suffix
 from .groups import SeqParallelGroups
 from .layouts import Layout
@@ -206,12 +206,15 @@ def _check_result(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Any, l
 
 
 def placement(mesh: Any = None, method: str = "ring", layout: str | None = None,
-              cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> tuple[Layout, int, SeqParallelGroups]:
+              cu_seqlens: torch.Tensor | Sequence[int] | None = None, *, causal: bool = True,
+              mask_mod: Any = None) -> tuple[Layout, int, SeqParallelGroups]:
     """``(layout, this rank's piece, groups)`` of ``method``/``layout`` on ``mesh``: where tokens live.
 
     Every name ``attention`` or ``linear_attention`` accepts works ("auto" places tokens as the ring does on a
     1D mesh and as USP on a 2D one: auto never re-shards). ``layout=None`` is the method's default.
     Document layouts ("balanced", "doc_contiguous", "doc_zigzag") need the batch's ``cu_seqlens``.
+    ``causal`` and ``mask_mod`` matter only to "balanced" with a named mask, which balances the keys each query
+    sees under them: pass the attention call's values (Note [Balanced layout]).
     """
     if method == "auto":
         method = "usp" if getattr(mesh, "ndim", 1) == 2 else "ring"
@@ -237,7 +240,8 @@ def placement(mesh: Any = None, method: str = "ring", layout: str | None = None,
         raise ValueError(f"layout must be one of {list(m.layouts)} for method={method!r}, got {layout!r}"
                          f"{rank_suffix()}")
     try:
-        lay, index = m.placement(layout, groups, _call.host_cu_seqlens(cu_seqlens))
+        lay, index = m.placement(layout, groups, _call.host_cu_seqlens(cu_seqlens),
+                                 balance_rule(layout, causal, mask_mod))
     except ValueError as e:
         raise ValueError(f"{e}{rank_suffix()}") from None
     return lay, index, groups
@@ -250,14 +254,16 @@ def placement_divisor(mesh: Any, method: str, layout: str | None = None,
 
 
 def shard(x: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: str | None = None, dim: int = 1,
-          pad: bool = False, cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
+          pad: bool = False, cu_seqlens: torch.Tensor | Sequence[int] | None = None, causal: bool = True,
+          mask_mod: Any = None) -> torch.Tensor:
     """This rank's tokens of the global tensor ``x`` (a copy), in the method's layout.
 
     A length the layout cannot split raises, saying the length needed; with ``pad=True`` the end is
     zero-padded to it instead, and ``attention`` must then get ``seq_len=<the true length>``. Document
-    layouts need the batch's global ``cu_seqlens``.
+    layouts need the batch's global ``cu_seqlens``; "balanced" with a named ``mask_mod`` places by the work under
+    it and ``causal``: pass the attention call's values here too (``placement``).
     """
-    lay, index, _ = placement(mesh, method, layout, cu_seqlens)
+    lay, index, _ = placement(mesh, method, layout, cu_seqlens, causal=causal, mask_mod=mask_mod)
     n = x.shape[dim]
     if n % lay.divisor:
         if not pad:
@@ -274,21 +280,24 @@ def shard(x: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: st
 
 def unshard(x: torch.Tensor, *, mesh: Any = None, method: str = "ring", layout: str | None = None,
             dim: int = 1, seq_len: int | None = None,
-            cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
+            cu_seqlens: torch.Tensor | Sequence[int] | None = None, causal: bool = True,
+            mask_mod: Any = None) -> torch.Tensor:
     """The global tensor from every rank's shard (a collective: call it on every rank).
 
-    ``seq_len`` drops end padding added by ``shard(..., pad=True)``.
+    ``seq_len`` drops end padding added by ``shard(..., pad=True)``; ``causal``, ``mask_mod`` as for ``shard``.
     """
-    lay, _, groups = placement(mesh, method, layout, cu_seqlens)
+    lay, _, groups = placement(mesh, method, layout, cu_seqlens, causal=causal, mask_mod=mask_mod)
     full = lay.unshard(groups.all_gather(x), dim)
     return full if seq_len is None else full.narrow(dim, 0, seq_len)
 
 
 def positions(seq_len: int, *, mesh: Any = None, method: str = "ring", layout: str | None = None,
               device: torch.device | str | None = None,
-              cu_seqlens: torch.Tensor | Sequence[int] | None = None) -> torch.Tensor:
-    """Global positions of this rank's tokens, int64 ``(L,)``, in local order (for RoPE)."""
-    lay, index, _ = placement(mesh, method, layout, cu_seqlens)
+              cu_seqlens: torch.Tensor | Sequence[int] | None = None, causal: bool = True,
+              mask_mod: Any = None) -> torch.Tensor:
+    """Global positions of this rank's tokens, int64 ``(L,)``, in local order (for RoPE; ``causal``,
+    ``mask_mod`` as for ``shard``)."""
+    lay, index, _ = placement(mesh, method, layout, cu_seqlens, causal=causal, mask_mod=mask_mod)
     try:
         lay.check_len(seq_len)
     except ValueError as e:
@@ -298,7 +307,7 @@ def positions(seq_len: int, *, mesh: Any = None, method: str = "ring", layout: s
 
 def shard_info(seq_len: int, *, mesh: Any = None, method: str = "ring", layout: str | None = None,
                cu_seqlens: torch.Tensor | Sequence[int] | None = None,
-               device: torch.device | str | None = None) -> ShardInfo:
+               device: torch.device | str | None = None, causal: bool = True, mask_mod: Any = None) -> ShardInfo:
     """This rank's global positions, positions inside documents (RoPE), local segments and pad mask.
 
     A separate function rather than ``shard(..., return_info=True)``: the facts depend on the batch's
@@ -312,6 +321,7 @@ def shard_info(seq_len: int, *, mesh: Any = None, method: str = "ring", layout: 
         mesh, method, layout: as for ``shard`` (``layout=None``: the method's default).
         cu_seqlens: global document boundaries (0 first, ``seq_len`` last); None = one document.
         device: where the returned tensors live.
+        causal, mask_mod: as for ``shard`` ("balanced" with a named mask places by its work).
 
     Returns:
         ``ShardInfo`` (``seqpar.layouts.varlen``): ``positions``, ``positions_in_document``, ``documents``,
@@ -320,7 +330,7 @@ def shard_info(seq_len: int, *, mesh: Any = None, method: str = "ring", layout: 
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}{rank_suffix()}")
     cu = _call.host_cu_seqlens(cu_seqlens)
-    lay, index, _ = placement(mesh, method, layout, cu)
+    lay, index, _ = placement(mesh, method, layout, cu, causal=causal, mask_mod=mask_mod)
     try:
         return _shard_info(lay, index, seq_len, cu, device)
     except ValueError as e:

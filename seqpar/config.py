@@ -17,7 +17,15 @@ import torch
 from .errors import rank_suffix
 from .layouts.blocks import Rule
 
-__all__ = ["AttentionConfig"]
+__all__ = ["AttentionConfig", "balance_rule"]
+
+
+def balance_rule(layout: str | None, causal: bool, mask: Any) -> Rule | None:
+    """The rule ``balanced`` places tokens by: causal and a named mask's pieces (the same in ``seqpar.shard`` and
+    ``seqpar.attention``); None (causal work) for other layouts, no mask, or a generic ``mask_mod``."""
+    from .masks.named import PieceMask
+
+    return Rule(causal, mask=mask) if layout == "balanced" and isinstance(mask, PieceMask) else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,6 +82,11 @@ class AttentionConfig:
     @property
     def rule(self) -> Rule:
         return Rule(self.causal, self.window_size, self.mask)
+
+    @property
+    def balance_rule(self) -> Rule | None:
+        """What ``layout="balanced"`` balances beyond causal work: the rule with a named mask, else None."""
+        return balance_rule(self.layout, self.causal, self.mask)
 
     @property
     def valid_len(self) -> int | None:

@@ -131,7 +131,7 @@ def check_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
 
     _, _, H, D = q.shape
     G = H // k.shape[2]
-    layout, _ = module.placement(cfg.layout, groups, cfg.cu_seqlens)
+    layout, _ = module.placement(cfg.layout, groups, cfg.cu_seqlens, cfg.balance_rule)
     S = q.shape[1] * groups.world
     gen = torch.Generator().manual_seed(seed)
     hs = _sample(H, heads, gen).tolist()

@@ -47,7 +47,21 @@ def mask_cases(method: str, world: int, base_len: int = 8) -> list[Case]:
         base.with_(mask=HashMask(world, keep=0.6), causal=causal_ok),
         base.with_(mask=HashMask(world + 1, keep=0.5, period=3), cu_seqlens=docs, valid_len=S - 3),
     ]
-    return named + mods
+    return named + mods + _balanced(method, world, base_len)
+
+
+def _balanced(method: str, world: int, base_len: int) -> list[Case]:
+    """Named masks on ``balanced``, which places tokens by the visible pairs under the mask."""
+    if "balanced" not in get(method).layouts or world == 8:
+        return []
+    setup = softmax_setup(method, world, "balanced")
+    S = _round(base_len * world, length_divisor(method, "balanced", world, setup.ulysses))
+    cu = (0, S // 3, S - 2)
+    base = Case(method=method, layout="balanced", ulysses=setup.ulysses, options=setup.options, heads=4,
+                kv_heads=2, head_dim=8, seq_len=S, seed=world, causal=False, cu_seqlens=cu, valid_len=S - 2)
+    return [base.with_(mask=masks.shared_prefix(3, [2, max(1, S // 3 - 5), S // 2])),
+            base.with_(mask=masks.chunked(3), causal=True),
+            base.with_(mask=masks.spans([(1, 3), (S // 2, S // 2 + 3)]), lse_grad=True)]
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -32,12 +32,16 @@ DOCUMENT_LAYOUTS: dict[str, type[DocumentLayout]] = {"balanced": Balanced, "doc_
 ALL_LAYOUT_NAMES: tuple[str, ...] = (*LAYOUTS, *DOCUMENT_LAYOUTS)
 
 
-def make_layout(name: str, world: int, cu_seqlens: Sequence[int] | torch.Tensor | None = None) -> Layout:
+def make_layout(name: str, world: int, cu_seqlens: Sequence[int] | torch.Tensor | None = None,
+                rule: Rule | None = None) -> Layout:
     """The layout called ``name`` over ``world`` ranks; ValueError listing the valid names otherwise.
 
     A document layout needs the batch's global ``cu_seqlens`` (a sequence or 1-D tensor of ints); a plain
-    layout ignores it.
+    layout ignores it. ``rule``: a rule with a named mask, whose visible pairs ``balanced`` balances (None:
+    causal work); only "balanced" takes it.
     """
+    if rule is not None and name != "balanced":
+        raise ValueError(f"only the balanced layout balances a mask's work, got a mask with layout={name!r}")
     if name in LAYOUTS:
         return LAYOUTS[name](world)
     if name not in DOCUMENT_LAYOUTS:
@@ -45,4 +49,5 @@ def make_layout(name: str, world: int, cu_seqlens: Sequence[int] | torch.Tensor 
     if cu_seqlens is None:
         raise ValueError(f"cu_seqlens (the batch's global document boundaries) must be given for the {name} layout, "
                          f"which places documents, got None")
-    return DOCUMENT_LAYOUTS[name](world, tuple(int(c) for c in cu_seqlens))
+    bounds = tuple(int(c) for c in cu_seqlens)
+    return DOCUMENT_LAYOUTS[name](world, bounds, rule) if rule is not None else DOCUMENT_LAYOUTS[name](world, bounds)

@@ -51,7 +51,8 @@ def work(layout: Layout, seq_len: int, rule: Rule, cu_seqlens: Sequence[int] | N
     Args:
         layout: the placement.
         seq_len: the sharded global length; positions at or past the documents' end are padding.
-        rule: causal and window.
+        rule: causal, window and mask (with a mask: the planned blocks' pairs, an upper bound for a generic
+            ``mask_mod``, O(W^2) plans).
         cu_seqlens: global document boundaries (0 first, the valid length last); None = a document
             layout's own, else one document of ``seq_len``.
     """
@@ -59,6 +60,9 @@ def work(layout: Layout, seq_len: int, rule: Rule, cu_seqlens: Sequence[int] | N
         bounds: Sequence[int] = tuple(int(c) for c in cu_seqlens)
     else:
         bounds = layout.bounds if isinstance(layout, DocumentLayout) else (0, seq_len)
+    if rule.mask is not None:          # a mask: count the planned blocks against every rank's keys
+        segs = [layout.segments(r, seq_len).cut(bounds) for r in range(layout.world)]
+        return [sum(block_work(s, k, rule) for k in segs) for s in segs]
     lo, hi = rule.delta_bounds()
     out = []
     for rank in range(layout.world):

@@ -38,7 +38,7 @@ import torch
 from ..config import AttentionConfig
 from ..errors import rank_suffix
 from ..groups import SeqParallelGroups
-from ..layouts import Layout, make_layout
+from ..layouts import Layout, Rule, make_layout
 from ..numerics import GradRows
 
 __all__ = ["BUILTIN", "FEATURES", "LONG_CONTEXT", "BackwardInputs", "Call", "Engine", "Method", "available",
@@ -143,10 +143,11 @@ def _no_check(call: Call) -> None:
     return None
 
 
-def ring_placement(layout: str, groups: SeqParallelGroups, documents: tuple[int, ...] | None = None
-                   ) -> tuple[Layout, int]:
-    """Tokens follow ``layout`` over the whole group; this rank holds piece ``groups.index``."""
-    return make_layout(layout, groups.world, documents), groups.index
+def ring_placement(layout: str, groups: SeqParallelGroups, documents: tuple[int, ...] | None = None,
+                   rule: Rule | None = None) -> tuple[Layout, int]:
+    """Tokens follow ``layout`` over the whole group; this rank holds piece ``groups.index`` (``rule``: what
+    ``balanced`` balances, ``AttentionConfig.balance_rule``)."""
+    return make_layout(layout, groups.world, documents, rule), groups.index
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -172,9 +173,9 @@ class Method:
     features: frozenset[str] = frozenset()
     """The subset of ``FEATURES`` it serves."""
     placement: Callable[..., tuple[Layout, int]] = ring_placement
-    """``(layout name, groups, documents) -> (Layout, index)``: where this rank's tokens live. It reads only
-    ``groups.world``, ``groups.index``, ``groups.ulysses_size`` and ``groups.ring_size`` (the planner places
-    tokens without process groups)."""
+    """``(layout name, groups, documents, balance rule) -> (Layout, index)``: where this rank's tokens live. It
+    reads only ``groups.world``, ``groups.index``, ``groups.ulysses_size`` and ``groups.ring_size`` (the planner
+    places tokens without process groups)."""
     check: Callable[[Call], None] = _no_check
     """Method rules (options, head counts) checked before any collective; raise with the reason."""
     engine: Callable[[Call], Engine]

@@ -36,7 +36,7 @@ __all__ = ["METHOD", "SCHEDULES", "resolve_schedule"]
 SCHEDULES = ("auto", "cycles", "direct")
 
 
-def _placement(layout: str, groups, documents=None) -> tuple[Layout, int]:
+def _placement(layout: str, groups, documents=None, rule=None) -> tuple[Layout, int]:
     """``layout`` over the group with every per-rank piece cut into W-1 sub-chunks (same token placement)."""
     W = groups.world
     return Subchunked(W, base=make_layout(layout, W), parts=max(W - 1, 1)), groups.index

@@ -27,7 +27,7 @@ from .base import LONG_CONTEXT, Call, Method
 __all__ = ["METHOD"]
 
 
-def _placement(layout: str, groups, documents=None) -> tuple[Layout, int]:
+def _placement(layout: str, groups, documents=None, rule=None) -> tuple[Layout, int]:
     """Tokens in global order (the all-to-all concatenates pieces): rank ``groups.index`` holds piece index."""
     return Contiguous(groups.world), groups.index
 

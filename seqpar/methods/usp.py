@@ -37,9 +37,9 @@ from .base import LONG_CONTEXT, Call, Method
 __all__ = ["METHOD"]
 
 
-def _placement(layout: str, groups, documents=None) -> tuple[Layout, int]:
+def _placement(layout: str, groups, documents=None, rule=None) -> tuple[Layout, int]:
     """``layout`` over the R ring ranks, each ring rank's tokens split contiguously over its U ranks."""
-    outer = make_layout(layout, groups.ring_size, documents)
+    outer = make_layout(layout, groups.ring_size, documents, rule)
     return Nested(groups.world, outer=outer, inner=groups.ulysses_size), groups.index
 
 
@@ -56,7 +56,7 @@ class _RingInner:
 
     def __init__(self, call: Call):
         cfg, groups = call.cfg, call.groups
-        outer = make_layout(cfg.layout, groups.ring_size, cfg.cu_seqlens)
+        outer = make_layout(cfg.layout, groups.ring_size, cfg.cu_seqlens, cfg.balance_rule)
         rho = groups.index // groups.ulysses_size
         sched = _passkv.schedule(outer, rho, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
         runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)

@@ -149,6 +149,8 @@ def run_case(case: Case) -> dict[str, Any]:
         sinks = sinks.to(dev).requires_grad_()
     where = {"mesh": mesh, "method": case.method, "layout": case.layout}
     docs = {"cu_seqlens": case.cu_seqlens}         # document layouts place tokens from them (others ignore them)
+    if case.mask is not None and case.layout == "balanced":      # which balances the work under the mask
+        docs.update(causal=case.causal, mask_mod=case.mask)
     ql, kl, vl = (seqpar.shard(t, **where, **docs).requires_grad_() for t in (q, k, v))
     dol = seqpar.shard(do, **where, **docs)
     dlsel = seqpar.shard(dlse, dim=2, **where, **docs)
