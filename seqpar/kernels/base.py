@@ -91,6 +91,8 @@ class Kernel(ABC):
     auto_rank: ClassVar[dict[str, int]] = {}
     #: backward uses a precomputed ``delta`` (else it recomputes Delta from ``out``: callers fold dlse in)
     takes_delta: ClassVar[bool] = False
+    #: ``autograd_forward`` takes ``softcap`` (a direct call may then cap scores)
+    direct_softcap: ClassVar[bool] = False
 
     @abstractmethod
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
@@ -106,7 +108,7 @@ class Kernel(ABC):
         return False
 
     def autograd_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
-                         scale: float) -> torch.Tensor:
+                         scale: float, softcap: float = 0.0) -> torch.Tensor:
         """``out (B, S, H, Dv)`` through an aten op that PyTorch's autograd differentiates (Note [Direct calls])."""
         raise NotImplementedError(f"kernel {self.name!r} has no differentiable whole-call op")
 

@@ -106,21 +106,26 @@ class TaskRunner:
     def direct(self, tasks: tuple[Task, ...], q_shape, k_shape, v_shape, dtype: torch.dtype, device: torch.device):
         """``f(q, k, v) -> out`` for a call that is one whole block served by a kernel with a differentiable
         aten op (Note [Direct calls] in ``seqpar.kernels.base``), else None."""
-        if len(tasks) != 1 or self.softcap:
+        if len(tasks) != 1:
             return None
         t = tasks[0]
         if (t.q_start, t.q_stop, t.k_start, t.k_stop) != (0, q_shape[1], 0, k_shape[1]):
             return None
         dv = v_shape[-1]
         call = KernelCall(device.type, dtype, q_shape[-1], q_shape[2], k_shape[2], mask_kind(t.mask),
-                          self.deterministic, t.rows == 1 and t.cols == 1, 0 if dv == q_shape[-1] else dv, False)
+                          self.deterministic, t.rows == 1 and t.cols == 1, 0 if dv == q_shape[-1] else dv,
+                          self.softcap > 0)
         try:
             kern = select(self.kernel, call)
         except UnsupportedInputError:
             return None
-        if not kern.direct(t.mask) or (dv != q_shape[-1] and kern.name != "cudnn"):
+        if not kern.direct(t.mask) or (dv != q_shape[-1] and kern.name not in ("cudnn", "flex")):
             return None
-        mask, scale = t.mask, self.scale
+        if self.softcap and not kern.direct_softcap:
+            return None
+        mask, scale, cap = t.mask, self.scale, self.softcap
+        if cap:
+            return lambda q, k, v: kern.autograd_forward(q, k, v, mask, scale, cap)
         return lambda q, k, v: kern.autograd_forward(q, k, v, mask, scale)
 
     def prepare(self, tasks: tuple[Task, ...], q: torch.Tensor, k: torch.Tensor) -> tuple[Task, ...]:

@@ -163,6 +163,7 @@ class FlexKernel(Kernel):
     name = "flex"
     auto_rank = {"cuda": 50}
     takes_delta = True
+    direct_softcap = True
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
         r = []
@@ -185,6 +186,17 @@ class FlexKernel(Kernel):
         o, lse = _flex(q.device)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale,
                              score_mod=mod, enable_gqa=q.shape[2] != k.shape[2], **_lse_request())
         return AttnOutput(o.transpose(1, 2), _natural_lse(lse if torch.is_tensor(lse) else lse.lse))
+
+    def direct(self, mask: Mask) -> bool:
+        return True
+
+    def autograd_forward(self, q, k, v, mask: Mask, scale: float, softcap: float = 0.0) -> torch.Tensor:
+        """The whole call as flex's own autograd op: its backward reuses the forward's lse (no recompute)."""
+        bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
+        mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
+        o = _flex(q.device)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale,
+                            score_mod=mod, enable_gqa=q.shape[2] != k.shape[2])
+        return o.transpose(1, 2)
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
         with torch.no_grad():

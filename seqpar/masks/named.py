@@ -160,9 +160,9 @@ class Spans(PieceMask):
         return (None if self.window < 0 else -self.window, 0)
 
     def __call__(self, b, h, q_idx, kv_idx):
-        cuts = torch.tensor(self.cuts or (_END,), device=q_idx.device)
-        pq = torch.searchsorted(cuts, q_idx, right=True)
-        pk = torch.searchsorted(cuts, kv_idx, right=True)
+        cuts = _table(self, "cuts", q_idx.device)
+        pq = torch.bucketize(q_idx, cuts, right=True)
+        pk = torch.bucketize(kv_idx, cuts, right=True)
         causal = kv_idx <= q_idx
         if self.window >= 0:
             causal = causal & (q_idx - kv_idx <= self.window)
@@ -205,14 +205,9 @@ class Tree(PieceMask):
         return FULL if b in self._anc[a] else None     # type: ignore[attr-defined]
 
     def __call__(self, b, h, q_idx, kv_idx):
-        n = len(self.parents)
-        table = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-        for i, a in enumerate(self._anc):              # type: ignore[attr-defined]
-            table[i, list(a)] = True
-        table = table.to(q_idx.device)
-        cuts = torch.tensor(self.cuts[1:], device=q_idx.device)
-        pq = torch.searchsorted(cuts, q_idx, right=True)
-        pk = torch.searchsorted(cuts, kv_idx, right=True)
+        table, cuts = _table(self, "ancestors", q_idx.device), _table(self, "cuts", q_idx.device)
+        pq = torch.bucketize(q_idx, cuts, right=True)
+        pk = torch.bucketize(kv_idx, cuts, right=True)
         return table[pq, pk] & ((pq != pk) | (kv_idx <= q_idx))
 
 
@@ -239,6 +234,25 @@ class SinkWindow(PieceMask):
 
     def __call__(self, b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & ((q_idx - kv_idx <= self.window) | (kv_idx < self.sinks))
+
+
+def _table(mask: PieceMask, what: str, device: torch.device) -> torch.Tensor:
+    """A mask's lookup tensor on ``device``, built once and kept on the mask (flex captures it; ``bucketize``
+    compiles)."""
+    held = mask.__dict__.setdefault("_tables", {})
+    key = (what, str(device))
+    if key not in held:
+        if what == "cuts" and isinstance(mask, Spans):
+            t = torch.tensor(mask.cuts or (_END,))
+        elif what == "cuts":                            # a tree's inner cuts: piece i starts at cuts[i]
+            t = torch.tensor(mask.cuts[1:])             # type: ignore[attr-defined]
+        else:
+            n = len(mask.parents)                       # type: ignore[attr-defined]
+            t = torch.zeros(n + 1, n + 1, dtype=torch.bool)     # row n: positions past the tree see nothing
+            for i, a in enumerate(mask._anc):           # type: ignore[attr-defined]
+                t[i, list(a)] = True
+        held[key] = t.to(device)
+    return held[key]
 
 
 def chunked(size: int) -> Chunked:
