@@ -1,0 +1,233 @@
+"""Masks on one GPU: seqpar against flex_attention called directly, softcap, the shared-prefix RL row, and the
+named masks' compute-path efficiency at an emulated W = 8 (fake group, communication free).
+
+    python3 benchmarks/gpu/masks_1gpu.py --out DIR [--sections w1,softcap,rl,emulated] [--sizes 16384,131072]
+
+Every record is one JSON line in DIR/masks.jsonl, labelled "W = 1" or "emulated W = 8 (rank r of 8, fake
+group)". GQA 32/8, D 128, bf16 unless said; medians of ``--iters`` after ``--warmup``. flex is
+``torch.compile(flex_attention)`` with a block mask from ``create_block_mask`` of the same mask, built outside
+the timed region (seqpar builds its own once per planned call, also outside).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import seqpar
+from seqpar import masks
+from seqpar.bench.timing import time_ms
+from seqpar.layouts import make_layout
+from seqpar.layouts.blocks import Rule
+from seqpar.layouts.work import work
+
+dev = torch.device("cuda")
+OUT: Path
+FLEX = torch.compile(flex_attention, dynamic=False)
+W1: dict[tuple[int, str], tuple[float, float]] = {}      # seqpar at W = 1: (length, mask) -> (fwd, fwd+bwd) ms
+H, HKV, D = 32, 8, 128
+
+
+def emit(**rec) -> None:
+    print(json.dumps(rec), flush=True)
+    with (OUT / "masks.jsonl").open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def group(world: int, rank: int = 0) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+
+
+def named(S: int) -> dict[str, tuple[bool, object]]:
+    """The named masks at length S, each with the ``causal`` flag it is used with."""
+    img = S // 16
+    return {
+        "chunked": (True, masks.chunked(8192)),
+        "spans (16 images)": (False, masks.spans([(i * img + 64, i * img + 64 + 256) for i in range(16)])),
+        "prefix_lm": (False, masks.prefix_lm(S // 4)),
+        "block_causal": (False, masks.block_causal(S // 32)),
+        "shared_prefix": (False, masks.shared_prefix(S // 2, [S // 16] * 8)),
+        "sink_window": (False, masks.sink_window(4095, 4)),
+    }
+
+
+def inputs(S: int, d: int = D, heads: int = H, kv: int = HKV, batch: int = 1):
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(batch, S, heads, d, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+    k = torch.randn(batch, S, kv, d, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+    v = torch.randn(batch, S, kv, d, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+    do = torch.randn(batch, S, heads, d, device=dev, dtype=torch.bfloat16, generator=g)
+    return q, k, v, do
+
+
+def flex_fn(mask, causal: bool):
+    if not causal:
+        return mask
+    return lambda b, h, qi, ki: mask(b, h, qi, ki) & (ki <= qi)
+
+
+def timed(call, t, args) -> tuple[float, float]:
+    """Median ms of ``call(q, k, v)`` forward, and forward+backward, on the tensors ``t = (q, k, v, do)``."""
+    q, k, v, do = t
+
+    def fwd():
+        with torch.no_grad():
+            call(q, k, v)
+
+    def fb():
+        call(q, k, v).backward(do)
+    return (time_ms(fwd, dev, warmup=args.warmup, iters=args.iters),
+            time_ms(fb, dev, warmup=args.warmup, iters=args.iters))
+
+
+def flex_call(bm, score_mod=None):
+    def call(q, k, v):
+        o = FLEX(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, score_mod=score_mod,
+                 enable_gqa=True)
+        return o.transpose(1, 2)
+    return call
+
+
+def ours_call(**kw):
+    return lambda q, k, v: seqpar.attention(q, k, v, **kw)
+
+
+def max_diff(a, b, t) -> float:
+    return (a(*t[:3]).float() - b(*t[:3]).float()).abs().max().item()
+
+
+def w1(args) -> None:
+    """seqpar (W = 1) against flex directly, per named mask and length; plus a generic mask_mod at 16K."""
+    group(1)
+    for S in args.sizes:
+        t = inputs(S)
+        cases = list(named(S).items())
+        if S <= 16384:
+            causal, sp = named(S)["shared_prefix"]
+            cases.append(("generic mask_mod (shared prefix as a function)",
+                          (causal, lambda b, h, qi, ki, sp=sp: sp(b, h, qi, ki))))
+        for name, (causal, m) in cases:
+            t0 = time.perf_counter()
+            try:
+                bm = create_block_mask(flex_fn(m, causal), None, None, S, S, device=dev, _compile=True)
+                flex = flex_call(bm)
+                ours = ours_call(causal=causal, mask_mod=m, layout="contiguous")
+                err = max_diff(ours, flex, t) if S <= 16384 else None
+                f_fwd, f_fb = timed(flex, t, args)
+                o_fwd, o_fb = timed(ours, t, args)
+                W1[(S, name)] = (o_fwd, o_fb)
+                emit(section="w1", label="W = 1", mask=name, seq_len=S, causal=causal, flex_fwd_ms=f_fwd,
+                     flex_fb_ms=f_fb, seqpar_fwd_ms=o_fwd, seqpar_fb_ms=o_fb, ratio_fwd=o_fwd / f_fwd,
+                     ratio_fb=o_fb / f_fb, max_abs_diff_vs_flex=err, wall_s=time.perf_counter() - t0)
+            except Exception as e:          # a record of the failure, then the next case
+                emit(section="w1", label="W = 1", mask=name, seq_len=S, error=f"{type(e).__name__}: {e}"[:400])
+        del t
+        torch.cuda.empty_cache()
+
+
+def _capped(cap: torch.Tensor):
+    def score_mod(score, b, h, qi, ki):
+        return cap * torch.tanh(score / cap)
+    return score_mod
+
+
+def softcap(args) -> None:
+    """seqpar's softcap (W = 1, causal) against flex with the same causal block mask and score_mod."""
+    group(1)
+    S = 16384
+    for d in (128, 256):
+        t = inputs(S, d)
+        bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, S, S, device=dev)
+        flex = flex_call(bm, _capped(torch.tensor(30.0, device=dev)))
+        ours = ours_call(causal=True, softcap=30.0, layout="contiguous")
+        err = max_diff(ours, flex, t)
+        f_fwd, f_fb = timed(flex, t, args)
+        o_fwd, o_fb = timed(ours, t, args)
+        emit(section="softcap", label="W = 1", seq_len=S, head_dim=d, flex_fwd_ms=f_fwd, flex_fb_ms=f_fb,
+             seqpar_fwd_ms=o_fwd, seqpar_fb_ms=o_fb, ratio_fwd=o_fwd / f_fwd, ratio_fb=o_fb / f_fb,
+             max_abs_diff_vs_flex=err)
+        del t
+        torch.cuda.empty_cache()
+
+
+def rl(args) -> None:
+    """One 16K prompt and 8 responses of 2K: the tree mask on 32K tokens against 8 prompt copies (144K tokens
+    as 8 causal documents), attention forward+backward at W = 1."""
+    group(1)
+    P, R, N = 16384, 2048, 8
+    tree = masks.shared_prefix(P, [R] * N)
+    S_tree, S_dup = P + N * R, N * (P + R)
+    pairs_tree = P * (P + 1) // 2 + N * (R * P + R * (R + 1) // 2)
+    pairs_dup = N * ((P + R) * (P + R + 1) // 2)
+    t_fwd, t_fb = timed(ours_call(causal=False, mask_mod=tree, layout="contiguous"), inputs(S_tree), args)
+    cu = tuple(i * (P + R) for i in range(N + 1))
+    d_fwd, d_fb = timed(ours_call(causal=True, cu_seqlens=cu, layout="contiguous"), inputs(S_dup), args)
+    emit(section="rl", label="W = 1", prompt=P, responses=N, response_len=R, tokens_tree=S_tree,
+         tokens_duplicated=S_dup, pairs_tree=pairs_tree, pairs_duplicated=pairs_dup,
+         flops_saved=pairs_dup / pairs_tree, tree_fwd_ms=t_fwd, tree_fb_ms=t_fb, dup_fwd_ms=d_fwd, dup_fb_ms=d_fb,
+         speedup_fb=d_fb / t_fb)
+    torch.cuda.empty_cache()
+
+
+def emulated(args) -> None:
+    """Compute-path efficiency of the busiest of 8 ranks per named mask (and causal), against seqpar W = 1 on
+    the whole sequence: efficiency = T(W = 1) / 8 / T(busiest rank)."""
+    W = 8
+    for S in args.sizes:
+        cases = {"causal": (True, None), **named(S)}
+        for method, layout in (("ring", "zigzag"), ("ulysses", "contiguous")):
+            for name, (causal, m) in cases.items():
+                try:
+                    if (S, name) not in W1:
+                        group(1)
+                        W1[(S, name)] = timed(ours_call(causal=causal, mask_mod=m, layout="contiguous"), inputs(S),
+                                              args)
+                    base = W1[(S, name)]
+                    lay = make_layout(layout, W)
+                    per = work(lay, S, Rule(causal, mask=m), None)
+                    rank = 0 if method == "ulysses" else max(range(W), key=lambda r: (per[r], -r))
+                    group(W, rank)
+                    ours = timed(ours_call(causal=causal, mask_mod=m, method=method, layout=layout, check_ranks=False),
+                                 inputs(S // W), args)
+                    emit(section="emulated", label=f"emulated W = 8 (rank {rank} of 8, fake group)", mask=name,
+                         method=method, layout=layout, seq_len=S, tokens_per_rank=S // W, emulated_world=W,
+                         emulated_rank=rank, w1_fwd_ms=base[0], w1_fb_ms=base[1], rank_fwd_ms=ours[0],
+                         rank_fb_ms=ours[1], compute_efficiency_fwd=base[0] / W / ours[0],
+                         compute_efficiency_fb=base[1] / W / ours[1], busiest_over_mean=max(per) / (sum(per) / W))
+                except Exception as e:
+                    emit(section="emulated", mask=name, method=method, seq_len=S,
+                         error=f"{type(e).__name__}: {e}"[:400])
+                torch.cuda.empty_cache()
+
+
+def main() -> None:
+    global OUT
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sections", default="w1,softcap,rl,emulated")
+    ap.add_argument("--sizes", default="16384,131072")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    args = ap.parse_args()
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    OUT = Path(args.out)
+    OUT.mkdir(parents=True, exist_ok=True)
+    emit(section="env", torch=torch.__version__, gpu=torch.cuda.get_device_name(), seqpar=seqpar.__version__,
+         command=" ".join(["masks_1gpu.py", *[f"--{k}={v}" for k, v in vars(args).items() if k != "out"]]))
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        {"w1": w1, "softcap": softcap, "rl": rl, "emulated": emulated}[name](args)
+        emit(section="timing", part=name, wall_s=time.perf_counter() - t0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One GPU: masks against flex, softcap, the shared-prefix RL row, emulated W = 8 per named mask (masks_1gpu.py).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/seqpar-out}; mkdir -p "$OUT/masks"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch; print('torch', torch.__version__, 'cudnn', torch.backends.cudnn.version())"
+} > "$OUT/masks/env.txt" 2>&1
+export PYTHONPATH=$PWD
+timeout "${TIMEOUT:-560}" python3 benchmarks/gpu/masks_1gpu.py --out "$OUT/masks" --sections "${SECTIONS:-w1,softcap,rl,emulated}" \
+  --sizes "${SIZES:-16384,131072}" > "$OUT/masks/log.txt" 2>&1
+echo "== rc=$?"
+grep -v '^\s' "$OUT/masks/log.txt" | grep -v Warning | tail -n 60 | cut -c1-400
