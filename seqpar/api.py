@@ -158,7 +158,7 @@ def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     Call it on every rank with the local shards and the arguments of the ``attention`` call that produced
     ``out`` (and ``lse``, if returned). ``heads`` query heads and ``rows`` global query rows are sampled
     from ``seed`` (identical on every rank), gathered, and recomputed in fp64; the tolerance is the test
-    suite's rule (``seqpar.testing.tolerances``) unless ``tolerance`` fixes one.
+    suite's rule (``seqpar.tolerances``) unless ``tolerance`` fixes one.
 
     Returns:
         A ``VerifyReport``; raises ``VerificationError`` on every rank when any field exceeds its limit

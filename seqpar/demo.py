@@ -113,7 +113,7 @@ HEADER = ["method", "layout", "mask", "W", "fwd err / limit", "bwd err / limit",
 
 
 def _spawned(world: int, seq_len: int) -> list[Any]:
-    from .testing.harness import ProcessPool, WorkerError
+    from .pool import ProcessPool, WorkerError
 
     with ProcessPool(world, timeout=600, threads=max(1, (os.cpu_count() or 2) // world)) as pool:
         reports = []

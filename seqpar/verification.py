@@ -13,7 +13,7 @@ Note [Verify mode]
                    built from global positions (causal, window, documents, padding) - written independently
                    of the block planner, like the test oracle - and, for bf16/fp16, the same rows in that
                    dtype (the single-device baseline of the tolerance rule)
-        4. judge   with ``seqpar.testing.tolerances.judge``: fp32 1e-5, fp64 1e-10, bf16/fp16 twice the
+        4. judge   with ``seqpar.tolerances.judge``: fp32 1e-5, fp64 1e-10, bf16/fp16 twice the
                    baseline's error plus 1e-6 (or a fixed ``tolerance``); -inf lse rows must match exactly
         5. agree   the worst error/limit ratio is MAX-reduced over the group, so every rank raises
                    ``VerificationError`` (with every measured error) or none does
@@ -39,7 +39,7 @@ from .errors import VerificationError, rank_suffix
 from .groups import SeqParallelGroups
 
 if TYPE_CHECKING:
-    from .testing.tolerances import Verdict
+    from .tolerances import Verdict
 
 __all__ = ["VerifyReport", "check_sample", "row_mask"]
 
@@ -127,7 +127,7 @@ def check_sample(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         tolerance: a fixed limit on the normalised max error instead of the dtype rule.
         raise_on_error: raise ``VerificationError`` on failure (else return the report).
     """
-    from .testing.tolerances import Verdict, judge  # the test suite's rule; imported on use (not at import)
+    from .tolerances import Verdict, judge  # the test suite's rule; imported on use (not at import)
 
     _, _, H, D = q.shape
     G = H // k.shape[2]

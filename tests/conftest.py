@@ -12,8 +12,8 @@ import re
 
 import pytest
 
+from seqpar.pool import PRELOAD
 from seqpar.testing import ProcessPool
-from seqpar.testing.harness import PRELOAD
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -14,7 +14,7 @@ import torch
 from seqpar.errors import UnsupportedInputError
 from seqpar.kernels import KernelCall, select
 from seqpar.masks import Band, Varlen
-from seqpar.testing.tolerances import judge
+from seqpar.tolerances import judge
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

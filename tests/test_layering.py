@@ -18,8 +18,8 @@ FORBIDDEN = {
     "inference": {"methods", "modules", "integrations", "bench", "planner"},   # attention through api only
 }
 # modules below the methods inside a package the methods may import only in part
-BELOW_METHODS = {"runtime.loop": {"methods", "api", "planner", "runtime.call", "runtime.op"}}
-# methods use the runtime's loop, never the planned call built on top of them
+BELOW_METHODS = {"comm.loop": {"methods", "api", "planner", "runtime"}}
+# methods use the one loop (comm.loop), never the planned call built on top of them
 METHODS_MUST_NOT = {"seqpar.runtime.call", "seqpar.runtime.op"}
 BASE = {"types", "errors", "masks", "config", "numerics"}
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..comm.loop import Double, Loop, run_steps
 from ..comm.ring import Ring
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator, RowSum
@@ -27,7 +28,6 @@ from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, any_visible, plan
 from ..memo import BATCH_ENTRIES, batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
-from ..runtime.loop import Double, Loop, run_steps
 from ._shared import head_groups, pack_kv, unpack_kv
 
 __all__ = ["BATCH_SCHEDULES", "HeadChunks", "OneRank", "PassKV", "Schedule", "build", "schedule"]

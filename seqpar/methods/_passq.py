@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..comm.loop import Double, Loop, run_steps
 from ..comm.ring import Exchange, Ring
 from ..kernels.base import mask_kind
 from ..kernels.executor import GROUP_AT, TaskRunner
@@ -42,7 +43,6 @@ from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, plan
 from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
-from ..runtime.loop import Double, Loop, run_steps
 from ._shared import Rows, bhs, bshd, hull, row_hull, seq_major, split_own
 
 __all__ = ["PassQ", "PassQPlan", "schedule"]

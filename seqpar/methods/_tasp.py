@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import topology
+from ..comm.loop import Loop, run_steps
 from ..comm.ring import Exchange
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator
@@ -44,7 +45,6 @@ from ..layouts.blocks import Rule, Task, plan, slice_rows
 from ..layouts.subchunks import Subchunked
 from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
-from ..runtime.loop import Loop, run_steps
 from ._shared import bshd, pack_kv, seq_major, split_own, unpack_kv
 
 __all__ = ["Hop", "Piece", "Round", "Tasp", "TaspPlan", "schedule"]

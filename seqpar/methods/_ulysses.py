@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import all_to_all as a2a
+from ..comm.loop import Loop, run_steps
 from ..errors import rank_suffix
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator
@@ -62,7 +63,6 @@ from ..layouts.blocks import Rule, Task, plan
 from ..layouts.contiguous import Contiguous
 from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, apply_sinks, wire_dtype
-from ..runtime.loop import Loop, run_steps
 from ._shared import head_groups
 from .base import BackwardInputs, Call
 

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.all_gather import AllGather, AllToAllV, Handle
+from ..comm.loop import Loop, run_steps
 from ..errors import rank_suffix
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import merge_
@@ -73,7 +74,6 @@ from ..layouts.blocks import Rule, Run, Segments, Task, plan
 from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
 from ..planner import model
-from ..runtime.loop import Loop, run_steps
 from . import _passkv
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 

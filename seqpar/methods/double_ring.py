@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..comm.loop import Double, Loop, run_steps
 from ..comm.ring import Exchange
 from ..config import AttentionConfig
 from ..errors import rank_suffix
@@ -46,7 +47,6 @@ from ..layouts.blocks import Rule, Task, plan
 from ..memo import batch_memo
 from ..numerics import acc_dtype, wire_dtype
 from ..planner import model
-from ..runtime.loop import Double, Loop, run_steps
 from ._shared import pack_kv, unpack_kv
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 

@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or f"seqpar_profile_{socket.gethostname()}_{args.device}.json"
     backend = "nccl" if args.device == "cuda" else "gloo"
     if args.spawn:
-        from ..testing.harness import ProcessPool
+        from ..pool import ProcessPool
 
         with ProcessPool(args.spawn, backend=backend, timeout=900) as pool:
             prof = Profile.from_dict(pool.run(_spawned, s)[0])

@@ -6,7 +6,7 @@
     assert report.ok, report
 
 Workers return their local out, lse, dq, dk, dv and the global positions of their rows, so the parent
-reassembles the global tensors without knowing the method's layout. Tolerances are in ``tolerances.py``.
+reassembles the global tensors without knowing the method's layout. Tolerances are in ``seqpar.tolerances``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
+from ..tolerances import FIELDS, Verdict, judge
 from .oracle import dense_attention
-from .tolerances import FIELDS, Verdict, judge
 
 __all__ = ["Case", "HashMask", "Report", "check_case", "make_inputs", "make_sinks", "run_case", "run_cases"]
 

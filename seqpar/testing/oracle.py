@@ -4,7 +4,7 @@
 padding, and a ``mask_mod`` evaluated on the full grid) - deliberately independent of the block planner - and
 differentiates with autograd. It runs in
 any dtype: fp64 is the truth; the input dtype gives the "single-device computation" whose error sets the
-tolerance for low-precision runs (``tolerances.py``).
+tolerance for low-precision runs (``seqpar.tolerances``).
 """
 
 from __future__ import annotations

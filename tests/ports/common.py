@@ -8,7 +8,7 @@ signatures the tests call. Its outputs come back in the input dtype, lse in fp32
 flash-attn's shapes: ``(b, h, s)`` batch, ``(h, total)`` varlen.
 
 ``assert_close`` is the assert the ports add to every comparison the peers only print: the flash-attn rule of
-``seqpar.testing.tolerances`` (normalised max error at most 1e-5 in fp32, 1e-10 in fp64, against this fp64
+``seqpar.tolerances`` (normalised max error at most 1e-5 in fp32, 1e-10 in fp64, against this fp64
 reference; lse with -inf on the same rows).
 
 ``log`` prints like the peers' (every rank in turn, or rank 0 only). ``run_script`` is a script's

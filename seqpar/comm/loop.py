@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..comm.ring import Exchange
+from .ring import Exchange
 
 __all__ = ["Double", "Loop", "run_steps"]
 
