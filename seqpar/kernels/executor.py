@@ -134,11 +134,12 @@ class TaskRunner:
             return tasks
         grouped = self._memoized(("grouped", tasks), lambda: group_varlen(tasks))
         try:
-            for t in grouped:
-                if isinstance(t.mask, Varlen):
-                    self.kernel_for(q, k, t)
+            chosen = {self.kernel_for(q, k, t).name for t in grouped if isinstance(t.mask, Varlen)}
+            alone = {self.kernel_for(q, k, t).name for t in tasks if isinstance(t.mask, Band)}
         except UnsupportedInputError:
             return tasks
+        if "reference" in chosen and alone - {"reference"}:
+            return tasks        # the reference kernel for varlen (CPU auto): one cpu_flash call per block is faster
         return grouped
 
     def takes_delta(self, q: torch.Tensor, k: torch.Tensor, kinds: frozenset[str], dv: int | None = None) -> bool:

@@ -29,6 +29,12 @@ Note [Block planning]
        its piece boundaries; a pair's band is then the rule's bounds intersected with the mask's relation of
        the two pieces, and pairs it relates by nothing are empty like different documents. A generic
        ``mask_mod`` is applied after steps 1-4, block by block (Note [Generic mask_mod] in ``seqpar.masks.mod``).
+    6. Under a named mask, a staircase (a frame or an image seeing everything before its end) is one call per
+       piece, but its part below the diagonal (``key <= query``) is often one causal call and its part above it
+       a few small blocks that pack into one varlen call. So the planner also plans the two halves apart and
+       keeps whichever gives fewer calls once grouped (``group_varlen``), after joining full calls over the
+       same keys on adjacent rows (a shared prompt seen by every response: one call). Halves overlap in no
+       cell; rows seen by both merge by lse like any two blocks.
     Cost: O(K + (Q + P) log K) for Q query runs, K key runs and P same-document pairs (plus g^2 for a
     query run whose g key runs are grouped in step 3). With a bounded number of runs per document on each
     side that is O(runs log runs); the full (query run x key run) matrix was quadratic in the documents.
@@ -251,10 +257,11 @@ class _Grid:
     (Note [Block planning] step 1), where the full matrix is quadratic in the documents.
     """
 
-    def __init__(self, q: Segments, k: Segments, rule: Rule):
+    def __init__(self, q: Segments, k: Segments, rule: Rule, cap: tuple[int | None, int | None] = (None, None)):
         if q.stride != k.stride:
             raise ValueError(f"query and key segments must share a stride, got {q.stride} and {k.stride}")
         lo_g, hi_g = rule.delta_bounds()
+        lo_g, hi_g = _max(lo_g, cap[0]), _min(hi_g, cap[1])
         pieces = rule.pieces
         self.q, self.k = q.runs, k.runs
         self.k_start = [r.local for r in k.runs]
@@ -341,10 +348,29 @@ def plan(q: Segments, k: Segments, rule: Rule) -> tuple[Task, ...]:
     from ..masks.mod import ModMask
 
     pieces = rule.pieces
-    tasks = _plan(split_pieces(q, pieces), split_pieces(k, pieces), rule)
+    qs, ks = split_pieces(q, pieces), split_pieces(k, pieces)
+    tasks = _plan(qs, ks, rule)
+    if pieces is not None and len(tasks) > 2:      # step 6: the fewer calls of the whole and of its two halves
+        halves = _plan(qs, ks, rule, (None, 0)) + _plan(qs, ks, rule, (1, None))
+        tasks = min(_coalesce_full(tasks), _coalesce_full(halves), key=lambda ts: len(group_varlen(ts)))
     if isinstance(rule.mask, ModMask):
         tasks = _apply_mod(tasks, q, k, rule.mask)
     return tasks
+
+
+def _coalesce_full(tasks: tuple[Task, ...]) -> tuple[Task, ...]:
+    """Full tasks over the same keys on adjacent query rows joined into one (step 6)."""
+    out: list[Task] = []
+    for t in sorted(tasks, key=lambda t: (not (isinstance(t.mask, Band) and t.mask.is_full), t.k_start, t.k_stop,
+                                          t.q_start)):
+        last = out[-1] if out else None
+        if (last is not None and isinstance(t.mask, Band) and t.mask.is_full and isinstance(last.mask, Band)
+                and last.mask.is_full and (last.k_start, last.k_stop) == (t.k_start, t.k_stop)
+                and last.q_stop == t.q_start):
+            out[-1] = Task(last.q_start, t.q_stop, t.k_start, t.k_stop, t.mask)
+        else:
+            out.append(t)
+    return tuple(sorted(out, key=lambda t: (t.q_start, t.k_start)))
 
 
 def _apply_mod(tasks: tuple[Task, ...], q: Segments, k: Segments, mask: ModMask) -> tuple[Task, ...]:
@@ -366,8 +392,9 @@ def _apply_mod(tasks: tuple[Task, ...], q: Segments, k: Segments, mask: ModMask)
     return tuple(out)
 
 
-def _plan(q: Segments, k: Segments, rule: Rule) -> tuple[Task, ...]:
-    g = _Grid(q, k, rule)
+def _plan(q: Segments, k: Segments, rule: Rule, cap: tuple[int | None, int | None] = (None, None)
+          ) -> tuple[Task, ...]:
+    g = _Grid(q, k, rule, cap)
     rows = [i for i, row in enumerate(g.rows) if row]
     if not rows:
         return ()

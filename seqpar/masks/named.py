@@ -35,7 +35,7 @@ import bisect
 import dataclasses
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -69,9 +69,14 @@ class PieceMask(ABC):
     def relation(self, a: int, b: int) -> Bounds:
         """Bounds on ``key_pos - query_pos`` for queries of piece a and keys of piece b, or None."""
 
-    @abstractmethod
     def __call__(self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        """The mask as a flex ``mask_mod`` (broadcasting int tensors -> bool)."""
+        """The mask on broadcasting int tensors -> bool (eager: the oracle, a generic ``mask_mod``)."""
+        return self.mod(q_idx.device)(b, h, q_idx, kv_idx)
+
+    @abstractmethod
+    def mod(self, device: torch.device | str) -> Callable[..., torch.Tensor]:
+        """The mask as a flex ``mask_mod`` closed over its lookup tensors on ``device`` (what
+        ``create_block_mask`` and a compiled ``flex_attention`` take)."""
 
     def spec(self) -> tuple:
         """``(name, *args)`` as literals: ``from_spec(m.spec()) == m`` (compiled-call keys, the agreement round)."""
@@ -108,8 +113,12 @@ class Chunked(_Periodic):
     def relation(self, a: int, b: int) -> Bounds:
         return FULL if a == b else None
 
-    def __call__(self, b, h, q_idx, kv_idx):
-        return (q_idx // self.size) == (kv_idx // self.size)
+    def mod(self, device):
+        size = self.size
+
+        def chunked_mod(b, h, q_idx, kv_idx):
+            return (q_idx // size) == (kv_idx // size)
+        return chunked_mod
 
 
 @dataclass(frozen=True)
@@ -121,8 +130,12 @@ class BlockCausal(_Periodic):
     def relation(self, a: int, b: int) -> Bounds:
         return FULL if b <= a else None
 
-    def __call__(self, b, h, q_idx, kv_idx):
-        return (kv_idx // self.size) <= (q_idx // self.size)
+    def mod(self, device):
+        size = self.size
+
+        def block_causal_mod(b, h, q_idx, kv_idx):
+            return (kv_idx // size) <= (q_idx // size)
+        return block_causal_mod
 
 
 @dataclass(frozen=True)
@@ -159,14 +172,17 @@ class Spans(PieceMask):
             return FULL
         return (None if self.window < 0 else -self.window, 0)
 
-    def __call__(self, b, h, q_idx, kv_idx):
-        cuts = _table(self, "cuts", q_idx.device)
-        pq = torch.bucketize(q_idx, cuts, right=True)
-        pk = torch.bucketize(kv_idx, cuts, right=True)
-        causal = kv_idx <= q_idx
-        if self.window >= 0:
-            causal = causal & (q_idx - kv_idx <= self.window)
-        return causal | ((pq == pk) & (pq % 2 == 1))
+    def mod(self, device):
+        cuts, window = torch.tensor(self.cuts or (_END,), device=device), self.window
+
+        def spans_mod(b, h, q_idx, kv_idx):
+            pq = torch.bucketize(q_idx, cuts, right=True)
+            pk = torch.bucketize(kv_idx, cuts, right=True)
+            causal = kv_idx <= q_idx
+            if window >= 0:
+                causal = causal & (q_idx - kv_idx <= window)
+            return causal | ((pq == pk) & (pq % 2 == 1))
+        return spans_mod
 
 
 @dataclass(frozen=True)
@@ -204,11 +220,18 @@ class Tree(PieceMask):
             return CAUSAL
         return FULL if b in self._anc[a] else None     # type: ignore[attr-defined]
 
-    def __call__(self, b, h, q_idx, kv_idx):
-        table, cuts = _table(self, "ancestors", q_idx.device), _table(self, "cuts", q_idx.device)
-        pq = torch.bucketize(q_idx, cuts, right=True)
-        pk = torch.bucketize(kv_idx, cuts, right=True)
-        return table[pq, pk] & ((pq != pk) | (kv_idx <= q_idx))
+    def mod(self, device):
+        n = len(self.parents)
+        table = torch.zeros(n + 1, n + 1, dtype=torch.bool)     # row n: positions past the tree see nothing
+        for i, a in enumerate(self._anc):              # type: ignore[attr-defined]
+            table[i, list(a)] = True
+        table, cuts = table.to(device), torch.tensor(self.cuts[1:], device=device)
+
+        def tree_mod(b, h, q_idx, kv_idx):
+            pq = torch.bucketize(q_idx, cuts, right=True)
+            pk = torch.bucketize(kv_idx, cuts, right=True)
+            return table[pq, pk] & ((pq != pk) | (kv_idx <= q_idx))
+        return tree_mod
 
 
 @dataclass(frozen=True)
@@ -232,27 +255,12 @@ class SinkWindow(PieceMask):
     def relation(self, a: int, b: int) -> Bounds:
         return CAUSAL if b == 0 else (-self.window, 0)
 
-    def __call__(self, b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & ((q_idx - kv_idx <= self.window) | (kv_idx < self.sinks))
+    def mod(self, device):
+        window, sinks = self.window, self.sinks
 
-
-def _table(mask: PieceMask, what: str, device: torch.device) -> torch.Tensor:
-    """A mask's lookup tensor on ``device``, built once and kept on the mask (flex captures it; ``bucketize``
-    compiles)."""
-    held = mask.__dict__.setdefault("_tables", {})
-    key = (what, str(device))
-    if key not in held:
-        if what == "cuts" and isinstance(mask, Spans):
-            t = torch.tensor(mask.cuts or (_END,))
-        elif what == "cuts":                            # a tree's inner cuts: piece i starts at cuts[i]
-            t = torch.tensor(mask.cuts[1:])             # type: ignore[attr-defined]
-        else:
-            n = len(mask.parents)                       # type: ignore[attr-defined]
-            t = torch.zeros(n + 1, n + 1, dtype=torch.bool)     # row n: positions past the tree see nothing
-            for i, a in enumerate(mask._anc):           # type: ignore[attr-defined]
-                t[i, list(a)] = True
-        held[key] = t.to(device)
-    return held[key]
+        def sink_window_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & ((q_idx - kv_idx <= window) | (kv_idx < sinks))
+        return sink_window_mod
 
 
 def chunked(size: int) -> Chunked:
