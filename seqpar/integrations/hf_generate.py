@@ -24,6 +24,21 @@ Padding: a batch's rows may start late (left padding, the layout for generation;
 inferred from ``pad_token_id`` as transformers does); a row never sees its padding, and RoPE positions count
 from its first real token, as transformers computes them. Not supported (refused): beam search,
 ``num_return_sequences > 1``, assisted decoding, ``inputs_embeds``, right padding.
+
+Special masks: sliding layers keep their own window each (interleaved sliding and global layers: Gemma 2/3,
+gpt-oss, Qwen), with the cache evicting what no later query sees. Llama 4's position-scaled NoPE queries are
+scaled at the tokens' cache positions (Note [Position-scaled queries] in ``hf.layers``).
+
+Note [Chunked layers in generate]
+    Llama 4's chunked layers see only the keys of their query's ``attention_chunk_size`` chunk. The sharded
+    cache plans causal attention with a fixed left window per layer (its eviction rule); a window that
+    restarts at every chunk boundary is not one of those. While every position of the sequence (left padding
+    included) is in the first chunk, chunked attention IS causal attention, so generate serves a model with
+    chunked layers exactly up to ``attention_chunk_size`` tokens in all (prompt plus new tokens) and refuses a
+    longer run before it starts (and any call past it, through ``prefill`` or a static step, on the layer).
+    Gemma 3's images are refused (``pixel_values``, ``token_type_ids``, image tokens in the prompt): the prefill
+    feeds token ids only, so image features would never reach the model, and its bidirectional image spans are
+    a mask the cache does not serve. Text-only Gemma 3 prompts generate (sliding and full layers).
 """
 
 from __future__ import annotations
@@ -57,6 +72,10 @@ _REFUSED = {
     "cache_implementation": (None, "cache_implementation (the cache is seqpar's)"),
     "use_cache": (True, "use_cache=False (the sharded cache is the point)"),
 }
+# Inputs of a model's media towers and masks: the prefill feeds token ids only (Note [Chunked layers in generate]).
+_MEDIA = ("pixel_values", "pixel_values_videos", "image_sizes", "image_grid_thw", "video_grid_thw", "input_features",
+          "token_type_ids", "mm_token_type_ids", "image_spans")
+_MEDIA_TOKENS = ("image_token_id", "image_token_index", "video_token_id", "audio_token_id")
 
 
 def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
@@ -108,11 +127,19 @@ class SeqparCache(Cache):
         return self._returned.get(layer_idx) is key
 
     def attention(self, layer_idx: int, query: torch.Tensor, *, causal: bool, scaling: float | None,
-                  window: tuple[int, int], sinks: torch.Tensor | None) -> torch.Tensor:
-        """``query (B, H, L, D)`` against the sharded cache: ``(B, L, H, Dv)``, the same as transformers' own."""
+                  window: tuple[int, int], sinks: torch.Tensor | None, chunk: int | None = None,
+                  where: str | None = None) -> torch.Tensor:
+        """``query (B, H, L, D)`` against the sharded cache: ``(B, L, H, Dv)``, the same as transformers' own.
+
+        ``chunk``: the layer's chunk size (Llama 4's chunked attention): served while every cache position is in
+        the first chunk, where chunked attention is causal attention (Note [Chunked layers in generate]).
+        """
+        where = where or f"layer {layer_idx}"
         if not causal:
-            raise NotImplementedError(f"a KV cache serves causal attention only, got is_causal=False in layer "
-                                      f"{layer_idx}{rank_suffix()}")
+            raise NotImplementedError(f"a KV cache serves causal attention only, got is_causal=False in {where}"
+                                      f"{rank_suffix()}")
+        if chunk is not None:
+            self._check_chunk(chunk, query.shape[2], where)
         del self._returned[layer_idx]
         q = query.transpose(1, 2)
         step = self.kv.static_step
@@ -121,6 +148,19 @@ class SeqparCache(Cache):
             return step.attend(q, k.transpose(1, 2), v.transpose(1, 2), layer_idx, softmax_scale=scaling,
                                window_size=window, sinks=sinks)
         return attend_stored(q, self.kv, layer_idx, softmax_scale=scaling, window_size=window, sinks=sinks)
+
+    def _check_chunk(self, chunk: int, tokens: int, where: str) -> None:
+        kv = self.kv
+        if kv.static_step is not None:
+            end, what = kv.spec.max_len, f"a static cache of max_len={kv.spec.max_len}"
+        else:
+            end = kv.chunk.end if kv.chunk is not None else kv.length + tokens
+            what = f"{end} tokens"
+        if end is None or end > chunk:
+            raise NotImplementedError(
+                f"chunked attention (attention_chunk_size={chunk}, {where}) is served by seqpar's KV cache only "
+                f"while the whole sequence fits in one chunk, where it is causal; got {what}: generate at most "
+                f"{chunk} tokens in all (prompt and new ones){rank_suffix()}")
 
     def check_padding(self, attention_mask: torch.Tensor) -> None:
         """The model's 2D padding mask must be the cache's left padding (one host read per forward)."""
@@ -215,6 +255,7 @@ def generate(model: Any, input_ids: torch.Tensor, *, mesh: Any = None, method: s
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         raise ValueError(f"input_ids must be a (batch, seq) integer tensor, got "
                          f"{getattr(input_ids, 'shape', type(input_ids).__name__)}{rs}")
+    _refuse_masks(model, input_ids, generate_kwargs)
     mask = attention_mask if attention_mask is not None else _inferred_mask(model, input_ids, generate_kwargs)
     starts = _left_padding(mask, input_ids.shape)
     if cache is not None and past_key_values is not None:
@@ -285,6 +326,43 @@ def _refuse(model: Any, kwargs: dict[str, Any]) -> None:
         if value != default and value is not None:
             raise NotImplementedError(f"{what} is not supported by seqpar's sharded generate, got {key}={value!r}"
                                       f"{rank_suffix()}")
+
+
+def _refuse_masks(model: Any, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
+    """Media inputs and chunked layers past their first chunk (Note [Chunked layers in generate])."""
+    rs = rank_suffix()
+    name = type(model).__name__
+    for key in _MEDIA:
+        if kwargs.get(key) is not None:
+            raise NotImplementedError(f"{key} is not supported by seqpar's sharded generate ({name}): the prefill "
+                                      f"feeds token ids only, and image tokens' bidirectional spans are a mask the "
+                                      f"sharded KV cache does not serve; generate from text-only prompts{rs}")
+    config = model.config
+    for key in _MEDIA_TOKENS:
+        token = getattr(config, key, None)
+        if isinstance(token, int) and bool((input_ids == token).any()):
+            raise NotImplementedError(f"the prompt holds {name}'s media token {token} ({key}), which seqpar's "
+                                      f"sharded generate cannot fill with features (text-only prompts){rs}")
+    text = config.get_text_config()
+    if "chunked_attention" in (getattr(text, "layer_types", None) or ()):
+        chunk = text.attention_chunk_size
+        total = _max_total(model, input_ids, kwargs)
+        if total is None or total > chunk:
+            raise NotImplementedError(
+                f"{name} has chunked attention layers (attention_chunk_size={chunk}), which seqpar's KV cache serves "
+                f"only while the whole sequence fits in one chunk (Note [Chunked layers in generate]); this call "
+                f"may reach {total} tokens (prompt {input_ids.shape[1]} and new ones): ask for at most {chunk} in "
+                f"all{rs}")
+
+
+def _max_total(model: Any, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> int | None:
+    """The longest sequence ``generate`` may make: prompt + ``max_new_tokens``, else ``max_length``."""
+    config = kwargs.get("generation_config") or model.generation_config
+    new = kwargs.get("max_new_tokens", config.max_new_tokens)
+    if new is not None:
+        return input_ids.shape[1] + int(new)
+    length = kwargs.get("max_length", config.max_length)
+    return None if length is None else int(length)
 
 
 def _inferred_mask(model: Any, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:

@@ -7,11 +7,31 @@ What the model asks for and what seqpar does with it (Note [What the attention f
     module.is_causal / is_causal=           -> causal (in global positions)
     scaling                                 -> softmax_scale
     sliding_window= (or module.sliding_window) -> window_size=(w - 1, 0), global positions (HF: w keys incl. self)
+    config.layer_types[i] == chunked_attention -> mask_mod=chunked(attention_chunk_size) (Llama 4; per document
+                                               when the batch has documents)
+    image_spans= (shard_batch, from token_type_ids) -> Gemma 3's bidirectional images: causal=False,
+                                               mask_mod=spans(image_spans[, window]) on full and sliding layers
     cu_seq_lens_q / cu_seq_lens_k           -> cu_seqlens: GLOBAL document boundaries (shard_batch sets them)
     position_ids                            -> checked against this rank's global positions (RoPE already applied)
-    attention_mask (any tensor)             -> ValueError: shard_batch turns padding into documents instead
-    dropout > 0, output_attentions, softcap, sinks, a KV cache with past tokens -> NotImplementedError
+    Llama 4's position-scaled NoPE queries  -> rescaled to the tokens' global indices (Note [Position-scaled queries])
+    attention_mask (any tensor, 4D included) -> ValueError: shard_batch turns padding into documents instead
+    dropout > 0, output_attentions, a KV cache with past tokens -> NotImplementedError
     (except seqpar's own cache under ``generate``: its tokens, sinks and left padding are honoured)
+
+Special masks (Note [Layer masks] in ``layers``): each layer's call gets its own rule, read from the layer and its
+config the way transformers picks the layer's mask - full, sliding (its own window per layer, so interleaved
+sliding and global layers - Gemma 2/3, gpt-oss, Qwen - each get theirs), chunked (Llama 4's
+``attention_chunk_size`` on its ``chunked_attention`` layers, plain causal on the others), and Gemma 3's image
+tokens (``token_type_ids == 1`` runs, one image each) attending bidirectionally within their image on full and
+sliding layers. What cannot be expressed is refused by name, never attended as plain causal: a layer type
+other than full/sliding/chunked, image spans on a model other than Gemma 3, token_type_ids handed to the model
+itself, any piece of transformers' mask function seqpar does not derive from the layer (Note [Reading
+transformers' mask functions]), a vision or audio tower's attention (its patches are not sharded: give the
+tower its own implementation, ``attn_implementation={"text_config": name, "vision_config": "sdpa"}``).
+Gemma 3 images: compute ``inputs_embeds`` on the whole batch (the vision tower and the embedding merge, on
+every rank), then ``shard_batch({"inputs_embeds": ..., "token_type_ids": ..., "labels": ...})``.
+Under ``layout="balanced"`` a layer's named mask is passed as a function so that every layer sees the tokens
+where ``shard_batch`` placed them (slower planning; Note [Layer masks]).
 
 Nothing is global in seqpar: the ``Handle`` returned by ``enable`` holds the configuration and is captured by the
 functions it registers. ``handle.disable()`` (or leaving ``with enable(...):``) restores what was registered
@@ -37,8 +57,11 @@ from ...errors import rank_suffix
 from ...groups import SeqParallelGroups
 from ...layouts import DOCUMENT_LAYOUTS
 from .batch import _as_tuple, _check_boundary_tensor, batch_layout, shard_batch
+from .layers import _window, check_mask_function, layer_mask, query_scales, rescale_queries
 
 __all__ = ["DEFAULT_NAME", "Handle", "enable", "host_boundaries"]
+
+_window = _window   # hf_ring_flash reads it through huggingface (it moved to layers)
 
 DEFAULT_NAME = "seqpar"
 _UNSET = object()
@@ -57,8 +80,12 @@ _REFUSED = {
     "position_bias": "an additive position bias (position_bias=...)",
     "head_mask": "a head mask (head_mask=...)",
     "cache": "a paged KV cache (cache=...)",
-    "attention_chunk_size": "chunked attention (attention_chunk_size=...)",
+    "attention_chunk_size": "chunked attention passed as attention_chunk_size=... (seqpar reads it from the config)",
+    "token_type_ids": "token_type_ids passed to attention (give them to shard_batch: Gemma 3's image tokens become "
+                      "global image_spans)",
 }
+# The model types of towers whose attention runs on unsharded inputs (image patches, audio frames).
+_TOWERS = ("vision", "audio")
 
 
 def enable(mesh: Any = None, method: str = "usp", layout: str | None = None, kernel: str = "auto", *,
@@ -171,8 +198,11 @@ class Handle:
         """The mask function registered for ``name``: seqpar needs no dense mask; any padding mask raises.
 
         Without a registered mask function transformers would drop a user's 2D ``attention_mask`` silently
-        for an unknown implementation; registering this one makes that an error instead.
+        for an unknown implementation; registering this one makes that an error instead. It also reads the
+        pieces transformers built the mask from and refuses those seqpar does not derive from the layer (Note
+        [Reading transformers' mask functions] in ``layers``).
         """
+        check_mask_function(kwargs.get("mask_function"), kwargs.get("config"), self.name)
         if attention_mask is not None and self.kv_cache is not None:     # seqpar's KV cache: its left padding
             self.kv_cache.check_padding(attention_mask)
             return None
@@ -191,7 +221,8 @@ class Handle:
         """transformers' attention-function signature -> ``seqpar.attention`` -> ``(out (B, L, H, D), None)``.
 
         Args:
-            module: the calling attention module (``is_causal``, ``sliding_window``, ``layer_idx`` are read).
+            module: the calling attention module (``is_causal``, ``sliding_window``, ``layer_idx``, ``config``
+                are read: Note [Layer masks]).
             query: ``(B, H, L, D)`` this rank's queries (RoPE applied at global positions).
             key, value: ``(B, Hkv, L, D)``.
             attention_mask: must be None (see ``_mask``); a 4D mask raises as well.
@@ -202,38 +233,77 @@ class Handle:
         if sinks is None:
             sinks = kwargs.pop("sinks", None)
         softcap = kwargs.pop("softcap", None)                          # Gemma 2's attn_logit_softcapping
+        image_spans = kwargs.pop("image_spans", None)                  # shard_batch's, from token_type_ids
         if cached and softcap:
             raise NotImplementedError(f"logit softcapping (softcap={softcap}) is not served by seqpar's KV cache "
                                       f"(decode and extension kernels do not cap scores), in {where}{rank_suffix()}")
         self._refuse(where, attention_mask, dropout, kwargs)
+        self._refuse_tower(module, where)
+        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        if sliding_window is _UNSET:
+            sliding_window = getattr(module, "sliding_window", None)
         if cached:                                                     # seqpar's KV cache: prefill or decode
-            if sliding_window is _UNSET:
-                sliding_window = getattr(module, "sliding_window", None)
-            causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-            return self.kv_cache.attention(module.layer_idx, query, causal=causal, scaling=scaling,
-                                           window=_window(sliding_window, causal, where), sinks=sinks), None
+            return self._cached(module, query, causal, scaling, sliding_window, image_spans, sinks, where), None
         if key.shape[2] != query.shape[2]:
             raise NotImplementedError(
                 f"decoding with a KV cache is not supported by attn_implementation={self.name!r} (query length "
                 f"{query.shape[2]}, key length {key.shape[2]} in {where}): call the model with use_cache=False, "
                 f"every token of the sequence sharded{rank_suffix()}")
-        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
-        if sliding_window is _UNSET:
-            sliding_window = getattr(module, "sliding_window", None)
-        window = _window(sliding_window, causal, where)
         if torch.compiler.is_compiling():      # Note [Compiling a model with seqpar attention]
-            cu = kwargs.get("cu_seq_lens_q")
-            cu = host_boundaries(cu) if isinstance(cu, torch.Tensor) else cu
+            cu_t = kwargs.get("cu_seq_lens_q")
+            cu = host_boundaries(cu_t) if isinstance(cu_t, torch.Tensor) else cu_t
         else:
             cu = self._documents(kwargs)
             self._check_positions(kwargs.get("position_ids"), cu, query.shape[2])
+        scales = query_scales(module, where)
+        if scales is not None:
+            query = self._global_scaled(query, scales, cu, where)
+        lm = layer_mask(module, causal=causal, sliding_window=sliding_window, cu=cu if isinstance(cu, tuple) else None,
+                        image_spans=image_spans, where=where)
+        if lm.chunk is not None and isinstance(cu, torch.Tensor):
+            raise NotImplementedError(
+                f"chunked attention over packed documents under torch.compile is not supported (its chunks restart "
+                f"at each document, which is read on the host), in {where}: run the model eagerly{rank_suffix()}")
+        layout = batch_layout(self.method, self.layout, cu)
         q_BSHD, k_BSHD, v_BSHD = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        out_BSHD = attention(q_BSHD, k_BSHD, v_BSHD, mesh=self.mesh, method=self.method,
-                             layout=batch_layout(self.method, self.layout, cu), causal=causal,
-                             softmax_scale=scaling, kernel=self.kernel, window_size=window, cu_seqlens=cu,
-                             deterministic=self.deterministic, grad_dtype=self.grad_dtype,
-                             softcap=float(softcap or 0.0), sinks=sinks, **self.options)
+        out_BSHD = attention(q_BSHD, k_BSHD, v_BSHD, mesh=self.mesh, method=self.method, layout=layout,
+                             causal=lm.causal, softmax_scale=scaling, kernel=self.kernel, window_size=lm.window,
+                             cu_seqlens=cu, deterministic=self.deterministic, grad_dtype=self.grad_dtype,
+                             softcap=float(softcap or 0.0), sinks=sinks, mask_mod=lm.mask_for(layout), **self.options)
         return out_BSHD, None
+
+    def _cached(self, module: torch.nn.Module, query: torch.Tensor, causal: bool, scaling: float | None,
+                sliding_window: Any, image_spans: Any, sinks: torch.Tensor | None, where: str) -> torch.Tensor:
+        """A layer's call on seqpar's KV cache (``generate``): causal, its window; a chunked layer while every
+        position is in its first chunk (``SeqparCache.attention`` checks), no image spans."""
+        if image_spans is not None:
+            raise NotImplementedError(f"image_spans (Gemma 3's bidirectional images) are not served by seqpar's KV "
+                                      f"cache (generate decodes causally), in {where}{rank_suffix()}")
+        lm = layer_mask(module, causal=causal, sliding_window=sliding_window, cu=None, image_spans=None, where=where)
+        scales = query_scales(module, where)
+        if scales is not None:                 # Note [Position-scaled queries]: the chunk's cache positions
+            chunk = self.kv_cache.kv.chunk
+            if chunk is not None and chunk.sharded:
+                L = query.shape[2]
+                model_pos = torch.arange(L) + self.kv_cache.get_seq_length(module.layer_idx)
+                query = rescale_queries(query, chunk.positions.cpu(), model_pos, scales)
+        return self.kv_cache.attention(module.layer_idx, query, causal=causal, scaling=scaling, window=lm.window,
+                                       sinks=sinks, chunk=lm.chunk, where=where)
+
+    def _global_scaled(self, query: torch.Tensor, scales: tuple[int, float], cu: Any, where: str) -> torch.Tensor:
+        """Queries a layer scaled at local indices, scaled at their global ones (Note [Position-scaled queries])."""
+        L = query.shape[2]
+        S = L * self._world()
+        if S < scales[0]:                      # every factor is 1, locally and globally
+            return query
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(f"Llama 4's position-scaled queries (attn_temperature_tuning) past "
+                                      f"floor_scale={scales[0]} tokens are not supported under torch.compile, in "
+                                      f"{where}: run the model eagerly{rank_suffix()}")
+        layout = batch_layout(self.method, self.layout, cu)
+        glob = positions(S, mesh=self.mesh, method=self.method, layout=layout, device="cpu",
+                         cu_seqlens=cu if layout in DOCUMENT_LAYOUTS else None)
+        return rescale_queries(query, glob, torch.arange(L), scales)
 
     # Note [Compiling a model with seqpar attention]
     #     seqpar.attention traces as one custom op (seqpar.runtime.op), so a compiled model has no graph break
@@ -270,6 +340,16 @@ class Handle:
                     f"keyword argument {key!r} passed to attention is not understood by attn_implementation="
                     f"{self.name!r} (got {_short(value)} in {where}); if it does not change attention, list it "
                     f"in enable(..., ignore_kwargs=[{key!r}]){rs}")
+
+    def _refuse_tower(self, module: torch.nn.Module, where: str) -> None:
+        """A vision or audio tower's attention runs on unsharded patches or frames: never sequence-parallel."""
+        model_type = str(getattr(getattr(module, "config", None), "model_type", ""))
+        if any(t in model_type for t in _TOWERS):
+            raise NotImplementedError(
+                f"{type(module).__name__} of the {model_type!r} tower called attn_implementation={self.name!r}, "
+                f"but its inputs (image patches, audio frames) are not sharded over the sequence: give the tower "
+                f"its own implementation, e.g. model.set_attn_implementation({{'text_config': {self.name!r}, "
+                f"'vision_config': 'sdpa'}}){rank_suffix()}")
 
     def _world(self) -> int:
         dims = _mesh_dims(self.mesh, self.method)
@@ -428,16 +508,6 @@ def _stamp(t: Any) -> tuple[int, int] | None:
     if not isinstance(t, torch.Tensor) or t.is_inference():
         return None
     return (t._version, t.data_ptr())
-
-
-def _window(sliding_window: Any, causal: bool, where: str) -> tuple[int, int]:
-    """HF's ``sliding_window=w``: a query sees the ``w`` keys ending at itself, i.e. flash-attn ``(w - 1, 0)``."""
-    if sliding_window is None or sliding_window is False:
-        return (-1, -1)
-    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r} in {where}"
-                         f"{rank_suffix()}")
-    return (sliding_window - 1, 0 if causal else sliding_window - 1)
 
 
 def _mesh_dims(mesh: Any, method: str) -> int:

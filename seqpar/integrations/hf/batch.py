@@ -20,7 +20,7 @@ __all__ = ["batch_layout", "shard_batch"]
 _SEQ_KEYS = ("input_ids", "inputs_embeds")
 _KNOWN = frozenset({"input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels",
                     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "num_items_in_batch",
-                    "loss_weights"})
+                    "loss_weights", "token_type_ids"})
 
 
 def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp", layout: str | None = None, *,
@@ -49,12 +49,22 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
     Positions: the given ``position_ids``; else positions restarting at each ``cu_seq_lens_q`` document; else
     ``0..S-1`` (transformers' default, padding included).
 
+    Images (Gemma 3): ``token_type_ids`` ``(B, S)`` of the whole batch marks image tokens with 1; each run of 1s
+    is one image, whose tokens attend to each other bidirectionally (transformers' gemma3). They become
+    ``image_spans``, the global ``(start, end)`` of every run (over the packed row when it holds documents),
+    which the attention function turns into each layer's mask (Note [Layer masks] in ``layers``); the model
+    never gets ``token_type_ids`` (it would build its image blocks from this rank's shard). Every row must have
+    the same images (seqpar's masks are per call). Give the model the merged embeddings: ``inputs_embeds``
+    computed on the whole batch (the vision tower and the embedding merge), not ``input_ids`` with pixels. A
+    ``token_type_ids`` that is a plain per-token input (BERT's segment ids) goes in ``seq_keys`` instead: it is
+    then sharded as it is.
+
     Args:
         batch: global tensors ``(B, S)`` (``inputs_embeds``: ``(B, S, C)``) with keys among ``input_ids`` or
             ``inputs_embeds``, ``attention_mask``, ``position_ids``, ``labels``, ``shift_labels``,
             ``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``, ``num_items_in_batch``, ``loss_weights`` (a
-            finite, non-negative float ``(B, S)`` per token, with ``labels`` or ``shift_labels``), plus
-            ``seq_keys``.
+            finite, non-negative float ``(B, S)`` per token, with ``labels`` or ``shift_labels``),
+            ``token_type_ids`` (Gemma 3's image tokens, 1 = image), plus ``seq_keys``.
         mesh, method, layout: the placement (as in ``enable``; ``layout=None``: ``balanced`` when the batch has
             documents and the method accepts it, else the method's default, see ``batch_layout``).
         pad: end-pad a length the layout cannot split (with ``pad_token_id``, ignored labels, one more
@@ -70,7 +80,8 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
         ``loss_weights``, ``loss_weights`` ``(B, L)`` (shifted and sharded like ``shift_labels``) for
         ``sequence_parallel_loss(..., weights=)``: pop it before ``model(**batch)`` (transformers' loss has no
         per-token weights, and the attention function refuses the unknown key). ``num_items_in_batch`` stays
-        the target count, not the weight sum.
+        the target count, not the weight sum. With image tokens, ``image_spans``: ``((start, end), ...)`` global
+        positions, for the attention function (through the model's keyword arguments).
     """
     seq_keys = tuple(seq_keys)
     rs = rank_suffix()
@@ -102,6 +113,7 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
     if pos is None:
         pos = _doc_positions(explicit, S, x.device).expand(B, S) if explicit is not None else \
             torch.arange(S, device=x.device).expand(B, S)
+    spans = _image_spans(batch.get("token_type_ids"), B, S) if "token_type_ids" not in seq_keys else ()
     targets = _shift_labels(batch, valid, ignore_index)
     weights = _shift_weights(batch.get("loss_weights"), targets, B, S)
     out: dict[str, Any] = {}
@@ -132,6 +144,8 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
         cu_t = torch.tensor(cu, dtype=torch.int32)
         longest = max(b - a for a, b in itertools.pairwise(cu))
         out.update(cu_seq_lens_q=cu_t, cu_seq_lens_k=cu_t, max_length_q=longest, max_length_k=longest)
+    if spans:
+        out["image_spans"] = spans
     return out
 
 
@@ -179,6 +193,27 @@ def _valid_run(valid: torch.Tensor) -> set[int]:
             f"attention_mask must have its valid tokens in one run per row (left or right padding), got padding "
             f"inside the run [{a}, {b}); such a mask cannot be expressed as documents{rs}")
     return {a, b}
+
+
+def _image_spans(types: Any, B: int, S: int) -> tuple[tuple[int, int], ...]:
+    """Gemma 3's images: the global ``(start, end)`` of every run of ``token_type_ids == 1`` (shared by the rows)."""
+    rs = rank_suffix()
+    if types is None:
+        return ()
+    if not isinstance(types, torch.Tensor) or types.is_floating_point() or tuple(types.shape) != (B, S):
+        got = f"shape {tuple(types.shape)} {types.dtype}" if isinstance(types, torch.Tensor) else type(types).__name__
+        raise TypeError(f"batch key ['token_type_ids'] must be a ({B}, {S}) integer tensor of token types (Gemma 3: "
+                        f"1 = image token, each run of 1s one image), got {got}; a per-token model input to shard as "
+                        f"it is (BERT's segment ids) goes in seq_keys{rs}")
+    image = (types == 1).cpu()
+    if not bool((image == image[0]).all()):
+        raise NotImplementedError(
+            "token_type_ids must mark the same image positions in every row (seqpar's masks are shared by the "
+            f"batch), got rows that differ: give each sequence-parallel group one row, or pack the rows into one"
+            f"{rs}")
+    row = torch.cat([torch.zeros(1, dtype=torch.int8), image[0].to(torch.int8), torch.zeros(1, dtype=torch.int8)])
+    edges = (row[1:] - row[:-1]).nonzero().flatten().tolist()
+    return tuple((int(a), int(b)) for a, b in zip(edges[::2], edges[1::2]))
 
 
 def _positions_BS(pos: Any, B: int, S: int, device: torch.device) -> torch.Tensor | None:
