@@ -324,3 +324,19 @@ def test_varlen_backward_in_row_groups_equals_one_call(pools):
     want = dense_attention(q, k, v, do, causal=True, cu_seqlens=(0, 1, 9, 9, 23, 24, 37, 40))
     for name, got in zip(("out", "dq", "dk", "dv"), cut):
         torch.testing.assert_close(got, want[name], rtol=1e-10, atol=1e-10)
+
+
+def test_varlen_packing_keeps_large_blocks_alone_and_the_reference_kernel_out():
+    """``TaskRunner.prepare``: small per-document blocks pack into one varlen call, blocks of ``GROUP_ROWS`` rows
+    keep their own call, and CPU auto never packs blocks that cpu_flash serves one by one into a reference call."""
+    from seqpar.kernels.executor import GROUP_ROWS, TaskRunner
+    from seqpar.layouts.blocks import Task
+    from seqpar.masks import Band, Varlen
+
+    n = GROUP_ROWS + 12
+    q = k = torch.zeros(1, n, 2, 8)
+    small = tuple(Task(a, a + 4, a, a + 4, Band(None, 0)) for a in (0, 4, 8))
+    big = Task(12, n, 12, n, Band(None, 0))
+    packed = TaskRunner("reference", 1.0).prepare((*small, big), q, k)
+    assert big in packed and sum(isinstance(t.mask, Varlen) for t in packed) == 1 and len(packed) == 2
+    assert TaskRunner("auto", 1.0).prepare(small, q, k) == small       # cpu_flash per block, not reference varlen

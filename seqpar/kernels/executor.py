@@ -40,10 +40,14 @@ from ..numerics import GradRows, acc_dtype
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, mask_kind, select
 
-__all__ = ["GROUP_AT", "MEMO_SIZE", "VARLEN_BWD_ROWS", "TaskRunner", "row_groups"]
+__all__ = ["GROUP_AT", "GROUP_ROWS", "MEMO_SIZE", "VARLEN_BWD_ROWS", "TaskRunner", "row_groups"]
 
 GROUP_AT = 3
 """Tasks of one step from which ``TaskRunner.prepare`` packs them into varlen calls."""
+GROUP_ROWS = 4096
+"""Query rows from which a task stays out of varlen packing: a call that large is not launch-bound, and on the
+H100 cuDNN runs a 16K causal call 1.5x faster than FA2 (``benchmarks/results/2026-11-23-h100-probe``), while
+varlen runs on FA2 only (a 128K row of 8K chunks: FA2 varlen 1.20x flex, measured 2026-11-25)."""
 VARLEN_BWD_ROWS = 1 << 18
 """Rows (batch x sequence) per varlen backward call (Note [Varlen backward in row groups])."""
 MEMO_SIZE = 64
@@ -129,10 +133,15 @@ class TaskRunner:
         return lambda q, k, v: kern.autograd_forward(q, k, v, mask, scale)
 
     def prepare(self, tasks: tuple[Task, ...], q: torch.Tensor, k: torch.Tensor) -> tuple[Task, ...]:
-        """Pack many per-document tasks into varlen calls where a kernel serves varlen."""
+        """Pack many small per-document tasks into varlen calls where a kernel serves varlen (tasks of
+        ``GROUP_ROWS`` rows or more keep their own call)."""
         if len(tasks) < GROUP_AT:
             return tasks
-        grouped = self._memoized(("grouped", tasks), lambda: group_varlen(tasks))
+        big = tuple(t for t in tasks if t.rows >= GROUP_ROWS)
+        small = tuple(t for t in tasks if t.rows < GROUP_ROWS) if big else tasks
+        if len(small) < GROUP_AT:
+            return tasks
+        grouped = self._memoized(("grouped", small), lambda: group_varlen(small)) + big
         try:
             chosen = {self.kernel_for(q, k, t).name for t in grouped if isinstance(t.mask, Varlen)}
             alone = {self.kernel_for(q, k, t).name for t in tasks if isinstance(t.mask, Band)}

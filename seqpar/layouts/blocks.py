@@ -384,7 +384,7 @@ def _apply_mod(tasks: tuple[Task, ...], q: Segments, k: Segments, mask: ModMask)
         kr = tuple((r.glob, r.length) for r in slice_rows(k, t.k_start, t.k_stop).runs)
         form = Modded(t.mask, mask.fn, qr, kr, q.stride)
         qp, kp = form.positions()
-        kind = classify(mask.fn, t.mask.lo, t.mask.hi, qp, kp)
+        kind = classify(mask.fn, t.mask.lo, t.mask.hi, qp, kp, mask.device)
         if kind == "all":
             out.append(t)
         elif kind == "some":

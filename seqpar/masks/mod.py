@@ -3,8 +3,8 @@
 Note [Generic mask_mod]
     A function ``fn(b, h, q_idx, kv_idx) -> bool`` on global positions (flex's convention) declares no structure,
     so the planner finds it: it plans the blocks of causal/window/documents as usual, then evaluates ``fn`` on
-    each block's global positions, once per planned call (the plan is cached per signature), on the GPU when
-    there is one, in row slabs of at most ``EVAL_CELLS`` cells. A block where ``fn`` hides every visible cell is
+    each block's global positions, once per planned call (the plan is cached per signature), on the call's
+    device, in row slabs of at most ``EVAL_CELLS`` cells. A block where ``fn`` hides every visible cell is
     dropped; one where it hides none keeps its dense kernel; the rest become ``Modded`` blocks, which flex
     (GPU, its own block mask skipping empty and unmasking full tiles) or the reference kernel (CPU) run.
     ``fn`` must not depend on ``b`` or ``h`` (checked by tracing it; such masks are refused by name): one
@@ -43,6 +43,8 @@ class ModMask:
 
     fn: Callable[..., Any]
     fingerprint: str = field(default="", compare=False)
+    device: str = field(default="cpu", compare=False)
+    """Where the planner evaluates ``fn`` (the call's device: the function may close over its tensors)."""
 
     def spec(self) -> tuple:
         return ("mask_mod", self.fingerprint)
@@ -60,16 +62,12 @@ def wrap(mask: Any) -> Any:
     return ModMask(mask)
 
 
-def checked(mask: Any, total: int) -> Any:
+def checked(mask: Any, total: int, device: torch.device | str = "cpu") -> Any:
     """The config's mask after ``check`` on a sequence of ``total`` positions (a ``ModMask`` gets its fingerprint)."""
     if isinstance(mask, ModMask):
-        return ModMask(mask.fn, check(mask.fn, total)[1])
-    check(mask, total)
+        return ModMask(mask.fn, check(mask.fn, total, device)[1], str(device))
+    check(mask, total, device)
     return mask
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def evaluate(fn: Callable[..., Any], q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
@@ -90,12 +88,12 @@ def evaluate(fn: Callable[..., Any], q_pos: torch.Tensor, k_pos: torch.Tensor) -
     return out.expand(shape)
 
 
-def _uses_batch_or_head(fn: Callable[..., Any]) -> list[str]:
+def _uses_batch_or_head(fn: Callable[..., Any], device: torch.device) -> list[str]:
     """Which of ``b``, ``h`` the traced ``fn`` reads (tracing with make_fx: exact for traceable functions)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    args = (torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long),
-            torch.arange(4)[:, None], torch.arange(4)[None, :])
+    args = (torch.zeros((), dtype=torch.long, device=device), torch.zeros((), dtype=torch.long, device=device),
+            torch.arange(4, device=device)[:, None], torch.arange(4, device=device)[None, :])
     try:
         graph = make_fx(fn)(*args).graph
     except Exception:           # not traceable: compare values at several (b, h) instead
@@ -104,7 +102,7 @@ def _uses_batch_or_head(fn: Callable[..., Any]) -> list[str]:
         for i, name in ((0, "b"), (1, "h")):
             for x in (1, 3, 7):
                 alt = list(args)
-                alt[i] = torch.tensor(x)
+                alt[i] = torch.tensor(x, device=device)
                 if not torch.equal(fn(*alt), base):
                     used.append(name)
                     break
@@ -113,9 +111,10 @@ def _uses_batch_or_head(fn: Callable[..., Any]) -> list[str]:
     return [name for name, n in zip("bh", holders) if n.users]
 
 
-def check(mask: Any, total: int) -> tuple:
-    """Validate ``mask`` (a ``mask_mod`` or a named mask) for a sequence of ``total`` global positions; returns
-    the literal the agreement round compares (Note [Generic mask_mod])."""
+def check(mask: Any, total: int, device: torch.device | str = "cpu") -> tuple:
+    """Validate ``mask`` (a ``mask_mod`` or a named mask) for a sequence of ``total`` global positions, calling it
+    with index tensors on ``device`` (the call's: a function may close over device tensors); returns the literal
+    the agreement round compares (Note [Generic mask_mod])."""
     from .named import PieceMask
 
     if isinstance(mask, PieceMask):
@@ -125,10 +124,10 @@ def check(mask: Any, total: int) -> tuple:
                         f"mask, got {mask!r}{rank_suffix()}")
     g = torch.Generator().manual_seed(total)
     inner = torch.randint(0, max(total, 1), (PROBE - 2,), generator=g)
-    pos = torch.cat([torch.tensor([0, total - 1]), inner]).sort().values
+    pos = torch.cat([torch.tensor([0, total - 1]), inner]).sort().values.to(device)
     try:
         bits = evaluate(mask, pos, pos)
-        used = _uses_batch_or_head(mask)
+        used = _uses_batch_or_head(mask, torch.device(device))
     except (TypeError, ValueError) as err:
         if "mask_mod must" in str(err):
             raise
@@ -154,10 +153,11 @@ def _band_rows(lo: int | None, hi: int | None, a: int, b: int, n: int, device: t
     return vis
 
 
-def classify(fn: Callable[..., Any], lo: int | None, hi: int | None, q_pos: torch.Tensor, k_pos: torch.Tensor) -> str:
+def classify(fn: Callable[..., Any], lo: int | None, hi: int | None, q_pos: torch.Tensor, k_pos: torch.Tensor,
+             device: torch.device | str = "cpu") -> str:
     """How much of a band block's visible cells ``fn`` keeps: "none", "all" or "some" (row slabs of at most
-    ``EVAL_CELLS`` cells, on the GPU when there is one; Note [Generic mask_mod])."""
-    dev = _device()
+    ``EVAL_CELLS`` cells, on the call's ``device``; Note [Generic mask_mod])."""
+    dev = torch.device(device)
     q_pos, k_pos = q_pos.to(dev), k_pos.to(dev)
     m, n = len(q_pos), len(k_pos)
     rows = max(1, EVAL_CELLS // max(n, 1))

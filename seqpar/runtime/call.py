@@ -422,7 +422,7 @@ def validated(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, ke
                      mask_mod=mask_mod)
         groups = SeqParallelGroups.resolve(mesh, m.mesh_dims)
         if cfg.mask is not None:        # probed before any collective (Note [Generic mask_mod])
-            cfg = dataclasses.replace(cfg, mask=_masks.checked(cfg.mask, q.shape[1] * groups.world))
+            cfg = dataclasses.replace(cfg, mask=_masks.checked(cfg.mask, q.shape[1] * groups.world, q.device))
         lay, index = m.placement(cfg.layout, groups, cfg.cu_seqlens, cfg.balance_rule)
         validate_inputs(q, k, v, sinks, cfg, groups, m, lay)
     except Exception as err:    # every rank must hear of it; re-raised unchanged below
