@@ -71,8 +71,8 @@ def inputs(S: int, d: int = D, heads: int = H, kv: int = HKV, batch: int = 1):
     return q, k, v, do
 
 
-def flex_fn(mask, causal: bool):
-    fn = mask.mod(dev) if hasattr(mask, "mod") else mask
+def flex_fn(mask, causal: bool, S: int):
+    fn = mask.mod(dev, S) if hasattr(mask, "mod") else mask
     if not causal:
         return fn
     return lambda b, h, qi, ki: fn(b, h, qi, ki) & (ki <= qi)
@@ -116,11 +116,11 @@ def w1(args) -> None:
         cases = list(named(S).items())
         if S <= 16384:
             causal, sp = named(S)["shared_prefix"]
-            cases.append(("generic mask_mod (shared prefix as a function)", (causal, sp.mod(dev))))
+            cases.append(("generic mask_mod (shared prefix as a function)", (causal, sp.mod(dev, S))))
         for name, (causal, m) in cases:
             t0 = time.perf_counter()
             try:
-                bm = create_block_mask(flex_fn(m, causal), None, None, S, S, device=dev, _compile=True)
+                bm = create_block_mask(flex_fn(m, causal, S), None, None, S, S, device=dev, _compile=True)
                 flex = flex_call(bm)
                 ours = ours_call(causal=causal, mask_mod=m, layout="contiguous")
                 err = max_diff(ours, flex, t) if S <= 16384 else None

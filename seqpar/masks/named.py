@@ -74,9 +74,10 @@ class PieceMask(ABC):
         return self.mod(q_idx.device)(b, h, q_idx, kv_idx)
 
     @abstractmethod
-    def mod(self, device: torch.device | str) -> Callable[..., torch.Tensor]:
-        """The mask as a flex ``mask_mod`` closed over its lookup tensors on ``device`` (what
-        ``create_block_mask`` and a compiled ``flex_attention`` take)."""
+    def mod(self, device: torch.device | str, length: int | None = None) -> Callable[..., torch.Tensor]:
+        """The mask as a flex ``mask_mod`` closed over its lookup tensors on ``device``. With the sequence
+        ``length``, positions index a per-position table of pieces (what a compiled ``flex_attention`` lowers);
+        without it, pieces come from ``torch.bucketize`` (eager, ``create_block_mask``)."""
 
     def spec(self) -> tuple:
         """``(name, *args)`` as literals: ``from_spec(m.spec()) == m`` (compiled-call keys, the agreement round)."""
@@ -113,7 +114,7 @@ class Chunked(_Periodic):
     def relation(self, a: int, b: int) -> Bounds:
         return FULL if a == b else None
 
-    def mod(self, device):
+    def mod(self, device, length=None):
         size = self.size
 
         def chunked_mod(b, h, q_idx, kv_idx):
@@ -130,7 +131,7 @@ class BlockCausal(_Periodic):
     def relation(self, a: int, b: int) -> Bounds:
         return FULL if b <= a else None
 
-    def mod(self, device):
+    def mod(self, device, length=None):
         size = self.size
 
         def block_causal_mod(b, h, q_idx, kv_idx):
@@ -172,12 +173,11 @@ class Spans(PieceMask):
             return FULL
         return (None if self.window < 0 else -self.window, 0)
 
-    def mod(self, device):
-        cuts, window = torch.tensor(self.cuts or (_END,), device=device), self.window
+    def mod(self, device, length=None):
+        piece, window = _pieces(torch.tensor(self.cuts or (_END,)), device, length), self.window
 
         def spans_mod(b, h, q_idx, kv_idx):
-            pq = torch.bucketize(q_idx, cuts, right=True)
-            pk = torch.bucketize(kv_idx, cuts, right=True)
+            pq, pk = piece(q_idx), piece(kv_idx)
             causal = kv_idx <= q_idx
             if window >= 0:
                 causal = causal & (q_idx - kv_idx <= window)
@@ -220,16 +220,15 @@ class Tree(PieceMask):
             return CAUSAL
         return FULL if b in self._anc[a] else None     # type: ignore[attr-defined]
 
-    def mod(self, device):
+    def mod(self, device, length=None):
         n = len(self.parents)
         table = torch.zeros(n + 1, n + 1, dtype=torch.bool)     # row n: positions past the tree see nothing
         for i, a in enumerate(self._anc):              # type: ignore[attr-defined]
             table[i, list(a)] = True
-        table, cuts = table.to(device), torch.tensor(self.cuts[1:], device=device)
+        table, piece = table.to(device), _pieces(torch.tensor(self.cuts[1:]), device, length)
 
         def tree_mod(b, h, q_idx, kv_idx):
-            pq = torch.bucketize(q_idx, cuts, right=True)
-            pk = torch.bucketize(kv_idx, cuts, right=True)
+            pq, pk = piece(q_idx), piece(kv_idx)
             return table[pq, pk] & ((pq != pk) | (kv_idx <= q_idx))
         return tree_mod
 
@@ -255,12 +254,22 @@ class SinkWindow(PieceMask):
     def relation(self, a: int, b: int) -> Bounds:
         return CAUSAL if b == 0 else (-self.window, 0)
 
-    def mod(self, device):
+    def mod(self, device, length=None):
         window, sinks = self.window, self.sinks
 
         def sink_window_mod(b, h, q_idx, kv_idx):
             return (kv_idx <= q_idx) & ((q_idx - kv_idx <= window) | (kv_idx < sinks))
         return sink_window_mod
+
+
+def _pieces(cuts: torch.Tensor, device, length: int | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Position -> index of the cut interval it falls in (``bucketize(pos, cuts, right=True)``): a lookup table
+    of ``length`` entries when the length is known, else ``torch.bucketize`` itself."""
+    if length is None:
+        cuts = cuts.to(device)
+        return lambda pos: torch.bucketize(pos, cuts, right=True)
+    table = torch.bucketize(torch.arange(length), cuts, right=True).to(device)
+    return lambda pos: table[pos]
 
 
 def chunked(size: int) -> Chunked:
