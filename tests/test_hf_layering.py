@@ -11,7 +11,7 @@ import pathlib
 import pytest
 
 INTEGRATIONS = pathlib.Path(__file__).resolve().parents[1] / "seqpar" / "integrations"
-HF_MODULES = ["huggingface", "hf_generate", "hf.attention", "hf.batch", "hf.loss", "hf.grads"]
+HF_MODULES = ["huggingface", "hf_generate", "hf.attention", "hf.batch", "hf.layers", "hf.loss", "hf.grads"]
 PUBLIC = ["Handle", "SPLoss", "SeqparCache", "all_reduce_gradients", "batch_layout", "enable", "generate", "prefill",
           "reduce_loss", "sequence_parallel_loss", "serving", "shard_batch", "token_loss_sum"]
 
