@@ -22,6 +22,7 @@ from .layouts import Layout
 from .layouts.varlen import ShardInfo
 from .layouts.varlen import shard_info as _shard_info
 from .runtime import call as _call
+from .runtime import op as _op
 from .types import AttnOutput
 
 __all__ = ["ShardInfo", "attention", "attention_config", "placement", "positions", "shard", "shard_info", "unshard",
@@ -102,20 +103,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
         return _traced(q, k, v, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size,
                        cu_seqlens, seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, sinks,
                        check_ranks, verify, options, graphs, mask_mod)
-    return _call.attention(q, k, v, mesh=mesh, method=method, layout=layout, causal=causal,
-                           softmax_scale=softmax_scale, kernel=kernel, return_lse=return_lse, window_size=window_size,
-                           cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
-                           dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
-                           check_ranks=check_ranks, verify=verify, options=options, graphs=graphs,
-                           mask_mod=mask_mod)
+    plan = _call.planned(q, k, v, sinks, mesh=mesh, method=method, layout=layout, causal=causal,
+                         softmax_scale=softmax_scale, kernel=kernel, return_lse=return_lse, window_size=window_size,
+                         cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
+                         dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, check_ranks=check_ranks,
+                         verify=verify, options=options, graphs=graphs, mask_mod=mask_mod)
+    out, lse = _op.run(plan, q, k, v, sinks)
+    if verify:
+        from . import verification
+
+        with torch.no_grad():
+            verification.check_sample(q, k, v, out, lse, plan.cfg, plan.groups, plan.method, mesh, sinks=sinks)
+    return AttnOutput(out, lse) if return_lse else out
 
 
 def _traced(q, k, v, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size, cu_seqlens,
             seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, sinks, check_ranks, verify, options,
             graphs, mask_mod):
     """``attention`` under ``torch.compile``: one custom op (Note [Tracing seqpar.attention] in runtime.op)."""
-    from .runtime.op import attention_op
-
     if dropout_p or alibi_slopes is not None or verify:
         raise NotImplementedError(f"dropout_p, alibi_slopes and verify=True are not supported under torch.compile"
                                   f"{rank_suffix()}")
@@ -129,7 +134,7 @@ def _traced(q, k, v, mesh, method, layout, causal, softmax_scale, kernel, return
     key = _call.traced_key(mesh, method, layout, causal, softmax_scale, kernel, tuple(window_size), seq_len,
                            deterministic, grad_dtype, float(softcap), check_ranks, tuple(sorted(options.items())),
                            graphs, None if mask_mod is None else mask_mod.spec())
-    out, lse, _ = attention_op(q, k, v, sinks, cu_seqlens, key)
+    out, lse, _ = _op.attention_op(q, k, v, sinks, cu_seqlens, key)
     return AttnOutput(out, lse) if return_lse else out
 
 
@@ -335,3 +340,21 @@ def shard_info(seq_len: int, *, mesh: Any = None, method: str = "ring", layout: 
         return _shard_info(lay, index, seq_len, cu, device)
     except ValueError as e:
         raise ValueError(f"{e}{rank_suffix()}") from None
+
+
+def _choose(groups: SeqParallelGroups, dims: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
+            causal: bool, window: tuple[int, int], cu_seqlens: Any, kernel: str, grad_dtype: torch.dtype,
+            options: dict[str, Any], grad: bool, features: list[str]) -> tuple[str, dict[str, Any]]:
+    """``method="auto"``: the planner's choice (the planner is imported only when asked for; the runtime reaches
+    it through ``runtime.call.CHOOSE``, so it imports no planner)."""
+    from . import planner
+
+    name, chosen, _ = planner.choose(
+        tuple(q.shape), k.shape[2], causal, window, groups.world, dims, layout, options.get("profile"),
+        ulysses=groups.ulysses_size if dims == 2 else None, dtype=q.dtype, device=q.device.type,
+        mode="fwd+bwd" if grad else "fwd", features=features, kernel=kernel, grad_dtype=grad_dtype,
+        cu_seqlens=cu_seqlens)
+    return name, chosen
+
+
+_call.CHOOSE = _choose

@@ -14,8 +14,17 @@ FORBIDDEN = {
     "comm": {"methods", "kernels", "api", "modules", "integrations", "bench", "planner", "runtime"},
     "layouts": {"methods", "kernels", "comm", "api", "modules", "integrations", "bench", "planner", "groups",
                 "torch.distributed", "runtime"},
-    "methods": {"api", "modules", "integrations", "bench"},
+    "methods": {"api", "modules", "integrations", "bench", "planner", "runtime", "verification", "testing"},
     "inference": {"methods", "modules", "integrations", "bench", "planner"},   # attention through api only
+    # the planned call: below the API, above the methods; reaches the planner and verify only through hooks
+    "runtime": {"api", "modules", "integrations", "bench", "planner", "verification", "testing", "compat",
+                "inference"},
+    "cost": {"methods", "api", "modules", "integrations", "bench", "planner", "runtime", "kernels", "comm",
+             "testing"},
+    "planner": {"api", "modules", "integrations", "bench", "runtime", "verification", "testing", "compat"},
+    "verification": {"testing", "integrations", "bench", "compat", "planner"},
+    "compat": {"bench", "planner", "testing"},
+    "integrations": {"bench", "compat", "planner", "testing"},
 }
 # modules below the methods inside a package the methods may import only in part
 BELOW_METHODS = {"comm.loop": {"methods", "api", "planner", "runtime"}}
@@ -107,9 +116,8 @@ def test_base_modules_import_nothing_above_them():
             assert allowed, f"{stem}.py imports {name}"
 
 
-# the planner: methods reach it only through its model (pure arithmetic), it reaches methods only through the registry
-PLANNER_FOR_METHODS = {"seqpar.planner", "seqpar.planner.model"}
-NOT_BELOW_THE_MODEL = ("seqpar.methods", "seqpar.planner.search", "seqpar.runtime", "seqpar.api")
+# the cost model (seqpar.cost) sits below the methods; the planner above them reaches them through the registry
+NOT_BELOW_THE_MODEL = ("seqpar.methods", "seqpar.planner", "seqpar.runtime", "seqpar.api")
 
 
 def _file(name: str) -> pathlib.Path | None:
@@ -136,13 +144,12 @@ def _closure(name: str) -> set[str]:
             for p in seen}
 
 
-def test_methods_import_only_the_planners_model():
+def test_methods_import_the_cost_model_never_the_planner():
     bad = []
     for path in (ROOT / "methods").glob("*.py"):
-        bad += [f"methods/{path.name} imports {n}" for n in _imports(path)
-                if _layer(n) == "planner" and n not in PLANNER_FOR_METHODS]
+        bad += [f"methods/{path.name} imports {n}" for n in _imports(path) if _layer(n) == "planner"]
     assert not bad, "\n".join(bad)
-    below = _closure("seqpar.planner.model") | _closure("seqpar.planner")
+    below = _closure("seqpar.cost.model") | _closure("seqpar.cost")
     assert not [m for m in below if m.startswith(NOT_BELOW_THE_MODEL)], sorted(below)
 
 
@@ -182,3 +189,21 @@ def test_import_seqpar_is_the_core():
             "assert not hasattr(seqpar, 'no_such_name')")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_no_package_cycles():
+    """No two packages (or top-level modules) of seqpar import each other, lazily or not (issue 24); the package
+    root, which re-exports the API, is the one exception."""
+    edges: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).parts
+        src = rel[0].removesuffix(".py")
+        if src == "__init__":
+            continue
+        for name in _imports(path):
+            dst = _layer(name)
+            if dst and dst != src and dst != "torch.distributed" and (ROOT / dst).exists() or \
+                    (dst and (ROOT / f"{dst}.py").exists() and dst != src):
+                edges.setdefault(src, set()).add(dst)
+    cycles = sorted(f"{a} <-> {b}" for a in edges for b in edges[a] if a < b and a in edges.get(b, ()))
+    assert not cycles, cycles

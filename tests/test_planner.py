@@ -12,17 +12,17 @@ import torch
 from conftest import assert_all_ok
 
 import seqpar
+from seqpar.cost.model import Machine, ccr, kv_wire_heads, pass_bytes
+from seqpar.cost.profile import Profile, builtin_profiles
+from seqpar.cost.topology import Group, Link, Network, Topology, get_topology
+from seqpar.cost.work import _call, band, count_pairs, rank_runs, ring_steps
 from seqpar.layouts import make_layout
 from seqpar.planner import Candidate, Problem, choose, load_profile, plan, predict
 from seqpar.planner import calibrate as cal
 from seqpar.planner.cli import main as plan_main
 from seqpar.planner.measured import h100_profile, h200_profile
-from seqpar.planner.model import Machine, ccr, kv_wire_heads, pass_bytes
-from seqpar.planner.profile import Profile, builtin_profiles
-from seqpar.planner.topology import Group, Link, Network, Topology, get_topology
 from seqpar.planner.validate import check, parse_method, read_jsonl
 from seqpar.planner.validate import main as validate_main
-from seqpar.planner.work import _call, band, count_pairs, rank_runs, ring_steps
 from seqpar.testing import Case, check_case, make_inputs
 
 H200 = load_profile("h200-nvswitch")
@@ -289,7 +289,7 @@ def test_profiles_roundtrip_and_regenerate():
         prof = load_profile(name)
         assert Profile.from_dict(json.loads(prof.to_json())) == prof
         hash(prof)
-    root = Path(seqpar.planner.__file__).parent / "profiles"
+    root = Path(seqpar.cost.__file__).parent / "profiles"
     for prof in (h200_profile(), h100_profile()):                              # JSON == python -m ...measured
         assert (root / f"{prof.name}.json").read_text() == prof.to_json()
     assert H200.rate_tflops("cudnn", "causal", "fwd", 16384) == pytest.approx(639, rel=0.01)

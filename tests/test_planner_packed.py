@@ -1,4 +1,4 @@
-"""The planner on packed batches (Note [Packed batches] in ``seqpar.planner.model``) and its inference cases.
+"""The planner on packed batches (Note [Packed batches] in ``seqpar.cost.model``) and its inference cases.
 
 Work per rank and per ring step against ``seqpar.layouts.work`` and the block planner; a single document is
 the dense model; the busiest rank sets the compute; document layouts are ranked only with documents and
@@ -20,13 +20,13 @@ import torch
 from conftest import assert_all_ok
 
 import seqpar
+from seqpar.cost.model import Machine, block_matrix, steps
+from seqpar.cost.profile import load_profile
+from seqpar.cost.topology import Network, get_topology
 from seqpar.inference import plan_inference
 from seqpar.layouts import Rule, make_layout
 from seqpar.layouts.work import block_work, work
 from seqpar.planner import Candidate, Problem, choose, plan, predict, search
-from seqpar.planner.model import Machine, block_matrix, steps
-from seqpar.planner.profile import load_profile
-from seqpar.planner.topology import Network, get_topology
 from seqpar.testing import Case, check_case, make_inputs
 
 H200 = load_profile("h200-nvswitch")

@@ -2,7 +2,7 @@
 
 ``TOY`` gathers q, k, v (and dO in backward) on every rank and attends the whole sequence densely, keeping its
 own rows: trivially correct, and written only against the public declaration (``seqpar.methods.Method``), the
-engine contract (Note [Engines]) and the planner's model (``seqpar.planner.model``). Registered, it must be in
+engine contract (Note [Engines]) and the planner's model (``seqpar.cost.model``). Registered, it must be in
 ``seqpar.methods.available()``, ranked by ``seqpar.plan``, picked by ``method="auto"`` (its model claims to be
 the fastest), timed by the benchmark (``method_specs``), run by the demo (``demo_cases``), and match the dense
 oracle through ``seqpar.attention(method="toy")`` at W = 2; unregistered, it is gone from all of them.
@@ -18,10 +18,11 @@ from conftest import assert_all_ok
 import seqpar
 from seqpar import methods
 from seqpar.bench.presets import PRESETS, method_specs
+from seqpar.cost import model
 from seqpar.demo import demo_cases
 from seqpar.methods import BackwardInputs, Call, Method
 from seqpar.numerics import acc_dtype
-from seqpar.planner import choose, model, plan
+from seqpar.planner import choose, plan
 from seqpar.testing import Case, check_case, run_case
 
 

@@ -21,12 +21,12 @@ from _workers_ulysses import call_error
 from conftest import assert_all_ok, assert_same_error_on_every_rank, run_cases
 
 from seqpar.bench.presets import PRESETS, method_specs
+from seqpar.cost import model as cost
+from seqpar.cost.model import Candidate, Machine, Problem
+from seqpar.cost.profile import load_profile
+from seqpar.cost.topology import Network, get_topology
 from seqpar.methods import _ulysses, get
-from seqpar.planner import model as cost
-from seqpar.planner.model import Candidate, Machine, Problem
-from seqpar.planner.profile import load_profile
 from seqpar.planner.search import _why_not, predict
-from seqpar.planner.topology import Network, get_topology
 from seqpar.planner.validate import parse_method
 from seqpar.testing import Case, check_case, run_case
 

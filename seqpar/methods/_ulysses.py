@@ -109,7 +109,7 @@ def auto_head_chunks(heads: int, kv_heads: int, degree: int) -> int:
       kernel stays large enough to hide the next group's transfer;
 
     and 1 for ``degree == 1`` (no all-to-all to hide). Pure and shape-only: every rank picks the same c.
-    ``seqpar.planner.model.auto_head_chunks`` mirrors this rule (a test keeps them equal).
+    ``seqpar.cost.model.auto_head_chunks`` mirrors this rule (a test keeps them equal).
     """
     if degree == 1:
         return 1

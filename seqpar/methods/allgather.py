@@ -66,6 +66,7 @@ import torch
 
 from ..comm.all_gather import AllGather, AllToAllV, Handle
 from ..comm.loop import Loop, run_steps
+from ..cost import model
 from ..errors import rank_suffix
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import merge_
@@ -73,7 +74,6 @@ from ..layouts import Layout, make_layout
 from ..layouts.blocks import Rule, Run, Segments, Task, plan
 from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
-from ..planner import model
 from . import _passkv
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 

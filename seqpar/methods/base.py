@@ -182,7 +182,7 @@ class Method:
     """Builds the planned engine for one call signature."""
     cost: Callable[..., Any] | None = None
     """``(Problem, Candidate, Machine) -> Prediction``: the planner's model, written with
-    ``seqpar.planner.model`` (None: the planner cannot rank it, and ``method="auto"`` never picks it)."""
+    ``seqpar.cost.model`` (None: the planner cannot rank it, and ``method="auto"`` never picks it)."""
     candidates: Callable[..., list] | None = None
     """``(Problem, Topology, layouts, ulysses) -> [Candidate]``: the configurations worth predicting on the
     given layouts (already filtered to the caller's layout, to those serving the mask, and to document

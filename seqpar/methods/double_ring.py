@@ -39,6 +39,7 @@ import torch.distributed as dist
 from ..comm.loop import Double, Loop, run_steps
 from ..comm.ring import Exchange
 from ..config import AttentionConfig
+from ..cost import model
 from ..errors import rank_suffix
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator
@@ -46,7 +47,6 @@ from ..layouts import Layout
 from ..layouts.blocks import Rule, Task, plan
 from ..memo import batch_memo
 from ..numerics import acc_dtype, wire_dtype
-from ..planner import model
 from ._shared import pack_kv, unpack_kv
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
@@ -275,7 +275,7 @@ def _check(call: Call) -> None:
 def _steps(p: model.Problem, layout: str, w: int) -> list:
     """The busiest rank's call at outer step j, inner step s, flattened (index ``j w + s``): the ring's
     closed form for one document (the critical step does not depend on the visiting order), else the
-    schedule's own pairs (``source``, Note [Packed batches] in ``seqpar.planner.model``)."""
+    schedule's own pairs (``source``, Note [Packed batches] in ``seqpar.cost.model``)."""
     W = p.world
     if p.documents is None:
         steps = list(model.steps(p, layout, W))

@@ -15,8 +15,8 @@ shorter than the ring (Note [Ring truncation] in ``_passkv``).
 
 from __future__ import annotations
 
+from ..cost import model
 from ..errors import rank_suffix
-from ..planner import model
 from . import _passkv
 from .base import LONG_CONTEXT, Call, Method
 

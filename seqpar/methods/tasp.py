@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from ..comm import topology
 from ..config import AttentionConfig
+from ..cost import model
 from ..errors import rank_suffix
 from ..kernels.executor import TaskRunner
 from ..layouts import Layout, make_layout
 from ..layouts.subchunks import Subchunked
-from ..planner import model
 from . import _tasp
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 

@@ -15,8 +15,8 @@ GQA/MQA: K and V never move and are never replicated.
 from __future__ import annotations
 
 from ..comm.ring import Ring
+from ..cost import model
 from ..kernels.executor import TaskRunner
-from ..planner import model
 from . import _passq
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 

@@ -19,8 +19,8 @@ c head groups so each group's transfers run behind its neighbours' kernels (Note
 
 from __future__ import annotations
 
+from ..cost import model
 from ..layouts import Contiguous, Layout
-from ..planner import model
 from . import _ulysses
 from .base import LONG_CONTEXT, Call, Method
 

@@ -27,10 +27,10 @@ prefer U <= Hkv.
 from __future__ import annotations
 
 from ..comm.ring import Ring
+from ..cost import model
 from ..kernels.executor import TaskRunner
 from ..layouts import Layout, Nested, make_layout
 from ..numerics import acc_dtype
-from ..planner import model
 from . import _passkv, _ulysses
 from .base import LONG_CONTEXT, Call, Method
 

@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 from ..comm.ring import Exchange, Ring
+from ..cost.profile import PATTERNS, Curve, KernelRate, LinkRate, Profile
 from ..errors import UnsupportedInputError
 from ..kernels import KernelCall, merge_, select
 from ..masks import Band
-from .profile import PATTERNS, Curve, KernelRate, LinkRate, Profile
 
 __all__ = ["Settings", "main", "measure", "settings_for"]
 

@@ -18,10 +18,10 @@ import json
 import sys
 from collections.abc import Sequence
 
-from .profile import builtin_profiles, load_profile
+from ..cost.profile import builtin_profiles, load_profile
+from ..cost.topology import PRESETS
 from .search import plan
 from .simulate import plot, simulate, table, to_records
-from .topology import PRESETS
 
 __all__ = ["main", "parse_tokens"]
 

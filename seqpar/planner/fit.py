@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .profile import DIRECTIONS, Profile, load_profile
+from ..cost.profile import DIRECTIONS, Profile, load_profile
 from .search import modelled_methods
 from .validate import in_fit_set, modelled, predict_record, results, write_report
 

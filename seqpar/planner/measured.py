@@ -1,6 +1,6 @@
 """The measurements behind the built-in GPU profiles, and the script that turns them into JSON.
 
-    python -m seqpar.planner.measured        # rewrites seqpar/planner/profiles/h200-nvswitch.json, h100-...
+    python -m seqpar.planner.measured        # rewrites seqpar/cost/profiles/h200-nvswitch.json, h100-...
 
 Sources (4x H200 NVSwitch host, NCCL 2.28.9, torch 2.11, bf16, B = 1, H = 32, D = 128):
 ALGORITHMS.md §12.1 (link bandwidths, overlap loss) and §12.4 (single-GPU kernel times), PEERS.md §12
@@ -43,7 +43,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from .profile import Curve, KernelRate, LinkRate, Profile
+from ..cost.profile import Curve, KernelRate, LinkRate, Profile
 
 __all__ = ["FIT_COMMAND", "FIT_FILES", "FIT_PRESETS", "H200_KERNEL_MS", "fit_sources", "h100_profile",
            "h200_profile"]
@@ -186,7 +186,7 @@ def h100_profile() -> Profile:
 
 
 def write_builtin(root: Path | None = None) -> list[Path]:
-    """Write the built-in GPU profiles as JSON (the files shipped in ``seqpar/planner/profiles``)."""
+    """Write the built-in GPU profiles as JSON (the files shipped in ``seqpar/cost/profiles``)."""
     root = root or Path(__file__).parent / "profiles"
     root.mkdir(parents=True, exist_ok=True)
     paths = []

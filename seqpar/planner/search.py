@@ -19,7 +19,7 @@ Note [Auto is deterministic]
     ``seqpar.attention(method="auto")`` with the same shapes (and the same ``cu_seqlens``) therefore makes the
     same choice. Auto never changes the token layout - the caller already sharded - so it picks among the
     registered methods whose layouts include the caller's and whose mesh dimensionality matches. A packed
-    batch is ranked with Note [Packed batches] (``seqpar.planner.model``): per new ``cu_seqlens``, W rank
+    batch is ranked with Note [Packed batches] (``seqpar.cost.model``): per new ``cu_seqlens``, W rank
     works and the documents' run pairs in closed form, never O(S), cached per batch.
 """
 
@@ -34,12 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from .. import methods as _methods
+from ..cost.model import Candidate, Machine, Prediction, Problem, single_gpu_ms
+from ..cost.profile import Profile, load_profile
+from ..cost.topology import Network, Topology, get_topology
 from ..layouts import LAYOUTS
 from ..methods import Method
 from .inference import InferenceCase, inference_case
-from .model import Candidate, Machine, Prediction, Problem, single_gpu_ms
-from .profile import Profile, load_profile
-from .topology import Network, Topology, get_topology
 
 __all__ = ["DTYPE_BYTES", "MODES", "Entry", "Ranking", "choose", "default_profile", "modelled_methods", "plan",
            "predict"]
@@ -181,7 +181,7 @@ def plan(*, seq_len: int, heads: int, world: int, kv_heads: int | None = None, h
         dtype, grad_dtype: activation dtype and the dtype of gradient partials on the wire.
         mode: "fwd" or "fwd+bwd": which time ranks.
         profile: a Profile, a built-in name or a JSON path (default: the built-in H200 profile).
-        topology: a Topology or preset name (``seqpar.planner.topology.PRESETS``); default: one node of
+        topology: a Topology or preset name (``seqpar.cost.topology.PRESETS``); default: one node of
             the profile's host, which needs ``world <= profile.gpus_per_node``.
         kernel: the local kernel (default: the profile's ``default_kernel``, what "auto" runs).
         methods: names to consider; None, "all" or "available" = every registered method with a cost model.

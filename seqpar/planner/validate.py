@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import methods as _methods
+from ..cost.model import Candidate, Machine, Prediction, Problem
+from ..cost.profile import Profile, load_profile
+from ..cost.topology import Network, get_topology
 from ..layouts import ALL_LAYOUT_NAMES
-from .model import Candidate, Machine, Prediction, Problem
-from .profile import Profile, load_profile
 from .search import DTYPE_BYTES, predict
-from .topology import Network, get_topology
 
 __all__ = ["Row", "check", "in_fit_set", "main", "modelled", "parse_method", "predict_record", "profile_for",
            "read_jsonl", "results"]

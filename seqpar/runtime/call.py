@@ -1,7 +1,7 @@
 """The planned call: everything a call's signature fixes is computed once, kept in a bounded cache.
 
     plan = planned(q, k, v, sinks, mesh=..., method=..., ...)     # validation, placement, engine, on a miss
-    out, lse = plan(q, k, v, sinks)                                 # launches kernels and transfers only
+    out, lse = op.run(plan, q, k, v, sinks)                         # launches kernels and transfers only
 
 Note [Planned calls]
     The signature is what the ranks must agree on and what fixes the work: tensor shapes, dtypes and devices,
@@ -60,17 +60,15 @@ from ..layouts import LAYOUTS
 from ..masks import mod as _masks
 from ..masks import named as _named
 from ..methods.base import Call, Engine, Method
-from ..types import AttnOutput
 from . import graphs as _graphs
-from . import op as _op
 
 __all__ = [
     "BATCH_CACHE_SIZE",
     "CACHE_BYTES",
     "CACHE_SIZE",
     "CHECK_EVERY",
+    "CHOOSE",
     "Plan",
-    "attention",
     "cache_clear",
     "cache_info",
     "config",
@@ -279,32 +277,6 @@ def host_cu_seqlens(cu: Any) -> tuple[int, ...] | None:
     return tuple(int(x) for x in cu)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any, method: str, layout: str | None,
-              causal: bool, softmax_scale: float | None, kernel: str, return_lse: bool,
-              window_size: Any, cu_seqlens: Any, seq_len: int | None, deterministic: bool,
-              grad_dtype: torch.dtype, dropout_p: float, alibi_slopes: Any, softcap: float,
-              sinks: torch.Tensor | None, check_ranks: Any, verify: bool, options: dict[str, Any],
-              graphs: bool | None = None, mask_mod: Any = None):
-    """``seqpar.attention`` (documented there): the cache lookup, then the planned call."""
-    plan = planned(q, k, v, sinks, mesh=mesh, method=method, layout=layout, causal=causal,
-                   softmax_scale=softmax_scale, kernel=kernel, return_lse=return_lse, window_size=window_size,
-                   cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
-                   dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, check_ranks=check_ranks,
-                   verify=verify, options=options, graphs=graphs, mask_mod=mask_mod)
-    if plan.direct is not None:
-        return plan.direct(q, k, v)
-    if plan.call.grad:
-        out, lse = _op.Attention.apply(q, k, v, sinks, plan)
-    else:
-        out, lse, _ = _op.forward(plan, q, k, v, sinks)
-    if verify:
-        from .. import verification
-
-        with torch.no_grad():
-            verification.check_sample(q, k, v, out, lse, plan.cfg, plan.groups, plan.method, mesh, sinks=sinks)
-    return AttnOutput(out, lse) if return_lse else out
-
-
 def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size,
             cu_seqlens, seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, check_ranks, verify,
             options, graphs: bool | None = None, mask_mod: Any = None) -> Plan:
@@ -437,10 +409,13 @@ def validated(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, ke
     return m, cfg, groups, lay, index
 
 
+#: ``method="auto"``'s planner query, set by ``seqpar.api`` (the runtime imports no planner): ``(groups, dims,
+#: mesh, q, k, v, layout, causal, window, cu_seqlens, kernel, grad_dtype, options, grad, features) -> (name, opts)``
+CHOOSE: Any = None
+
+
 def _auto(q, k, v, mesh, layout, causal, window, cu_seqlens, seq_len, kernel, grad_dtype, options, grad, mask_mod):
     """``method="auto"``: (method, options) from the planner (Note [Auto is deterministic] in planner.search)."""
-    from .. import planner  # the planner is imported only when asked for
-
     extra = sorted(set(options) - {"profile"})
     if extra:
         raise TypeError(f"method='auto' takes only the option 'profile' (it picks the method's options), got "
@@ -450,12 +425,8 @@ def _auto(q, k, v, mesh, layout, causal, window, cu_seqlens, seq_len, kernel, gr
     groups = SeqParallelGroups.resolve(mesh, dims)
     used = {"window": window != (-1, -1), "varlen": cu_seqlens is not None, "padding": seq_len is not None,
             "value_dim": v.shape[-1] != q.shape[-1], "mask": mask_mod is not None}
-    name, chosen, _ = planner.choose(
-        tuple(q.shape), k.shape[2], bool(causal), window, groups.world, dims, layout, options.get("profile"),
-        ulysses=groups.ulysses_size if dims == 2 else None, dtype=q.dtype, device=q.device.type,
-        mode="fwd+bwd" if grad else "fwd", features=[f for f, on in used.items() if on], kernel=kernel,
-        grad_dtype=grad_dtype, cu_seqlens=cu_seqlens)
-    return name, chosen
+    return CHOOSE(groups, dims, q, k, v, layout, bool(causal), window, cu_seqlens, kernel, grad_dtype, options, grad,
+                  [f for f, on in used.items() if on])
 
 
 def config(m: Method, *, layout, causal, softmax_scale, kernel, window_size, cu_seqlens, seq_len, deterministic,

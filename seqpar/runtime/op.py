@@ -28,8 +28,20 @@ import torch
 
 from ..methods.base import BackwardInputs
 from ..numerics import GradRows, acc_dtype, apply_sinks, sink_grad
+from .call import Plan, traced_plan, traced_saved_meta
 
-__all__ = ["Attention", "attention_op", "backward", "backward_op", "forward"]
+__all__ = ["Attention", "attention_op", "backward", "backward_op", "forward", "run"]
+
+
+def run(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A planned call on its tensors: ``(out, lse)``, or ``(out, None)`` on the direct path (out only)."""
+    if plan.direct is not None:
+        return plan.direct(q, k, v), None
+    if plan.call.grad:
+        return Attention.apply(q, k, v, sinks, plan)
+    out, lse, _ = forward(plan, q, k, v, sinks)
+    return out, lse
 
 
 def forward(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
@@ -108,8 +120,6 @@ def _out_meta(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
                          schema="(Tensor q, Tensor k, Tensor v, Tensor? sinks, Tensor? cu_seqlens, str key) "
                                 "-> (Tensor, Tensor, Tensor[])")
 def attention_op(q, k, v, sinks, cu_seqlens, key):
-    from .call import traced_plan
-
     plan = traced_plan(key, q, k, v, sinks, cu_seqlens)
     out, lse, saved = forward(plan, q, k, v, sinks)
     out, lse, *saved = _unaliased([out, lse, *saved], [q, k, v, sinks, cu_seqlens])
@@ -118,8 +128,6 @@ def attention_op(q, k, v, sinks, cu_seqlens, key):
 
 @attention_op.register_fake
 def _(q, k, v, sinks, cu_seqlens, key):
-    from .call import traced_saved_meta
-
     out, lse = _out_meta(q, v)
     return out, lse, [q.new_empty(shape, dtype=dtype) for shape, dtype in traced_saved_meta(key, q, k, v)]
 
@@ -131,8 +139,6 @@ def _(q, k, v, sinks, cu_seqlens, key):
 def backward_op(dout, dlse, out, lse, q, k, v, saved, sinks, cu_seqlens, key, sinks_grad):
     """``(dq, dk, dv, dsinks)``; dsinks is an empty tensor when there are no sinks (schemas have no optional
     outputs)."""
-    from .call import traced_plan
-
     plan = traced_plan(key, q, k, v, sinks, cu_seqlens)
     dq, dk, dv, ds = backward(plan, dout, dlse, out, lse, q, k, v, tuple(saved), sinks, sinks_grad)
     dq, dk, dv, ds = _unaliased([dq, dk, dv, q.new_empty(0) if ds is None else ds],

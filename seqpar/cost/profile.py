@@ -2,7 +2,7 @@
 
 A ``Profile`` is the planner's only view of hardware (ALGORITHMS.md §12.1). It is a frozen, hashable
 dataclass (plans are cached on it) with a JSON form; ``load_profile(name_or_path)`` reads one of the
-built-in profiles shipped under ``seqpar/planner/profiles/`` or a file written by ``python -m
+built-in profiles shipped under ``seqpar/cost/profiles/`` or a file written by ``python -m
 seqpar.calibrate``. Every number carries its provenance in ``source`` (measured, derived or fitted).
 
 Curves::
@@ -314,7 +314,7 @@ def _other_dir(direction: str) -> str:
 
 def builtin_profiles() -> list[str]:
     """Names of the profiles shipped with seqpar."""
-    root = resources.files("seqpar.planner") / "profiles"
+    root = resources.files("seqpar.cost") / "profiles"
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".json"))
 
 
@@ -337,6 +337,6 @@ _BUILTIN: dict[str, Profile] = {}
 
 def _builtin(name: str) -> Profile:
     if name not in _BUILTIN:
-        text = (resources.files("seqpar.planner") / "profiles" / f"{name}.json").read_text()
+        text = (resources.files("seqpar.cost") / "profiles" / f"{name}.json").read_text()
         _BUILTIN[name] = Profile.from_dict(json.loads(text))
     return _BUILTIN[name]
