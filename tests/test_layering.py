@@ -207,3 +207,15 @@ def test_no_package_cycles():
                 edges.setdefault(src, set()).add(dst)
     cycles = sorted(f"{a} <-> {b}" for a in edges for b in edges[a] if a < b and a in edges.get(b, ()))
     assert not cycles, cycles
+
+
+def test_methods_and_inference_run_on_the_one_loop():
+    """Every transfer of a method or of inference is posted through ``comm.loop`` (``Loop.post`` / ``run_steps``),
+    which completes what a rank posted when a step raises (Note [Faults in a schedule]): none commits its own."""
+    bad = []
+    for pkg in ("methods", "inference"):
+        for path in (ROOT / pkg).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "commit":
+                    bad.append(f"{pkg}/{path.name}:{node.lineno}")
+    assert not bad, bad

@@ -4,8 +4,8 @@ Both run the plans of ``plans.Pairs`` (the block planner on cache positions, so 
 mix of layouts come for free) through ``_local.attend_block`` and merge partials in fp32 with
 ``seqpar.kernels.merge``. Transfers are posted before the step's compute and completed after it
 (``send_recv -> commit -> wait``, Note [Sequence-major wire buffers] in ``seqpar.methods._shared``: every
-message is a contiguous row range). An exception in a step's compute first completes what this rank posted,
-then propagates (Note [Faults in the ring] in ``seqpar.methods._passkv``).
+message is a contiguous row range), on the runtime's one loop (``seqpar.comm.loop.run_steps``), so an exception
+in a step's compute first completes what this rank posted, then propagates (Note [Faults in a schedule]).
 
 Note [Pass-KV over a cache]
     At step s rank r holds the live slice of rank ``(r - s) mod W`` (slices differ in length: round-robin
@@ -23,11 +23,11 @@ Note [Pass-Q over a cache]
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
+from ..comm.loop import Double, Loop, run_steps
 from ..comm.ring import Exchange
 from ..kernels.merge import Accumulator
 from ..layouts.blocks import Task
@@ -124,19 +124,6 @@ def run_tasks(acc: Partials, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             acc.add(gi, t.q, *attend_block(qg[:, t.q], kg[:, t.k], vg[:, t.k], t.mask, scale, kernel))
 
 
-@contextlib.contextmanager
-def _settled(*posted: Exchange | None) -> Iterator[None]:
-    """On an exception, complete the posted exchanges before it propagates (Note [Faults in the ring])."""
-    try:
-        yield
-    except BaseException:
-        for ex in posted:
-            if ex is not None:
-                with contextlib.suppress(Exception):
-                    ex.wait()
-        raise
-
-
 def pass_kv(q: torch.Tensor, k_SBHD: torch.Tensor, v_SBHD: torch.Tensor, lengths: Sequence[int], pairs: Pairs,
             peers: Peers, acc: Partials, scale: float, kernel: str) -> None:
     """Note [Pass-KV over a cache]: this rank's queries ``q (B, L, H, D)`` against every rank's live slice.
@@ -144,26 +131,33 @@ def pass_kv(q: torch.Tensor, k_SBHD: torch.Tensor, v_SBHD: torch.Tensor, lengths
     ``k_SBHD, v_SBHD``: this rank's live slice ``(n, B, Hkv, D|Dv)``; ``lengths[j]``: rank j's live rows.
     """
     me, W, n = peers.index, peers.world, pairs.n_steps
-    held_k, held_v = k_SBHD, v_SBHD
+    held = [k_SBHD, v_SBHD]
     longest = max(lengths[(me - s) % W] for s in range(1, n)) if n > 1 else 0
     bufs = [(k_SBHD.new_empty(longest, *k_SBHD.shape[1:]), v_SBHD.new_empty(longest, *v_SBHD.shape[1:]))
             for _ in range(2 if n > 2 else 1)]
-    for s in range(n):
+
+    def post(s: int) -> Exchange | None:
+        if s + 1 >= n:
+            return None
         j, nxt = (me - s) % W, (me - s - 1) % W
-        ex = None
+        ex = peers.exchange()
+        into_k, into_v = bufs[s % len(bufs)]
+        if lengths[j]:
+            ex.send(held[0], peers.peer(1)).send(held[1], peers.peer(1))
+        if lengths[nxt]:
+            ex.recv(into_k[:lengths[nxt]], peers.peer(-1)).recv(into_v[:lengths[nxt]], peers.peer(-1))
+        return ex
+
+    def compute(s: int) -> None:
+        run_tasks(acc, q, held[0].transpose(0, 1), held[1].transpose(0, 1), pairs.tasks[me][(me - s) % W], scale,
+                  kernel)
+
+    def land(s: int) -> None:
         if s + 1 < n:
-            ex = peers.exchange()
-            into_k, into_v = bufs[s % len(bufs)]
-            if lengths[j]:
-                ex.send(held_k, peers.peer(1)).send(held_v, peers.peer(1))
-            if lengths[nxt]:
-                ex.recv(into_k[:lengths[nxt]], peers.peer(-1)).recv(into_v[:lengths[nxt]], peers.peer(-1))
-            ex.commit()
-        with _settled(ex):
-            run_tasks(acc, q, held_k.transpose(0, 1), held_v.transpose(0, 1), pairs.tasks[me][j], scale, kernel)
-        if ex is not None:
-            ex.wait()
-            held_k, held_v = into_k[:lengths[nxt]], into_v[:lengths[nxt]]
+            nxt, (into_k, into_v) = (me - s - 1) % W, bufs[s % len(bufs)]
+            held[:] = [into_k[:lengths[nxt]], into_v[:lengths[nxt]]]
+
+    run_steps(n, post=post, compute=compute, land=land)
 
 
 def pass_q(q: torch.Tensor, k_SBHD: torch.Tensor, v_SBHD: torch.Tensor, pairs: Pairs, peers: Peers,
@@ -172,12 +166,13 @@ def pass_q(q: torch.Tensor, k_SBHD: torch.Tensor, v_SBHD: torch.Tensor, pairs: P
     me, W, n = peers.index, peers.world, pairs.n_steps
     k, v = k_SBHD.transpose(0, 1), v_SBHD.transpose(0, 1)
     L, Dv = q.shape[1], v_SBHD.shape[-1]
-    cur = q.transpose(0, 1).clone(memory_format=torch.contiguous_format)     # (L, B, H, D), a copy
-    nxt = torch.empty_like(cur)
+    hosted = Double(q.transpose(0, 1).clone(memory_format=torch.contiguous_format))     # (L, B, H, D), a copy
     lse_dt = acc.accs[0].acc_dtype
+    cur = hosted.cur
     res = [(cur.new_empty(L, *cur.shape[1:3], Dv), torch.empty(*cur.shape[:3], dtype=lse_dt, device=q.device))
            for _ in range(2)]
     got = (res[0][0].new_empty(res[0][0].shape), torch.empty_like(res[0][1]))
+    mine = [False] * (n + 1)          # whether the partial returned at step s is this rank's
 
     def post_return(ex: Exchange, t: int) -> bool:
         """Step t's partial to its owner, and mine from the rank that computed it; True if mine comes."""
@@ -188,31 +183,35 @@ def pass_q(q: torch.Tensor, k_SBHD: torch.Tensor, v_SBHD: torch.Tensor, pairs: P
             return True
         return False
 
-    def merge_got() -> None:
-        acc.add_copy(got[0].transpose(0, 1), got[1].permute(1, 2, 0))
+    def merge_got(s: int) -> None:
+        if mine[s]:
+            acc.add_copy(got[0].transpose(0, 1), got[1].permute(1, 2, 0))
 
-    for s in range(n):
+    def post(s: int) -> Exchange:
+        """The hop of the hosted queries and the return of step s - 1's partial: one batched exchange."""
         ex = peers.exchange()
         if s + 1 < n:
-            ex.send(cur, peers.peer(-1)).recv(nxt, peers.peer(1))
-        mine = post_return(ex, s - 1) if s >= 2 else False
-        ex.commit()
-        with _settled(ex):
-            if s == 0:
-                run_tasks(acc, q, k, v, pairs.tasks[me][me], scale, kernel)
-            elif pairs.busy((me + s) % W, me):
-                _guest(cur, k, v, pairs.tasks[(me + s) % W][me], acc.groups, res[s % 2], scale, kernel)
-        ex.wait()
-        if mine:
-            merge_got()
-        cur, nxt = nxt, cur
-    if n > 1:
-        ex = peers.exchange()
-        mine = post_return(ex, n - 1)
-        ex.commit()
-        ex.wait()
-        if mine:
-            merge_got()
+            ex.send(hosted.cur, peers.peer(-1)).recv(hosted.nxt, peers.peer(1))
+        mine[s] = post_return(ex, s - 1) if s >= 2 else False
+        return ex
+
+    def compute(s: int) -> None:
+        if s == 0:
+            run_tasks(acc, q, k, v, pairs.tasks[me][me], scale, kernel)
+        elif pairs.busy((me + s) % W, me):
+            _guest(hosted.cur, k, v, pairs.tasks[(me + s) % W][me], acc.groups, res[s % 2], scale, kernel)
+
+    def land(s: int) -> None:
+        merge_got(s)
+        hosted.swap()
+
+    with Loop() as loop:
+        run_steps(n, post=post, compute=compute, land=land, loop=loop)
+        if n > 1:                       # the last step's partial goes home
+            ex = peers.exchange()
+            mine[n] = post_return(ex, n - 1)
+            loop.wait(loop.post(ex))
+            merge_got(n)
 
 
 def _guest(q_SBHD: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tasks: Sequence[tuple[Task, ...]],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..comm.loop import Loop
 from ..comm.ring import Exchange, Ring
 from ..groups import SeqParallelGroups
 from ..kernels.linear import LinearCall, select_linear
@@ -50,16 +51,15 @@ def _forward(q, k, v, g, h0, cfg: LinearConfig, groups: SeqParallelGroups):
     first, last = ring.rank == 0, ring.rank == ring.world - 1
     _, (M,), (P,) = _linear.summaries(k, v, g, (slot,))
     S_in = M.new_zeros(M.shape) if h0 is None or not first else h0.to(M.dtype)
-    recv = None if first else Exchange(ring.group).recv(S_in, ring.peer(-1)).commit()
-    o = _linear.local_forward(kern, q, k, v, g, (slot,), cfg.chunk_size)     # hides the wait for S_in
-    if recv is not None:
-        recv.wait()
-    S_out = P.unsqueeze(-1) * S_in + M
-    send = None if last else Exchange(ring.group).send(S_out, ring.peer(1)).commit()
-    if slot.receives:
-        _linear.add_state_output(o, q, g, slot, S_in)
-    if send is not None:
-        send.wait()
+    with Loop() as loop:                  # Note [Faults in a schedule]
+        recv = [] if first else loop.post(Exchange(ring.group).recv(S_in, ring.peer(-1)))
+        o = _linear.local_forward(kern, q, k, v, g, (slot,), cfg.chunk_size)     # hides the wait for S_in
+        loop.wait(recv)
+        S_out = P.unsqueeze(-1) * S_in + M
+        send = [] if last else loop.post(Exchange(ring.group).send(S_out, ring.peer(1)))
+        if slot.receives:
+            _linear.add_state_output(o, q, g, slot, S_in)
+        loop.wait(send)
     return o.to(q.dtype), (S_in, S_out, P)
 
 
@@ -69,17 +69,16 @@ def _backward(do, q, k, v, g, h0, S_in, S_out, P, cfg: LinearConfig, groups: Seq
     acc = acc_dtype(q.dtype)
     wire = acc if cfg.grad_dtype == torch.float32 else cfg.grad_dtype
     dS_wire = S_in.new_zeros(S_in.shape, dtype=wire)
-    recv = None if last else Exchange(ring.group).recv(dS_wire, ring.peer(1)).commit()
-    dM = _linear.state_grad(q, g, do, slot, acc) if slot.receives else torch.zeros_like(S_in)
-    grads = _linear.local_backward(kern, do, q, k, v, g, (slot,), cfg.chunk_size)   # hides the wait
-    if recv is not None:
-        recv.wait()
-    dS_out = dS_wire.to(acc)
-    dS_in = dM + P.unsqueeze(-1) * dS_out
-    send = None if first else Exchange(ring.group).send(dS_in.to(wire), ring.peer(-1)).commit()
-    _linear.add_state_grads(grads, q, k, v, g, do, slot, S_in, dS_out, S_out)
-    if send is not None:
-        send.wait()
+    with Loop() as loop:
+        recv = [] if last else loop.post(Exchange(ring.group).recv(dS_wire, ring.peer(1)))
+        dM = _linear.state_grad(q, g, do, slot, acc) if slot.receives else torch.zeros_like(S_in)
+        grads = _linear.local_backward(kern, do, q, k, v, g, (slot,), cfg.chunk_size)   # hides the wait
+        loop.wait(recv)
+        dS_out = dS_wire.to(acc)
+        dS_in = dM + P.unsqueeze(-1) * dS_out
+        send = [] if first else loop.post(Exchange(ring.group).send(dS_in.to(wire), ring.peer(-1)))
+        _linear.add_state_grads(grads, q, k, v, g, do, slot, S_in, dS_out, S_out)
+        loop.wait(send)
     dh0 = None
     if h0 is not None:
         dh0 = dS_in.to(h0.dtype) if first else torch.zeros_like(h0)
