@@ -25,6 +25,7 @@ from .groups import SeqParallelGroups
 from .kernels.linear import FEATURE_MAPS, LinearCall, apply_feature_map, available_linear_kernels, select_linear
 from .layouts import LAYOUTS
 from .methods._linear import LinearConfig
+from .runtime.call import host_cu_seqlens
 
 __all__ = ["get_linear_method", "linear_attention", "linear_methods"]
 
@@ -155,20 +156,9 @@ def _config(module: ModuleType, *, layout, causal, chunk_size, kernel, cu_seqlen
         raise NotImplementedError(f"initial_state must be None with cu_seqlens (one state per document is not "
                                   f"supported), got both{rs}")
     return LinearConfig(method=name, layout=layout, causal=causal, chunk_size=chunk_size, kernel=kernel,
-                        cu_seqlens=_host_cu(cu_seqlens), seq_len=seq_len, grad_dtype=grad_dtype,
+                        cu_seqlens=host_cu_seqlens(cu_seqlens), seq_len=seq_len, grad_dtype=grad_dtype,
                         output_final_state=bool(output_final_state), has_initial_state=initial_state is not None,
                         deterministic=deterministic)
-
-
-def _host_cu(cu: torch.Tensor | Sequence[int] | None) -> tuple[int, ...] | None:
-    if cu is None:
-        return None
-    if isinstance(cu, torch.Tensor):
-        if cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"cu_seqlens must be a 1D int32/int64 tensor, got {cu.dtype} of shape {tuple(cu.shape)}"
-                            f"{rank_suffix()}")
-        return tuple(int(x) for x in cu.tolist())
-    return tuple(int(x) for x in cu)
 
 
 def _check_tensor(name: str, t: Any, shape: tuple[int, ...], like: torch.Tensor, rs: str) -> None:

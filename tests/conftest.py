@@ -82,6 +82,34 @@ def run_cases(pool: ProcessPool, cases) -> list:
     return [check_case(c, pool.run(run_case, c)) for c in cases]
 
 
+def run_cases_batched(pool: ProcessPool, cases, timeout: float = 900) -> list:
+    """Every case in ONE pool call (a worker runs them in turn), each judged; returns the reports."""
+    from seqpar.testing import check_case
+    from seqpar.testing.cases import run_cases as run_in_worker
+
+    per_rank = pool.run(run_in_worker, cases, timeout=timeout)
+    return [check_case(c, [r[i] for r in per_rank]) for i, c in enumerate(cases)]
+
+
+@pytest.fixture(scope="module")
+def nccl_group():
+    """A NCCL process group of this process alone (file rendezvous): seqpar.attention at W = 1 on the GPU."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    fd, path = tempfile.mkstemp(prefix="seqpar_gpu_")
+    os.close(fd)
+    os.unlink(path)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def assert_all_ok(reports) -> None:
     bad = [str(r) for r in reports if not r.ok]
     assert not bad, f"{len(bad)} of {len(reports)} cases failed:\n" + "\n".join(bad)

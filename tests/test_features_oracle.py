@@ -9,11 +9,11 @@ All cases of one world size run in one pool call (the pools are shared across th
 from __future__ import annotations
 
 import pytest
+from conftest import assert_all_ok, run_cases_batched
 from reliability_methods import SOFTMAX, length_divisor, softmax_setup
 
 from seqpar.methods import causal_layouts, get
-from seqpar.testing import Case, check_case
-from seqpar.testing.cases import run_cases
+from seqpar.testing import Case
 
 WORLDS = [1, 2, 3, 4, 8]
 
@@ -58,12 +58,6 @@ def _balanced(base: Case, method: str, world: int) -> list[Case]:
 @pytest.mark.parametrize("world", WORLDS)
 def test_features_match_the_oracle(pools, world):
     cases = [c for m in SOFTMAX for c in _cases(m, world)]
-    per_rank = pools(world).run(run_cases, cases, timeout=600)
-    failures = []
-    for i, case in enumerate(cases):
-        report = check_case(case, [r[i] for r in per_rank])
-        if not report.ok:
-            failures.append(f"W={world} {report}")
-    assert not failures, "\n".join(failures)
     covered = {c.method for c in cases}
     assert covered == set(SOFTMAX), sorted(set(SOFTMAX) - covered)
+    assert_all_ok(run_cases_batched(pools(world), cases, timeout=600))

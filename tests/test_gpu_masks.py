@@ -8,34 +8,17 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 
 import seqpar
 from seqpar import masks
 from seqpar.testing.cases import HashMask
 from seqpar.testing.oracle import dense_attention
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("nccl_group")]
 S = 1024
-
-
-@pytest.fixture(scope="module", autouse=True)
-def nccl_group():
-    if dist.is_initialized():
-        yield
-        return
-    fd, path = tempfile.mkstemp(prefix="seqpar_gpu_")
-    os.close(fd)
-    os.unlink(path)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _inputs(seed: int = 0):

@@ -10,33 +10,15 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 
 import seqpar
 from seqpar.kernels import KERNELS, KernelCall, select
 from seqpar.kernels.sdpa import cudnn_max_head_dim
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def nccl_group():
-    """A NCCL process group of this process alone (file rendezvous), for seqpar.attention at W = 1."""
-    if dist.is_initialized():
-        yield
-        return
-    fd, path = tempfile.mkstemp(prefix="seqpar_gpu_")
-    os.close(fd)
-    os.unlink(path)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.usefixtures("nccl_group")]
 
 
 def _rel(a, b):

@@ -8,12 +8,13 @@ pieces (Note [Masks as pieces]) and its per-block classification (Note [Generic 
 from __future__ import annotations
 
 import pytest
+from conftest import assert_all_ok, run_cases_batched
 from reliability_methods import SOFTMAX, length_divisor, softmax_setup
 
 from seqpar import masks
 from seqpar.methods import causal_layouts, get
-from seqpar.testing import Case, check_case
-from seqpar.testing.cases import HashMask, run_cases
+from seqpar.testing import Case
+from seqpar.testing.cases import HashMask
 
 WORLDS = [1, 2, 3, 4, 8]
 
@@ -67,11 +68,5 @@ def _balanced(method: str, world: int, base_len: int) -> list[Case]:
 @pytest.mark.parametrize("world", WORLDS)
 def test_masks_match_the_oracle(pools, world):
     cases = [c for m in SOFTMAX for c in mask_cases(m, world)]
-    per_rank = pools(world).run(run_cases, cases, timeout=900)
-    failures = []
-    for i, case in enumerate(cases):
-        report = check_case(case, [r[i] for r in per_rank])
-        if not report.ok:
-            failures.append(f"W={world} {report}")
-    assert not failures, "\n".join(failures)
     assert {c.method for c in cases} == set(SOFTMAX)
+    assert_all_ok(run_cases_batched(pools(world), cases))
