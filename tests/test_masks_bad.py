@@ -2,6 +2,7 @@
 
 import _workers_masks as bad
 import pytest
+from conftest import assert_same_error_on_every_rank
 
 from seqpar import masks
 from seqpar.testing.cases import HashMask
@@ -33,12 +34,10 @@ def test_bad_masks_raise_the_same_clear_error_on_every_rank(pools, world, method
     pool = pools(world)
     for what, kwargs, exc, words, per_rank in CASES:
         reports = pool.run(call_and_report, "attention", {**kwargs, "method": method}, OK, {}, per_rank)
-        for rank, rep in enumerate(reports):
-            assert rep is not None, f"{what}: rank {rank} raised nothing"
-            name, msg = rep
-            assert name == exc, f"{what}: rank {rank} raised {name}: {msg}"
-            for w in [*words, f"rank {rank} of {world}"]:
-                assert w in msg, f"{what}: rank {rank} message lacks {w!r}: {msg}"
+        try:
+            assert_same_error_on_every_rank(reports, exc, words)
+        except AssertionError as e:
+            raise AssertionError(f"{what}: {e}") from None
 
 
 def test_named_mask_arguments_are_checked():
