@@ -11,3 +11,8 @@ timeout "${TIMEOUT:-560}" python3 benchmarks/gpu/masks_1gpu.py --out "$OUT/masks
   --sizes "${SIZES:-16384,131072}" > "$OUT/masks/log.txt" 2>&1
 echo "== rc=$?"
 grep -v '^\s' "$OUT/masks/log.txt" | grep -v Warning | tail -n 60 | cut -c1-400
+if [ -n "${BENCH:-}" ]; then    # the bench's mask presets, emulated W = 8 (limit: flex on one GPU, same mask)
+  timeout "${BENCH_TIMEOUT:-300}" python3 -m seqpar.bench --emulate-world 8 --preset masks --preset gqa-causal-16k \
+    --preset gqa-causal-128k --methods ring/zigzag,ring/contiguous,ulysses,allgather/zigzag --out "$OUT/masks/bench" \
+    > "$OUT/masks/bench.log" 2>&1; echo "== bench rc=$?"; grep -A 30 "^| preset" "$OUT/masks/bench.log" | cut -c1-200
+fi

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .. import methods
-from .presets import PRESETS, TABLE, MethodSpec, Preset, method_specs
+from .presets import MASKS, PRESETS, TABLE, MethodSpec, Preset, method_specs
 from .report import console_table, load, plot, readme_table, suite_table
 from .runners import limit_runner, ours_runner, peer_runners
 from .suites import SUITES
@@ -122,7 +122,7 @@ class Bench:
         dist.init_process_group("fake", rank=rank, world_size=self.args.emulate_world, store=FakeStore())
         self.rank = rank
 
-    def busiest(self, layout, seq_len: int, causal: bool, cu_seqlens=None) -> int:
+    def busiest(self, layout, seq_len: int, causal: bool, cu_seqlens=None, mask=None) -> int:
         """The rank to emulate for a configuration on ``layout`` (a name or a layout object): ``--emulate-rank``,
         or the rank with the most visible (query, key) pairs."""
         if self.args.emulate_rank != "busiest":
@@ -131,7 +131,7 @@ class Bench:
         from ..layouts.work import work
 
         lay = make_layout(layout, self.world, cu_seqlens) if isinstance(layout, str) else layout
-        per_rank = work(lay, seq_len, Rule(causal), cu_seqlens)
+        per_rank = work(lay, seq_len, Rule(causal, mask=mask), cu_seqlens)
         return max(range(self.world), key=lambda r: (per_rank[r], -r))
 
     def emulation(self, seq_len: int, time_ms_: float | None, limit_ms: float | None, fn=None) -> dict:
@@ -207,7 +207,8 @@ class Bench:
             fn = runner[mode] if runner else (lambda: None)
             t = time_ms(fn, self.device, warmup=1, iters=3)
             res[mode] = t * (preset.flops(mode, s) / preset.flops(mode, measure_at))
-            self.write({"preset": preset.name, "method": "limit:cudnn-1gpu", "mode": mode, "world_size": 1,
+            self.write({"preset": preset.name, "method": "limit:flex-1gpu" if preset.mask else "limit:cudnn-1gpu",
+                        "mode": mode, "world_size": 1,
                         "seq_len": s, "time_ms": res[mode], "measured_at": measure_at})
         del runner
         self._free()
@@ -260,6 +261,7 @@ class Bench:
         rec = {"preset": preset.name, "method": label, "mode": mode, "world_size": world,
                "time_ms": t, "limit_ms": limit[mode] / world, "heads": preset.heads, "kv_heads": preset.kv_heads,
                "seq_len": preset.seq_len, "head_dim": preset.head_dim, "causal": preset.causal,
+               "mask": None if preset.mask is None else preset.mask[0],
                "dtype": preset.dtype, "target": preset.targets.get(mode), "min_mem_gib": preset.min_mem_gib(world)}
         rec.update(extra or {})
         if t is not None:
@@ -284,12 +286,14 @@ class Bench:
                 self.log("budget reached: skipping the rest")
                 return
             if self.emulated:       # Ulysses gives every rank the same work; the others follow their layout
-                self.emulate_as(0 if spec.method == "ulysses" else self.busiest(spec.layout, preset.seq_len,
-                                                                                  preset.causal))
+                busiest = self.busiest(spec.layout, preset.seq_len, preset.causal, mask=preset.mask_mod())
+                self.emulate_as(0 if spec.method == "ulysses" else busiest)
             self.time_config(preset, spec.label,
                              lambda s=spec: ours_runner(s, preset, self.device, check_ranks=self.check_ranks), limit,
                              profile=True)
-        if self.args.peers and self.device.type == "cuda":
+        if self.args.peers and preset.mask is not None:
+            self.log(f"peers: not run on {preset.name} (no peer takes a mask)")
+        elif self.args.peers and self.device.type == "cuda":
             for label, factory in peer_runners(preset, self.device).items():
                 if self.over_budget():
                     return
@@ -338,7 +342,7 @@ def _select(names: list[str]) -> list[Preset]:
     for n in names or ["table"]:
         if n in SUITES or n == "inference":
             continue
-        out += list(TABLE) if n == "table" else (list(PRESETS) if n == "all" else [n])
+        out += list(TABLE) if n == "table" else list(MASKS) if n == "masks" else (list(PRESETS) if n == "all" else [n])
     unknown = [n for n in out if n not in PRESETS]
     if unknown:
         raise SystemExit(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}, table, all")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from .. import methods
 
-__all__ = ["PRESETS", "MethodSpec", "Preset", "method_specs"]
+__all__ = ["MASKS", "PRESETS", "TABLE", "MethodSpec", "Preset", "method_specs"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,14 +35,26 @@ class Preset:
     """Best peer efficiency per mode before seqpar (PEERS.md §12, 4x H200)."""
     limit_from: int | None = None
     """Measure the single-GPU limit at this length and scale by FLOPs (sequences too long to time on one GPU)."""
+    mask: tuple | None = None
+    """A named mask's spec (``seqpar.masks.from_spec``): ``mask_mod=`` of every call; the limit is flex on one GPU
+    with the same mask, the FLOPs are its visible pairs', and the peers (no masks) are not run."""
 
     def __hash__(self) -> int:
         return hash(self.name)
 
+    def mask_mod(self):
+        """The preset's named mask, or None."""
+        from ..masks import from_spec
+
+        return None if self.mask is None else from_spec(self.mask)
+
     def flops(self, mode: str, seq_len: int | None = None) -> float:
         s = self.seq_len if seq_len is None else seq_len
-        f = 4.0 * self.batch * s * s * self.heads * self.head_dim * (0.5 if self.causal else 1.0)
-        return f * (1.0 if mode == "fwd" else 3.5)
+        if self.mask is not None:
+            pairs = _pairs(self.mask, self.causal, s)
+        else:
+            pairs = s * s * (0.5 if self.causal else 1.0)
+        return 4.0 * self.batch * pairs * self.heads * self.head_dim * (1.0 if mode == "fwd" else 3.5)
 
     def min_mem_gib(self, world: int) -> float:
         """q, k, v, out, dout and their gradients, plus lse, per GPU: the floor of fwd+bwd memory."""
@@ -51,6 +63,19 @@ class Preset:
         q_like = 4 * local * self.heads * self.head_dim * el          # q, out, dout, dq
         kv_like = 4 * local * self.kv_heads * self.head_dim * el      # k, v, dk, dv
         return (q_like + kv_like + local * self.heads * 4) / 2**30
+
+
+def _pairs(mask: tuple, causal: bool, seq_len: int) -> int:
+    """Visible (query, key) pairs of a masked sequence (the block planner's count on one rank)."""
+    from ..layouts import Rule, make_layout
+    from ..layouts.work import work
+    from ..masks import from_spec
+
+    return work(make_layout("contiguous", 1), seq_len, Rule(causal, mask=from_spec(mask)))[0]
+
+
+def _m(name: str, seq: int, causal: bool, mask: tuple, **kw) -> Preset:
+    return Preset(name=name, heads=32, kv_heads=8, seq_len=seq, causal=causal, mask=mask, **kw)
 
 
 def _p(name, heads, kv, seq, causal, tf, tb, pf, pb, **kw) -> Preset:
@@ -71,13 +96,25 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
            targets={"fwd+bwd": 0.99}, best_peer={"fwd+bwd": 0.99}, limit_from=262144),
     Preset(name="gqa-causal-4m", heads=32, kv_heads=8, seq_len=1 << 22, causal=True, modes=("fwd+bwd",),
            targets={"fwd+bwd": 0.97}, limit_from=262144),
+    # masks (issue 25): GQA 32/8, the models' named masks; the RL row is one 16K prompt with 8 responses of 2K
+    _m("mask-shared-prefix-32k", 32768, False, ("tree", (0, 16384, *range(18432, 32769, 2048)), (-1,) + (0,) * 8)),
+    _m("mask-chunked-128k", 131072, True, ("chunked", 8192)),
+    _m("mask-chunked-16k", 16384, True, ("chunked", 8192)),
+    _m("mask-spans-16k", 16384, False, ("spans", tuple((i * 1024 + 64, i * 1024 + 320) for i in range(16)), -1)),
+    _m("mask-prefix-lm-16k", 16384, False, ("spans", ((0, 4096),), -1)),
+    _m("mask-block-causal-16k", 16384, False, ("block_causal", 512)),
+    _m("mask-sink-window-16k", 16384, False, ("sink_window", 4095, 4)),
     # CPU smoke sizes (gloo): exercise the whole pipeline in seconds
     Preset(name="tiny-causal", heads=4, kv_heads=2, seq_len=512, causal=True, head_dim=32, dtype="float32"),
     Preset(name="tiny-full", heads=4, kv_heads=4, seq_len=512, causal=False, head_dim=32, dtype="float32"),
+    Preset(name="tiny-mask", heads=4, kv_heads=2, seq_len=512, causal=False, head_dim=32, dtype="float32",
+           mask=("tree", (0, 256, 320, 384, 448, 512), (-1, 0, 0, 0, 0))),
 ]}
 
 #: the presets `--preset table` runs: the performance issue's table
 TABLE = ("mha-causal-128k", "mha-causal-16k", "gqa-causal-128k", "gqa-causal-16k", "mha-full-64k", "mha-full-16k")
+#: the presets `--preset masks` runs
+MASKS = tuple(name for name in PRESETS if name.startswith("mask-"))
 
 
 @dataclass(frozen=True)

@@ -43,10 +43,12 @@ def _modes(preset: Preset, fwd: Callable[[], object], fwd_bwd: Callable[[], obje
 
 
 def limit_runner(preset: Preset, device: torch.device, seq_len: int | None = None) -> Runner:
-    """Single-GPU cuDNN (SDPA) on the full sequence; call it on one rank only."""
+    """Single-GPU cuDNN (SDPA) on the full sequence, or flex with the preset's mask; call it on one rank only."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     s = preset.seq_len if seq_len is None else seq_len
+    if preset.mask is not None:
+        return _flex_limit(preset, device, s)
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(preset.batch, h, s, preset.head_dim, device=device, dtype=_dtype(preset), generator=g)
                for h in (preset.heads, preset.kv_heads, preset.kv_heads))
@@ -63,6 +65,31 @@ def limit_runner(preset: Preset, device: torch.device, seq_len: int | None = Non
         with sdpa_kernel(backend):
             out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=preset.causal, enable_gqa=gqa)
         return torch.autograd.grad(out, (qg, kg, vg), do)
+
+    return _modes(preset, fwd, fwd_bwd)
+
+
+def _flex_limit(preset: Preset, device: torch.device, s: int) -> Runner:
+    """flex_attention on the whole sequence with the preset's mask as a block mask (compiled on CUDA)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    fn = preset.mask_mod().mod(device, s)
+    mod = (lambda b, h, qi, ki: fn(b, h, qi, ki) & (ki <= qi)) if preset.causal else fn
+    bm = create_block_mask(mod, None, None, s, s, device=device, _compile=device.type == "cuda")
+    flex = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(preset.batch, h, s, preset.head_dim, device=device, dtype=_dtype(preset), generator=g)
+               for h in (preset.heads, preset.kv_heads, preset.kv_heads))
+    do = torch.randn_like(q)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    gqa = preset.kv_heads != preset.heads
+
+    def fwd():
+        with torch.no_grad():
+            return flex(q, k, v, block_mask=bm, enable_gqa=gqa)
+
+    def fwd_bwd():
+        return torch.autograd.grad(flex(qg, kg, vg, block_mask=bm, enable_gqa=gqa), (qg, kg, vg), do)
 
     return _modes(preset, fwd, fwd_bwd)
 
@@ -96,7 +123,7 @@ def ours_runner(spec: MethodSpec, preset: Preset, device: torch.device, group: d
     do = torch.randn_like(q)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     kw = {"mesh": mesh, "method": spec.method, "layout": spec.layout, "causal": preset.causal, "kernel": kernel,
-          "check_ranks": check_ranks, **dict(spec.options)}
+          "check_ranks": check_ranks, "mask_mod": preset.mask_mod(), **dict(spec.options)}
     if padded != preset.seq_len:
         kw["seq_len"] = preset.seq_len
 
