@@ -432,7 +432,7 @@ def attention_signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: 
             ("kernel", cfg.kernel), ("options", cfg.options), ("cu_seqlens", cfg.cu_seqlens),
             ("seq_len", cfg.seq_len), ("deterministic", cfg.deterministic),
             ("grad_dtype", cfg.grad_dtype), ("backward", _backward(q, k, v)),
-            ("mask_mod", None if cfg.mask is None else cfg.mask.spec()),
+            ("mask_mod", None if cfg.mask is None else cfg.mask.spec()), ("balance", cfg.balance),
             *sorted(flags.items()), *_group_items(groups))
 
 

@@ -36,7 +36,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
               deterministic: bool = False, grad_dtype: torch.dtype = torch.float32, dropout_p: float = 0.0,
               alibi_slopes: torch.Tensor | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None,
               check_ranks: bool | int = True, verify: bool = False, graphs: bool | None = None,
-              mask_mod: Any = None, **options: Any) -> torch.Tensor | AttnOutput:
+              mask_mod: Any = None, balance: str | None = None, **options: Any) -> torch.Tensor | AttnOutput:
     """Sequence-parallel softmax attention over the ranks of ``mesh``.
 
     Args:
@@ -94,6 +94,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
             planned call, partly visible blocks on flex / the reference kernel; it must not read ``b`` or ``h``).
             ANDed with ``causal``, ``window_size``, ``cu_seqlens`` and padding. A plan is cached per function
             object: pass the same object each step, and the same function on every rank.
+        balance: with ``layout="balanced"`` and a named mask, None balances the keys each query sees under the
+            mask (``seqpar.shard`` must get the same ``mask_mod``); "causal" balances causal work whatever the mask,
+            so layers with different masks share one placement (``seqpar.shard`` without ``mask_mod``).
         **options: method-specific options (``seqpar.methods.get(method).options``).
 
     Returns:
@@ -102,12 +105,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
     if torch.compiler.is_compiling():
         return _traced(q, k, v, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size,
                        cu_seqlens, seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, sinks,
-                       check_ranks, verify, options, graphs, mask_mod)
+                       check_ranks, verify, options, graphs, mask_mod, balance)
     plan = _call.planned(q, k, v, sinks, mesh=mesh, method=method, layout=layout, causal=causal,
                          softmax_scale=softmax_scale, kernel=kernel, return_lse=return_lse, window_size=window_size,
                          cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
                          dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, check_ranks=check_ranks,
-                         verify=verify, options=options, graphs=graphs, mask_mod=mask_mod)
+                         verify=verify, options=options, graphs=graphs, mask_mod=mask_mod, balance=balance)
     out, lse = _op.run(plan, q, k, v, sinks)
     if verify:
         from . import verification
@@ -119,7 +122,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
 
 def _traced(q, k, v, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size, cu_seqlens,
             seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, sinks, check_ranks, verify, options,
-            graphs, mask_mod):
+            graphs, mask_mod, balance):
     """``attention`` under ``torch.compile``: one custom op (Note [Tracing seqpar.attention] in runtime.op)."""
     if dropout_p or alibi_slopes is not None or verify:
         raise NotImplementedError(f"dropout_p, alibi_slopes and verify=True are not supported under torch.compile"
@@ -133,7 +136,7 @@ def _traced(q, k, v, mesh, method, layout, causal, softmax_scale, kernel, return
         cu_seqlens = torch.tensor(list(cu_seqlens), dtype=torch.int32)
     key = _call.traced_key(mesh, method, layout, causal, softmax_scale, kernel, tuple(window_size), seq_len,
                            deterministic, grad_dtype, float(softcap), check_ranks, tuple(sorted(options.items())),
-                           graphs, None if mask_mod is None else mask_mod.spec())
+                           graphs, None if mask_mod is None else mask_mod.spec(), balance)
     out, lse, _ = _op.attention_op(q, k, v, sinks, cu_seqlens, key)
     return AttnOutput(out, lse) if return_lse else out
 
@@ -142,14 +145,15 @@ def attention_config(method: str = "ring", *, layout: str | None = None, causal:
                      softmax_scale: float | None = None, kernel: str = "auto",
                      window_size: tuple[int, int] = (-1, -1), cu_seqlens: Sequence[int] | None = None,
                      seq_len: int | None = None, deterministic: bool = False, grad_dtype: torch.dtype = torch.float32,
-                     softcap: float = 0.0, mask_mod: Any = None, **options: Any) -> AttentionConfig:
+                     softcap: float = 0.0, mask_mod: Any = None, balance: str | None = None,
+                     **options: Any) -> AttentionConfig:
     """The validated ``AttentionConfig`` of a ``seqpar.attention`` call to ``method`` (no tensors needed):
     what ``SequenceParallelAttention`` and the integrations check at construction time."""
     m = methods.get(method)
     return _call.config(m, layout=layout or m.default_layout(), causal=causal, softmax_scale=softmax_scale,
                         kernel=kernel, window_size=window_size, cu_seqlens=cu_seqlens, seq_len=seq_len,
                         deterministic=deterministic, grad_dtype=grad_dtype, softcap=softcap, options=options,
-                        mask_mod=mask_mod)
+                        mask_mod=mask_mod, balance=balance)
 
 
 def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None = None, *,
@@ -157,7 +161,8 @@ def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
            cu_seqlens: torch.Tensor | Sequence[int] | None = None, seq_len: int | None = None,
            softcap: float = 0.0, sinks: torch.Tensor | None = None, heads: int = 2, rows: int = 256, seed: int = 0,
-           tolerance: float | None = None, raise_on_error: bool = True, mask_mod: Any = None, **options: Any):
+           tolerance: float | None = None, raise_on_error: bool = True, mask_mod: Any = None,
+           balance: str | None = None, **options: Any):
     """Check a distributed attention result against a dense recomputation of a sample (Note [Verify mode]).
 
     Call it on every rank with the local shards and the arguments of the ``attention`` call that produced
@@ -186,7 +191,7 @@ def verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
         q, k, v, sinks, mesh=mesh, method=method, layout=layout, causal=causal, softmax_scale=softmax_scale,
         kernel="auto", window_size=window_size, cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=False,
         grad_dtype=torch.float32, dropout_p=0.0, alibi_slopes=None, softcap=softcap, options=options, grad=False,
-        mask_mod=mask_mod,
+        mask_mod=mask_mod, balance=balance,
         extra=sample_args, flags={"verify_out": _shape(out), "verify_lse": _shape(lse),
                                   "sample": (heads, rows, seed, tolerance)})
     with torch.no_grad():

@@ -56,6 +56,9 @@ class AttentionConfig:
     """Score capping ``softcap * tanh(s / softcap)`` (Gemma 2); 0 = none."""
     mask: Any = None
     """A named mask or ``ModMask`` (``seqpar.masks``) ANDed with causal, window, documents and padding."""
+    balance: str | None = None
+    """What ``layout="balanced"`` balances: None - the work under a named ``mask`` (causal work without one);
+    "causal" - causal work whatever the mask (layers with different masks sharing one placement)."""
     options: tuple[tuple[str, Any], ...] = field(default=())
     """Method-specific options as sorted ``(name, value)`` pairs (see ``option``)."""
 
@@ -67,6 +70,8 @@ class AttentionConfig:
                                                    and self.softmax_scale > 0):
             raise ValueError(f"softmax_scale must be a positive float or None, got {self.softmax_scale!r}"
                              f"{rank_suffix()}")
+        if self.balance not in (None, "causal"):
+            raise ValueError(f"balance must be None (the mask's work) or 'causal', got {self.balance!r}{rank_suffix()}")
         if isinstance(self.softcap, bool) or not isinstance(self.softcap, (int, float)) or self.softcap < 0:
             raise ValueError(f"softcap must be a float >= 0 (0 = no capping), got {self.softcap!r}{rank_suffix()}")
         if self.grad_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
@@ -86,7 +91,7 @@ class AttentionConfig:
     @property
     def balance_rule(self) -> Rule | None:
         """What ``layout="balanced"`` balances beyond causal work: the rule with a named mask, else None."""
-        return balance_rule(self.layout, self.causal, self.mask)
+        return balance_rule(self.layout, self.causal, None if self.balance == "causal" else self.mask)
 
     @property
     def valid_len(self) -> int | None:

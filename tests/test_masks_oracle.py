@@ -62,6 +62,7 @@ def _balanced(method: str, world: int, base_len: int) -> list[Case]:
                 kv_heads=2, head_dim=8, seq_len=S, seed=world, causal=False, cu_seqlens=cu, valid_len=S - 2)
     return [base.with_(mask=masks.shared_prefix(3, [2, max(1, S // 3 - 5), S // 2])),
             base.with_(mask=masks.chunked(3), causal=True),
+            base.with_(mask=masks.chunked(3), causal=True, balance="causal"),     # placed by causal work
             base.with_(mask=masks.spans([(1, 3), (S // 2, S // 2 + 3)]), lse_grad=True)]
 
 

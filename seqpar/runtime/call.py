@@ -279,7 +279,7 @@ def host_cu_seqlens(cu: Any) -> tuple[int, ...] | None:
 
 def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kernel, return_lse, window_size,
             cu_seqlens, seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, check_ranks, verify,
-            options, graphs: bool | None = None, mask_mod: Any = None) -> Plan:
+            options, graphs: bool | None = None, mask_mod: Any = None, balance: str | None = None) -> Plan:
     """The planned call for these arguments: cached, or built (Note [Planned calls]); runs the round."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                         or (sinks is not None and sinks.requires_grad))
@@ -289,7 +289,7 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
                None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), _Same(mesh), method, layout,
                causal, softmax_scale, kernel, return_lse, window, host_cu_seqlens(cu_seqlens), seq_len,
                deterministic, grad_dtype, dropout_p, alibi_slopes is None, softcap, verify,
-               tuple(options.items()) if options else (), graphs, mask_mod)
+               tuple(options.items()) if options else (), graphs, mask_mod, balance)
         hash(key)
     except TypeError:
         key = None                     # an unhashable argument: plan without caching (validation explains it)
@@ -305,7 +305,7 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
         q, k, v, sinks, mesh=mesh, method=method, layout=layout, causal=causal, softmax_scale=softmax_scale,
         kernel=kernel, window_size=window, cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic,
         grad_dtype=grad_dtype, dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap, options=options,
-        grad=grad, check_ranks=check_ranks, round_now=False, mask_mod=mask_mod,
+        grad=grad, check_ranks=check_ranks, round_now=False, mask_mod=mask_mod, balance=balance,
         extra=lambda: (_flag_args(check_ranks, verify, return_lse), _graphs_arg(graphs, q.device)))
     items = agreement.attention_signature(q, k, v, cfg, groups, return_lse=return_lse, verify=verify,
                                           sinks=None if sinks is None else tuple(sinks.shape))
@@ -369,7 +369,7 @@ def _flag_args(check_ranks: Any, verify: Any, return_lse: Any) -> None:
 def validated(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kernel, window_size, cu_seqlens,
               seq_len, deterministic, grad_dtype, dropout_p, alibi_slopes, softcap, options, grad,
               check_ranks: Any = True, round_now: bool = True, extra=None, flags: dict | None = None,
-              mask_mod: Any = None):
+              mask_mod: Any = None, balance: str | None = None):
     """Every local check of a call, then (``round_now``) an agreement round read at once:
     ``(method, cfg, groups, layout, index)``, or the same error on every rank.
 
@@ -391,7 +391,7 @@ def validated(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, ke
                      window_size=window_size, cu_seqlens=cu_seqlens, seq_len=seq_len, deterministic=deterministic,
                      grad_dtype=grad_dtype, dropout_p=dropout_p, alibi_slopes=alibi_slopes, softcap=softcap,
                      options=options, value_dim=v.shape[-1], head_dim=q.shape[-1], sinks=sinks is not None,
-                     mask_mod=mask_mod)
+                     mask_mod=mask_mod, balance=balance)
         groups = SeqParallelGroups.resolve(mesh, m.mesh_dims)
         if cfg.mask is not None:        # probed before any collective (Note [Generic mask_mod])
             cfg = dataclasses.replace(cfg, mask=_masks.checked(cfg.mask, q.shape[1] * groups.world, q.device))
@@ -431,7 +431,7 @@ def _auto(q, k, v, mesh, layout, causal, window, cu_seqlens, seq_len, kernel, gr
 
 def config(m: Method, *, layout, causal, softmax_scale, kernel, window_size, cu_seqlens, seq_len, deterministic,
            grad_dtype, dropout_p=0.0, alibi_slopes=None, softcap=0.0, options, value_dim=None, head_dim=None,
-           sinks=False, mask_mod: Any = None) -> AttentionConfig:
+           sinks=False, mask_mod: Any = None, balance: str | None = None) -> AttentionConfig:
     """The validated ``AttentionConfig`` of a call to ``m`` (errors name the argument, the value, the rank)."""
     name = m.name
     unsupported = {"dropout_p": (dropout_p, dropout_p != 0.0), "alibi_slopes": (alibi_slopes, alibi_slopes is not None)}
@@ -468,7 +468,7 @@ def config(m: Method, *, layout, causal, softmax_scale, kernel, window_size, cu_
     return AttentionConfig(method=name, layout=layout, causal=causal, window_size=window,
                            softmax_scale=softmax_scale, kernel=kernel, cu_seqlens=host_cu_seqlens(cu_seqlens),
                            seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype, softcap=softcap,
-                           mask=None if mask_mod is None else _masks.wrap(mask_mod),
+                           mask=None if mask_mod is None else _masks.wrap(mask_mod), balance=balance,
                            options=AttentionConfig.pack_options({**m.options, **options}))
 
 
@@ -582,14 +582,14 @@ def _tagged_mesh(tag: str) -> Any:
 
 
 _TRACED_ARGS = ("method", "layout", "causal", "softmax_scale", "kernel", "window_size", "seq_len", "deterministic",
-                "grad_dtype", "softcap", "check_ranks", "options", "graphs", "mask")
+                "grad_dtype", "softcap", "check_ranks", "options", "graphs", "mask", "balance")
 
 
 @torch.compiler.assume_constant_result
 def traced_key(mesh: Any, method: str, layout: str | None, causal: bool, softmax_scale: float | None, kernel: str,
                window_size: tuple[int, int], seq_len: int | None, deterministic: bool, grad_dtype: torch.dtype,
                softcap: float, check_ranks: Any, options: tuple[tuple[str, Any], ...], graphs: bool | None = None,
-               mask: tuple | None = None) -> str:
+               mask: tuple | None = None, balance: str | None = None) -> str:
     """Intern the non-tensor arguments of a traced call as a string key (Note [Tracing seqpar.attention]).
 
     The key spells the arguments out and is read back by ``traced_plan``, so the same key means the same call
@@ -599,7 +599,8 @@ def traced_key(mesh: Any, method: str, layout: str | None, causal: bool, softmax
     """
     args = dict(method=method, layout=layout, causal=causal, softmax_scale=softmax_scale, kernel=kernel,
                 window_size=tuple(window_size), seq_len=seq_len, deterministic=deterministic, grad_dtype=grad_dtype,
-                softcap=softcap, check_ranks=check_ranks, options=dict(options), graphs=graphs, mask=mask)
+                softcap=softcap, check_ranks=check_ranks, options=dict(options), graphs=graphs, mask=mask,
+                balance=balance)
     key = ";".join(f"{k}={v!r}" for k, v in args.items()) + f";mesh={_mesh_tag(mesh)}"
     try:
         back = _traced_args(key)
@@ -631,7 +632,8 @@ def traced_plan(key: str, q, k, v, sinks, cu_seqlens) -> Plan:
                    window_size=a["window_size"], cu_seqlens=cu_seqlens, seq_len=a["seq_len"],
                    deterministic=a["deterministic"], grad_dtype=a["grad_dtype"], dropout_p=0.0, alibi_slopes=None,
                    softcap=a["softcap"], check_ranks=a["check_ranks"], verify=False, options=a["options"],
-                   graphs=a["graphs"], mask_mod=None if a["mask"] is None else _named.from_spec(a["mask"]))
+                   graphs=a["graphs"], mask_mod=None if a["mask"] is None else _named.from_spec(a["mask"]),
+                   balance=a["balance"])
 
 
 def traced_saved_meta(key: str, q, k, v) -> list[tuple[tuple[Any, ...], torch.dtype]]:

@@ -74,6 +74,8 @@ class Case:
     softcap: float = 0.0
     mask: Any = None
     """``mask_mod=``: a named mask of ``seqpar.masks`` or a picklable function such as ``HashMask``."""
+    balance: str | None = None
+    """``balance=`` ("causal": balanced places by causal work whatever the mask; shards made without the mask)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -98,6 +100,8 @@ class Case:
             parts.append(f"softcap{self.softcap}")
         if self.mask is not None:
             parts.append(f"mask{self.mask.spec() if hasattr(self.mask, 'spec') else self.mask}")
+        if self.balance is not None:
+            parts.append(f"balance={self.balance}")
         parts += [f"{k}={v}" for k, v in self.options]
         return " ".join(parts)
 
@@ -149,7 +153,7 @@ def run_case(case: Case) -> dict[str, Any]:
         sinks = sinks.to(dev).requires_grad_()
     where = {"mesh": mesh, "method": case.method, "layout": case.layout}
     docs = {"cu_seqlens": case.cu_seqlens}         # document layouts place tokens from them (others ignore them)
-    if case.mask is not None and case.layout == "balanced":      # which balances the work under the mask
+    if case.mask is not None and case.layout == "balanced" and case.balance is None:   # balanced by the mask's work
         docs.update(causal=case.causal, mask_mod=case.mask)
     ql, kl, vl = (seqpar.shard(t, **where, **docs).requires_grad_() for t in (q, k, v))
     dol = seqpar.shard(do, **where, **docs)
@@ -158,7 +162,7 @@ def run_case(case: Case) -> dict[str, Any]:
     res = seqpar.attention(ql, kl, vl, causal=case.causal, window_size=case.window, cu_seqlens=case.cu_seqlens,
                            seq_len=case.valid_len, kernel=case.kernel, softmax_scale=case.scale, return_lse=True,
                            deterministic=case.deterministic, sinks=sinks, softcap=case.softcap, **where,
-                           mask_mod=case.mask, **dict(case.options))
+                           mask_mod=case.mask, balance=case.balance, **dict(case.options))
     t1 = time.perf_counter()
     loss = (res.out.float() * dol.float()).sum()
     if case.lse_grad:

@@ -30,8 +30,8 @@ transformers' mask functions]), a vision or audio tower's attention (its patches
 tower its own implementation, ``attn_implementation={"text_config": name, "vision_config": "sdpa"}``).
 Gemma 3 images: compute ``inputs_embeds`` on the whole batch (the vision tower and the embedding merge, on
 every rank), then ``shard_batch({"inputs_embeds": ..., "token_type_ids": ..., "labels": ...})``.
-Under ``layout="balanced"`` a layer's named mask is passed as a function so that every layer sees the tokens
-where ``shard_batch`` placed them (slower planning; Note [Layer masks]).
+Under ``layout="balanced"`` every call passes ``balance="causal"`` so that every layer sees the tokens
+where ``shard_batch`` placed them, with each named mask on its dense kernels (Note [Layer masks]).
 
 Nothing is global in seqpar: the ``Handle`` returned by ``enable`` holds the configuration and is captured by the
 functions it registers. ``handle.disable()`` (or leaving ``with enable(...):``) restores what was registered
@@ -269,7 +269,8 @@ class Handle:
         out_BSHD = attention(q_BSHD, k_BSHD, v_BSHD, mesh=self.mesh, method=self.method, layout=layout,
                              causal=lm.causal, softmax_scale=scaling, kernel=self.kernel, window_size=lm.window,
                              cu_seqlens=cu, deterministic=self.deterministic, grad_dtype=self.grad_dtype,
-                             softcap=float(softcap or 0.0), sinks=sinks, mask_mod=lm.mask_for(layout), **self.options)
+                             softcap=float(softcap or 0.0), sinks=sinks, mask_mod=lm.mask, balance="causal",
+                             **self.options)
         return out_BSHD, None
 
     def _cached(self, module: torch.nn.Module, query: torch.Tensor, causal: bool, scaling: float | None,

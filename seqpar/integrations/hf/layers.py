@@ -24,13 +24,10 @@ Note [Layer masks]
     Image spans are honoured on Gemma 3 layers only (``model_type`` ``gemma3_text``, the rule read in
     transformers' gemma3 code); other models refuse them by name.
 
-    Under ``layout="balanced"`` the placement of tokens depends on a named mask (``seqpar.config.balance_rule``),
-    but every layer of a model must see the tokens ``shard_batch`` placed (by causal work, no mask). So there a
-    layer's named mask is passed as a plain function (``_AsFunction``): the placement stays the batch's, and the
-    mask is evaluated on every planned block's grid (Note [Generic mask_mod] in ``seqpar.masks.mod``: about
-    tokens-per-rank x sequence cells per plan, once per batch and layer kind) instead of cutting runs at its
-    pieces; blocks it cuts run on flex (GPU) or the reference kernel (CPU). Correct but slower; a plain layout
-    (zigzag) keeps the named mask and its dense kernels.
+    Under ``layout="balanced"`` the placement of tokens would follow a call's named mask
+    (``seqpar.config.balance_rule``), but every layer of a model must see the tokens ``shard_batch`` placed (by
+    causal work, no mask). So every call passes ``balance="causal"``: the placement stays the batch's and the
+    named mask keeps its pieces and dense kernels.
 """
 
 from __future__ import annotations
@@ -64,11 +61,6 @@ class LayerMask:
     chunk: int | None = None
     """A chunked layer's chunk size (a KV cache serves it only while every position is in chunk 0)."""
 
-    def mask_for(self, layout: str | None) -> Any:
-        """``mask_mod=`` for a call in ``layout``: under balanced, the named mask as a function (Note [Layer masks])."""
-        if self.mask is None or layout != "balanced":
-            return self.mask
-        return _as_function(self.mask)
 
 
 def layer_mask(module: torch.nn.Module, *, causal: bool, sliding_window: Any, cu: tuple[int, ...] | None,
@@ -168,33 +160,6 @@ def _chunks_of_documents(cu: tuple[int, ...], size: int) -> PieceMask:
         cuts.update(range(a + size, b, size))
     cuts_ = tuple(sorted(cuts))
     return tree(cuts_, (-1,) * (len(cuts_) - 1))
-
-
-class _AsFunction:
-    """A named mask as a plain ``mask_mod`` function, equal (and hashed) by the mask it wraps, so plans are reused
-    across layers and steps (Note [Layer masks])."""
-
-    __slots__ = ("mask",)
-
-    def __init__(self, mask: PieceMask):
-        self.mask = mask
-
-    def __call__(self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return self.mask(b, h, q_idx, kv_idx)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _AsFunction) and other.mask == self.mask
-
-    def __hash__(self) -> int:
-        return hash(("as_function", self.mask))
-
-    def __repr__(self) -> str:
-        return f"_AsFunction({self.mask!r})"
-
-
-@functools.lru_cache(maxsize=16)
-def _as_function(mask: PieceMask) -> _AsFunction:
-    return _AsFunction(mask)
 
 
 # -- transformers' mask functions --------------------------------------------------------------------------------
