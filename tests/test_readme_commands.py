@@ -35,6 +35,9 @@ REDUCED = {
     "python -m seqpar.bench --emulate-world W": (
         "python -m seqpar.bench --emulate-world 4 --preset tiny-causal --device cpu --methods ulysses --warmup 0 "
         "--iters 1", "rank r of 4 emulated on CPU at the smoke preset: the GPU run takes minutes"),
+    "python -m seqpar.bench --preset masks": (
+        "python -m seqpar.bench --emulate-world 4 --preset tiny-mask --device cpu --methods ulysses --modes fwd "
+        "--warmup 0 --iters 1", "the mask presets are GPU sizes: the CPU smoke mask preset, rank r of 4 emulated"),
 }
 #: commands shown as a name whose real run needs inputs and minutes: their ``--help`` must work
 HELP_ONLY = {
