@@ -112,12 +112,17 @@ GENERATE = [
      "over": {"attention_chunk_size": 32, "no_rope_layers": [1, 0, 1, 1]}},      # a NoPE layer before the last
     {"kind": "llama4", "method": "ring", "layout": "contiguous", "seq": 20, "new": 6, "chunk": 7,
      "over": {"attention_chunk_size": 32, "no_rope_layers": [1, 0, 1, 1]}},      # prefill in chunks: extension
+    # past the first chunk: chunks of 8 cache positions in the fill, the extensions and every decode step
+    {"kind": "llama4", "method": "ring", "seq": 20, "new": 6, "batch": 2, "pad": (0, 3),
+     "over": {"attention_chunk_size": 8, "no_rope_layers": [1, 0, 1, 1]}},
+    {"kind": "llama4", "method": "ring", "layout": "contiguous", "seq": 20, "new": 6, "chunk": 7,
+     "over": {"attention_chunk_size": 8}},
 ]
 
 
 def test_generate_with_sliding_and_chunked_layers(pools):
     """Greedy generate over the sharded cache, W = 2: Gemma 3 text (sliding layers) and Llama 4 within one chunk
-    (left padding; a prompt prefilled in chunks) give transformers' tokens and logits."""
+    and past it (left padding; a prompt prefilled in chunks) give transformers' tokens and logits."""
     for spec in GENERATE:
         for r, res in enumerate(pools(2).run(generate_compare, spec)):
             assert res["same_tokens"] and res["logits"] <= TOL, (spec, r, res)
@@ -134,8 +139,6 @@ ERRORS = [
     ("layer_type", "NotImplementedError", ["layer type 'compressed_sparse_attention'", "config.layer_types[1]",
                                            "refused rather than attended as plain causal"]),
     ("mask_4d", "ValueError", ["attention_mask must be None", "(1, 1, 16, 16)", "Llama4TextAttention"]),
-    ("chunks_in_generate", "NotImplementedError", ["Llama4ForCausalLM has chunked attention layers",
-                                                   "attention_chunk_size=8", "reach 10 tokens"]),
     ("images_in_generate", "NotImplementedError", ["pixel_values is not supported", "Gemma3ForConditionalGeneration"]),
     ("image_tokens_in_generate", "NotImplementedError", ["media token 63 (image_token_id)"]),
     ("ragged_images", "NotImplementedError", ["token_type_ids must mark the same image positions in every row"]),

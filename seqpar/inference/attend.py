@@ -41,7 +41,8 @@ log = logging.getLogger("seqpar.inference")
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, layer: int, *,
            softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
-           sinks: torch.Tensor | None = None, return_lse: bool = False) -> torch.Tensor | AttnOutput:
+           sinks: torch.Tensor | None = None, return_lse: bool = False, chunk: int | None = None
+           ) -> torch.Tensor | AttnOutput:
     """Store the open chunk's ``k, v`` of ``layer`` in ``cache``, then attend ``q`` to everything cached.
 
     Args:
@@ -53,13 +54,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, layer: int,
         window_size: ``(left, 0)`` sliding window in cache positions (-1 = none); causal, so right is 0 or -1.
         sinks: per-head sink logits ``(H,)`` (Note [Attention sinks]), or None.
         return_lse: also return lse ``(B, H, L)``.
+        chunk: chunked attention (Llama 4): a query sees the keys of its own ``chunk``-position piece of the cache
+            (cut at multiples of ``chunk`` in cache positions), causally; None = none. Not with a window.
 
     Returns:
         ``out (B, L, H, Dv)`` in q's dtype, or ``AttnOutput(out, lse)``.
     """
     cache.store(layer, k, v)
     return attend_stored(q, cache, layer, softmax_scale=softmax_scale, window_size=window_size, sinks=sinks,
-                         return_lse=return_lse)
+                         return_lse=return_lse, chunk=chunk)
 
 
 def _check_query(q: torch.Tensor, cache, layer: int, sinks: torch.Tensor | None) -> None:
@@ -81,8 +84,11 @@ def _check_query(q: torch.Tensor, cache, layer: int, sinks: torch.Tensor | None)
 
 def attend_stored(q: torch.Tensor, cache, layer: int, *, softmax_scale: float | None = None,
                   window_size: tuple[int, int] = (-1, -1), sinks: torch.Tensor | None = None,
-                  return_lse: bool = False) -> torch.Tensor | AttnOutput:
-    """``attend`` for a layer whose ``k, v`` the cache already stored (``cache.store``): the HF cache's path."""
+                  return_lse: bool = False, chunk: int | None = None) -> torch.Tensor | AttnOutput:
+    """``attend`` for a layer whose ``k, v`` the cache already stored (``cache.store``): the HF cache's path.
+
+    ``chunk``: Llama 4's chunked attention, chunks of this many cache positions (``RowGroup.bounds``); the same
+    for a layer on every call."""
     c = cache._open(layer, "attend")
     if layer not in c.stored:
         raise RuntimeError(f"layer {layer} must store the open chunk's k, v before attending{rank_suffix()}")
@@ -90,15 +96,18 @@ def attend_stored(q: torch.Tensor, cache, layer: int, *, softmax_scale: float | 
         raise RuntimeError(f"layer {layer} already attended the open chunk{rank_suffix()}")
     _check_query(q, cache, layer, sinks)
     left = check_window(window_size)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1 or left >= 0):
+        raise ValueError(f"chunk must be a positive int or None (and no window with it), got chunk={chunk!r}, "
+                         f"window_size={window_size!r}{rank_suffix()}")
     cache.set_window(layer, left)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if c.mode == "fill":
-        out, lse = _fill(q, cache, layer, left, scale)
+        out, lse = _fill(q, cache, layer, left, scale, chunk)
     elif c.mode == "extend":
-        out, lse = _extend(q, cache, layer, left, scale)
+        out, lse = _extend(q, cache, layer, left, scale, chunk)
     else:
         k_SBHD, v_SBHD = cache.slice(layer)
-        out, lse = decode_attend(q, k_SBHD, v_SBHD, cache.decode_tasks(layer, left), cache.row_groups,
+        out, lse = decode_attend(q, k_SBHD, v_SBHD, cache.decode_tasks(layer, left, chunk), cache.row_groups,
                                  cache.groups, scale, cache.spec.kernel)
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
@@ -107,13 +116,14 @@ def attend_stored(q: torch.Tensor, cache, layer: int, *, softmax_scale: float | 
     return AttnOutput(out, lse) if return_lse else out
 
 
-def _fill(q: torch.Tensor, cache, layer: int, left: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _fill(q: torch.Tensor, cache, layer: int, left: int, scale: float, chunk: int | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """A sharded chunk on an empty cache: ``seqpar.attention`` per row group (its own documents)."""
     c = cache.chunk
     k, v = c.stored[layer]
     acc = Partials(out_like(q, v.shape[-1]), cache.row_groups)
     for gi, g in enumerate(acc.groups):
-        bounds = g.bounds(c.end)
+        bounds = g.bounds(c.end, chunk)
         res = sp_attention(*(Partials._rows(x, g) for x in (q, k, v)), mesh=cache.mesh, method=c.method,
                            layout=c.layout, causal=True, softmax_scale=scale, kernel=cache.spec.kernel,
                            window_size=(left, 0) if left >= 0 else (-1, -1),
@@ -137,14 +147,15 @@ def decision(cache, layer: int, q: torch.Tensor) -> PassDecision:
     return d
 
 
-def _extend(q: torch.Tensor, cache, layer: int, left: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _extend(q: torch.Tensor, cache, layer: int, left: int, scale: float, chunk: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """A sharded chunk against the whole cache (its own rows included): pass-KV or pass-Q."""
     c = cache.chunk
     d = decision(cache, layer, q)
     if layer not in c.passes:
         c.passes[layer] = d
         log.info("chunk at %d (+%d tokens), layer %d: %s", c.start, c.tokens, layer, d.reason)
-    pairs = cache.pairs(layer, left)
+    pairs = cache.pairs(layer, left, chunk)
     k_SBHD, v_SBHD = cache.slice(layer)
     peers = Peers(cache.groups.group, cache.ranks, cache.index)
     acc = Partials(out_like(q, v_SBHD.shape[-1]), cache.row_groups)

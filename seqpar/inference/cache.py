@@ -452,29 +452,29 @@ class ShardedKVCache:
 
     # -- planning ------------------------------------------------------------------------------------------
 
-    def pairs(self, layer: int, window: int) -> Pairs:
+    def pairs(self, layer: int, window: int, chunk: int | None = None) -> Pairs:
         """Tasks of every (query owner, slice owner) pair for the open chunk at ``layer`` (cached per chunk,
-        window and eviction state: layers that share them share the plan)."""
+        window, attention chunk size and eviction state: layers that share them share the plan)."""
         c = self.chunk
         assert c is not None
         lay = self.layers[layer]
-        key = (window, tuple(lay.evicted))
+        key = (window, chunk, tuple(lay.evicted))
         if key not in self._pairs:
             slices = [self.rows[j].segment_groups(lay.evicted[j]) for j in range(self.world)]
             rule = Rule(causal=True, window=(window, 0))
-            self._pairs[key] = plan_pairs(c.queries, slices, rule, self.row_groups, c.end)
+            self._pairs[key] = plan_pairs(c.queries, slices, rule, self.row_groups, c.end, chunk)
         return self._pairs[key]
 
-    def decode_tasks(self, layer: int, window: int) -> tuple:
+    def decode_tasks(self, layer: int, window: int, chunk: int | None = None) -> tuple:
         """Per row group, the tasks of the open decode chunk's queries against this rank's live slice."""
         c = self.chunk
         assert c is not None
         first = self.layers[layer].evicted[self.index]
-        key = ("decode", window, first)
+        key = ("decode", window, chunk, first)
         if key not in self._pairs:
             groups = self.rows[self.index].segment_groups(first)
             rule = Rule(causal=True, window=(window, 0))
-            self._pairs[key] = tuple(pair_tasks(c.queries[0], groups, rule, g.bounds(c.end))
+            self._pairs[key] = tuple(pair_tasks(c.queries[0], groups, rule, g.bounds(c.end, chunk))
                                      for g in self.row_groups)
         return self._pairs[key]
 

@@ -31,10 +31,15 @@ class RowGroup:
     start: int
     rows: tuple[int, ...] | None
 
-    def bounds(self, end: int) -> tuple[int, ...]:
+    def bounds(self, end: int, chunk: int | None = None) -> tuple[int, ...]:
         """Document bounds up to ``end``: padding ``[0, start)`` and the text ``[start, end)`` (one document
-        when the row has no padding, or nothing but padding, before ``end``)."""
-        return (0, self.start, end) if 0 < self.start < end else (0, end)
+        when the row has no padding, or nothing but padding, before ``end``); with ``chunk`` (Llama 4's chunked
+        layers) the text is cut every ``chunk`` positions from the row's first real token as well, as transformers
+        cuts it (``chunked_overlay``): causal attention within each piece is chunked attention."""
+        cuts = {0, end, *((self.start,) if 0 < self.start < end else ())}
+        if chunk is not None:
+            cuts.update(range(self.start + chunk, end, chunk))
+        return tuple(sorted(cuts))
 
 
 @dataclass(frozen=True)
@@ -95,11 +100,11 @@ def _coalesce(tasks: list[Task]) -> tuple[Task, ...]:
 
 
 def plan_pairs(queries: Sequence[Segments], slices: Sequence[Sequence[tuple[int, Segments]]], rule: Rule,
-               groups: Sequence[RowGroup], end: int) -> Pairs:
+               groups: Sequence[RowGroup], end: int, chunk: int | None = None) -> Pairs:
     """Tasks of every (query owner, slice owner) pair and row group, and the steps a ring pass needs."""
     W = len(slices)
-    tasks = tuple(tuple(tuple(pair_tasks(q, slices[j], rule, g.bounds(end)) for g in groups) for j in range(W))
-                  for q in queries)
+    tasks = tuple(tuple(tuple(pair_tasks(q, slices[j], rule, g.bounds(end, chunk)) for g in groups)
+                        for j in range(W)) for q in queries)
     busy = [((i - j) % W) for i in range(len(queries)) for j in range(W) if any(tasks[i][j])]
     return Pairs(tasks, 1 + max(busy, default=0))
 

@@ -30,12 +30,12 @@ gpt-oss, Qwen), with the cache evicting what no later query sees. Llama 4's posi
 scaled at the tokens' cache positions (Note [Position-scaled queries] in ``hf.layers``).
 
 Note [Chunked layers in generate]
-    Llama 4's chunked layers see only the keys of their query's ``attention_chunk_size`` chunk. The sharded
-    cache plans causal attention with a fixed left window per layer (its eviction rule); a window that
-    restarts at every chunk boundary is not one of those. While every position of the sequence (left padding
-    included) is in the first chunk, chunked attention IS causal attention, so generate serves a model with
-    chunked layers exactly up to ``attention_chunk_size`` tokens in all (prompt plus new tokens) and refuses a
-    longer run before it starts (and any call past it, through ``prefill`` or a static step, on the layer).
+    Llama 4's chunked layers see only the keys of their query's ``attention_chunk_size`` chunk, counted from the
+    row's first real token (after its left padding), as transformers counts them. The sharded cache plans them
+    as documents: each row group's bounds are cut every chunk size from its start (``RowGroup.bounds``), and causal
+    attention within documents is chunked attention, in the first fill, in extensions (pass-KV, pass-Q) and in
+    decode steps alike. A static decode step (graph-captured) plans no documents, so it serves a chunked layer
+    only while its static cache fits in one chunk and refuses it otherwise.
     Gemma 3's images are refused (``pixel_values``, ``token_type_ids``, image tokens in the prompt): the prefill
     feeds token ids only, so image features would never reach the model, and its bidirectional image spans are
     a mask the cache does not serve. Text-only Gemma 3 prompts generate (sliding and full layers).
@@ -138,29 +138,26 @@ class SeqparCache(Cache):
         if not causal:
             raise NotImplementedError(f"a KV cache serves causal attention only, got is_causal=False in {where}"
                                       f"{rank_suffix()}")
-        if chunk is not None:
-            self._check_chunk(chunk, query.shape[2], where)
         del self._returned[layer_idx]
         q = query.transpose(1, 2)
         step = self.kv.static_step
         if step is not None:
+            if chunk is not None:
+                self._check_chunk(chunk, query.shape[2], where)
             k, v = self._pending.pop(layer_idx)
             return step.attend(q, k.transpose(1, 2), v.transpose(1, 2), layer_idx, softmax_scale=scaling,
                                window_size=window, sinks=sinks)
-        return attend_stored(q, self.kv, layer_idx, softmax_scale=scaling, window_size=window, sinks=sinks)
+        return attend_stored(q, self.kv, layer_idx, softmax_scale=scaling, window_size=window, sinks=sinks,
+                             chunk=chunk)
 
     def _check_chunk(self, chunk: int, tokens: int, where: str) -> None:
-        kv = self.kv
-        if kv.static_step is not None:
-            end, what = kv.spec.max_len, f"a static cache of max_len={kv.spec.max_len}"
-        else:
-            end = kv.chunk.end if kv.chunk is not None else kv.length + tokens
-            what = f"{end} tokens"
-        if end is None or end > chunk:
+        """A static decode step serves a chunked layer only while its cache fits in one chunk (causal there)."""
+        max_len = self.kv.spec.max_len
+        if max_len is None or max_len > chunk:
             raise NotImplementedError(
-                f"chunked attention (attention_chunk_size={chunk}, {where}) is served by seqpar's KV cache only "
-                f"while the whole sequence fits in one chunk, where it is causal; got {what}: generate at most "
-                f"{chunk} tokens in all (prompt and new ones){rank_suffix()}")
+                f"chunked attention (attention_chunk_size={chunk}, {where}) in a static decode step is served only "
+                f"while the static cache fits in one chunk, where it is causal; got a static cache of "
+                f"max_len={max_len}: use the dynamic steps (attend), which serve any length{rank_suffix()}")
 
     def check_padding(self, attention_mask: torch.Tensor) -> None:
         """The model's 2D padding mask must be the cache's left padding (one host read per forward)."""
@@ -329,7 +326,7 @@ def _refuse(model: Any, kwargs: dict[str, Any]) -> None:
 
 
 def _refuse_masks(model: Any, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
-    """Media inputs and chunked layers past their first chunk (Note [Chunked layers in generate])."""
+    """Media inputs (Note [Chunked layers in generate])."""
     rs = rank_suffix()
     name = type(model).__name__
     for key in _MEDIA:
@@ -343,26 +340,6 @@ def _refuse_masks(model: Any, input_ids: torch.Tensor, kwargs: dict[str, Any]) -
         if isinstance(token, int) and bool((input_ids == token).any()):
             raise NotImplementedError(f"the prompt holds {name}'s media token {token} ({key}), which seqpar's "
                                       f"sharded generate cannot fill with features (text-only prompts){rs}")
-    text = config.get_text_config()
-    if "chunked_attention" in (getattr(text, "layer_types", None) or ()):
-        chunk = text.attention_chunk_size
-        total = _max_total(model, input_ids, kwargs)
-        if total is None or total > chunk:
-            raise NotImplementedError(
-                f"{name} has chunked attention layers (attention_chunk_size={chunk}), which seqpar's KV cache serves "
-                f"only while the whole sequence fits in one chunk (Note [Chunked layers in generate]); this call "
-                f"may reach {total} tokens (prompt {input_ids.shape[1]} and new ones): ask for at most {chunk} in "
-                f"all{rs}")
-
-
-def _max_total(model: Any, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> int | None:
-    """The longest sequence ``generate`` may make: prompt + ``max_new_tokens``, else ``max_length``."""
-    config = kwargs.get("generation_config") or model.generation_config
-    new = kwargs.get("max_new_tokens", config.max_new_tokens)
-    if new is not None:
-        return input_ids.shape[1] + int(new)
-    length = kwargs.get("max_length", config.max_length)
-    return None if length is None else int(length)
 
 
 def _inferred_mask(model: Any, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:

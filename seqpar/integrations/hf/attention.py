@@ -275,8 +275,8 @@ class Handle:
 
     def _cached(self, module: torch.nn.Module, query: torch.Tensor, causal: bool, scaling: float | None,
                 sliding_window: Any, image_spans: Any, sinks: torch.Tensor | None, where: str) -> torch.Tensor:
-        """A layer's call on seqpar's KV cache (``generate``): causal, its window; a chunked layer while every
-        position is in its first chunk (``SeqparCache.attention`` checks), no image spans."""
+        """A layer's call on seqpar's KV cache (``generate``): causal, its window, a chunked layer's chunks (Note
+        [Chunked layers in generate]); no image spans."""
         if image_spans is not None:
             raise NotImplementedError(f"image_spans (Gemma 3's bidirectional images) are not served by seqpar's KV "
                                       f"cache (generate decodes causally), in {where}{rank_suffix()}")
