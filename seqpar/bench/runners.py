@@ -44,54 +44,47 @@ def _modes(preset: Preset, fwd: Callable[[], object], fwd_bwd: Callable[[], obje
 
 def limit_runner(preset: Preset, device: torch.device, seq_len: int | None = None) -> Runner:
     """Single-GPU cuDNN (SDPA) on the full sequence, or flex with the preset's mask; call it on one rank only."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     s = preset.seq_len if seq_len is None else seq_len
-    if preset.mask is not None:
-        return _flex_limit(preset, device, s)
+    call = _sdpa_call(preset, device) if preset.mask is None else _flex_call(preset, device, s)
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(preset.batch, h, s, preset.head_dim, device=device, dtype=_dtype(preset), generator=g)
                for h in (preset.heads, preset.kv_heads, preset.kv_heads))
     do = torch.randn_like(q)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    gqa = preset.kv_heads != preset.heads
-    backend = SDPBackend.CUDNN_ATTENTION if device.type == "cuda" else SDPBackend.MATH
 
     def fwd():
-        with torch.no_grad(), sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=preset.causal, enable_gqa=gqa)
+        with torch.no_grad():
+            return call(q, k, v)
 
     def fwd_bwd():
-        with sdpa_kernel(backend):
-            out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=preset.causal, enable_gqa=gqa)
-        return torch.autograd.grad(out, (qg, kg, vg), do)
+        return torch.autograd.grad(call(qg, kg, vg), (qg, kg, vg), do)
 
     return _modes(preset, fwd, fwd_bwd)
 
 
-def _flex_limit(preset: Preset, device: torch.device, s: int) -> Runner:
-    """flex_attention on the whole sequence with the preset's mask as a block mask (compiled on CUDA)."""
+def _sdpa_call(preset: Preset, device: torch.device) -> Callable[..., torch.Tensor]:
+    """cuDNN through SDPA (math on CPU), ``(B, H, S, D)`` tensors."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = SDPBackend.CUDNN_ATTENTION if device.type == "cuda" else SDPBackend.MATH
+    gqa = preset.kv_heads != preset.heads
+
+    def call(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=preset.causal, enable_gqa=gqa)
+    return call
+
+
+def _flex_call(preset: Preset, device: torch.device, s: int) -> Callable[..., torch.Tensor]:
+    """flex_attention with the preset's mask as a block mask (compiled on CUDA), ``(B, H, S, D)`` tensors."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     fn = preset.mask_mod().mod(device, s)
     mod = (lambda b, h, qi, ki: fn(b, h, qi, ki) & (ki <= qi)) if preset.causal else fn
     bm = create_block_mask(mod, None, None, s, s, device=device, _compile=device.type == "cuda")
     flex = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
-    g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (torch.randn(preset.batch, h, s, preset.head_dim, device=device, dtype=_dtype(preset), generator=g)
-               for h in (preset.heads, preset.kv_heads, preset.kv_heads))
-    do = torch.randn_like(q)
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     gqa = preset.kv_heads != preset.heads
-
-    def fwd():
-        with torch.no_grad():
-            return flex(q, k, v, block_mask=bm, enable_gqa=gqa)
-
-    def fwd_bwd():
-        return torch.autograd.grad(flex(qg, kg, vg, block_mask=bm, enable_gqa=gqa), (qg, kg, vg), do)
-
-    return _modes(preset, fwd, fwd_bwd)
+    return lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=gqa)
 
 
 _MESHES: dict[tuple[int, int], Any] = {}
