@@ -134,14 +134,18 @@ class TaskRunner:
 
     def prepare(self, tasks: tuple[Task, ...], q: torch.Tensor, k: torch.Tensor) -> tuple[Task, ...]:
         """Pack many small per-document tasks into varlen calls where a kernel serves varlen (tasks of
-        ``GROUP_ROWS`` rows or more keep their own call)."""
+        ``GROUP_ROWS`` rows or more keep their own call); decided once per task tuple and kind of tensors."""
         if len(tasks) < GROUP_AT:
             return tasks
+        key = ("prepared", tasks, q.shape[2], k.shape[2], q.shape[-1], q.dtype, q.device.type)
+        return self._memoized(key, lambda: self._packed(tasks, q, k))
+
+    def _packed(self, tasks: tuple[Task, ...], q: torch.Tensor, k: torch.Tensor) -> tuple[Task, ...]:
         big = tuple(t for t in tasks if t.rows >= GROUP_ROWS)
-        small = tuple(t for t in tasks if t.rows < GROUP_ROWS) if big else tasks
+        small = tuple(t for t in tasks if t.rows < GROUP_ROWS)
         if len(small) < GROUP_AT:
             return tasks
-        grouped = self._memoized(("grouped", small), lambda: group_varlen(small)) + big
+        grouped = group_varlen(small) + big
         try:
             chosen = {self.kernel_for(q, k, t).name for t in grouped if isinstance(t.mask, Varlen)}
             alone = {self.kernel_for(q, k, t).name for t in tasks if isinstance(t.mask, Band)}
