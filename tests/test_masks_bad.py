@@ -49,3 +49,11 @@ def test_named_mask_arguments_are_checked():
                               (masks.prefix_lm, (-1,), "prefix must be an int >= 1")):
         with pytest.raises(ValueError, match=words):
             make(*args)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_mask_tensor_refilled_in_place_is_planned_again(pools, world):
+    """A mask_mod closing over a tensor refilled in place between calls (the same function object) gives each
+    call's own answer: the plan is keyed on the captured tensor's version, not on the function alone."""
+    for rank, errors in enumerate(pools(world).run(bad.refilled_table, world)):
+        assert max(errors) < 1e-10, (rank, errors)

@@ -382,7 +382,7 @@ def _apply_mod(tasks: tuple[Task, ...], q: Segments, k: Segments, mask: ModMask)
         assert isinstance(t.mask, Band)
         qr = tuple((r.glob, r.length) for r in slice_rows(q, t.q_start, t.q_stop).runs)
         kr = tuple((r.glob, r.length) for r in slice_rows(k, t.k_start, t.k_stop).runs)
-        form = Modded(t.mask, mask.fn, qr, kr, q.stride)
+        form = Modded(t.mask, mask.fn, qr, kr, q.stride, mask.stamp)
         qp, kp = form.positions()
         kind = classify(mask.fn, t.mask.lo, t.mask.hi, qp, kp, mask.device)
         if kind == "all":

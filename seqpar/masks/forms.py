@@ -75,6 +75,8 @@ class Modded:
     q: tuple[tuple[int, int], ...]
     k: tuple[tuple[int, int], ...]
     stride: int = 1
+    stamp: tuple = ()
+    """The function's captured tensors by version (``seqpar.masks.mod.stamp``): block masks are cached on it."""
 
     @property
     def is_full(self) -> bool:

@@ -8,7 +8,10 @@ Note [Generic mask_mod]
     dropped; one where it hides none keeps its dense kernel; the rest become ``Modded`` blocks, which flex
     (GPU, its own block mask skipping empty and unmasking full tiles) or the reference kernel (CPU) run.
     ``fn`` must not depend on ``b`` or ``h`` (checked by tracing it; such masks are refused by name): one
-    plan serves every batch row and head.
+    plan serves every batch row and head. A plan is cached per function object AND the version and storage of
+    every tensor it captured (``stamp``: closure, defaults, a callable object's attributes), so refilling a
+    captured tensor in place (a per-batch document table) plans again instead of reusing the old blocks; a
+    tensor it reads otherwise (a global) is not seen: pass it through a closure.
 
     Before any collective, ``check`` calls ``fn`` on a probe grid of the sequence (its first and last positions
     and a seeded sample between), the same on every rank: a function that raises, returns a wrong shape or
@@ -20,6 +23,7 @@ Note [Generic mask_mod]
 from __future__ import annotations
 
 import hashlib
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +32,7 @@ import torch
 
 from ..errors import rank_suffix
 
-__all__ = ["EVAL_CELLS", "ModMask", "check", "checked", "classify", "evaluate", "wrap"]
+__all__ = ["EVAL_CELLS", "ModMask", "cache_key", "check", "checked", "classify", "evaluate", "stamp", "wrap"]
 
 EVAL_CELLS = 1 << 26
 """Cells (query x key) a planning evaluation of a ``mask_mod`` holds at once."""
@@ -38,10 +42,12 @@ PROBE = 48
 
 @dataclass(frozen=True)
 class ModMask:
-    """A user's ``mask_mod``, hashed by identity (a plan is cached per function object), with the probe grid's
-    fingerprint once ``checked``."""
+    """A user's ``mask_mod``: equal by the function object and the ``stamp`` of the tensors it reads (a plan is
+    cached on both), with the probe grid's fingerprint once ``checked``."""
 
     fn: Callable[..., Any]
+    stamp: tuple = ()
+    """``stamp(fn)``: the tensors the function captured, by version and storage (Note [Generic mask_mod])."""
     fingerprint: str = field(default="", compare=False)
     device: str = field(default="cpu", compare=False)
     """Where the planner evaluates ``fn`` (the call's device: the function may close over its tensors)."""
@@ -59,13 +65,42 @@ def wrap(mask: Any) -> Any:
     if not callable(mask):
         raise TypeError(f"mask_mod must be a callable (b, h, q_idx, kv_idx) -> bool tensor or a seqpar.masks named "
                         f"mask, got {mask!r}{rank_suffix()}")
-    return ModMask(mask)
+    return ModMask(mask, stamp(mask))
+
+
+def stamp(fn: Callable[..., Any]) -> tuple:
+    """What a refill of ``fn``'s captured tensors changes: the version counter and storage of every tensor in its
+    closure, its defaults and (a callable object) its attributes. An inference tensor keeps no version counter,
+    so a function capturing one gets a new stamp on every call (planned every call)."""
+    held = [_contents(c) for c in getattr(fn, "__closure__", None) or ()]
+    held += list(getattr(fn, "__defaults__", None) or ())
+    if not isinstance(fn, types.FunctionType):
+        held += list(getattr(fn, "__dict__", {}).values())
+    out: list[Any] = []
+    for t in held:
+        if isinstance(t, torch.Tensor):
+            out.append(object() if t.is_inference() else (t._version, t.untyped_storage().data_ptr()))
+    return tuple(out)
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:                  # a cell not yet bound
+        return None
+
+
+def cache_key(mask: Any) -> Any:
+    """``mask_mod=`` as a plan-cache key: a named mask itself, a function with its ``stamp``."""
+    from .named import PieceMask
+
+    return mask if mask is None or isinstance(mask, PieceMask) or not callable(mask) else (mask, stamp(mask))
 
 
 def checked(mask: Any, total: int, device: torch.device | str = "cpu") -> Any:
     """The config's mask after ``check`` on a sequence of ``total`` positions (a ``ModMask`` gets its fingerprint)."""
     if isinstance(mask, ModMask):
-        return ModMask(mask.fn, check(mask.fn, total, device)[1], str(device))
+        return ModMask(mask.fn, mask.stamp, check(mask.fn, total, device)[1], str(device))
     check(mask, total, device)
     return mask
 

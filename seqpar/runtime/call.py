@@ -289,7 +289,7 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
                None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), _Same(mesh), method, layout,
                causal, softmax_scale, kernel, return_lse, window, host_cu_seqlens(cu_seqlens), seq_len,
                deterministic, grad_dtype, dropout_p, alibi_slopes is None, softcap, verify,
-               tuple(options.items()) if options else (), graphs, mask_mod, balance)
+               tuple(options.items()) if options else (), graphs, _masks.cache_key(mask_mod), balance)
         hash(key)
     except TypeError:
         key = None                     # an unhashable argument: plan without caching (validation explains it)
