@@ -93,7 +93,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
             kernel) or a flex-style ``fn(b, h, q_idx, kv_idx) -> bool`` on GLOBAL positions (evaluated once per
             planned call, partly visible blocks on flex / the reference kernel; it must not read ``b`` or ``h``).
             ANDed with ``causal``, ``window_size``, ``cu_seqlens`` and padding. A plan is cached per function
-            object: pass the same object each step, and the same function on every rank.
+            object and version of the tensors it captures (refilling one in place plans again); pass the same
+            function on every rank, with its tables in its closure (a global tensor is not seen).
         balance: with ``layout="balanced"`` and a named mask, None balances the keys each query sees under the
             mask (``seqpar.shard`` must get the same ``mask_mod``); "causal" balances causal work whatever the mask,
             so layers with different masks share one placement (``seqpar.shard`` without ``mask_mod``).
