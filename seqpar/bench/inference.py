@@ -16,6 +16,11 @@ What is timed (Note [What the inference benchmark measures]):
               CUDA, the static step captured once in a CUDA graph and replayed (``cache.kv.static_decode()``).
               Baseline: transformers' eager step with its DynamicCache.
     memory    KV bytes per rank (allocated and live) and the peak allocated memory of the slowest rank.
+    generate  with ``--entry generate``: the public entry point instead of the engine, prefill as a user meets
+              it - ``seqpar.integrations.huggingface.generate(model, ids, max_new_tokens=1)`` (argument checks,
+              cache, sharded prefill, then ``model.generate`` on the last prompt token) against
+              ``model.generate(ids, max_new_tokens=1)`` on one GPU, each warm (one untimed call first), the
+              median of ``--repeats`` calls; the greedy token must agree.
 Times are CUDA events (host clock on CPU), after a barrier, the slowest rank's. Prefill is timed once per
 context after a warm-up prefill at the smallest context (a long prefill is seconds; repeats would be minutes).
 Parallel efficiency at S on W GPUs is ``T_prefill(S, 1 GPU) / (W * T_prefill(S, W GPUs))``: ``--report``
@@ -30,6 +35,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -98,6 +104,11 @@ class BenchConfig:
     """Time the static decode step too: captured in a CUDA graph on CUDA, run eagerly on CPU."""
     check: bool = False
     """Compare seqpar's decoded tokens with the baseline's (CPU fp32: they must be equal)."""
+    entry: str = "engine"
+    """"engine": ``prefill`` and the decode loops (module docstring); "generate": the public ``generate`` against
+    ``model.generate``, one new token (prefill as a user meets it)."""
+    repeats: int = 5
+    """Timed calls per path with ``entry="generate"`` (their median is the figure)."""
     warmup: bool = True
     """Before each timed prefill, one untimed prefill of the same length on a fresh cache (every path): a
     serving engine's steady state, not its first call (kernel plans, seqpar's planned call, allocator)."""
@@ -111,6 +122,10 @@ class BenchConfig:
             raise ValueError(f"new_tokens must be >= 1, got {self.new_tokens}")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.entry not in ("engine", "generate"):
+            raise ValueError(f"entry must be 'engine' or 'generate', got {self.entry!r}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if self.check and not self.baseline:
             raise ValueError("check=True compares with the baseline: pass baseline=True too")
 
@@ -278,6 +293,34 @@ def _seqpar_context(model, cfg: BenchConfig, S: int, mesh: Any, device: torch.de
             "tokens": toks.tolist()}
 
 
+def _generate_context(model, cfg: BenchConfig, S: int, mesh: Any, device: torch.device) -> dict:
+    """Prefill through the public entry points (``entry="generate"``): seqpar's ``generate`` and, with the
+    baseline, ``model.generate`` ("sdpa", one GPU), one greedy token each, warm, the median of ``cfg.repeats``."""
+    from ..integrations.hf_generate import generate
+
+    ids = torch.randint(0, model.config.vocab_size, (1, S), generator=torch.Generator().manual_seed(S)).to(device)
+    paths = {"seqpar": lambda: generate(model, ids, mesh=mesh, method=cfg.method, layout=cfg.layout,
+                                        prefill_chunk=cfg.prefill_chunk, max_new_tokens=1, do_sample=False)}
+    if cfg.baseline:
+        paths["transformers"] = lambda: model.generate(ids, max_new_tokens=1, do_sample=False)
+    rec: dict[str, Any] = {"kind": "generate", "decode": "none", "context": S}
+    for name, fn in paths.items():
+        if cfg.warmup:
+            fn()
+            _empty_cache(device)
+        times = []
+        for _ in range(cfg.repeats):
+            out, ms = _timed(fn, device)
+            times.append(_slowest(ms, device))
+        rec[f"{name}_ms"] = times
+        rec[f"{name}_median_ms"] = statistics.median(times)
+        rec[f"{name}_token"] = int(out[0, -1])
+    if cfg.baseline:
+        rec["vs_baseline_prefill"] = rec["seqpar_median_ms"] / rec["transformers_median_ms"]
+        rec["tokens_match"] = rec["seqpar_token"] == rec["transformers_token"]
+    return rec
+
+
 def _gather_float(x: float, device: torch.device) -> list[float]:
     if not dist.is_initialized():
         return [x]
@@ -355,6 +398,12 @@ def run(cfg: BenchConfig, out: str | None = None, echo: bool = True) -> list[dic
     model = build_model(PRESETS[cfg.preset], device)
     records = [_header(cfg)]
     _emit(records[0], out, echo)
+    if cfg.entry == "generate":
+        for S in cfg.contexts:
+            records.append(_generate_context(model, cfg, S, mesh, device))
+            _emit(records[-1], out, echo)
+        _check_tokens(cfg, records)
+        return records
     warm = BenchConfig(**{**asdict(cfg), "new_tokens": 2})                        # warm-ups: kernels, allocator
     _seqpar_context(model, warm, min(cfg.contexts), mesh, device, static=False)
     if cfg.baseline:
@@ -373,16 +422,20 @@ def run(cfg: BenchConfig, out: str | None = None, echo: bool = True) -> list[dic
         if base is not None:
             records.append(base)
             _emit(base, out, echo)
+    _check_tokens(cfg, records)
+    return records
+
+
+def _check_tokens(cfg: BenchConfig, records: list[dict]) -> None:
     if cfg.check:
         bad = [(r["context"], r["decode"]) for r in records if r.get("tokens_match") is False]
         if bad:
             raise AssertionError(f"seqpar's greedy tokens differ from transformers' at contexts {bad}")
-    return records
 
 
 def report(paths: list[str]) -> str:
     """A markdown table from benchmark records of any number of runs (1 GPU and W GPUs)."""
-    rows, device_gib = [], {}
+    rows, entry, device_gib = [], [], {}
     for path in paths:
         with open(path) as f:
             recs = [json.loads(line) for line in f if line.strip()]
@@ -391,6 +444,8 @@ def report(paths: list[str]) -> str:
             if r["kind"] == "header":
                 world = r["world"]
                 device_gib[world] = r.get("device_gib", 0.0)
+            elif r["kind"] == "generate":
+                entry.append({**r, "world": world})
             else:
                 rows.append({**r, "world": world})
     one = {r["context"]: r["prefill_ms"] for r in rows if r["world"] == 1 and r["kind"] == "seqpar"}
@@ -413,7 +468,21 @@ def report(paths: list[str]) -> str:
         lines.append(f"| {r['world']} | {_si(r['context'])} | {r['kind']} {r['decode']} | "
                      f"{r['prefill_ms'] / 1e3:.2f} | {vs} | {eff} | {r['decode_tok_s']:.0f} | {vs1} | "
                      f"{r['kv_gib_rank']:.2f} | {r['peak_gib']:.1f} |")
-    return "\n".join(lines + _largest(rows, device_gib))
+    return "\n".join(lines + _largest(rows, device_gib) + _entry_table(entry))
+
+
+def _entry_table(entry: list[dict]) -> list[str]:
+    """Prefill through the public entry points (``--entry generate`` records)."""
+    if not entry:
+        return []
+    lines = ["", "| GPUs | context | seqpar generate ms (median) | model.generate ms (median) | ratio | same token |",
+             "|---|---|---|---|---|---|"]
+    for r in sorted(entry, key=lambda r: (r["world"], r["context"])):
+        base = r.get("transformers_median_ms")
+        theirs, ratio = ("-", "-") if base is None else (f"{base:.2f}", f"{r['vs_baseline_prefill']:.3f}x")
+        lines.append(f"| {r['world']} | {_si(r['context'])} | {r['seqpar_median_ms']:.2f} | {theirs} | {ratio} | "
+                     f"{r.get('tokens_match', '-')} |")
+    return lines
 
 
 def _largest(rows: list[dict], device_gib: dict[int, float]) -> list[str]:
@@ -456,6 +525,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--check", action="store_true", help="seqpar's tokens must equal the baseline's")
     ap.add_argument("--no-warmup", dest="warmup", action="store_false",
                     help="time each path's first prefill (cold) instead of a second one on a fresh cache")
+    ap.add_argument("--entry", default="engine", choices=("engine", "generate"),
+                    help="generate: time prefill through the public generate against model.generate")
+    ap.add_argument("--repeats", type=int, default=5, help="timed calls per path with --entry generate")
     ap.add_argument("--out", default=None, help="append JSON lines here")
     ap.add_argument("--report", nargs="+", default=None, help="print the table of these record files and exit")
     args = ap.parse_args(argv)
@@ -465,7 +537,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = BenchConfig(preset=args.preset, contexts=tuple(parse_tokens(x) for x in args.contexts.split(",")),
                       new_tokens=args.new_tokens, method=args.method, layout=args.layout,
                       prefill_chunk=args.prefill_chunk, device=args.device, baseline=args.baseline,
-                      graph=args.graph, check=args.check, warmup=args.warmup)
+                      graph=args.graph, check=args.check, warmup=args.warmup,
+                      entry=args.entry, repeats=args.repeats)
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "RANK" not in os.environ:                 # plain `python -m`: one process
