@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import importlib
 import itertools
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from seqpar.integrations import hf_generate
 from seqpar.integrations import huggingface as sp_hf
 from seqpar.integrations.hf import attention as hf_attention
 from seqpar.integrations.hf.grads import _reduce_groups
@@ -26,6 +28,7 @@ from seqpar.testing import rel_error
 VOCAB = 64
 IMAGE = 63             # Gemma 3's image token id (inside the vocabulary: no remapping)
 IMAGE_TOKENS = 16      # tokens per image (4 x 4 after pooling)
+inference_attend = importlib.import_module("seqpar.inference.attend")   # the module (the package exports the function)
 
 
 def _text(layers: int, **over: Any) -> dict[str, Any]:
@@ -199,15 +202,15 @@ def _without(what: str | None):
 
 
 @contextlib.contextmanager
-def _patched(names: dict[str, Any]):
-    saved = {k: getattr(hf_attention, k) for k in names}
+def _patched(names: dict[str, Any], module: Any = hf_attention):
+    saved = {k: getattr(module, k) for k in names}
     try:
         for k, v in names.items():
-            setattr(hf_attention, k, v)
+            setattr(module, k, v)
         yield
     finally:
         for k, v in saved.items():
-            setattr(hf_attention, k, v)
+            setattr(module, k, v)
 
 
 def train_compare(spec: dict[str, Any]) -> dict[str, Any]:
@@ -275,22 +278,56 @@ def _text_batch(spec: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def generate_compare(spec: dict[str, Any]) -> dict[str, Any]:
     """Greedy ``sp_hf.generate`` against ``model.generate`` on one process: tokens equal, per-step logits error
-    (``spec["without"]``: a control, ``_without``)."""
-    model = build(spec["kind"], "sdpa", use_cache=True, **spec.get("over", {})).eval()
-    g = torch.Generator().manual_seed(spec.get("data_seed", 2))
+    (``spec["without"]``: a control, ``_generate_control``). Kind "gemma3": a prompt with ``spec["images"]``
+    (``_image_batch``), its pixel_values and token_type_ids; ``spec["turn"]`` text tokens then continue the
+    conversation on the sharded cache, against the whole conversation generated from scratch (``turn_*``)."""
+    dtype = getattr(torch, spec.get("dtype", "float32"))
+    model = build(spec["kind"], "sdpa", use_cache=True, **spec.get("over", {})).to(dtype).eval()
     B, S = spec.get("batch", 1), spec["seq"]
-    ids = torch.randint(1, VOCAB, (B, S), generator=g)
+    media: dict[str, torch.Tensor] = {}
+    if spec["kind"] == "gemma3":
+        batch = _image_batch(spec)
+        ids = batch["input_ids"]
+        media = {"pixel_values": batch["pixel_values"].to(dtype), "token_type_ids": batch["token_type_ids"]}
+    else:
+        ids = torch.randint(1, VOCAB, (B, S), generator=torch.Generator().manual_seed(spec.get("data_seed", 2)))
     mask = torch.ones(B, S, dtype=torch.long)
     for b, n in enumerate(spec.get("pad", ())):
         ids[b, :n] = 0
         mask[b, :n] = 0
     kw = dict(max_new_tokens=spec.get("new", 5), do_sample=False, return_dict_in_generate=True, output_logits=True)
-    ref = model.generate(ids, attention_mask=mask, **kw)
-    with _patched(_without(spec.get("without"))):
-        res = sp_hf.generate(model, ids, attention_mask=mask, mesh=_mesh(spec), method=spec["method"],
-                             layout=spec.get("layout"), prefill_chunk=spec.get("chunk"), **kw)
-    return {"same_tokens": bool(torch.equal(res.sequences, ref.sequences)),
-            "logits": rel_error(torch.stack(res.logits, 1), torch.stack(ref.logits, 1))}
+    sp_kw = dict(mesh=_mesh(spec), method=spec["method"], layout=spec.get("layout"), prefill_chunk=spec.get("chunk"))
+    ref = model.generate(ids, attention_mask=mask, **media, **kw)
+    with _generate_control(spec.get("without")):
+        res = sp_hf.generate(model, ids, attention_mask=mask, **sp_kw, **media, **kw)
+    out = {"same_tokens": bool(torch.equal(res.sequences, ref.sequences)),
+           "logits": rel_error(torch.stack(res.logits, 1), torch.stack(ref.logits, 1))}
+    if spec.get("turn"):
+        extra = torch.randint(1, 60, (B, spec["turn"]), generator=torch.Generator().manual_seed(9))
+        ids = torch.cat([ref.sequences, extra], 1)
+        mask = torch.cat([mask, torch.ones_like(ids[:, S:])], 1)
+        types = torch.cat([media["token_type_ids"], torch.zeros_like(ids[:, S:])], 1)
+        ref = model.generate(ids, attention_mask=mask, pixel_values=media["pixel_values"], token_type_ids=types, **kw)
+        res = sp_hf.generate(model, ids, attention_mask=mask, cache=res.cache, token_type_ids=types, **sp_kw, **kw)
+        out.update(turn_same_tokens=bool(torch.equal(res.sequences, ref.sequences)),
+                   turn_logits=rel_error(torch.stack(res.logits, 1), torch.stack(ref.logits, 1)))
+    return out
+
+
+def _generate_control(what: str | None):
+    """``_without(what)``, or for Gemma 3's images in generate's prefill: "spans" (no image spans) or
+    "image_windows" (a sliding window that does not cut images: ``causal window OR same image``)."""
+    if what == "spans":
+        return _patched({"spans": lambda _: None}, hf_generate)
+    if what != "image_windows":
+        return _patched(_without(what))
+    real = inference_attend.sp_attention
+
+    def uncut(*args: Any, mask_mod: Any = None, window_size: tuple[int, int] = (-1, -1), **kwargs: Any) -> Any:
+        if mask_mod is not None and window_size[0] >= 0:
+            mask_mod, window_size = seqpar.masks.spans(mask_mod.spans, window=window_size[0]), (-1, -1)
+        return real(*args, mask_mod=mask_mod, window_size=window_size, **kwargs)
+    return _patched({"sp_attention": uncut}, inference_attend)
 
 
 # -- what must raise ---------------------------------------------------------------------------------------------------
@@ -332,16 +369,40 @@ def _misuse(case: str, handle) -> None:
         local = handle.shard_batch({"input_ids": torch.ones(1, 32, dtype=torch.long)})
         L = local["input_ids"].shape[1]
         model(**local, attention_mask=torch.ones(1, 1, L, L, dtype=torch.bool).tril())
-    elif case == "images_in_generate":
+    elif case == "images_in_llama_generate":     # only Gemma 3's images are served
         batch = _image_batch(seq)
-        sp_hf.generate(build("gemma3", "sdpa", use_cache=True).eval(), batch["input_ids"][:, :6],
+        sp_hf.generate(build("llama", "sdpa", use_cache=True).eval(), batch["input_ids"],
                        pixel_values=batch["pixel_values"], max_new_tokens=2)
-    elif case == "image_tokens_in_generate":
-        batch = _image_batch(seq)
-        sp_hf.generate(build("gemma3", "sdpa", use_cache=True).eval(), batch["input_ids"], max_new_tokens=2)
+    elif case in ("image_tokens_in_generate", "image_cut_by_prefill_chunk", "image_last_token",
+                  "ragged_images_in_generate", "images_in_continuation"):
+        _misuse_gemma3_generate(case)
     elif case == "ragged_images":        # rows with different images
         batch = _image_batch({**seq, "batch": 2})
         batch["token_type_ids"][1, 8] = 0
         handle.shard_batch({"input_ids": batch["input_ids"], "token_type_ids": batch["token_type_ids"]})
     else:
         raise ValueError(case)
+
+
+def _misuse_gemma3_generate(case: str) -> None:
+    """Gemma 3 image prompts the sharded generate refuses (Note [Images in generate])."""
+    model = build("gemma3", "sdpa", use_cache=True).eval()
+    batch = _image_batch({"seq": 32, "images": (8,), "batch": 2 if case == "ragged_images_in_generate" else 1})
+    ids, media = batch["input_ids"], {"pixel_values": batch["pixel_values"], "token_type_ids": batch["token_type_ids"]}
+    kw = dict(method="ring", layout="zigzag", max_new_tokens=2)
+    if case == "image_tokens_in_generate":       # image tokens without their pixels
+        sp_hf.generate(model, ids, token_type_ids=media["token_type_ids"], **kw)
+    elif case == "image_cut_by_prefill_chunk":   # the image [8, 24) crosses the first chunk's end, 12
+        sp_hf.generate(model, ids, prefill_chunk=12, **media, **kw)
+    elif case == "image_last_token":             # the image [8, 24) ends the prompt
+        sp_hf.generate(model, ids[:, :24], pixel_values=media["pixel_values"],
+                       token_type_ids=media["token_type_ids"][:, :24], **kw)
+    elif case == "ragged_images_in_generate":    # rows with different images
+        media["token_type_ids"][1, 8] = 0
+        sp_hf.generate(model, ids, **media, **kw)
+    else:                                        # a second turn that adds an image
+        out = sp_hf.generate(model, ids, return_dict_in_generate=True, **media, **kw)
+        more = torch.cat([out.sequences, ids], 1)
+        types = torch.cat([torch.zeros_like(out.sequences), media["token_type_ids"]], 1)
+        sp_hf.generate(model, more, cache=out.cache, pixel_values=media["pixel_values"], token_type_ids=types,
+                       max_new_tokens=2)

@@ -11,7 +11,8 @@ Tiny random-weight models, fp32, gloo ranks (Note [Layer masks] in ``seqpar.inte
   transformers numbers them by ``position_ids``) and a NoPE layer whose queries are scaled by position
   (``floor_scale`` 4: every rank's tokens past position 3 are scaled, by their global index).
 - Gemma 3's text model with alternating sliding (window 4) and full layers: each layer's own window.
-- generate over the sharded cache: Gemma 3 text (its sliding layers) and Llama 4 within one chunk.
+- generate over the sharded cache: Gemma 3 text (its sliding layers), Gemma 3 with images (image spans in the
+  prefill, cut by the sliding window) and Llama 4 within one chunk and past it.
 - Controls: each behaviour switched off in the integration makes its comparison fail, so each test depends on
   what it claims to check.
 - What cannot be expressed is refused by name, on every rank, naming the rank.
@@ -131,6 +132,31 @@ def test_generate_with_sliding_and_chunked_layers(pools):
             assert res["logits"] >= CONTROL, (without, r, res)
 
 
+GENERATE_IMAGES = {
+    2: [{"method": "ring", "layout": "zigzag", "seq": 48, "images": (4, 26), "turn": 4},   # + a text-only turn
+        {"method": "ulysses", "layout": "contiguous", "seq": 45, "images": (3, 22), "batch": 2, "pad": (0, 2),
+         "chunk": 40}],                   # left padding; the second prefill chunk extends the cache causally
+    4: [{"method": "usp", "layout": "zigzag", "ulysses": 2, "seq": 48, "images": (10, 30)},
+        {"method": "ring", "layout": "zigzag", "seq": 48, "images": (4, 26), "chunk": 44}],
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_generate_with_images_matches_single_process(pools, world):
+    """Gemma 3 with images (window 6 < an image's 16 tokens: the sliding layer's window cuts inside images):
+    greedy generate over the sharded cache gives transformers' tokens and logits (Note [Images in generate])."""
+    for spec in GENERATE_IMAGES[world]:
+        spec = {**spec, "kind": "gemma3", "new": 5}
+        for r, res in enumerate(pools(world).run(generate_compare, spec)):
+            assert res["same_tokens"] and res["logits"] <= TOL, (spec, r, res)
+            assert "turn" not in spec or (res["turn_same_tokens"] and res["turn_logits"] <= TOL), (spec, r, res)
+    if world == 2:                        # without the image spans / a window that cuts images / any window
+        for without in ("spans", "image_windows", "windows"):
+            spec = {**GENERATE_IMAGES[2][0], "kind": "gemma3", "new": 5, "turn": None, "without": without}
+            for r, res in enumerate(pools(2).run(generate_compare, spec)):
+                assert res["logits"] >= CONTROL, (without, r, res)
+
+
 ERRORS = [
     ("types_to_model", "NotImplementedError", ["'gemma3_text' model builds image blocks", "blockwise_overlay",
                                                "give token_type_ids to shard_batch"]),
@@ -139,8 +165,16 @@ ERRORS = [
     ("layer_type", "NotImplementedError", ["layer type 'compressed_sparse_attention'", "config.layer_types[1]",
                                            "refused rather than attended as plain causal"]),
     ("mask_4d", "ValueError", ["attention_mask must be None", "(1, 1, 16, 16)", "Llama4TextAttention"]),
-    ("images_in_generate", "NotImplementedError", ["pixel_values is not supported", "Gemma3ForConditionalGeneration"]),
-    ("image_tokens_in_generate", "NotImplementedError", ["media token 63 (image_token_id)"]),
+    ("images_in_llama_generate", "NotImplementedError", ["pixel_values is not supported", "(LlamaForCausalLM)",
+                                                         "only Gemma 3's images"]),
+    ("image_tokens_in_generate", "NotImplementedError", ["media token 63 (image_token_id) without its features",
+                                                         "give pixel_values"]),
+    ("image_cut_by_prefill_chunk", "NotImplementedError", ["images must lie in the first prefill chunk",
+                                                           "prefill_chunk=12", "images at [(8, 24)]"]),
+    ("image_last_token", "NotImplementedError", ["last prompt token (position 23) must be text"]),
+    ("ragged_images_in_generate", "NotImplementedError", ["token_type_ids must mark the same image positions"]),
+    ("images_in_continuation", "NotImplementedError", ["continues a cache of 33 tokens", "must add no images",
+                                                       "got pixel_values"]),
     ("ragged_images", "NotImplementedError", ["token_type_ids must mark the same image positions in every row"]),
 ]
 

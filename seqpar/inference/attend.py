@@ -14,7 +14,8 @@ sinks] in ``_local``); rows before a batch row's start (left padding) are never 
 [Chunks] in ``cache``):
 
     chunk mode   how
-    fill         ``seqpar.attention`` with the chunk's method and layout (any seqpar method)
+    fill         ``seqpar.attention`` with the chunk's method and layout (any seqpar method), and its named
+                 ``mask_mod`` if ``begin_prefill`` got one (Gemma 3's image spans)
     extend       pass-KV or pass-Q over every rank's slice (``choice``; Notes in ``extend``)
     decode       each rank's slice, then one all-gather and an exact merge (Note [Exact decode merge])
 """
@@ -118,16 +119,18 @@ def attend_stored(q: torch.Tensor, cache, layer: int, *, softmax_scale: float | 
 
 def _fill(q: torch.Tensor, cache, layer: int, left: int, scale: float, chunk: int | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sharded chunk on an empty cache: ``seqpar.attention`` per row group (its own documents)."""
+    """A sharded chunk on an empty cache: ``seqpar.attention`` per row group (its own documents); a chunk's
+    ``mask_mod`` carries its own causality, so the window keeps only its left bound (``begin_prefill``)."""
     c = cache.chunk
     k, v = c.stored[layer]
+    causal = c.mask_mod is None
     acc = Partials(out_like(q, v.shape[-1]), cache.row_groups)
     for gi, g in enumerate(acc.groups):
         bounds = g.bounds(c.end, chunk)
         res = sp_attention(*(Partials._rows(x, g) for x in (q, k, v)), mesh=cache.mesh, method=c.method,
-                           layout=c.layout, causal=True, softmax_scale=scale, kernel=cache.spec.kernel,
-                           window_size=(left, 0) if left >= 0 else (-1, -1),
-                           cu_seqlens=bounds if len(bounds) > 2 else None,
+                           layout=c.layout, causal=causal, softmax_scale=scale, kernel=cache.spec.kernel,
+                           window_size=(left, 0 if causal else -1) if left >= 0 else (-1, -1),
+                           mask_mod=c.mask_mod, cu_seqlens=bounds if len(bounds) > 2 else None,
                            seq_len=c.tokens if c.padded != c.tokens else None, return_lse=True, **c.options)
         acc.add(gi, slice(0, q.shape[1]), res.out, res.lse)
     return acc.result(q.dtype)                    # one group: seqpar.attention's own output, never widened

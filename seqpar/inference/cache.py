@@ -44,6 +44,7 @@ from ..api import attention_config, placement
 from ..errors import rank_suffix
 from ..groups import SeqParallelGroups
 from ..layouts.blocks import Rule, Run, Segments
+from ..masks import PieceMask
 from .choice import PassDecision
 from .plans import Pairs, RowGroup, pair_tasks, plan_pairs
 from .rows import RankRows
@@ -112,6 +113,8 @@ class Chunk:
         position_ids: RoPE positions ``(B, L)``: ``positions - start`` of each row (0 on its left padding).
         valid: this rank's rows that are real tokens (a prefix of its rows; the rest is layout padding).
         method, layout, options: how a sharded chunk is laid out and, for "fill", attended.
+        mask_mod: a "fill" chunk's named mask that carries its own causality (``seqpar.masks.spans``: Gemma 3's
+            images), attended with ``causal=False`` (``begin_prefill``).
         padded: the chunk's global length after padding to the layout (sharded chunks).
         passes: per layer, the pass an "extend" chunk used and why (``choice.PassDecision``).
         whole: this rank holds every token of the chunk, in order, with no padding (one rank): ``take`` is the
@@ -128,6 +131,7 @@ class Chunk:
     method: str | None = None
     layout: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    mask_mod: Any = None
     padded: int = 0
     queries: tuple[Segments, ...] = ()
     passes: dict[int, PassDecision] = field(default_factory=dict)
@@ -270,18 +274,26 @@ class ShardedKVCache:
     # -- chunks --------------------------------------------------------------------------------------------
 
     def begin_prefill(self, seq_len: int, *, method: str = "ring", layout: str | None = None,
-                      starts: tuple[int, ...] | list[int] | None = None, **options: Any) -> Chunk:
+                      starts: tuple[int, ...] | list[int] | None = None, mask_mod: Any = None,
+                      **options: Any) -> Chunk:
         """Open a sharded chunk of ``seq_len`` new tokens (global) in ``method``'s ``layout`` (Note [Chunks]).
 
         On an empty cache the chunk is attended with ``seqpar.attention(method=..., layout=..., **options)``;
         on a non-empty one, by pass-KV or pass-Q over the cache (``CacheSpec.passes``). ``starts``: per batch
         row, the cache position of its first real token (left padding), given with the first chunk only.
+        ``mask_mod``: on an empty cache only, a named mask (``seqpar.masks``) in cache positions that carries
+        its own causality, e.g. ``spans`` (Gemma 3's images): the fill is attended with ``causal=False``, the
+        mask and a layer's left window w as ``window_size=(w, -1)``; later chunks see every cached key causally.
         A length the layout cannot split is padded at the end; use ``chunk.take`` for this rank's tokens.
         """
         rs = rank_suffix()
         self._check_closed()
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}{rs}")
+        if mask_mod is not None and (self.length or not isinstance(mask_mod, PieceMask)):
+            raise NotImplementedError(f"mask_mod must be a named mask (seqpar.masks) on the chunk that fills an empty "
+                                      f"cache (later chunks attend causally), got {mask_mod!r} with {self.length} "
+                                      f"tokens cached{rs}")
         if starts is not None:
             self._set_starts(starts)
         if layout is None and self.world == 1 and _serves_causal_contiguous(method):
@@ -299,7 +311,8 @@ class ShardedKVCache:
                         for seg in segs)
         mode = "fill" if P == 0 else "extend"
         self.chunk = Chunk(P, seq_len, True, mode, mine, self._rope(mine), int((mine < P + seq_len).sum()),
-                           method=method, layout=layout, options=dict(options), padded=padded, queries=queries,
+                           method=method, layout=layout, options=dict(options), mask_mod=mask_mod, padded=padded,
+                           queries=queries,
                            whole=self.world == 1 and padded == seq_len and segs[0].stride == 1
                            and len(segs[0].runs) == 1)
         return self.chunk

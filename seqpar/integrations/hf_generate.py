@@ -23,22 +23,24 @@ Note [Generate with a sharded prompt]
 Padding: a batch's rows may start late (left padding, the layout for generation; ``attention_mask`` given or
 inferred from ``pad_token_id`` as transformers does); a row never sees its padding, and RoPE positions count
 from its first real token, as transformers computes them. Not supported (refused): beam search,
-``num_return_sequences > 1``, assisted decoding, ``inputs_embeds``, right padding.
-
-Special masks: sliding layers keep their own window each (interleaved sliding and global layers: Gemma 2/3,
-gpt-oss, Qwen), with the cache evicting what no later query sees. Llama 4's position-scaled NoPE queries are
-scaled at the tokens' cache positions (Note [Position-scaled queries] in ``hf.layers``).
-
-Note [Chunked layers in generate]
-    Llama 4's chunked layers see only the keys of their query's ``attention_chunk_size`` chunk, counted from the
-    row's first real token (after its left padding), as transformers counts them. The sharded cache plans them
-    as documents: each row group's bounds are cut every chunk size from its start (``RowGroup.bounds``), and causal
-    attention within documents is chunked attention, in the first fill, in extensions (pass-KV, pass-Q) and in
-    decode steps alike. A static decode step (graph-captured) plans no documents, so it serves a chunked layer
-    only while its static cache fits in one chunk and refuses it otherwise.
-    Gemma 3's images are refused (``pixel_values``, ``token_type_ids``, image tokens in the prompt): the prefill
-    feeds token ids only, so image features would never reach the model, and its bidirectional image spans are
-    a mask the cache does not serve. Text-only Gemma 3 prompts generate (sliding and full layers).
+``num_return_sequences > 1``, assisted decoding, ``inputs_embeds``, right padding, media of models other than
+Gemma 3 (Note [Images in generate]
+    Gemma 3 (``Gemma3ForConditionalGeneration``) with ``pixel_values`` and ``token_type_ids``: every rank
+    computes the prompt's input embeddings as the model's forward does (token embeddings, the vision tower's
+    features scattered at the image tokens: ``get_image_features``, ``get_placeholder_mask``), once, before the
+    model attends through the cache; each prefill chunk feeds its rows of them (``chunk.take``) as
+    ``inputs_embeds``. The image spans (runs of ``token_type_ids == 1``, the same in every row, as in training)
+    are the first chunk's ``mask_mod=spans(...)`` (``ShardedKVCache.begin_prefill``), which attends every layer
+    with ``causal=False``, that mask and the layer's left window as ``window_size=(w - 1, -1)``: ``window AND
+    (causal OR same image)``, Gemma 3's rule on full and sliding layers (Note [Layer masks] in ``hf.layers``;
+    the same set as training's ``spans(..., window=w - 1)``). Every later query - the last prompt token, which
+    ``model.generate`` runs, and every decode step - is a text token after every image, for which Gemma 3's
+    rule is causal: so ``model.generate`` gets neither ``pixel_values`` (no image features are computed again)
+    nor ``token_type_ids`` (no image blocks in its masks). Refused by name: a last prompt token that is an image
+    token, an image past the first prefill chunk (``prefill_chunk``: extensions attend causally), a turn that
+    continues a cache and adds images (a text-only turn after an image turn is served), rows whose images
+    differ, image tokens without ``pixel_values``, and the media of every other model. Without
+    ``token_type_ids`` transformers attends images causally, and so does the cache.
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ import torch
 from .. import methods
 from ..errors import rank_suffix
 from ..inference import ShardedKVCache, attend_stored
+from ..masks import spans
 from .hf.attention import enable
+from .hf.batch import _image_spans
 
 try:
     from transformers import Cache
@@ -72,9 +76,9 @@ _REFUSED = {
     "cache_implementation": (None, "cache_implementation (the cache is seqpar's)"),
     "use_cache": (True, "use_cache=False (the sharded cache is the point)"),
 }
-# Inputs of a model's media towers and masks: the prefill feeds token ids only (Note [Chunked layers in generate]).
-_MEDIA = ("pixel_values", "pixel_values_videos", "image_sizes", "image_grid_thw", "video_grid_thw", "input_features",
-          "token_type_ids", "mm_token_type_ids", "image_spans")
+# Inputs of media towers and masks that no model's sharded generate serves (Note [Images in generate]).
+_MEDIA = ("pixel_values_videos", "image_sizes", "image_grid_thw", "video_grid_thw", "input_features",
+          "mm_token_type_ids", "image_spans")
 _MEDIA_TOKENS = ("image_token_id", "image_token_index", "video_token_id", "audio_token_id")
 
 
@@ -222,6 +226,7 @@ def generate(model: Any, input_ids: torch.Tensor, *, mesh: Any = None, method: s
              kernel: str = "auto", passes: str = "auto", prefill_chunk: int | None = None, max_len: int | None = None,
              past_key_values: SeqparCache | None = None, attention_mask: torch.Tensor | None = None,
              method_options: dict[str, Any] | None = None, cache: SeqparCache | None = None,
+             pixel_values: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None,
              **generate_kwargs: Any) -> Any:
     """``model.generate(input_ids, **generate_kwargs)`` with the prompt and the KV cache sharded over ``mesh``.
 
@@ -240,6 +245,9 @@ def generate(model: Any, input_ids: torch.Tensor, *, mesh: Any = None, method: s
         past_key_values, cache: a ``SeqparCache`` from an earlier call (multi-turn; ``out.past_key_values``, or
             ``out.cache`` in transformers >= 5.2x); its batch and padding must match. Give one of the two.
         attention_mask: ``(B, S)`` left padding (default: inferred from ``pad_token_id``, as transformers does).
+        pixel_values, token_type_ids: Gemma 3's images (``Gemma3ForConditionalGeneration`` only; Note [Images in
+            generate]): ``(N, C, H, W)`` the images of the prompt's image tokens, and ``(B, S)`` 1 at the image
+            tokens (their bidirectional spans), as transformers' ``generate`` takes them; first turn only.
         **generate_kwargs: passed to ``model.generate`` (greedy, sampling, logits processors, stopping, ...).
             Sampling draws from the global RNG: seed every rank alike (``torch.manual_seed(s)``) and every rank
             draws the same tokens.
@@ -252,7 +260,6 @@ def generate(model: Any, input_ids: torch.Tensor, *, mesh: Any = None, method: s
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
         raise ValueError(f"input_ids must be a (batch, seq) integer tensor, got "
                          f"{getattr(input_ids, 'shape', type(input_ids).__name__)}{rs}")
-    _refuse_masks(model, input_ids, generate_kwargs)
     mask = attention_mask if attention_mask is not None else _inferred_mask(model, input_ids, generate_kwargs)
     starts = _left_padding(mask, input_ids.shape)
     if cache is not None and past_key_values is not None:
@@ -263,9 +270,11 @@ def generate(model: Any, input_ids: torch.Tensor, *, mesh: Any = None, method: s
         cache = SeqparCache(ShardedKVCache(layers=layers, batch=input_ids.shape[0], mesh=mesh, max_len=max_len,
                                            kernel=kernel, passes=passes))
     _check_continuation(cache, input_ids, starts, mesh=mesh, kernel=kernel, passes=passes, max_len=max_len)
+    images = _images(model, input_ids, pixel_values, token_type_ids, generate_kwargs, cached=cache.kv.length)
+    embeds = None if pixel_values is None else _embeddings(model, input_ids[:, :-1], pixel_values)
     with serving(model, cache, method=method, layout=layout):
         prefill(model, cache, input_ids[:, :-1], method=method, layout=layout, chunk=prefill_chunk, starts=starts,
-                method_options=method_options)
+                method_options=method_options, inputs_embeds=embeds, image_spans=images)
         return model.generate(input_ids, attention_mask=mask, **cache_kwargs(model, cache), **generate_kwargs)
 
 
@@ -294,26 +303,39 @@ def serving(model: Any, cache: SeqparCache, *, method: str = "ring", layout: str
 
 def prefill(model: Any, cache: SeqparCache, input_ids: torch.Tensor, *, method: str = "ring",
             layout: str | None = None, chunk: int | None = None, starts: tuple[int, ...] | None = None,
-            method_options: dict[str, Any] | None = None) -> None:
+            method_options: dict[str, Any] | None = None, inputs_embeds: torch.Tensor | None = None,
+            image_spans: tuple[tuple[int, int], ...] = ()) -> None:
     """Run ``model`` over the tokens of ``input_ids (B, T)`` the cache lacks, sharded, in chunks of ``chunk``.
 
     Call it inside ``serving``, on every rank with the same global ids. ``starts``: each row's first real token
     (left padding), with the cache's first tokens only. Only the decoder runs (``model.base_model``): no logits.
+    ``inputs_embeds``: ``(B, T, E)`` what the decoder gets instead of the ids' embeddings (Gemma 3's images);
+    ``image_spans``: ``((start, end), ...)`` positions whose tokens see their whole span, all in the first chunk
+    of an empty cache (Note [Images in generate]).
     """
+    rs = rank_suffix()
     kv = cache.kv
     end = input_ids.shape[1]
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"chunk must be a positive int or None, got {chunk!r}{rank_suffix()}")
+        raise ValueError(f"chunk must be a positive int or None, got {chunk!r}{rs}")
     if end < kv.length:
-        raise ValueError(f"input_ids must hold at least the {kv.length} cached tokens, got {end}{rank_suffix()}")
+        raise ValueError(f"input_ids must hold at least the {kv.length} cached tokens, got {end}{rs}")
     step = chunk or max(end - kv.length, 1)
+    if image_spans and (kv.length or max(b for _, b in image_spans) > min(end, step)):
+        raise NotImplementedError(
+            f"images must lie in the first prefill chunk of an empty cache (prefill_chunk={chunk}: later chunks "
+            f"attend to the cache causally), got images at {list(image_spans)} for tokens [{kv.length}, {end}) in "
+            f"chunks of {step}{rs}")
     with torch.no_grad():
         for a in range(kv.length, end, step):
             b = min(end, a + step)
             c = kv.begin_prefill(b - a, method=method, layout=layout, starts=starts if kv.length == 0 else None,
+                                 mask_mod=spans(image_spans) if image_spans and a == 0 else None,
                                  **(method_options or {}))
-            model.base_model(input_ids=c.take(input_ids[:, a:b]), position_ids=c.position_ids_on(input_ids.device),
-                             use_cache=True, **cache_kwargs(model.base_model, cache))
+            x = {"input_ids": c.take(input_ids[:, a:b])} if inputs_embeds is None else \
+                {"inputs_embeds": c.take(inputs_embeds[:, a:b])}
+            model.base_model(**x, position_ids=c.position_ids_on(input_ids.device), use_cache=True,
+                             **cache_kwargs(model.base_model, cache))
 
 
 def _refuse(model: Any, kwargs: dict[str, Any]) -> None:
@@ -325,21 +347,50 @@ def _refuse(model: Any, kwargs: dict[str, Any]) -> None:
                                       f"{rank_suffix()}")
 
 
-def _refuse_masks(model: Any, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> None:
-    """Media inputs (Note [Chunked layers in generate])."""
+def _images(model: Any, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
+            token_type_ids: torch.Tensor | None, kwargs: dict[str, Any], *, cached: int) -> tuple[tuple[int, int], ...]:
+    """Gemma 3's image spans among the prompt's uncached tokens; media the sharded generate cannot serve raise
+    (Note [Images in generate])."""
     rs = rank_suffix()
     name = type(model).__name__
-    for key in _MEDIA:
-        if kwargs.get(key) is not None:
-            raise NotImplementedError(f"{key} is not supported by seqpar's sharded generate ({name}): the prefill "
-                                      f"feeds token ids only, and image tokens' bidirectional spans are a mask the "
-                                      f"sharded KV cache does not serve; generate from text-only prompts{rs}")
     config = model.config
+    gemma3 = getattr(config, "model_type", None) == "gemma3"
+    media = {"pixel_values": pixel_values, "token_type_ids": token_type_ids, **{k: kwargs.get(k) for k in _MEDIA}}
+    for key, value in media.items():
+        if value is not None and not (gemma3 and key in ("pixel_values", "token_type_ids")):
+            raise NotImplementedError(f"{key} is not supported by seqpar's sharded generate ({name}): only Gemma 3's "
+                                      f"images (Gemma3ForConditionalGeneration: pixel_values, token_type_ids) are "
+                                      f"served; generate from text-only prompts{rs}")
     for key in _MEDIA_TOKENS:
         token = getattr(config, key, None)
-        if isinstance(token, int) and bool((input_ids == token).any()):
-            raise NotImplementedError(f"the prompt holds {name}'s media token {token} ({key}), which seqpar's "
-                                      f"sharded generate cannot fill with features (text-only prompts){rs}")
+        if isinstance(token, int) and pixel_values is None and bool((input_ids[:, cached:] == token).any()):
+            raise NotImplementedError(f"the prompt holds {name}'s media token {token} ({key}) without its features: "
+                                      f"give pixel_values (Gemma 3), or generate from text-only prompts{rs}")
+    if not gemma3:
+        return ()
+    S = input_ids.shape[1]
+    images = tuple(s for s in _image_spans(token_type_ids, *input_ids.shape) if s[1] > cached)
+    if cached and (pixel_values is not None or images):
+        got = "pixel_values" if pixel_values is not None else f"token_type_ids with an image at {list(images[0])}"
+        raise NotImplementedError(f"a turn that continues a cache of {cached} tokens (past_key_values) must add no "
+                                  f"images (extensions attend causally), got {got}{rs}")
+    if bool((input_ids[:, -1] == config.image_token_id).any()) or (images and images[-1][1] == S):
+        raise NotImplementedError(f"the last prompt token (position {S - 1}) must be text, got an image token: "
+                                  f"model.generate runs it without image features, after the sharded prefill{rs}")
+    return images
+
+
+def _embeddings(model: Any, input_ids: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
+    """``(B, T, E)``: what Gemma 3's forward feeds its decoder for ``input_ids (B, T)`` and ``pixel_values (N, C,
+    H, W)``: token embeddings, the image tokens' replaced by the vision tower's features (Note [Images in
+    generate]; the model's own steps, on every rank)."""
+    inner = model.model
+    token = model.config.image_token_id
+    ids = input_ids.masked_fill(input_ids == token, 0) if token >= inner.vocab_size else input_ids
+    with torch.no_grad():
+        embeds = inner.get_input_embeddings()(ids)
+        feats = inner.get_image_features(pixel_values, return_dict=True).pooler_output.to(embeds.device, embeds.dtype)
+        return embeds.masked_scatter(inner.get_placeholder_mask(input_ids, embeds, feats), feats)
 
 
 def _inferred_mask(model: Any, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
