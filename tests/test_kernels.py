@@ -88,6 +88,34 @@ def test_auto_on_cpu_and_named_kernels_refuse_with_reasons():
     assert {"auto", "reference", "cudnn", "flash", "flex", "flash_attn", "sdpa"} <= set(available_kernels())
 
 
+def test_auto_passes_over_plan_per_shape_kernels_when_shapes_vary(monkeypatch):
+    """Note [Plans per shape]: cuDNN keeps a graph per block shape without bound, so ``auto`` never gives it a
+    block whose shape comes from a batch's documents (FA2 serves it); a named kernel is still honoured, and
+    the planned call's runner marks its blocks so when it has documents or a valid length."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from seqpar.kernels.executor import TaskRunner
+
+    assert KERNELS["cudnn"].plans_per_shape and not KERNELS["flash"].plans_per_shape
+    for name in ("cudnn", "flash"):                 # as on a GPU that serves both
+        monkeypatch.setattr(type(KERNELS[name]), "not_supported_reasons", lambda self, call: [])
+    select.cache_clear()
+    try:
+        fixed = KernelCall("cuda", torch.bfloat16, 128, 32, 8, "causal")
+        assert select("auto", fixed).name == "cudnn"
+        assert select("auto", replace(fixed, shapes_vary=True)).name == "flash"
+        assert select("cudnn", replace(fixed, shapes_vary=True)).name == "cudnn"
+    finally:
+        select.cache_clear()
+
+    def runner(**cfg):
+        base = dict(kernel="auto", deterministic=False, softcap=0.0, cu_seqlens=None, valid_len=None)
+        return TaskRunner.of(SimpleNamespace(cfg=SimpleNamespace(**{**base, **cfg}), scale=0.1))
+    assert not runner().shapes_vary
+    assert runner(cu_seqlens=(0, 5, 8)).shapes_vary and runner(valid_len=7).shapes_vary
+
+
 def test_gpu_kernels_declare_mask_limits():
     cuda = KernelCall("cuda", torch.bfloat16, 128, 32, 8, "band")
     assert any("band" in r for r in KERNELS["cudnn"].not_supported_reasons(cuda))

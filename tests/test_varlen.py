@@ -328,7 +328,8 @@ def test_varlen_backward_in_row_groups_equals_one_call(pools):
 
 def test_varlen_packing_keeps_large_blocks_alone_and_the_reference_kernel_out():
     """``TaskRunner.prepare``: small per-document blocks pack into one varlen call, blocks of ``GROUP_ROWS`` rows
-    keep their own call, and CPU auto never packs blocks that cpu_flash serves one by one into a reference call."""
+    keep their own call - unless block shapes vary batch to batch (documents: Note [Plans per shape]), when
+    they pack too - and CPU auto never packs blocks that cpu_flash serves one by one into a reference call."""
     from seqpar.kernels.executor import GROUP_ROWS, TaskRunner
     from seqpar.layouts.blocks import Task
     from seqpar.masks import Band, Varlen
@@ -339,4 +340,6 @@ def test_varlen_packing_keeps_large_blocks_alone_and_the_reference_kernel_out():
     big = Task(12, n, 12, n, Band(None, 0))
     packed = TaskRunner("reference", 1.0).prepare((*small, big), q, k)
     assert big in packed and sum(isinstance(t.mask, Varlen) for t in packed) == 1 and len(packed) == 2
+    varying = TaskRunner("reference", 1.0, shapes_vary=True).prepare((*small, big), q, k)
+    assert len(varying) == 1 and isinstance(varying[0].mask, Varlen)
     assert TaskRunner("auto", 1.0).prepare(small, q, k) == small       # cpu_flash per block, not reference varlen

@@ -60,6 +60,7 @@ class KernelCall:
     single: bool = False        # a 1 x 1 block (one query, one key)
     value_dim: int = 0          # Dv; 0 means equal to head_dim
     softcap: bool = False       # tanh score capping (Gemma 2)
+    shapes_vary: bool = False   # the block's shape changes batch to batch (documents): Note [Plans per shape]
 
     @property
     def dv(self) -> int:
@@ -93,6 +94,9 @@ class Kernel(ABC):
     takes_delta: ClassVar[bool] = False
     #: ``autograd_forward`` takes ``softcap`` (a direct call may then cap scores)
     direct_softcap: ClassVar[bool] = False
+    #: builds and keeps an execution plan per block shape (Note [Plans per shape]): auto skips it for shapes
+    #: that vary batch to batch
+    plans_per_shape: ClassVar[bool] = False
 
     @abstractmethod
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
@@ -149,6 +153,17 @@ def _candidates(name: str, device: str) -> list[Kernel]:
     return [KERNELS[name]]
 
 
+# Note [Plans per shape]
+#     PyTorch's cuDNN attention builds a cuDNN graph (execution plan) for every new shape - batch, heads, q and
+#     kv lengths, strides - and keeps it in a per-thread map that is never evicted (``MHAGraphCache`` in
+#     aten/src/ATen/native/cudnn/MHA.cpp). For fixed shapes that is free after the first call. Packed
+#     documents make new block shapes every batch: on one H100, 1M-token packed batches with their large
+#     documents on cuDNN grew host memory by ~87 MB and spent ~2 s building plans per batch, without end. So a
+#     block whose shape comes from the batch's documents is a ``KernelCall`` with ``shapes_vary``, and
+#     ``kernel="auto"`` passes over kernels that declare ``plans_per_shape`` for it (FA2 serves it, varlen
+#     packed); a kernel named explicitly is still used. Prompts of new lengths in serving meet the same cache.
+
+
 @functools.lru_cache(maxsize=512)
 def select(name: str, call: KernelCall) -> Kernel:
     """The kernel that serves ``call``: the named one, or with "auto"/"sdpa" the best that can.
@@ -158,6 +173,8 @@ def select(name: str, call: KernelCall) -> Kernel:
     """
     reasons: dict[str, list[str]] = {}
     for kernel in _candidates(name, call.device):
+        if name == "auto" and call.shapes_vary and kernel.plans_per_shape:
+            continue                    # Note [Plans per shape]: not a refusal, a choice (no warning)
         why = kernel.not_supported_reasons(call)
         if not why:
             log.info("kernel=%s -> %s for %s", name, kernel.name, call)

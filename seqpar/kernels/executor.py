@@ -80,11 +80,21 @@ def _all_visible(b, h, q_idx, kv_idx):
 class TaskRunner:
     """Executes tasks with kernel ``kernel`` ("auto" or a name) at ``scale``, score cap ``softcap``."""
 
-    def __init__(self, kernel: str, scale: float, *, deterministic: bool = False, softcap: float = 0.0):
+    def __init__(self, kernel: str, scale: float, *, deterministic: bool = False, softcap: float = 0.0,
+                 shapes_vary: bool = False):
         self.kernel, self.scale, self.softcap = kernel, scale, float(softcap)
         self.deterministic = deterministic
+        self.shapes_vary = shapes_vary
         self._chosen: dict[tuple, Kernel] = {}
         self._memo: OrderedDict[tuple, Any] = OrderedDict()
+
+    @classmethod
+    def of(cls, call: Any) -> TaskRunner:
+        """The runner of a planned call (``methods.base.Call``): its kernel, scale and options; its blocks' shapes
+        vary batch to batch when it has documents or a valid length (Note [Plans per shape])."""
+        cfg = call.cfg
+        return cls(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap,
+                   shapes_vary=cfg.cu_seqlens is not None or cfg.valid_len is not None)
 
     def _memoized(self, key: tuple, make) -> Any:
         """``make()``, computed once per ``key`` for this runner (Note [Runner memos])."""
@@ -103,7 +113,8 @@ class TaskRunner:
         kern = self._chosen.get(key)
         if kern is None:
             call = KernelCall(q.device.type, q.dtype, q.shape[-1], q.shape[2], k.shape[2], kind, self.deterministic,
-                              single, 0 if dv is None or dv == q.shape[-1] else dv, self.softcap > 0)
+                              single, 0 if dv is None or dv == q.shape[-1] else dv, self.softcap > 0,
+                              self.shapes_vary)
             kern = self._chosen[key] = select(self.kernel, call)
         return kern
 
@@ -118,7 +129,7 @@ class TaskRunner:
         dv = v_shape[-1]
         call = KernelCall(device.type, dtype, q_shape[-1], q_shape[2], k_shape[2], mask_kind(t.mask),
                           self.deterministic, t.rows == 1 and t.cols == 1, 0 if dv == q_shape[-1] else dv,
-                          self.softcap > 0)
+                          self.softcap > 0, self.shapes_vary)
         try:
             kern = select(self.kernel, call)
         except UnsupportedInputError:
@@ -134,15 +145,17 @@ class TaskRunner:
 
     def prepare(self, tasks: tuple[Task, ...], q: torch.Tensor, k: torch.Tensor) -> tuple[Task, ...]:
         """Pack many small per-document tasks into varlen calls where a kernel serves varlen (tasks of
-        ``GROUP_ROWS`` rows or more keep their own call); decided once per task tuple and kind of tensors."""
+        ``GROUP_ROWS`` rows or more keep their own call, unless their shapes vary batch to batch: Note [Plans per
+        shape]); decided once per task tuple and kind of tensors."""
         if len(tasks) < GROUP_AT:
             return tasks
         key = ("prepared", tasks, q.shape[2], k.shape[2], q.shape[-1], q.dtype, q.device.type)
         return self._memoized(key, lambda: self._packed(tasks, q, k))
 
     def _packed(self, tasks: tuple[Task, ...], q: torch.Tensor, k: torch.Tensor) -> tuple[Task, ...]:
-        big = tuple(t for t in tasks if t.rows >= GROUP_ROWS)
-        small = tuple(t for t in tasks if t.rows < GROUP_ROWS)
+        most = float("inf") if self.shapes_vary else GROUP_ROWS
+        big = tuple(t for t in tasks if t.rows >= most)
+        small = tuple(t for t in tasks if t.rows < most)
         if len(small) < GROUP_AT:
             return tasks
         grouped = group_varlen(small) + big

@@ -124,6 +124,7 @@ class CudnnKernel(Kernel):
 
     name = "cudnn"
     auto_rank = {"cuda": 90}
+    plans_per_shape = True              # Note [Plans per shape]
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
         r = _gpu_reasons(call, _HALF, cudnn_max_head_dim())

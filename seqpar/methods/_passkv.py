@@ -62,7 +62,7 @@ def build(call) -> PassKV:
     """The pass-KV ring of a planned ``call`` (``methods.base.Call``): its layout, rule, documents and kernel."""
     cfg = call.cfg
     sched = schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
-    runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
+    runner = TaskRunner.of(call)
     return PassKV(Ring(call.groups.group), sched, runner, cfg.grad_dtype)
 
 

@@ -183,7 +183,7 @@ class LocalEngine:
     def __init__(self, call: Call):
         cfg = call.cfg
         self.tasks = local_tasks(call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
-        self.runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
+        self.runner = TaskRunner.of(call)
 
     def direct(self, call: Call):
         return self.runner.direct(self.tasks, call.q_shape, call.k_shape, call.v_shape, call.dtype, call.device)

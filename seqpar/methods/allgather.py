@@ -501,7 +501,7 @@ class _Engine:
     def __init__(self, call: Call):
         cfg = call.cfg
         self.gp = gather_plan(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
-        self.runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
+        self.runner = TaskRunner.of(call)
         self.stride = _stride(cfg.options, call.k_shape[2])
         self.G = call.q_shape[2] // call.k_shape[2]
         self.groups, self.grad_dtype = call.groups, cfg.grad_dtype

@@ -152,7 +152,7 @@ class _Engine:
         self.tasks = schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len,
                               self.w)
         self.pr = peers(call.index, call.groups.world, self.w)
-        self.runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
+        self.runner = TaskRunner.of(call)
         self.grad_dtype = cfg.grad_dtype
 
     def _groups(self) -> tuple:

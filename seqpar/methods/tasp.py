@@ -60,7 +60,7 @@ class _Engine:
         cfg = call.cfg
         kind = resolve_schedule(cfg, call.groups.world)
         tp = _tasp.schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len, kind)
-        runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
+        runner = TaskRunner.of(call)
         self.tasp = _tasp.Tasp(call.groups, tp, runner, cfg.grad_dtype)
 
     def forward(self, q, k, v):

@@ -29,7 +29,7 @@ class _Engine:
     def __init__(self, call: Call):
         cfg = call.cfg
         sp = _passq.schedule(call.layout, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
-        runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
+        runner = TaskRunner.of(call)
         self.passq = _passq.PassQ(Ring(call.groups.group), sp, runner, cfg.grad_dtype)
 
     def forward(self, q, k, v):

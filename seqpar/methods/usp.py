@@ -59,7 +59,7 @@ class _RingInner:
         outer = make_layout(cfg.layout, groups.ring_size, cfg.cu_seqlens, cfg.balance_rule)
         rho = groups.index // groups.ulysses_size
         sched = _passkv.schedule(outer, rho, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
-        runner = TaskRunner(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap)
+        runner = TaskRunner.of(call)
         self.ring = _passkv.PassKV(Ring(groups.ring), sched, runner, cfg.grad_dtype)
 
     def forward(self, q, k, v):
