@@ -229,8 +229,19 @@ def cache_errors() -> list[tuple[str, str]]:
         c = sp_hf.SeqparCache(new())
         sp_hf.generate(build("llama"), torch.ones(1, 6, dtype=torch.long), cache=c, past_key_values=c)
 
+    def mask_not_the_cache_padding() -> None:      # checked on the device, read when serving ends
+        from seqpar.integrations.hf_generate import cache_kwargs
+
+        model, ids = build("llama"), torch.ones(1, 6, dtype=torch.long)
+        cache = sp_hf.SeqparCache(new())
+        with sp_hf.serving(model, cache):
+            sp_hf.prefill(model, cache, ids[:, :5])
+            model(input_ids=ids[:, 5:], attention_mask=torch.tensor([[1, 0, 1, 1, 1, 1]]),
+                  position_ids=torch.tensor([[5]]), **cache_kwargs(model, cache))
+
     cases = [decode_empty, bad_shape, layer_missing, window_changes, static_full, beams, right_padding,
-             lambda: new(passes="x"), lambda: new().begin_prefill(8, starts=(0, 1)), both_caches]
+             lambda: new(passes="x"), lambda: new().begin_prefill(8, starts=(0, 1)), both_caches,
+             mask_not_the_cache_padding]
     out = []
     for case in cases:
         try:

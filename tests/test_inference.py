@@ -239,6 +239,8 @@ ERRORS = [
     ("ValueError", ["passes must be 'auto', 'kv' or 'q', got 'x'"]),
     ("ValueError", ["starts must be 1 non-negative ints (one per batch row), got (0, 1)"]),
     ("ValueError", ["give the cache as past_key_values or as cache, not both"]),
+    ("NotImplementedError", ["attention_mask must be the left padding the cache was filled with",
+                             "rows start at (0,)", "shape (1, 6)"]),
 ]
 
 
