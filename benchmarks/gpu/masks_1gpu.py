@@ -1,7 +1,7 @@
 """Masks on one GPU: seqpar against flex_attention called directly, softcap, the shared-prefix RL row, and the
 named masks' compute-path efficiency at an emulated W = 8 (fake group, communication free).
 
-    python3 benchmarks/gpu/masks_1gpu.py --out DIR [--sections w1,softcap,rl,emulated] [--sizes 16384,131072]
+    python3 benchmarks/gpu/masks_1gpu.py --out DIR [--sections w1,softcap,rl,emulated,profile] [--sizes 16384,131072]
 
 Every record is one JSON line in DIR/masks.jsonl, labelled "W = 1" or "emulated W = 8 (rank r of 8, fake
 group)". GQA 32/8, D 128, bf16 unless said; medians of ``--iters`` after ``--warmup``. flex is
@@ -211,6 +211,33 @@ def emulated(args) -> None:
                 torch.cuda.empty_cache()
 
 
+def profile(args) -> None:
+    """Where seqpar's time goes (W = 1, forward) for the masks that trail flex: the sink window at 16K and
+    chunked at the largest size; torch.profiler's CUDA kernels, most time first, and the kernel count."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    group(1)
+    for name, S in (("sink_window", 16384), ("chunked", max(args.sizes))):
+        causal, m = named(S)[name]
+        q, k, v, _ = inputs(S)
+        ours = ours_call(causal=causal, mask_mod=m, layout="contiguous")
+        with torch.no_grad():
+            for _ in range(3):
+                ours(q, k, v)
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                ours(q, k, v)
+                torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        print(f"== profile {name} {S}: {len(kernels)} kernels, "
+              f"{sum(e.device_time for e in kernels) / 1e3:.2f} ms of kernel time", flush=True)
+        print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=70),
+              flush=True)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     global OUT
     ap = argparse.ArgumentParser()
@@ -227,7 +254,7 @@ def main() -> None:
          command=" ".join(["masks_1gpu.py", *[f"--{k}={v}" for k, v in vars(args).items() if k != "out"]]))
     for name in args.sections.split(","):
         t0 = time.perf_counter()
-        {"w1": w1, "softcap": softcap, "rl": rl, "emulated": emulated}[name](args)
+        {"w1": w1, "softcap": softcap, "rl": rl, "emulated": emulated, "profile": profile}[name](args)
         emit(section="timing", part=name, wall_s=time.perf_counter() - t0)
 
 
