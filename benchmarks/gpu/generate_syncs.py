@@ -59,6 +59,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", default="32k", type=parse_tokens)
     ap.add_argument("--new-tokens", type=int, default=1)
+    ap.add_argument("--profile", action="store_true", help="also each path's CUDA kernels (torch.profiler), most "
+                    "time first: where a gap in GPU time comes from")
     args = ap.parse_args()
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
     dist.init_process_group("nccl")
@@ -74,6 +76,17 @@ def main() -> None:
         print(f"== {name}, {args.context} tokens, {args.new_tokens} new: {sum(sites.values())} syncs", flush=True)
         for site, n in sites.most_common():
             print(f"  {n:3d}  {site}", flush=True)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn()
+                torch.cuda.synchronize()
+            kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+            print(f"   {len(kernels)} kernels, {sum(e.device_time for e in kernels) / 1e3:.2f} ms of kernel time",
+                  flush=True)
+            print(prof.key_averages().table(sort_by="device_time_total", row_limit=14, max_name_column_width=60),
+                  flush=True)
     dist.destroy_process_group()
 
 
