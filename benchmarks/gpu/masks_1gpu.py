@@ -186,7 +186,7 @@ def emulated(args) -> None:
     W = 8
     for S in args.sizes:
         cases = {"causal": (True, None), **named(S)}
-        for method, layout in (("ring", "zigzag"), ("ulysses", "contiguous")):
+        for method, layout in args.emulated_methods:
             for name, (causal, m) in cases.items():
                 try:
                     if (S, name) not in W1:
@@ -194,12 +194,13 @@ def emulated(args) -> None:
                         W1[(S, name)] = timed(ours_call(causal=causal, mask_mod=m, layout="contiguous"), inputs(S),
                                               args)
                     base = W1[(S, name)]
-                    lay = make_layout(layout, W)
-                    per = work(lay, S, Rule(causal, mask=m), None)
+                    docs = (0, S) if layout == "balanced" else None       # balanced places the mask's work
+                    lay = make_layout(layout, W, docs, Rule(causal, mask=m) if docs and m is not None else None)
+                    per = work(lay, S, Rule(causal, mask=m), docs)
                     rank = 0 if method == "ulysses" else max(range(W), key=lambda r: (per[r], -r))
                     group(W, rank)
-                    ours = timed(ours_call(causal=causal, mask_mod=m, method=method, layout=layout, check_ranks=False),
-                                 inputs(S // W), args)
+                    ours = timed(ours_call(causal=causal, mask_mod=m, method=method, layout=layout, cu_seqlens=docs,
+                                           check_ranks=False), inputs(S // W), args)
                     emit(section="emulated", label=f"emulated W = 8 (rank {rank} of 8, fake group)", mask=name,
                          method=method, layout=layout, seq_len=S, tokens_per_rank=S // W, emulated_world=W,
                          emulated_rank=rank, w1_fwd_ms=base[0], w1_fb_ms=base[1], rank_fwd_ms=ours[0],
@@ -243,6 +244,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--sections", default="w1,softcap,rl,emulated")
+    ap.add_argument("--emulated-methods", default="ring/zigzag,ulysses/contiguous",
+                    type=lambda t: [tuple(x.split("/")) for x in t.split(",")],
+                    help="method/layout pairs of the emulated section (ring/balanced: the mask's work balanced)")
     ap.add_argument("--sizes", default="16384,131072")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
