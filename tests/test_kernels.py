@@ -114,6 +114,7 @@ def test_auto_passes_over_plan_per_shape_kernels_when_shapes_vary(monkeypatch):
         return TaskRunner.of(SimpleNamespace(cfg=SimpleNamespace(**{**base, **cfg}), scale=0.1))
     assert not runner().shapes_vary
     assert runner(cu_seqlens=(0, 5, 8)).shapes_vary and runner(valid_len=7).shapes_vary
+    assert not runner(cu_seqlens=(0, 8)).shapes_vary              # one document: the shapes of the length
 
 
 def test_gpu_kernels_declare_mask_limits():

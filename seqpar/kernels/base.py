@@ -156,10 +156,11 @@ def _candidates(name: str, device: str) -> list[Kernel]:
 # Note [Plans per shape]
 #     PyTorch's cuDNN attention builds a cuDNN graph (execution plan) for every new shape - batch, heads, q and
 #     kv lengths, strides - and keeps it in a per-thread map that is never evicted (``MHAGraphCache`` in
-#     aten/src/ATen/native/cudnn/MHA.cpp). For fixed shapes that is free after the first call. Packed
-#     documents make new block shapes every batch: on one H100, 1M-token packed batches with their large
-#     documents on cuDNN grew host memory by ~87 MB and spent ~2 s building plans per batch, without end. So a
-#     block whose shape comes from the batch's documents is a ``KernelCall`` with ``shapes_vary``, and
+#     aten/src/ATen/native/cudnn/MHA.cpp). For fixed shapes that is free after the first call. Packed documents
+#     make new block shapes every batch: on one H100, 1M-token packed batches whose large documents ran on cuDNN
+#     grew host memory by 90-130 MiB and spent 3-5 s per batch, without end (after: +10 MiB over 180 batches,
+#     0.2 s each; ``benchmarks/results/2026-11-25-h100-hardening``). So a block whose shape comes from the
+#     batch - two or more documents, or a valid length - is a ``KernelCall`` with ``shapes_vary``, and
 #     ``kernel="auto"`` passes over kernels that declare ``plans_per_shape`` for it (FA2 serves it, varlen
 #     packed); a kernel named explicitly is still used. Prompts of new lengths in serving meet the same cache.
 

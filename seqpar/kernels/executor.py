@@ -91,10 +91,12 @@ class TaskRunner:
     @classmethod
     def of(cls, call: Any) -> TaskRunner:
         """The runner of a planned call (``methods.base.Call``): its kernel, scale and options; its blocks' shapes
-        vary batch to batch when it has documents or a valid length (Note [Plans per shape])."""
+        vary batch to batch when it has several documents or a valid length (Note [Plans per shape]); one
+        document over the whole sequence (a balanced layout's ``(0, S)``) keeps fixed shapes."""
         cfg = call.cfg
+        docs = cfg.cu_seqlens
         return cls(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap,
-                   shapes_vary=cfg.cu_seqlens is not None or cfg.valid_len is not None)
+                   shapes_vary=(docs is not None and len(docs) > 2) or cfg.valid_len is not None)
 
     def _memoized(self, key: tuple, make) -> Any:
         """``make()``, computed once per ``key`` for this runner (Note [Runner memos])."""
