@@ -350,6 +350,17 @@ def refill_compare(spec: dict[str, Any]) -> dict[str, Any]:
         handle.disable()
 
 
+def refill(buffers: dict[str, Any] | None, batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` copied into ``buffers`` in place (a collator or CUDA-graph feeder reusing one set of tensors);
+    the first call makes the buffers."""
+    if buffers is None:
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    for key, t in buffers.items():
+        if isinstance(t, torch.Tensor):
+            t.copy_(batch[key])
+    return buffers
+
+
 def compile_boundaries(spec: dict[str, Any]) -> dict[str, Any]:
     """A compiled model on packed batches (``spec["cus"]``, one per step, refilled into one set of buffers):
     per step the host reads of the boundaries over forward and backward, the loss error against the eager
@@ -372,12 +383,7 @@ def compile_boundaries(spec: dict[str, Any]) -> dict[str, Any]:
         reads, errors, buffers = [], [], None
         for cu in spec["cus"]:
             local = handle.shard_batch(global_batch({"docs": "cu", "cu": cu, "data_seed": cu[1]}))
-            if buffers is None:
-                buffers = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in local.items()}
-            else:
-                for key, t in buffers.items():
-                    if isinstance(t, torch.Tensor):
-                        t.copy_(local[key])
+            buffers = refill(buffers, local)
             before = hf_attention._OP_READS.reads
             loss = compiled(**buffers).loss
             loss.backward()

@@ -44,7 +44,7 @@ def _syncs(fn) -> int:
 def _packed_steps(layers: int, backend: str, host_cu: bool) -> list[int]:
     """Syncs per step of a compiled packed step: 6 batches refilled into one set of buffers, the last 4 counted
     (the first two compile; on the GPU dynamo recompiled once at the second step with aot_eager)."""
-    from _workers_hf import build, global_batch
+    from _workers_hf import build, global_batch, refill
 
     from seqpar.integrations import huggingface as sp_hf
 
@@ -59,12 +59,7 @@ def _packed_steps(layers: int, backend: str, host_cu: bool) -> list[int]:
             local = handle.shard_batch(global_batch({"docs": "cu", "cu": cu, "data_seed": cu[1]}))
             local = {k: v.to("cuda") if isinstance(v, torch.Tensor) and not (host_cu and k.startswith("cu_"))
                      else v for k, v in local.items()}
-            if buffers is None:
-                buffers = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in local.items()}
-            else:
-                for key, t in buffers.items():
-                    if isinstance(t, torch.Tensor):
-                        t.copy_(local[key])
+            buffers = refill(buffers, local)
             n = _syncs(lambda b=buffers: compiled(**b).loss.backward())
             if i >= 2:                                  # the first two steps compile (and may recompile once)
                 counts.append(n)
