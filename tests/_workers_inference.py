@@ -173,6 +173,34 @@ def generate_run(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def prefill_timing() -> dict[str, Any]:
+    """When ``generate`` prefills (Note [Prefill at the first forward]): the cache's stored and promised tokens as
+    ``model.generate`` is entered and at the model's first forward, and the greedy tokens (against the model on
+    one process)."""
+    from seqpar.integrations import huggingface as sp_hf
+
+    model, seen = build("llama"), {}
+    ids = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+    want = model.generate(ids, max_new_tokens=3, do_sample=False)
+    cache = sp_hf.SeqparCache(ShardedKVCache(layers=model.config.num_hidden_layers, batch=1))
+    inner = model.generate
+
+    def entered(*args: Any, **kwargs: Any) -> Any:
+        seen["entry"] = (cache.kv.length, cache.promised, cache.get_seq_length())
+        def first(*_: Any) -> None:
+            seen.setdefault("forward", (cache.kv.length, cache.promised))
+
+        handle = model.register_forward_pre_hook(first)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            handle.remove()
+
+    model.generate = entered
+    got = sp_hf.generate(model, ids, cache=cache, max_new_tokens=3, do_sample=False)
+    return {**seen, "after": (cache.kv.length, cache.promised), "equal": torch.equal(got, want)}
+
+
 def bench_run(baseline: bool) -> list[dict]:
     """``seqpar.bench.inference`` on CPU with the tiny preset: eager and static decode (and, on 1 rank, the
     transformers baseline with ``check``: its greedy tokens must equal seqpar's)."""

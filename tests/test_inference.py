@@ -33,7 +33,16 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _workers_inference import bench_run, build, cache_errors, cache_inputs, cache_run, generate_run, prompt
+from _workers_inference import (
+    bench_run,
+    build,
+    cache_errors,
+    cache_inputs,
+    cache_run,
+    generate_run,
+    prefill_timing,
+    prompt,
+)
 
 from seqpar.inference import choose_extend_pass, plan_inference
 from seqpar.inference._local import SlotMask, attend_block
@@ -253,6 +262,17 @@ def _check_errors(got: list[tuple[str, str]], rank: int, world: int) -> list[str
 
 
 # -- single process ------------------------------------------------------------------------------------------
+
+
+def test_generate_prefills_at_the_first_forward(pools):
+    """Note [Prefill at the first forward]: ``model.generate`` is entered with the prompt promised, not stored
+    (transformers' set-up then syncs on an idle GPU); the model's first forward - its pre-hook registered after
+    seqpar's - finds the prompt stored; the lengths transformers reads count the promise; the tokens are the
+    model's own."""
+    res = pools(1).run(prefill_timing)[0]
+    assert res["entry"] == (0, 11, 11), res            # 12 prompt tokens: 11 promised, none stored yet
+    assert res["forward"] == (11, 0), res
+    assert res["after"] == (14, 0) and res["equal"], res
 
 
 def test_rank_rows_bookkeeping():
