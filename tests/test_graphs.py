@@ -16,16 +16,36 @@ CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
 
 @pytest.mark.parametrize("kw,expect", [
-    (dict(device=CUDA, world=8, rows=2048, packed=False, direct=False), True),        # short chunks: graphed
-    (dict(device=CUDA, world=8, rows=GRAPH_ROWS + 1, packed=False, direct=False), False),   # not host-bound
-    (dict(device=CUDA, world=1, rows=2048, packed=False, direct=False), False),       # one rank: one step
-    (dict(device=CUDA, world=8, rows=2048, packed=True, direct=False), False),        # a new plan per batch
-    (dict(device=CUDA, world=8, rows=2048, packed=False, direct=True), False),        # one aten call
-    (dict(device=CPU, world=8, rows=2048, packed=False, direct=False), False),        # no graphs on CPU
+    (dict(device=CUDA, world=8, rows=2048, shapes_vary=False, direct=False), True),        # short chunks: graphed
+    (dict(device=CUDA, world=8, rows=GRAPH_ROWS + 1, shapes_vary=False, direct=False), False),   # not host-bound
+    (dict(device=CUDA, world=1, rows=2048, shapes_vary=False, direct=False), False),       # one rank: one step
+    (dict(device=CUDA, world=8, rows=2048, shapes_vary=True, direct=False), False),        # a new plan per batch
+    (dict(device=CUDA, world=8, rows=2048, shapes_vary=False, direct=True), False),        # one aten call
+    (dict(device=CPU, world=8, rows=2048, shapes_vary=False, direct=False), False),        # no graphs on CPU
 ])
 def test_auto_graphs_only_host_bound_fixed_signatures(kw, expect):
     assert wanted(None, **kw) is expect
     assert wanted(True, **kw) is True and wanted(False, **kw) is False
+
+
+@pytest.mark.parametrize("cfg,vary", [
+    (dict(), False),
+    (dict(cu_seqlens=(0, 16)), False),                   # one document over the whole sequence: fixed shapes
+    (dict(cu_seqlens=(0, 5, 16)), True),                 # documents: shapes from the batch
+    (dict(cu_seqlens=(0, 12)), True),                    # one document and padding: a valid length
+    (dict(seq_len=12), True),
+])
+def test_shapes_vary_only_with_the_batch(cfg, vary):
+    """Graphs and cuDNN's per-shape plans are kept for calls whose block shapes come from the signature alone
+    (Note [Plans per shape]): a balanced layout's one document ``(0, S)`` is such a call."""
+    from types import SimpleNamespace
+
+    from seqpar.config import AttentionConfig
+    from seqpar.methods.base import Call
+
+    call = SimpleNamespace(cfg=AttentionConfig(layout="balanced" if "cu_seqlens" in cfg else "zigzag", **cfg),
+                           seq_len=16)
+    assert Call.shapes_vary.fget(call) is vary
 
 
 @pytest.fixture

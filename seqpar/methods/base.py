@@ -86,6 +86,14 @@ class Call:
         return self.q_shape[1] * self.groups.world
 
     @property
+    def shapes_vary(self) -> bool:
+        """Its blocks' shapes come from the batch (Note [Plans per shape] in ``seqpar.kernels.base``): several
+        documents, or a valid length short of the global length. One document over the whole sequence (a
+        balanced layout's ``(0, S)``) keeps the shapes of the signature."""
+        docs, valid = self.cfg.cu_seqlens, self.cfg.valid_len
+        return (docs is not None and len(docs) > 2) or (valid is not None and valid != self.seq_len)
+
+    @property
     def head_dim(self) -> int:
         return self.q_shape[-1]
 

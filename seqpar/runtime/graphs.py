@@ -33,8 +33,9 @@ Note [Graphed calls]
       overwrite each other's inputs (calls on distinct signatures are independent).
 
     Auto (``graphs=None``): CUDA, more than one rank, at most ``GRAPH_ROWS`` local rows, a fixed signature
-    (no ``cu_seqlens``: a packed batch is a new plan per batch, and a capture per batch would cost more than
-    it saves), and not the single-kernel direct path (W = 1 has no steps to save).
+    (no shapes from the batch, ``Call.shapes_vary``: a packed batch is a new plan per batch, and a capture per
+    batch would cost more than it saves; one document over the whole sequence, a balanced layout's ``(0, S)``,
+    is fixed and graphed), and not the single-kernel direct path (W = 1 has no steps to save).
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ GRAPH_ROWS = 8192
 """Auto graphs a call with at most this many local rows (batch x sequence) per rank (Note [Graphed calls])."""
 
 
-def wanted(graphs: bool | None, *, device: torch.device, world: int, rows: int, packed: bool, direct: bool) -> bool:
+def wanted(graphs: bool | None, *, device: torch.device, world: int, rows: int, shapes_vary: bool,
+           direct: bool) -> bool:
     """Whether a planned call runs as graphs: ``graphs=True`` (then CUDA is required), False, or auto."""
     if graphs is None:
-        return device.type == "cuda" and world > 1 and rows <= GRAPH_ROWS and not packed and not direct
+        return device.type == "cuda" and world > 1 and rows <= GRAPH_ROWS and not shapes_vary and not direct
     return bool(graphs)
 
 
