@@ -107,12 +107,20 @@ def _gaps(fn, gap_us: float) -> None:
             at = lz["ts"] if lz else k["ts"]
             syncs = sorted({e["name"] for e in runtime if e["name"].startswith(_SYNCING)
                             and e["ts"] < k["ts"] and e["ts"] + e["dur"] > last_end})
-            rows.append((gap, (at - last_end) / 1e3, k["name"][:48], _frames_at(stack, at), ",".join(syncs)))
+            rows.append((gap, (at - last_end) / 1e3, k["name"][:48], _frames_at(stack, at), ",".join(syncs),
+                         last_end, at))
         last_end = max(last_end, k["ts"] + k["dur"])
     print(f"   {len(rows)} gaps over {gap_us:.0f} us between kernels, {idle / 1e3:.2f} ms idle in all; largest first "
           f"(gap ms, its launch ms after the GPU went idle, kernel, launched from, syncs overlapping it):", flush=True)
-    for gap, late, name, where, syncs in sorted(rows, reverse=True)[:25]:
+    for gap, late, name, where, syncs, _, _ in sorted(rows, reverse=True)[:25]:
         print(f"   {gap / 1e3:7.3f}  {late:7.3f}  {name:48s}  {where}  {syncs}", flush=True)
+    host = [e for e in events if e.get("cat") in ("python_function", "cpu_op", "cuda_runtime")]
+    for gap, _, name, _, _, a, b in sorted(rows, reverse=True)[:3]:
+        inside = sorted((e for e in host if e["ts"] >= a and e["ts"] + e["dur"] <= b and e["dur"] > 0.02 * (b - a)),
+                        key=lambda e: -e["dur"])
+        print(f"   host work inside the {gap / 1e3:.3f} ms gap before {name}: the longest events (ms)", flush=True)
+        for e in inside[:12]:
+            print(f"      {e['dur'] / 1e3:7.3f}  {e['name'][:110]}", flush=True)
 
 
 def main() -> None:
