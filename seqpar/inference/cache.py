@@ -34,6 +34,7 @@ sees nothing before its start. GQA/MQA: K and V keep their Hkv heads; V may have
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,9 +109,10 @@ class Chunk:
         sharded: True for a prompt chunk split over the ranks, False for replicated (decode) tokens.
         mode: "fill" (a sharded chunk on an empty cache: ``seqpar.attention`` with the chunk's method), "extend"
             (a sharded chunk attending to a non-empty cache: pass-KV or pass-Q) or "decode" (replicated).
-        positions: cache positions of this rank's rows of the chunk, int64 ``(L,)`` in local order (sharded:
-            this rank's share, padding included; replicated: ``P..P+T-1``).
-        position_ids: RoPE positions ``(B, L)``: ``positions - start`` of each row (0 on its left padding).
+        rows: this rank's rows of the chunk as runs of cache positions, in local order (sharded: this rank's
+            share, padding included; replicated: ``P..P+T-1``). ``positions`` and ``position_ids`` are made from
+            them when first read (host tensors); ``position_ids_on`` and ``take`` make theirs on the device.
+        starts: each batch row's first real token (left padding).
         valid: this rank's rows that are real tokens (a prefix of its rows; the rest is layout padding).
         method, layout, options: how a sharded chunk is laid out and, for "fill", attended.
         mask_mod: a "fill" chunk's named mask that carries its own causality (``seqpar.masks.spans``: Gemma 3's
@@ -125,8 +127,8 @@ class Chunk:
     tokens: int
     sharded: bool
     mode: str
-    positions: torch.Tensor
-    position_ids: torch.Tensor
+    rows: Segments
+    starts: tuple[int, ...]
     valid: int
     method: str | None = None
     layout: str | None = None
@@ -143,9 +145,22 @@ class Chunk:
     def end(self) -> int:
         return self.start + self.tokens
 
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """Cache positions of this rank's rows, int64 ``(L,)`` in local order, on the host."""
+        return _positions(self.rows, torch.device("cpu"))
+
+    @functools.cached_property
+    def position_ids(self) -> torch.Tensor:
+        """RoPE positions ``(B, L)`` on the host: ``positions - start`` of each row (0 on its left padding)."""
+        return _rope(self.positions, self.starts)
+
     def position_ids_on(self, device: torch.device | str) -> torch.Tensor:
-        """``position_ids`` on ``device`` without stalling the host (a pinned, non-blocking copy to a GPU)."""
-        return host_to_device(self.position_ids, torch.device(device))
+        """``position_ids`` made on ``device`` (Note [Chunk positions on the device])."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.position_ids
+        return _rope(_positions(self.rows, device), self.starts)
 
     def take(self, x_BT: torch.Tensor, pad_value: int | float = 0) -> torch.Tensor:
         """This rank's rows of a chunk-wide tensor ``(B, T, ...)`` (dim 1 = the chunk's tokens, unpadded)."""
@@ -158,7 +173,32 @@ class Chunk:
         if extra:
             pad = x_BT.new_full((x_BT.shape[0], extra, *x_BT.shape[2:]), pad_value)
             x_BT = torch.cat([x_BT, pad], 1)
-        return x_BT.index_select(1, host_to_device(self.positions - self.start, x_BT.device))
+        return x_BT.index_select(1, _positions(self.rows, x_BT.device, offset=-self.start))
+
+
+# Note [Chunk positions on the device]
+#     A chunk's rows are a few runs of cache positions (``rows``); the tensors made from them - the rows'
+#     positions, their RoPE positions, the indices ``take`` selects - are ``S / W`` long. Made on the host,
+#     they cost milliseconds of host tensor work at 128K tokens (measured: ``begin_prefill`` held the first
+#     prefill kernel back 2.0 ms on an idle H100, benchmarks/results/2026-11-26-h100-prefill) and then a copy.
+#     Made on the device, each run is one ``arange`` launch and nothing crosses from the host, except the
+#     rows' left padding when some row has any (a few ints, pinned and non-blocking).
+
+
+def _positions(rows: Segments, device: torch.device, offset: int = 0) -> torch.Tensor:
+    """``(L,)`` int64 on ``device``: every run's positions (plus ``offset``), in local order."""
+    parts = [torch.arange(r.glob + offset, r.glob + offset + rows.stride * r.length, rows.stride,
+                          dtype=torch.long, device=device) for r in rows.runs]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def _rope(positions: torch.Tensor, starts: tuple[int, ...]) -> torch.Tensor:
+    """``(B, L)`` RoPE positions: ``positions - starts[b]``, 0 on row b's left padding."""
+    if not any(starts):
+        return positions[None, :].expand(len(starts), -1)
+    return (positions[None, :] - host_to_device(torch.tensor(starts), positions.device)[:, None]).clamp_(min=0)
 
 
 def host_to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -305,12 +345,12 @@ class ShardedKVCache:
         for j, seg in enumerate(segs):                       # valid rows only: padding is at the end
             self.rows[j].append_runs([(P + r.glob, min(r.length, -(-(seq_len - r.glob) // seg.stride)), seg.stride)
                                       for r in seg.runs if r.glob < seq_len])
-        mine = torch.cat([P + r.glob + segs[self.index].stride * torch.arange(r.length)
-                          for r in segs[self.index].runs])
         queries = tuple(Segments(tuple(Run(r.local, r.glob + P, r.length) for r in seg.runs), seg.stride)
                         for seg in segs)
+        mine = segs[self.index]
+        valid = sum(min(r.length, -(-(seq_len - r.glob) // mine.stride)) for r in mine.runs if r.glob < seq_len)
         mode = "fill" if P == 0 else "extend"
-        self.chunk = Chunk(P, seq_len, True, mode, mine, self._rope(mine), int((mine < P + seq_len).sum()),
+        self.chunk = Chunk(P, seq_len, True, mode, queries[self.index], self.starts, valid,
                            method=method, layout=layout, options=dict(options), mask_mod=mask_mod, padded=padded,
                            queries=queries,
                            whole=self.world == 1 and padded == seq_len and segs[0].stride == 1
@@ -329,9 +369,8 @@ class ShardedKVCache:
         P = self.length
         for p in range(P, P + tokens):
             self.rows[p % self.world].append([p])
-        pos = torch.arange(P, P + tokens, dtype=torch.long)
         q = Segments((Run(0, P, tokens),), 1)
-        self.chunk = Chunk(P, tokens, False, "decode", pos, self._rope(pos), tokens, queries=(q,))
+        self.chunk = Chunk(P, tokens, False, "decode", q, self.starts, tokens, queries=(q,))
         return self.chunk
 
     def _check_closed(self) -> None:
@@ -355,10 +394,6 @@ class ShardedKVCache:
             raise ValueError(f"starts must be {self.spec.batch} non-negative ints (one per batch row), got "
                              f"{starts}{rs}")
         self.starts = starts
-
-    def _rope(self, positions: torch.Tensor) -> torch.Tensor:
-        starts = torch.tensor(self.starts, dtype=torch.long)
-        return (positions[None, :] - starts[:, None]).clamp_(min=0)
 
     def _commit(self) -> None:
         """Every layer has attended: the chunk's tokens are cached; windows evict (Note [Sliding windows ...])."""
@@ -443,7 +478,7 @@ class ShardedKVCache:
         return self.chunk
 
     def _check_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, c: Chunk) -> None:
-        L = c.positions.numel()
+        L = c.rows.length
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
                 raise ValueError(f"{name} must be a 4D tensor (batch, tokens, kv_heads, head_dim), got "

@@ -53,7 +53,9 @@ Note [Padding checked a step behind]
     Read on the host, that check was a device-to-host sync per forward (after the prefill: a wait for all of
     it). The comparison now runs on the device, and its verdict is read at the next forward's check - whose
     kernels are long done, since transformers reads each step's tokens - or by ``settle`` when ``serving``
-    ends. A bad mask still raises on every rank before ``generate`` returns anything.
+    ends. On CUDA the verdict is copied to pinned host memory as soon as it is computed, so the read waits on
+    an event and launches nothing after the call's last kernel. A bad mask still raises on every rank before
+    ``generate`` returns anything.
 
 Note [Images in generate]
     Gemma 3 (``Gemma3ForConditionalGeneration``) with ``pixel_values`` and ``token_type_ids``: every rank
@@ -210,13 +212,23 @@ class SeqparCache(Cache):
         if self._starts is None or self._starts.device != mask.device:
             self._starts = host_to_device(torch.tensor(self.kv.starts), mask.device)
         want = torch.arange(mask.shape[-1], device=mask.device)[None, :] >= self._starts[:, None]
-        self._verdict = (mask != want).any(), tuple(mask.shape)
+        bad, done = (mask != want).any(), None
+        if bad.is_cuda:                 # copied as soon as it is computed: settle's read launches nothing
+            bad, done = torch.empty((), dtype=torch.bool, pin_memory=True).copy_(bad, non_blocking=True), \
+                torch.cuda.Event()
+            done.record()
+        self._verdict = bad, done, tuple(mask.shape)
 
     def settle(self) -> None:
         """Raise if the last padding mask checked was not the cache's left padding (reads its verdict)."""
         verdict, self._verdict = self._verdict, None
-        if verdict is not None and bool(verdict[0]):
-            self._bad_padding(verdict[1])
+        if verdict is None:
+            return
+        bad, done, shape = verdict
+        if done is not None:
+            done.synchronize()
+        if bool(bad):
+            self._bad_padding(shape)
 
     def _bad_padding(self, shape: tuple[int, ...]) -> None:
         raise NotImplementedError(
@@ -484,13 +496,15 @@ def _left_padding(mask: torch.Tensor, shape: torch.Size) -> tuple[int, ...]:
     if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(shape):
         raise ValueError(f"attention_mask must have input_ids' shape {tuple(shape)}, got "
                          f"{getattr(mask, 'shape', type(mask).__name__)}{rs}")
-    valid = mask.to(torch.bool).cpu()
-    starts = tuple(int(shape[1] - row.sum()) for row in valid)
-    for b, s in enumerate(starts):
-        if s >= shape[1] - 1 or not bool(valid[b, s:].all()):
+    valid = mask.to(torch.bool)
+    starts = shape[1] - valid.sum(1)
+    left = torch.arange(shape[1], device=valid.device)[None, :] >= starts[:, None]
+    verdict = torch.stack([starts, (valid == left).all(1).long()]).tolist()     # one read of the device
+    for b, (s, ok) in enumerate(zip(*verdict)):
+        if s >= shape[1] - 1 or not ok:
             raise NotImplementedError(f"attention_mask must be left padding with at least 2 real tokens per row, got "
                                       f"row {b}: {valid[b].int().tolist()[:16]}{rs}")
-    return starts
+    return tuple(verdict[0])
 
 
 def _check_continuation(cache: SeqparCache, input_ids: torch.Tensor, starts: tuple[int, ...], **given: Any) -> None:
