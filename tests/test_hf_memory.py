@@ -10,6 +10,11 @@ at W = 2 (ring, zigzag) and W = 4 (USP 2 x 2) on gloo workers. Expected, in fp64
   fp64, SGD with momentum in fp32).
 On CPU the offload hooks pass tensors through (there is no device memory to spare): the test checks that the
 checkpointed layer inputs reach them, and that the values are unchanged.
+
+``keep_attention`` (Note [Keeping attention's output] in ``seqpar.integrations.hf_selective``): plain checkpointing
+against checkpointing that keeps each layer's attention output, with the tiled MLP and the offload context on both,
+every method at W = 1, 2 and 4 and under FSDP2: losses and gradients bitwise equal, the adapter's attention
+forwards counted (one per layer per step instead of two), the budget, the forward boundaries and the refusals.
 """
 
 from __future__ import annotations
@@ -503,3 +508,259 @@ def test_order_checker_catches_the_old_bugs(monkeypatch):
             results, _ = _offloaded_steps(mp, torch.float64, steps=1)
             bad, check, _ = results[0]
             assert bad == [] and check["mismatched"] == 0  # ... wrong values: either way it fails
+
+
+# --------------------------------------------------------------------------------------------------------------
+# selective recompute: checkpointed layers keep their attention's output (Note [Keeping attention's output])
+
+
+def _methods(world: int) -> list[dict]:
+    """Every softmax method at ``world`` with the layout, options and length it needs (as tests/test_hf.py)."""
+    from reliability_methods import padded_length, softmax_setup
+
+    import seqpar
+
+    specs = []
+    for name in seqpar.methods.available():
+        s = softmax_setup(name, world)
+        specs.append({"method": name, "layout": s.layout, "options": dict(s.options),
+                      "seq": padded_length(s, world, 32), **({"ulysses": 2} if name == "usp" else {})})
+    return specs
+
+
+def _checkpoint(model, kwargs: dict) -> None:
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.train()
+
+
+def keep_attention_pair(spec: dict) -> dict:
+    """Worker: plain checkpointing vs ``keep_attention`` on one seqpar model (tiled MLP and the offload context on
+    both), two optimizer steps; the errors (0.0: bitwise), the attention forwards each ran per step (the HF
+    adapter's calls of ``seqpar.attention``, counted by a wrapper here) and the keeper's stats."""
+    from seqpar.integrations import hf_selective
+    from seqpar.integrations.hf import attention as hf_attention
+
+    dtype = getattr(torch, spec["dtype"])
+    mesh = make_mesh(spec)
+    handle = sp_hf.enable(mesh, method=spec["method"], layout=spec.get("layout"), name=f"seqpar_keep_{spec['method']}",
+                          **spec.get("options", {}))
+    calls = [0]
+    inner = hf_attention.attention
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    keep = hf_selective.keep_attention(handle, keep_bytes=spec.get("keep_bytes"))
+    hf_attention.attention = counted
+    try:
+        plain = build("llama", handle.name, dtype=dtype)
+        kept = copy.deepcopy(plain)
+        _checkpoint(plain, {"use_reentrant": False})
+        _checkpoint(kept, keep.checkpoint_kwargs())
+        for m in (plain, kept):
+            hf_memory.tile_mlp(m, chunk_tokens=CHUNK)
+        local = handle.shard_batch(global_batch({**spec, "batch": 2}))
+        offload = hf_memory.ActivationOffload(min_bytes=0)
+        per_step: dict[str, list[int]] = {"plain": [], "kept": []}
+
+        def run(m, name):
+            calls[0] = 0
+            with offload:
+                loss = m(**local).loss
+            loss.backward()
+            sp_hf.all_reduce_gradients(m.parameters(), mesh)
+            per_step[name].append(calls[0])
+            return loss.detach()
+
+        errors = _step_pair(plain, kept, lambda m: run(m, "plain"), lambda m: run(m, "kept"))
+        return {"errors": errors, "calls": per_step, "stats": keep.stats.as_dict()}
+    finally:
+        hf_attention.attention = inner
+        keep.remove()
+        handle.disable()
+
+
+def _judge_keep(results: list[dict], label: str, kept_layers: int = 2, layers: int = 2) -> None:
+    """Every rank: loss, gradients (both steps) and parameters bitwise equal to plain checkpointing; attention
+    forwards per step: plain 2 per layer, kept 1 per kept layer and 2 per other layer."""
+    for rank, res in enumerate(results):
+        bad = {k: f"{v:.2e}" for k, v in res["errors"].items() if v != 0.0}
+        assert not bad, f"{label} rank {rank}: {bad}"
+        assert res["calls"] == {"plain": [2 * layers] * 2, "kept": [2 * layers - kept_layers] * 2}, (label, res)
+        st = res["stats"]
+        assert (st["kept_calls"], st["replayed_calls"]) == (kept_layers, kept_layers), (label, st)
+        assert (st["not_kept_calls"], st["recomputed_calls"]) == (layers - kept_layers,) * 2, (label, st)
+        assert st["kept_bytes"] > 0 and st["unframed_calls"] == 0, (label, st)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_keep_attention_equals_plain_checkpointing(pools, world):
+    """Every method at W = 1, 2, 4 (fp64; fp32 for ring): with keep_attention each layer's attention runs once per
+    step where plain checkpointing runs it twice, and the two steps' losses and gradients are bitwise equal. At
+    W = 2 a budget of one layer's out and lse keeps layer 0 only (layer 1's attention recomputes, collectives
+    included, on every rank alike)."""
+    pool = pools(world)
+    for spec in _methods(world) if world > 1 else [{"method": "ring", "seq": 32}]:
+        for dtype in ("float64", "float32") if spec["method"] == "ring" else ("float64",):
+            _judge_keep(pool.run(keep_attention_pair, {**spec, "dtype": dtype}), f"W={world} {spec} {dtype}")
+    if world == 2:
+        one_layer = 2 * 16 * 4 * 8 * 8 + 2 * 4 * 16 * 8          # out (B, L, H, D) + lse (B, H, L), fp64
+        spec = {"method": "ring", "seq": 32, "dtype": "float64", "keep_bytes": one_layer}
+        _judge_keep(pool.run(keep_attention_pair, spec), f"W=2 {spec}", kept_layers=1)
+
+
+def keep_attention_fsdp(spec: dict) -> dict:
+    """Worker: FSDP2 (fully_shard per layer and at the root, over the sequence-parallel ranks) on a checkpointed
+    seqpar Llama, plain vs keep_attention, AdamW, two steps; 0.0 per loss / full gradient when bitwise equal."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from seqpar.integrations import hf_selective
+
+    handle = sp_hf.enable(None, method=spec["method"], name="seqpar_keep_fsdp")
+    keep = hf_selective.keep_attention(handle)
+    try:
+        mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+        plain = build("llama", handle.name, dtype=torch.float64)
+        kept = copy.deepcopy(plain)
+        _checkpoint(plain, {"use_reentrant": False})
+        _checkpoint(kept, keep.checkpoint_kwargs())
+        for m in (plain, kept):
+            for layer in m.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, kept)]
+        local = handle.shard_batch(global_batch({**spec, "batch": 2}))
+        errors: dict[str, float] = {}
+        for step in range(2):
+            losses = []
+            for m, opt in zip((plain, kept), opts):
+                opt.zero_grad(set_to_none=True)
+                loss = m(**local).loss
+                loss.backward()
+                losses.append(loss.detach())
+            errors[f"loss{step}"] = 0.0 if torch.equal(*losses) else _norm_error(losses[1], losses[0])
+            ref = dict(plain.named_parameters())
+            for name, p in kept.named_parameters():
+                a, b = p.grad.full_tensor(), ref[name].grad.full_tensor()
+                errors[f"grad{step}:{name}"] = 0.0 if torch.equal(a, b) else _norm_error(a, b)
+            for opt in opts:
+                opt.step()
+        return {"errors": errors, "stats": keep.stats.as_dict()}
+    finally:
+        keep.remove()
+        handle.disable()
+
+
+def test_keep_attention_under_fsdp2(pools):
+    """FSDP2 unshards and reshards each layer around its forward, its recompute and its backward: keeping the
+    attention output changes no loss or gradient (W = 2, ring, fp64, AdamW)."""
+    for rank, res in enumerate(pools(2).run(keep_attention_fsdp, {"method": "ring", "seq": 32})):
+        bad = {k: f"{v:.2e}" for k, v in res["errors"].items() if v != 0.0}
+        assert not bad, f"rank {rank}: {bad}"
+        assert res["stats"]["kept_calls"] == res["stats"]["replayed_calls"] == 2, res["stats"]
+
+
+# in one process: transformers' SDPA behind a handle's name (the keeper needs no process group)
+
+
+def _sdpa_handle(name: str):
+    """A handle whose registered function is SDPA on the whole (one-process) sequence."""
+    from transformers import AttentionInterface
+
+    def sdpa(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                               enable_gqa=True)
+        return out.transpose(1, 2), None
+
+    handle = sp_hf.enable(None, method="ring", name=name)
+    handle.attention_fn = sdpa
+    AttentionInterface.register(name, sdpa)
+    return handle
+
+
+def test_keep_attention_budget_and_forward_boundaries():
+    """One process: a budget of one layer keeps layer 0 only; a forward without backward (a warm-up) before the
+    step does not eat the step's budget (a forward begins when an attention module is called again); the step's
+    gradients are bitwise those of plain checkpointing; a model checkpointed without the keeper's kwargs keeps
+    nothing and says so (unframed calls); ``remove()`` restores the handle's function."""
+    from transformers import AttentionInterface
+
+    from seqpar.integrations import hf_selective
+
+    handle = _sdpa_handle("seqpar_keep_sdpa")
+    try:
+        keep = hf_selective.keep_attention(handle, keep_bytes=2 * 40 * 4 * 8 * 8 + 2 * 4 * 40 * 8)
+        plain = build("llama", handle.name, dtype=torch.float64)
+        kept, unframed = copy.deepcopy(plain), copy.deepcopy(plain)
+        _checkpoint(plain, {"use_reentrant": False})
+        _checkpoint(kept, keep.checkpoint_kwargs())
+        _checkpoint(unframed, {"use_reentrant": False})
+        ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(6))
+        kept(input_ids=ids, labels=ids)                               # warm-up forward, graph dropped
+        assert keep.stats.kept_calls == 1 and keep.stats.not_kept_calls == 1
+        for m in (plain, kept):
+            m(input_ids=ids, labels=ids).loss.backward()
+        assert keep.stats.as_dict() == {"kept_calls": 1, "kept_bytes": keep.keep_bytes, "not_kept_calls": 1,
+                                        "replayed_calls": 1, "recomputed_calls": 1, "rebuilt_tensors": 3,
+                                        "unframed_calls": 0}
+        ref = dict(plain.named_parameters())
+        assert all(torch.equal(p.grad, ref[n].grad) for n, p in kept.named_parameters())
+        unframed(input_ids=ids, labels=ids).loss.backward()
+        assert keep.stats.unframed_calls == 4 and keep.stats.kept_calls == 1       # forward and recompute
+        keep.remove()
+        assert AttentionInterface().get(handle.name) is handle.attention_fn
+    finally:
+        handle.disable()
+
+
+def test_keep_attention_refusals():
+    """Refused by name: a non-handle, a bad budget, a handle not registered; a recompute that calls attention with
+    other shapes or more often than the forward; a backward whose recompute never reached the attention call."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers import AttentionInterface
+
+    from seqpar.integrations import hf_selective
+
+    with pytest.raises(TypeError, match="handle must be the Handle"):
+        hf_selective.keep_attention("seqpar")
+    handle = _sdpa_handle("seqpar_keep_refusals")
+    try:
+        for bad in (-1, True, 1.5):
+            with pytest.raises(ValueError, match="keep_bytes must be a non-negative int"):
+                hf_selective.keep_attention(handle, keep_bytes=bad)
+        keep = hf_selective.keep_attention(handle)
+        with pytest.raises(ValueError, match="must be active with its own attention function"):
+            hf_selective.keep_attention(handle)                       # the keeper's wrapper is registered now
+        attend = AttentionInterface().get(handle.name)
+        module = torch.nn.Module()
+        module.layer_idx = 7
+        x = torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True)
+        length, calls = [8], [1]
+
+        def layer(x):
+            q = (x * 2)[:, :, :length[0]]
+            for _ in range(calls[0]):
+                out, _ = attend(module, q, q, q, None)
+            return out.sin()                                          # saves a tensor: backward recomputes
+
+        y = checkpoint(layer, x, **keep.checkpoint_kwargs())
+        length[0] = 4
+        with pytest.raises(RuntimeError, match=r"other inputs than the forward in layer 7.*float64\[1, 2, 4, 4\]"):
+            y.sum().backward()
+        length[0] = 8
+        y = checkpoint(layer, x, **keep.checkpoint_kwargs())
+        calls[0] = 2
+        with pytest.raises(RuntimeError, match="called attention 2 times where its forward called it 1 times"):
+            y.sum().backward()
+        calls[0] = 1
+        y = checkpoint(lambda x: attend(module, x * 2, x * 2, x * 2, None)[0], x, **keep.checkpoint_kwargs())
+        with pytest.raises(RuntimeError, match=r"layer 7 .* was not recomputed before its backward"):
+            y.sum().backward()                                        # nothing after attention: no recompute
+        keep.remove()
+    finally:
+        handle.disable()
