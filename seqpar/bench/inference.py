@@ -295,7 +295,8 @@ def _seqpar_context(model, cfg: BenchConfig, S: int, mesh: Any, device: torch.de
 
 def _generate_context(model, cfg: BenchConfig, S: int, mesh: Any, device: torch.device) -> dict:
     """Prefill through the public entry points (``entry="generate"``): seqpar's ``generate`` and, with the
-    baseline, ``model.generate`` ("sdpa", one GPU), one greedy token each, warm, the median of ``cfg.repeats``."""
+    baseline, ``model.generate`` ("sdpa", one GPU), one greedy token each, warm, the median of ``cfg.repeats``
+    calls of each, the two paths taking turns."""
     from ..integrations.hf_generate import generate
 
     ids = torch.randint(0, model.config.vocab_size, (1, S), generator=torch.Generator().manual_seed(S)).to(device)
@@ -303,18 +304,20 @@ def _generate_context(model, cfg: BenchConfig, S: int, mesh: Any, device: torch.
                                         prefill_chunk=cfg.prefill_chunk, max_new_tokens=1, do_sample=False)}
     if cfg.baseline:
         paths["transformers"] = lambda: model.generate(ids, max_new_tokens=1, do_sample=False)
-    rec: dict[str, Any] = {"kind": "generate", "decode": "none", "context": S}
-    for name, fn in paths.items():
-        if cfg.warmup:
+    rec: dict[str, Any] = {"kind": "generate", "decode": "none", "context": S, "interleaved": True}
+    if cfg.warmup:
+        for fn in paths.values():
             fn()
-            _empty_cache(device)
-        times = []
-        for _ in range(cfg.repeats):
+        _empty_cache(device)
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(cfg.repeats):           # the paths alternate: drift in clocks or host load falls on both
+        for name, fn in paths.items():
             out, ms = _timed(fn, device)
-            times.append(_slowest(ms, device))
-        rec[f"{name}_ms"] = times
-        rec[f"{name}_median_ms"] = statistics.median(times)
-        rec[f"{name}_token"] = int(out[0, -1])
+            times[name].append(_slowest(ms, device))
+            rec[f"{name}_token"] = int(out[0, -1])
+    for name in paths:
+        rec[f"{name}_ms"] = times[name]
+        rec[f"{name}_median_ms"] = statistics.median(times[name])
     if cfg.baseline:
         rec["vs_baseline_prefill"] = rec["seqpar_median_ms"] / rec["transformers_median_ms"]
         rec["tokens_match"] = rec["seqpar_token"] == rec["transformers_token"]
