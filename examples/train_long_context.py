@@ -14,9 +14,13 @@ parameters over the whole data x sequence mesh.
 The recipe for a 7-8B model at a million tokens (Note [Rank 0 of W on one GPU]):
 
     python examples/train_long_context.py --preset gpu-1m --model llama3-8b --seq-len 1M --world 8 --emulate \
-        --tile-mlp --offload --steps 1 --json r8b.jsonl        # one full step of rank 0 of 8: peak, time, MFU
+        --tile-mlp --offload --warmup --steps 1 --json r8b.jsonl    # one steady-state step of rank 0 of 8
     python examples/train_long_context.py --preset gpu-1m --model llama3-8b --seq-len 2M --world 8 --emulate \
-        --tile-mlp --offload --steps 1 --search --budget-s 600 --fit-probe 4096 --json r8b.jsonl   # longest fit
+        --tile-mlp --offload --no-keep-attention --steps 1 --search --budget-s 600 --fit-probe 4096 \
+        --json r8b.jsonl                                            # the longest fit of the memory-lean recipe
+
+``--model llama3-8b`` keeps 28 GiB of attention outputs (``--keep-attention-gib``; ``--no-keep-attention`` for the
+memory-lean recipe) and ``--warmup`` makes the one timed step a steady-state one (Note [Steady-state step]).
 
 ``--check`` (CPU) trains the same model on one process (transformers' "sdpa" attention on the whole batch)
 next to the sequence-parallel run and records, per step, both losses and the largest normalised error over
@@ -29,7 +33,10 @@ token v seen ~S tokens earlier, so the answer tokens need the whole context. The
 
 Memory (Note [Activation memory]): ``activation_checkpointing_enable`` keeps one ``(L, hidden)`` input per
 decoder layer and recomputes the layer, seqpar's attention included, in backward (the recompute repeats the
-attention's communication; every rank recomputes in the same order, so collectives match). The tiled loss
+attention's communication; every rank recomputes in the same order, so collectives match). ``--keep-attention``
+keeps each layer's attention output and lse instead (1 GiB + 16 MiB per layer per 128K local tokens for an 8B) and
+the recompute skips attention and its communication (``hf_memory.keep_attention``, Note [Keeping attention's
+output]); ``--keep-attention-gib`` bounds them (the first layers' up to it), the same on every rank. The tiled loss
 keeps one chunk of logits at a time. FSDP2 shards parameters, gradients and AdamW states over all ranks.
 
 One JSON object per line in ``--out``: a header (config, versions, devices, command), one line per step (loss,
@@ -49,7 +56,9 @@ Note [Rank 0 of W on one GPU]
     KiB (``--tile-mlp``: one chunk at a time, Note [Tiled MLP]), logits (the tiled loss: one chunk at a time).
     MFU counts model FLOPs only: 6 x (parameters doing matmuls: all but the embedding table) x tokens per rank,
     plus causal attention 6 x S^2 x heads x head_dim x layers / W per rank (forward 2, backward 4), not the
-    recompute; over ``--peak-tflops`` (989: H100 SXM dense bf16).
+    recompute; over ``--peak-tflops`` (989: H100 SXM dense bf16). The recompute of attention is ~72 s of the 8B's
+    305 s step at 1M on one H100; keeping 28 of 32 layers' outputs (32.3 GiB one-step peak, + 7.5 GiB of AdamW
+    states in steady state, + 28.4 GiB kept: ~68 GiB, 11 GiB spare of 79) saves ~63 s of it.
     ``--search`` runs each try in a fresh process (an OOM leaves nothing behind): doubling from ``--seq-len``
     until a try fails, then bisection until the bracket is under 1/16 of the start, within ``--budget-s``.
     ``bound`` is why the smallest failing try failed: "gpu memory", "host memory" (the offload's host budget
@@ -140,6 +149,16 @@ class Preset:
     fit_probe: int = 0
     """> 0: attention over a sliding window of this many tokens instead of causal (Note [Rank 0 of W on one
     GPU]: a memory probe with linear attention work)."""
+    keep_attention: bool = False
+    """Checkpointed layers keep their attention's output and lse on the GPU, so the recompute in backward runs
+    everything but attention (``hf_memory.keep_attention``, Note [Keeping attention's output])."""
+    keep_attention_gib: float | None = None
+    """With keep_attention: GiB of kept outputs per forward (the first layers' up to it; the rest recompute
+    attention as before); None: every layer's."""
+    warmup: bool = False
+    """Before the timed steps, one untimed forward over a short sliding window (the offload's pinned host buffers:
+    the step's own sizes) and a zero-gradient AdamW step (its states; parameters unchanged): the first timed step
+    is then a steady-state one (Note [Steady-state step])."""
 
 
 MODELS = {
@@ -149,9 +168,11 @@ MODELS = {
 }
 """Model shapes (random weights; Llama 3's vocabulary). llama3-8b: Llama-3-8B's architecture, 8.03B parameters."""
 
-MODEL_DEFAULTS = {"llama3-8b": dict(method="ring", layout="zigzag", head_chunks=8, loss_chunk=4096)}
+MODEL_DEFAULTS = {"llama3-8b": dict(method="ring", layout="zigzag", head_chunks=8, loss_chunk=4096,
+                                   keep_attention=True, keep_attention_gib=28.0)}
 """What ``--model`` also sets unless given: the 8B runs ring attention over one KV head at a time (its fp32
-buffers are then 1/8 of a layer's heads) and computes the loss 4096 tokens at a time (4 GiB of fp32 logits)."""
+buffers are then 1/8 of a layer's heads), computes the loss 4096 tokens at a time (4 GiB of fp32 logits), and keeps
+28 GiB of attention outputs (28 of its 32 layers at 1M tokens over 8 ranks: Note [Rank 0 of W on one GPU])."""
 
 PRESETS = {
     "gpu-128k": Preset(seq_len=131072, steps=20),
@@ -240,12 +261,14 @@ def meshes(p: Preset, device: torch.device) -> tuple[Any, Any, int]:
     return sp_mesh, fsdp_mesh, mesh.get_local_rank("dp")
 
 
-def checkpoint_layers(model: nn.Module) -> None:
-    """Activation checkpointing of every decoder layer (transformers >= 5.2x renamed the method)."""
+def checkpoint_layers(model: nn.Module, keep: Any = None) -> None:
+    """Activation checkpointing of every decoder layer (transformers >= 5.2x renamed the method); with ``keep``
+    (``hf_memory.keep_attention``) its checkpoint arguments, so the recompute skips attention."""
+    kwargs = keep.checkpoint_kwargs() if keep is not None else {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def train(p: Preset, out_path: str | None = None, check: bool = False, *, emulated: bool = False,
@@ -257,6 +280,7 @@ def train(p: Preset, out_path: str | None = None, check: bool = False, *, emulat
     run with a record saying ``"fits": false`` and what ran out, instead of raising.
     """
     device = torch.device(p.device, torch.cuda.current_device()) if p.device == "cuda" else torch.device("cpu")
+    _check_options(p, check)
     sp_mesh, fsdp_mesh, dp_index = meshes(p, device)
     if not p.fsdp and p.dp != 1:
         raise ValueError(f"fsdp=False supports dp=1 only (gradients are summed over the sequence group), got {p.dp}")
@@ -272,8 +296,13 @@ def train(p: Preset, out_path: str | None = None, check: bool = False, *, emulat
     if p.fit_probe:
         for layer in lm.model.layers:
             layer.self_attn.sliding_window = p.fit_probe        # read by seqpar's attention function
+    keep = None
+    if p.keep_attention:
+        gib = p.keep_attention_gib
+        budget = None if gib is None or gib == float("inf") else int(gib * 2**30)
+        keep = hf_memory.keep_attention(handle, keep_bytes=budget)
     if p.checkpointing:
-        checkpoint_layers(lm)
+        checkpoint_layers(lm, keep)
     if p.compile:
         for layer in lm.model.layers:
             layer.compile()
@@ -290,8 +319,12 @@ def train(p: Preset, out_path: str | None = None, check: bool = False, *, emulat
     _emit(records[-1], out_path)
     failure = None
     try:
+        if p.warmup:
+            records[0]["warmup"] = _warmup(p, model, lm, opt, handle, dp_index, device, offload)
+            _emit({"warmup": records[0]["warmup"]}, out_path)
         for step in range(p.steps):
-            records.append(_step(p, step, model, opt, handle, dp_index, device, sp_mesh, offload, ref, emulated))
+            records.append(_step(p, step, model, opt, handle, dp_index, device, sp_mesh, offload, ref, emulated,
+                                 keep))
             _emit(records[-1], out_path)
     except (torch.OutOfMemoryError, RuntimeError) as e:
         if not (emulated or dist.get_world_size() == 1) or not _out_of_memory(e):
@@ -309,12 +342,79 @@ def train(p: Preset, out_path: str | None = None, check: bool = False, *, emulat
                             device=device, offload=offload, failure=failure), json_path)
     if offload is not None:
         offload.close()
+    if keep is not None:
+        keep.remove()
     handle.disable()
     return records
 
 
+def _check_options(p: Preset, check: bool) -> None:
+    """Options that cannot go together, refused before any work."""
+    if p.keep_attention and not p.checkpointing:
+        raise ValueError("keep_attention keeps the attention output of checkpointed layers: it needs checkpointing "
+                         "(drop --no-checkpointing or --keep-attention)")
+    if p.keep_attention and p.compile:
+        raise ValueError("keep_attention does not run under torch.compile: pass --no-keep-attention with --compile")
+    if p.keep_attention_gib is not None and p.keep_attention_gib < 0:
+        raise ValueError(f"keep_attention_gib must be >= 0 or None, got {p.keep_attention_gib}")
+    if p.warmup and check:
+        raise ValueError("--warmup takes a zero-gradient AdamW step (its step count then differs from --check's "
+                         "reference): run --check without --warmup")
+
+
+# Note [Steady-state step]
+#     The first step of a run pays for what later steps reuse: the offload's pinned host buffers (cudaHostRegister
+#     of ~36 GiB for an 8B at 1M tokens on rank 0 of 8: 76 s of the first step's 305 s), AdamW's states (allocated
+#     at the first optimizer step: 8 bytes per parameter per rank, absent from the first step's peak), cuDNN
+#     plans, the allocator's segments. The recipe reports a steady-state step either way:
+#       --steps N (N >= 2)  step_s and MFU are the median of steps 2..N (``steps_timed``);
+#       --warmup            before the timed steps, one forward over a 128-token sliding window (the same tensors
+#                           as the step's, so the offload pins exactly the buffers the step will take again;
+#                           attention work linear in the length) whose graph is dropped, then a zero-gradient AdamW
+#                           step (states allocated, parameters unchanged: no weight decay, update 0 / eps): the
+#                           first timed step then pins nothing and its peak includes the optimizer states.
+#     One step with --warmup costs a forward of matmuls (seconds) and the pinning instead of a second full step
+#     (minutes at 1M tokens), which is what keeps one 1M-token call inside a 10-minute device slot.
+
+WARMUP_WINDOW = 128
+_ABSENT = object()
+
+
+def _warmup(p: Preset, model: nn.Module, lm: nn.Module, opt: Any, handle: Any, dp_index: int, device: torch.device,
+            offload: Any) -> dict[str, Any]:
+    """Note [Steady-state step]: the warm-up forward and the zero-gradient AdamW step; what they took."""
+    t0 = time.perf_counter()
+    local = handle.shard_batch(make_batch(p, seed=10**6 + dp_index))
+    local = {k: v.to(device) if isinstance(v, torch.Tensor) and not k.startswith("cu_seq_lens") else v
+             for k, v in local.items() if k != "labels"}
+    windowed = "window" in seqpar.methods.get(p.method).features
+    attns = [layer.self_attn for layer in lm.model.layers] if windowed else []
+    windows = [a.__dict__.get("sliding_window", _ABSENT) for a in attns]     # fit_probe's, or none (Llama)
+    for a in attns:
+        a.sliding_window = WARMUP_WINDOW             # read by seqpar's attention function
+    try:
+        with offload if offload is not None else contextlib.nullcontext():
+            share, _, _ = model(**local)
+        del share                                     # the graph goes: its pinned buffers return to the pool
+    finally:
+        for a, w in zip(attns, windows):
+            if w is _ABSENT:
+                del a.sliding_window
+            else:
+                a.sliding_window = w
+    t_fwd = _since(t0, device, "warm-up forward")
+    for q in model.parameters():
+        q.grad = torch.zeros_like(q)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    rec = {"warmup_s": _since(t0, device), "forward_s": t_fwd, "window": WARMUP_WINDOW if windowed else None}
+    if offload is not None:
+        rec.update(pin_s=offload.stats.pin_s, host_pinned_bytes=offload._pool.held)
+    return rec
+
+
 def _step(p: Preset, step: int, model: nn.Module, opt: Any, handle: Any, dp_index: int, device: torch.device,
-          sp_mesh: Any, offload: Any, ref: Any, emulated: bool) -> dict[str, Any]:
+          sp_mesh: Any, offload: Any, ref: Any, emulated: bool, keep: Any = None) -> dict[str, Any]:
     """One optimizer step: forward (under the offload context), backward, AdamW; its record."""
     batch = make_batch(p, seed=1000 * step + dp_index)
     local = handle.shard_batch(batch)
@@ -342,6 +442,8 @@ def _step(p: Preset, step: int, model: nn.Module, opt: Any, handle: Any, dp_inde
                forward_s=t_fwd, backward_s=t_bwd - t_fwd)
     if offload is not None:
         rec["offload"] = offload.stats.as_dict()
+    if keep is not None:
+        rec["keep_attention"] = keep.stats.as_dict()
     return rec
 
 
@@ -380,6 +482,7 @@ def recipe_record(p: Preset, records: list[dict[str, Any]], *, world: int, emula
     steps = [r for r in records if "step" in r]
     timed = steps[1:] or steps
     step_s = sorted(r["step_time_s"] for r in timed)[len(timed) // 2] if timed else None
+    warmup = records[0].get("warmup")
     flops = model_flops(p, world)
     peak = max((max(r["peak_mem_gib"]) for r in steps), default=None)
     if failure is not None:
@@ -391,10 +494,14 @@ def recipe_record(p: Preset, records: list[dict[str, Any]], *, world: int, emula
            "tokens_per_s_per_gpu": None if failure is not None or p.fit_probe or not step_s
            else p.seq_len * p.batch * p.dp / step_s / world,
            "probe": f"window {p.fit_probe}" if p.fit_probe else None,
-           "steps_timed": len(timed), "first_step_only": len(steps) == 1, "model_flops_per_rank": flops,
+           "steps_timed": len(timed), "first_step_only": len(steps) == 1,
+           "steady_state": len(steps) > 1 or warmup is not None, "warmup": warmup,
+           "pin_s_timed": sum((r.get("offload") or {}).get("pin_s", 0.0) for r in timed) if p.offload else None,
+           "model_flops_per_rank": flops,
            "peak_tflops": peak_tflops, "method": p.method, "layout": p.layout, "head_chunks": p.head_chunks,
            "tile_mlp": p.tile_mlp, "offload": p.offload, "offload_reserve_gib": p.offload_reserve_gib,
-           "checkpointing": p.checkpointing,
+           "checkpointing": p.checkpointing, "keep_attention": p.keep_attention,
+           "keep_attention_gib": p.keep_attention_gib, "keep_stats": steps[-1].get("keep_attention") if steps else None,
            "loss_chunk": p.loss_chunk, "dtype": p.dtype, "device": records[0]["device"],
            "host_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
            "host_total_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
@@ -586,6 +693,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="saved activations (checkpointed layer inputs) in pinned host memory")
     ap.add_argument("--offload-reserve-gib", type=float, metavar="GIB",
                     help="with --offload: keep what fits in the GPU's free memory less GIB on the GPU")
+    ap.add_argument("--keep-attention", action="store_true", default=None,
+                    help="checkpointed layers keep their attention output (the recompute skips attention)")
+    ap.add_argument("--no-keep-attention", dest="keep_attention", action="store_false")
+    ap.add_argument("--keep-attention-gib", type=gib_or_all, metavar="GIB",
+                    help="with --keep-attention: GiB of kept outputs per forward (the rest recompute attention); "
+                         "'all': every layer's")
+    ap.add_argument("--warmup", action="store_true", default=None,
+                    help="pin the offload buffers and allocate AdamW's states before the timed steps")
     ap.add_argument("--fit-probe", type=int, metavar="WINDOW",
                     help="attention over a sliding window instead of causal: a memory probe (no MFU)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the device's dense bf16 peak (H100 SXM: 989)")
@@ -645,6 +760,19 @@ def tokens(text: str) -> int:
     if n != int(n) or n < 1:
         raise argparse.ArgumentTypeError(f"a positive whole number of tokens, got {text!r}")
     return int(n)
+
+
+def gib_or_all(text: str) -> float:
+    """A GiB budget, or 'all' (no limit: infinity)."""
+    if text.strip().lower() == "all":
+        return float("inf")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a number of GiB or 'all', got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"a non-negative number of GiB or 'all', got {text!r}")
+    return value
 
 
 def preset_from(args: argparse.Namespace) -> Preset:

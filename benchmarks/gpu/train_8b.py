@@ -8,12 +8,22 @@ Phases, each in a fresh process (its log next to ``--out``), every record a JSON
              saved one) - as is, and with the GPU held ~30 ms behind the CPU before forward and backward (the
              regime where stream-order races show) - vs ``tile_mlp`` + offload: loss and every gradient
              (offload alone must be bitwise: ``ok``), then step time and peak memory of the three on a 32K-token model
-             (is the offload's copy hidden behind compute?). Seconds.
+             (is the offload's copy hidden behind compute?); plain checkpointing vs ``keep_attention`` on
+             seqpar's attention (one process, W = 1: cuDNN / FA2 through the direct path, whose kernels save their
+             own outputs and RNG state): loss and gradients against plain run twice. Seconds.
   step       examples/train_long_context.py: llama3-8b, 1M tokens, ``--world 8 --emulate``, one full step
-             (forward, backward, AdamW) with tiled MLP, offload, checkpointing and the tiled loss: peak memory,
-             step time, MFU. By FLOPs a few minutes (attention at 1M is ~95% of the step's model FLOPs).
+             (forward, backward, AdamW) with tiled MLP, offload, checkpointing, the tiled loss and (the 8B's
+             default) 28 GiB of kept attention outputs, after ``--warmup`` (the offload's pinned buffers and
+             AdamW's states made before the timed step: a steady-state step, Note [Steady-state step]): peak
+             memory, step time, MFU. By FLOPs a few minutes (attention at 1M is ~95% of the step's model FLOPs);
+             expected ~350 s of wall time (setup ~15 s, warm-up ~85 s, the step ~240 s).
   search     the same recipe's ``--search`` from 2M with ``--fit-probe 4096`` (a sliding window instead of
-             causal: the same tensors, linear attention work) within ``--budget-s``: max_seq_len, bound.
+             causal: the same tensors, linear attention work) within ``--budget-s``: max_seq_len, bound. Without
+             kept attention outputs (the longest fit is the memory-lean recipe's), with ``--warmup`` (the peak
+             includes AdamW's states).
+
+``--extra`` reaches both: ``--extra "--no-keep-attention"`` is the step before selective recompute (the
+baseline), ``--extra "--keep-attention-gib all"`` keeps every layer's output.
 Nothing is taken from outside the repository (no flash-attn): PyTorch's kernels through seqpar.
 
 ``--deadline-s`` bounds the whole script (default 560 s: inside a 10-minute device call); a phase that would
@@ -36,7 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_long_context.py"
-RECIPE = ["--preset", "gpu-1m", "--world", "8", "--emulate", "--tile-mlp", "--offload", "--steps", "1"]
+RECIPE = ["--preset", "gpu-1m", "--world", "8", "--emulate", "--tile-mlp", "--offload", "--steps", "1", "--warmup"]
 
 
 def main() -> None:
@@ -66,19 +76,19 @@ def main() -> None:
            "PYTHONUNBUFFERED": "1"}
     _append(out, _environment(args))
     phases = args.phases.split(",")
-    recipe = [*RECIPE, "--model", args.model, *args.extra.split()]
+    recipe = [*RECIPE, "--model", args.model]
     left = lambda: args.deadline_s - (time.monotonic() - t0)   # noqa: E731
     if "selfcheck" in phases:
         _run("selfcheck", [sys.executable, __file__, "--out", str(out), "--selfcheck-child", "--device", args.device],
              out, env, min(150.0, left() - 60))
     if "step" in phases:
-        _run("step", [sys.executable, str(EXAMPLE), *recipe, "--seq-len", args.seq_len, "--json", str(out),
-                      "--peak-tflops", str(args.peak_tflops)], out, env, left() - 20)
+        _run("step", [sys.executable, str(EXAMPLE), *recipe, "--seq-len", args.seq_len, *args.extra.split(),
+                      "--json", str(out), "--peak-tflops", str(args.peak_tflops)], out, env, left() - 20)
     if "search" in phases and left() > 60:
         budget = min(args.budget_s, left() - 20)
-        _run("search", [sys.executable, str(EXAMPLE), *recipe, "--seq-len", args.search_from, "--search",
-                        "--budget-s", str(budget), "--fit-probe", str(args.fit_probe), "--json", str(out)],
-             out, env, budget + 30)
+        _run("search", [sys.executable, str(EXAMPLE), *recipe, "--no-keep-attention", *args.extra.split(),
+                        "--seq-len", args.search_from, "--search", "--budget-s", str(budget), "--fit-probe",
+                        str(args.fit_probe), "--json", str(out)], out, env, budget + 30)
     elif "search" in phases:
         _append(out, {"phase": "search", "skipped": f"{left():.0f} s left of --deadline-s {args.deadline_s:.0f}"})
     _append(out, {"phase": "done", "wall_s": round(time.monotonic() - t0, 1)})
@@ -150,6 +160,8 @@ def selfcheck(out: str, device: str) -> None:
         _append(Path(out), {"phase": "selfcheck", "device": device, **_exactness(dtype, device)})
     for variant in ("plain", "offload", "tile_mlp+offload"):
         _append(Path(out), {"phase": "selfcheck", "device": device, **_overhead(variant, device)})
+    for dtype in (torch.float32, torch.bfloat16):
+        _append(Path(out), {"phase": "selfcheck", "device": device, **_keep_exactness(dtype, device)})
 
 
 def _sync(device: str) -> None:
@@ -159,7 +171,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _llama(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, dtype, seq: int, device: str):
+def _llama(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, dtype, seq: int, device: str,
+           attn: str = "sdpa", checkpoint_kwargs: dict | None = None):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -168,12 +181,13 @@ def _llama(hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int
                       max_position_embeddings=max(seq, 4096), use_cache=False, tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
     model = model.to(dtype)
+    kwargs = checkpoint_kwargs or {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.train()
     return model
 
@@ -231,6 +245,62 @@ def _exactness(dtype, device: str) -> dict:
         rec[name] = r
     torch.use_deterministic_algorithms(False)
     return rec
+
+
+def _keep_exactness(dtype, device: str) -> dict:
+    """Plain checkpointing (twice: the GPU's own run-to-run difference) vs ``keep_attention`` on seqpar's attention
+    at W = 1 (a one-rank gloo group; the call is the kernel's direct path), one forward and backward each, with
+    the attention forwards each ran counted: ``ok`` when keep runs half as many and its loss is bitwise plain's
+    and its gradients differ from plain's no more than plain's own rerun does."""
+    import torch
+    import torch.distributed as dist
+
+    from seqpar.integrations import hf_memory
+    from seqpar.integrations import huggingface as sp_hf
+    from seqpar.integrations.hf import attention as hf_attention
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    handle = sp_hf.enable(None, method="ring", name="seqpar_selfcheck")
+    keep = hf_memory.keep_attention(handle)
+    calls = [0]
+    inner = hf_attention.attention
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    hf_attention.attention = counted
+    try:
+        make = lambda kw: _llama(256, 1024, 4, 8, 2, 1024, dtype, 4096, device, handle.name, kw)   # noqa: E731
+        models = {"plain": make(None), "plain again": make(None), "keep": make(keep.checkpoint_kwargs())}
+        ids = torch.randint(0, 1024, (1, 4096), device=device, generator=torch.Generator(device).manual_seed(1))
+        losses, counts = {}, {}
+        for name, m in models.items():
+            calls[0] = 0
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            _sync(device)
+            losses[name], counts[name] = loss.detach(), calls[0]
+        rec = {"check": "keep_attention", "dtype": str(dtype).replace("torch.", ""), "attention_forwards": counts,
+               "keep_stats": keep.stats.as_dict()}
+        ref = dict(models["plain"].named_parameters())
+        for name in ("plain again", "keep"):
+            errs = {n: 0.0 if torch.equal(p.grad, ref[n].grad) else
+                    float((p.grad.double() - ref[n].grad.double()).abs().max() / ref[n].grad.double().abs().max())
+                    for n, p in models[name].named_parameters()}
+            rec[name] = {"loss_bitwise": bool(torch.equal(losses[name], losses["plain"])),
+                         "grads_bitwise": sum(v == 0.0 for v in errs.values()), "grads": len(errs),
+                         "grad_error_max": max(errs.values()), "worst": max(errs, key=errs.get)}
+        rec["ok"] = (counts["keep"] * 2 == counts["plain"] and rec["keep"]["loss_bitwise"]
+                     and rec["keep"]["grad_error_max"] <= rec["plain again"]["grad_error_max"])
+        return rec
+    finally:
+        hf_attention.attention = inner
+        keep.remove()
+        handle.disable()
+        torch.use_deterministic_algorithms(False)
 
 
 def _overhead(variant: str, device: str) -> dict:
