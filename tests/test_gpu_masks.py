@@ -3,7 +3,10 @@
 * every named mask runs on dense kernels only (no flex, no reference) and matches the oracle in bf16 within the
   suite's tolerance (2x a single-device bf16 computation);
 * a generic ``mask_mod`` runs its partly visible blocks on flex, the whole-call (direct) path and the engine path
-  (lse returned) alike; softcap's direct path equals its engine path.
+  (lse returned) alike; softcap's direct path equals its engine path;
+* windowed bands on ``auto`` (the sink window, windowed spans, a plain ``window_size=``) in a training call: on sm90
+  flex, a step's band and thin blocks joined into one call (Note [Bands on flex]), direct and engine paths; the
+  plan on sm90.
 """
 
 from __future__ import annotations
@@ -27,13 +30,13 @@ def _inputs(seed: int = 0):
             for h in (8, 2, 2)]
 
 
-def _check(out, q, k, v, causal, mask, softcap=0.0):
+def _check(out, q, k, v, causal, mask, softcap=0.0, window=(-1, -1)):
     do = torch.randn_like(out)
     out.backward(do)
     got = {"out": out, "dq": q.grad, "dk": k.grad, "dv": v.grad}
-    truth = dense_attention(q, k, v, do, causal=causal, mask_mod=mask, softcap=softcap)
-    base = dense_attention(q, k, v, do, causal=causal, mask_mod=mask, softcap=softcap, dtype=torch.bfloat16,
-                           upcast_softmax=False)
+    truth = dense_attention(q, k, v, do, causal=causal, window=window, mask_mod=mask, softcap=softcap)
+    base = dense_attention(q, k, v, do, causal=causal, window=window, mask_mod=mask, softcap=softcap,
+                           dtype=torch.bfloat16, upcast_softmax=False)
     for f, x in got.items():
         err = (x.double() - truth[f]).abs().max().item()
         ref = (base[f].double() - truth[f]).abs().max().item()
@@ -65,3 +68,30 @@ def test_softcap_direct_and_engine_paths(return_lse):
     q, k, v = _inputs(2)
     res = seqpar.attention(q, k, v, causal=True, softcap=5.0, layout="contiguous", return_lse=return_lse)
     _check(res.out if return_lse else res, q, k, v, True, None, softcap=5.0)
+
+
+WINDOWED = [(False, masks.sink_window(127, 4), (-1, -1)), (False, masks.spans([(10, 200), (600, 700)], window=100),
+            (-1, -1)), (True, None, (200, 0))]
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("causal,mask,window", WINDOWED, ids=["sink_window", "spans_window", "window_size"])
+def test_windowed_bands_on_auto(causal, mask, window, return_lse):
+    q, k, v = _inputs(4)
+    res = seqpar.attention(q, k, v, causal=causal, mask_mod=mask, window_size=window, layout="contiguous",
+                           return_lse=return_lse)
+    _check(res.out if return_lse else res, q, k, v, causal, mask, window=window)
+
+
+def test_sm90_runs_the_sink_window_as_one_flex_call():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("Note [Bands on flex] is declared for sm90")
+    from seqpar.kernels.executor import TaskRunner
+    from seqpar.layouts import make_layout
+    from seqpar.layouts.blocks import Rule
+    from seqpar.methods._passkv import schedule
+
+    tasks = schedule(make_layout("contiguous", 1, None, None), 0, S, Rule(False, mask=masks.sink_window(127, 4)),
+                     None, None).steps[0]
+    calls = TaskRunner("auto", 0.1, training=True).kernels(tasks, (1, S, 8, 64), (1, S, 2, 64), torch.bfloat16, "cuda")
+    assert [(type(t.mask).__name__, t.rows, t.cols, k) for t, k in calls] == [("Joined", S, S, "flex")]

@@ -21,10 +21,12 @@ Note [Direct calls]
     the CPU flash op) is called as it is, so its backward runs as PyTorch's own C++ autograd node: the host
     cost of ``F.scaled_dot_product_attention``, nothing of seqpar's Python per backward.
 
-Each kernel declares what it serves in ``not_supported_reasons(call)``; ``select`` walks the candidates and
-either returns one or raises ``UnsupportedInputError`` with every kernel's reasons. ``kernel="auto"`` never
-picks ``reference`` on CUDA, and logs a one-time warning when it picks a kernel other than the fastest one
-for the device and dtype (with that kernel's reasons).
+Each kernel declares what it serves in ``not_supported_reasons(call)`` and how much ``auto`` wants it for a call
+(``rank(call)``: ``auto_rank`` by device unless the kernel knows better, Note [Bands on flex]); ``select`` walks
+the candidates and either returns one or raises ``UnsupportedInputError`` with every kernel's reasons.
+``kernel="auto"`` never picks ``reference`` on CUDA, and logs a one-time warning when it picks a kernel other
+than the fastest one for the device and dtype (with that kernel's reasons). Selection is a pure function of
+the ``KernelCall`` (the device's compute capability is one of its fields), so it is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ from typing import ClassVar
 import torch
 
 from ..errors import UnsupportedInputError, rank_suffix
-from ..masks.forms import Band, Mask, Modded, Varlen
+from ..masks.forms import Band, Joined, Mask, Modded, Varlen
 from ..types import AttnOutput
 
-__all__ = ["KERNELS", "Kernel", "KernelCall", "available_kernels", "register", "select"]
+__all__ = ["KERNELS", "Kernel", "KernelCall", "available_kernels", "device_arch", "register", "select"]
 
 log = logging.getLogger("seqpar.kernels")
 
@@ -55,12 +57,15 @@ class KernelCall:
     head_dim: int
     heads: int
     kv_heads: int
-    mask: str          # "full" | "causal" (Band with lo unbounded) | "band" | "varlen" | "mod" (Modded)
+    mask: str          # "full" | "causal" (Band with lo unbounded) | "band" | "varlen" | "mod" (Modded) | "joined"
     deterministic: bool = False
     single: bool = False        # a 1 x 1 block (one query, one key)
     value_dim: int = 0          # Dv; 0 means equal to head_dim
     softcap: bool = False       # tanh score capping (Gemma 2)
     shapes_vary: bool = False   # the block's shape changes batch to batch (documents): Note [Plans per shape]
+    arch: int = 0               # the CUDA device's compute capability, 10 * major + minor (0: not CUDA, not known)
+    training: bool = False      # a block of a planned call a backward follows (``TaskRunner``): a training step,
+    #                             whose signature - and, without ``shapes_vary``, block shapes - recur step after step
 
     @property
     def dv(self) -> int:
@@ -71,7 +76,16 @@ class KernelCall:
            softcap: bool = False) -> KernelCall:
         dv = 0 if value_dim == q.shape[-1] else value_dim
         return KernelCall(q.device.type, q.dtype, q.shape[-1], q.shape[2], k.shape[2], mask_kind(mask),
-                          deterministic, q.shape[1] == 1 and k.shape[1] == 1, dv, softcap)
+                          deterministic, q.shape[1] == 1 and k.shape[1] == 1, dv, softcap, arch=device_arch(q.device))
+
+
+@functools.lru_cache(maxsize=16)
+def device_arch(device: torch.device) -> int:
+    """``10 * major + minor`` of a CUDA device's compute capability (90 on Hopper); 0 for other devices."""
+    if device.type != "cuda":
+        return 0
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def mask_kind(mask: Mask) -> str:
@@ -79,6 +93,8 @@ def mask_kind(mask: Mask) -> str:
         return "varlen"
     if isinstance(mask, Modded):
         return "mod"
+    if isinstance(mask, Joined):
+        return "joined"
     if mask.is_full:
         return "full"
     return "causal" if mask.lo is None else "band"
@@ -97,6 +113,14 @@ class Kernel(ABC):
     #: builds and keeps an execution plan per block shape (Note [Plans per shape]): auto skips it for shapes
     #: that vary batch to batch
     plans_per_shape: ClassVar[bool] = False
+    #: a step's blocks it serves are worth one call over their bounding box (a ``Joined`` mask): Note [Bands on
+    #: flex] in ``seqpar.kernels.executor``
+    joins: ClassVar[bool] = False
+
+    def rank(self, call: KernelCall) -> int | None:
+        """``auto``'s preference for ``call`` (higher first; None: never chosen by auto). ``auto_rank`` for the
+        call's device; a kernel measured faster for some calls says so here (Note [Bands on flex])."""
+        return self.auto_rank.get(call.device)
 
     @abstractmethod
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
@@ -142,10 +166,10 @@ def available_kernels() -> list[str]:
     return ["auto", *sorted(FAMILIES), *sorted(KERNELS)]
 
 
-def _candidates(name: str, device: str) -> list[Kernel]:
+def _candidates(name: str, call: KernelCall) -> list[Kernel]:
     if name == "auto":
-        ranked = [k for k in KERNELS.values() if device in k.auto_rank]
-        return sorted(ranked, key=lambda k: -k.auto_rank[device])
+        ranked = [(r, k) for k in KERNELS.values() if (r := k.rank(call)) is not None]
+        return [k for _, k in sorted(ranked, key=lambda rk: -rk[0])]
     if name in FAMILIES:
         return [KERNELS[n] for n in FAMILIES[name]]
     if name not in KERNELS:
@@ -173,7 +197,7 @@ def select(name: str, call: KernelCall) -> Kernel:
     The choice is logged (logger ``seqpar.kernels``, INFO) the first time each signature is seen.
     """
     reasons: dict[str, list[str]] = {}
-    for kernel in _candidates(name, call.device):
+    for kernel in _candidates(name, call):
         if name == "auto" and call.shapes_vary and kernel.plans_per_shape:
             continue                    # Note [Plans per shape]: not a refusal, a choice (no warning)
         why = kernel.not_supported_reasons(call)
@@ -204,7 +228,7 @@ def _warn_slower(chosen: Kernel, call: KernelCall, refused: dict[str, list[str]]
 def _fastest(device: str, dtype: torch.dtype, head_dim: int, value_dim: int) -> str | None:
     """The highest-ranked kernel serving a plain (full-mask) call of this device, dtype and head dims."""
     plain = KernelCall(device, dtype, head_dim, 1, 1, "full", value_dim=0 if value_dim == head_dim else value_dim)
-    for kernel in _candidates("auto", device):
+    for kernel in _candidates("auto", plain):
         if not kernel.not_supported_reasons(plain):
             return kernel.name
     return None

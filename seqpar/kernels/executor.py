@@ -24,6 +24,34 @@ Note [Runner memos]
     packed batch goes when that batch's plan leaves the plan cache (Note [Bounded plan cache] in
     ``seqpar.runtime.call``) - a module-level cache keyed by task tuples kept hundreds of dead batches' tasks.
     A runner meets a handful of task tuples (its schedule's steps); ``MEMO_SIZE`` bounds the memo anyway.
+
+Note [Bands on flex]
+    PyTorch's FA2 is an Ampere kernel. On an H100 its sliding-window (band) forward took 3.34 ms of seqpar's
+    3.62 ms sink window (16K tokens, window 4095 + 4 sinks, GQA 32/8, D 128, bf16), where compiled flex ran the
+    whole mask - band and sink columns - in 2.61 ms (forward+backward 11.2 ms against seqpar's 14.2 ms;
+    ``benchmarks/results/2026-11-25-h100-hardening``, run2). So, with no FlashAttention-3 to ask:
+    1. Flex ranks above both FA2s for a windowed band (mask kind "band": ``lo`` bounded) on ``BAND_ARCHS``
+       (sm90) when the block belongs to a training call with fixed shapes (``KernelCall.training``: a planned
+       call a backward follows, and not ``shapes_vary``). Flex compiles once per block shape (Note [Flex
+       recompiles]: seconds, and at most ``RECOMPILES`` variants): a training run pays it once, its signature
+       recurring step after step, but calls without a backward - serving's prefill, which meets prompts of every
+       length, and evaluation - would pay it per new length, so they keep FA2, as do bare calls, packed
+       documents, deterministic calls and other GPUs. A plain ``window_size=`` call is the same band and moves
+       too. Full and causal blocks stay on cuDNN, faster than flex (1.77 against 2.82 ms for two 8K causal
+       chunks). The choice is the declaration's, logged like every other (``seqpar.kernels``, INFO).
+    2. When flex serves a step's band, the runner joins the step's blocks into one flex call (a ``Joined`` mask
+       over their bounding box, ``_join``): every band flex serves, plus every full or causal block thin enough
+       that a call of its own costs more than flex computing it. Apart, a block costs a launch and a merge of
+       its rows (~5 ns per row: the profile's merge of the sink columns took 82 us for 16K rows); joined, flex
+       spends ~16 ps per (row, key) cell more than cuDNN ((2.82 - 1.77) ms over 67M cells above), so blocks of at
+       most ``JOIN_KEYS`` keys per row (5 ns / 16 ps), or of at most ``JOIN_PAIRS`` cells (a launch's ~15 us),
+       join. The sink window is then one flex call with the tiles of flex's own block mask for it; a thick
+       block (a 4K prompt seen whole) keeps cuDNN and merges. These are estimates from those two profiles; the
+       bench's table is the check.
+    3. A joined block covering the whole call is the direct path (flex's own autograd op, Note [Direct calls]).
+    ``benchmarks/gpu/masks_1gpu.py`` measures it (the w1 section: every named mask, and ``window_size=`` on auto
+    against the same call on FA2, against flex called directly); ``BAND_ARCHS`` is the one place to change if a
+    GPU says otherwise.
 """
 
 from __future__ import annotations
@@ -35,12 +63,13 @@ import torch
 
 from ..errors import UnsupportedInputError
 from ..layouts.blocks import Task, group_varlen
-from ..masks.forms import Band, Modded, Varlen
+from ..masks.forms import Band, Joined, Modded, Varlen
 from ..numerics import GradRows, acc_dtype
 from ..types import AttnOutput
-from .base import Kernel, KernelCall, mask_kind, select
+from .base import Kernel, KernelCall, device_arch, mask_kind, select
 
-__all__ = ["GROUP_AT", "GROUP_ROWS", "MEMO_SIZE", "VARLEN_BWD_ROWS", "TaskRunner", "row_groups"]
+__all__ = ["GROUP_AT", "GROUP_ROWS", "JOIN_KEYS", "JOIN_PAIRS", "MEMO_SIZE", "VARLEN_BWD_ROWS", "TaskRunner",
+           "row_groups"]
 
 GROUP_AT = 3
 """Tasks of one step from which ``TaskRunner.prepare`` packs them into varlen calls."""
@@ -52,6 +81,22 @@ VARLEN_BWD_ROWS = 1 << 18
 """Rows (batch x sequence) per varlen backward call (Note [Varlen backward in row groups])."""
 MEMO_SIZE = 64
 """Entries of one runner's memo (Note [Runner memos])."""
+JOIN_KEYS = 320
+"""Keys per query row up to which a full or causal block joins its step's flex call (Note [Bands on flex])."""
+JOIN_PAIRS = 1 << 20
+"""Cells (rows x keys) up to which a block joins its step's flex call whatever its width: a launch's worth."""
+
+Sig = tuple[int, int, int, torch.dtype, torch.device]
+"""What a kernel choice depends on besides the block: (heads, KV heads, head dim, dtype, device)."""
+
+
+def _sig(q: torch.Tensor, k: torch.Tensor) -> Sig:
+    return q.shape[2], k.shape[2], q.shape[-1], q.dtype, q.device
+
+
+def _is_band(t: Task) -> bool:
+    """A windowed band (mask kind "band"), the block a joining kernel may be preferred for."""
+    return isinstance(t.mask, Band) and t.mask.lo is not None
 
 
 def row_groups(task: Task, most: int) -> tuple[Task, ...]:
@@ -81,10 +126,11 @@ class TaskRunner:
     """Executes tasks with kernel ``kernel`` ("auto" or a name) at ``scale``, score cap ``softcap``."""
 
     def __init__(self, kernel: str, scale: float, *, deterministic: bool = False, softcap: float = 0.0,
-                 shapes_vary: bool = False):
+                 shapes_vary: bool = False, training: bool = False):
         self.kernel, self.scale, self.softcap = kernel, scale, float(softcap)
         self.deterministic = deterministic
         self.shapes_vary = shapes_vary
+        self.training = training
         self._chosen: dict[tuple, Kernel] = {}
         self._memo: OrderedDict[tuple, Any] = OrderedDict()
 
@@ -92,11 +138,13 @@ class TaskRunner:
     def of(cls, call: Any) -> TaskRunner:
         """The runner of a planned call (``methods.base.Call``): its kernel, scale and options; its blocks' shapes
         vary batch to batch when it has several documents or a valid length (Note [Plans per shape]); one
-        document over the whole sequence (a balanced layout's ``(0, S)``) keeps fixed shapes."""
+        document over the whole sequence (a balanced layout's ``(0, S)``) keeps fixed shapes. A call a backward
+        follows is a training step (Note [Bands on flex])."""
         cfg = call.cfg
         docs = cfg.cu_seqlens
         return cls(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap,
-                   shapes_vary=(docs is not None and len(docs) > 2) or cfg.valid_len is not None)
+                   shapes_vary=(docs is not None and len(docs) > 2) or cfg.valid_len is not None,
+                   training=bool(getattr(call, "grad", False)))
 
     def _memoized(self, key: tuple, make) -> Any:
         """``make()``, computed once per ``key`` for this runner (Note [Runner memos])."""
@@ -109,31 +157,43 @@ class TaskRunner:
 
     def kernel_for(self, q: torch.Tensor, k: torch.Tensor, task: Task, dv: int | None = None) -> Kernel:
         """The kernel for this kind of block (``dv``: the value head dim, default q's)."""
+        return self._kernel(task, _sig(q, k), dv)
+
+    def _kernel(self, task: Task, sig: Sig, dv: int | None = None) -> Kernel:
         single = task.rows == 1 and task.cols == 1
         kind = mask_kind(task.mask)
-        key = (kind, single, q.shape[2], k.shape[2], q.shape[-1], dv, q.dtype, q.device.type)
+        heads, kv_heads, head_dim, dtype, device = sig
+        key = (kind, single, heads, kv_heads, head_dim, dv, dtype, device.type)
         kern = self._chosen.get(key)
         if kern is None:
-            call = KernelCall(q.device.type, q.dtype, q.shape[-1], q.shape[2], k.shape[2], kind, self.deterministic,
-                              single, 0 if dv is None or dv == q.shape[-1] else dv, self.softcap > 0,
-                              self.shapes_vary)
+            call = KernelCall(device.type, dtype, head_dim, heads, kv_heads, kind, self.deterministic, single,
+                              0 if dv is None or dv == head_dim else dv, self.softcap > 0, self.shapes_vary,
+                              device_arch(device), self.training)
             kern = self._chosen[key] = select(self.kernel, call)
         return kern
 
+    def kernels(self, tasks: tuple[Task, ...], q_shape, k_shape, dtype: torch.dtype, device: torch.device
+                ) -> tuple[tuple[Task, str], ...]:
+        """The blocks one step of ``tasks`` runs as (``prepare``) and the kernel of each, for shapes ``(B, L, H, D)``
+        and ``(B, L, Hkv, D)``: what ``auto`` chose, without tensors (tests, debugging)."""
+        sig: Sig = (q_shape[2], k_shape[2], q_shape[-1], dtype, torch.device(device))
+        return tuple((t, self._kernel(t, sig).name) for t in self._prepare(tasks, sig))
+
     def direct(self, tasks: tuple[Task, ...], q_shape, k_shape, v_shape, dtype: torch.dtype, device: torch.device):
         """``f(q, k, v) -> out`` for a call that is one whole block served by a kernel with a differentiable
-        aten op (Note [Direct calls] in ``seqpar.kernels.base``), else None."""
+        aten op (Note [Direct calls] in ``seqpar.kernels.base``), else None. A step whose blocks join into one
+        (Note [Bands on flex]) is one block."""
+        sig: Sig = (q_shape[2], k_shape[2], q_shape[-1], dtype, device)
+        if len(tasks) > 1 and any(_is_band(t) for t in tasks):
+            tasks = self._memoized(("joined", tasks, sig), lambda: self._join(tasks, sig))
         if len(tasks) != 1:
             return None
         t = tasks[0]
         if (t.q_start, t.q_stop, t.k_start, t.k_stop) != (0, q_shape[1], 0, k_shape[1]):
             return None
         dv = v_shape[-1]
-        call = KernelCall(device.type, dtype, q_shape[-1], q_shape[2], k_shape[2], mask_kind(t.mask),
-                          self.deterministic, t.rows == 1 and t.cols == 1, 0 if dv == q_shape[-1] else dv,
-                          self.softcap > 0, self.shapes_vary)
         try:
-            kern = select(self.kernel, call)
+            kern = self._kernel(t, sig, dv)
         except UnsupportedInputError:
             return None
         if not kern.direct(t.mask) or (dv != q_shape[-1] and kern.name not in ("cudnn", "flex")):
@@ -146,15 +206,50 @@ class TaskRunner:
         return lambda q, k, v: kern.autograd_forward(q, k, v, mask, scale)
 
     def prepare(self, tasks: tuple[Task, ...], q: torch.Tensor, k: torch.Tensor) -> tuple[Task, ...]:
-        """Pack many small per-document tasks into varlen calls where a kernel serves varlen (tasks of
-        ``GROUP_ROWS`` rows or more keep their own call, unless their shapes vary batch to batch: Note [Plans per
-        shape]); decided once per task tuple and kind of tensors."""
+        """A step's blocks as the calls that run them: joined into one flex call where flex serves its bands (Note
+        [Bands on flex]); many small per-document tasks packed into varlen calls where a kernel serves varlen
+        (tasks of ``GROUP_ROWS`` rows or more keep their own call, unless their shapes vary batch to batch: Note
+        [Plans per shape]). Decided once per task tuple and kind of tensors."""
+        if len(tasks) < GROUP_AT and (len(tasks) < 2 or not any(_is_band(t) for t in tasks)):
+            return tasks
+        return self._prepare(tasks, _sig(q, k))
+
+    def _prepare(self, tasks: tuple[Task, ...], sig: Sig) -> tuple[Task, ...]:
+        return self._memoized(("prepared", tasks, sig), lambda: self._prepared(tasks, sig))
+
+    def _prepared(self, tasks: tuple[Task, ...], sig: Sig) -> tuple[Task, ...]:
+        joined = self._join(tasks, sig)
+        if joined is tasks:
+            return self._packed(tasks, sig)
+        return joined[:1] + self._packed(joined[1:], sig)
+
+    def _join(self, tasks: tuple[Task, ...], sig: Sig) -> tuple[Task, ...]:
+        """``tasks`` with the bands a joining kernel serves and the thin full or causal blocks as one ``Joined``
+        task first (Note [Bands on flex]), or ``tasks`` itself."""
+        try:
+            anchors = [t for t in tasks if _is_band(t) and self._kernel(t, sig).joins]
+        except UnsupportedInputError:
+            return tasks
+        if not anchors:
+            return tasks
+        members = [t for t in tasks if t in anchors or (isinstance(t.mask, Band) and not _is_band(t)
+                                                        and (t.cols <= JOIN_KEYS or t.rows * t.cols <= JOIN_PAIRS))]
+        if len(members) < 2:
+            return tasks
+        q0, q1 = min(t.q_start for t in members), max(t.q_stop for t in members)
+        k0, k1 = min(t.k_start for t in members), max(t.k_stop for t in members)
+        joined = Task(q0, q1, k0, k1, Joined(tuple((t.q_start - q0, t.q_stop - q0, t.k_start - k0, t.k_stop - k0,
+                                                    t.mask) for t in members)))
+        try:
+            if not self._kernel(joined, sig).joins:
+                return tasks
+        except UnsupportedInputError:
+            return tasks
+        return (joined, *(t for t in tasks if t not in members))
+
+    def _packed(self, tasks: tuple[Task, ...], sig: Sig) -> tuple[Task, ...]:
         if len(tasks) < GROUP_AT:
             return tasks
-        key = ("prepared", tasks, q.shape[2], k.shape[2], q.shape[-1], q.dtype, q.device.type)
-        return self._memoized(key, lambda: self._packed(tasks, q, k))
-
-    def _packed(self, tasks: tuple[Task, ...], q: torch.Tensor, k: torch.Tensor) -> tuple[Task, ...]:
         most = float("inf") if self.shapes_vary else GROUP_ROWS
         big = tuple(t for t in tasks if t.rows >= most)
         small = tuple(t for t in tasks if t.rows < most)
@@ -162,8 +257,8 @@ class TaskRunner:
             return tasks
         grouped = group_varlen(small) + big
         try:
-            chosen = {self.kernel_for(q, k, t).name for t in grouped if isinstance(t.mask, Varlen)}
-            alone = {self.kernel_for(q, k, t).name for t in tasks if isinstance(t.mask, Band)}
+            chosen = {self._kernel(t, sig).name for t in grouped if isinstance(t.mask, Varlen)}
+            alone = {self._kernel(t, sig).name for t in tasks if isinstance(t.mask, Band)}
         except UnsupportedInputError:
             return tasks
         if "reference" in chosen and alone - {"reference"}:
@@ -178,6 +273,8 @@ class TaskRunner:
                 task = Task(0, 2, 0, 2, Varlen((0, 2), (0, 2)))
             elif kind == "mod":
                 task = Task(0, 2, 0, 2, Modded(Band(), _all_visible, ((0, 2),), ((0, 2),)))
+            elif kind == "joined":
+                task = Task(0, 2, 0, 2, Joined(((0, 2, 0, 2, Band()),)))
             else:
                 m, n, lo, hi = probe[kind]
                 task = Task(0, m, 0, n, Band(lo, hi))

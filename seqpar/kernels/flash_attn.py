@@ -91,8 +91,8 @@ def _reasons(call: KernelCall, module_reason) -> list[str]:
             r.append(f"{what} must be a multiple of 8 up to 256, got {d}")
     if call.mask == "varlen":
         r.append("varlen runs through the 'flash' kernel (PyTorch's FA2 varlen entry)")
-    if call.mask == "mod":
-        r.append("a mask_mod block runs on flex (GPU) or the reference kernel")
+    if call.mask in ("mod", "joined"):
+        r.append(f"a {call.mask} block runs on flex (GPU) or the reference kernel")
     if not r:
         _, why = module_reason()
         if why:

@@ -2,7 +2,12 @@
 
 The mask becomes a ``mask_mod`` over call-local indices; block masks are cached per (mask, shape, device),
 bounded by entries and bytes: a block mask holds device tensors, and a document (varlen) mask is one packed
-batch's, so those keep only ``VARLEN_MASKS`` entries (``_block_mask``).
+batch's, so those keep only ``VARLEN_MASKS`` entries (``_block_mask``). A band's or a joined call's block mask is
+derived from each row's intervals of visible keys (``_tiles``: O(rows x tiles), where eager ``create_block_mask``
+holds an S x S bool tensor and its int64 temporaries, over 100 GiB at 128K); the same tiles, in the same order,
+as ``create_block_mask`` (``tests/test_masks_kernels.py``). On Hopper ``auto`` prefers flex to FA2 for
+windowed bands, and a step's band and thin blocks run as one flex call (Note [Bands on flex] in
+``seqpar.kernels.executor``).
 Score capping (``softcap``) is a ``score_mod``; every head dim from 16 to 256 (powers of two or not) and a value
 head dim that differs from the key head dim are served (probed forward and backward, ``sdpa.py``'s probe note).
 Flex keeps its lse in base 2 internally; the public lse output is converted in ``_natural_lse`` (the one
@@ -22,11 +27,12 @@ from typing import Any
 
 import torch
 
-from ..masks.forms import Band, Mask, Modded
+from ..masks.forms import Band, Joined, Mask, Modded
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, register
 
-__all__ = ["BAND_MASKS", "MASK_BYTES", "MOD_MASKS", "RECOMPILES", "VARLEN_MASKS", "FlexKernel"]
+__all__ = ["BAND_ARCHS", "BAND_MASKS", "BAND_RANK", "MASK_BYTES", "MOD_MASKS", "RECOMPILES", "SPARSE_BLOCK",
+           "VARLEN_MASKS", "FlexKernel"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,6 +92,16 @@ def _mask_mod(mask: Mask, m: int, n: int, device: torch.device):
         def user_mod(b, h, qi, ki):
             return base(b, h, qi, ki) & fn(b, h, q_pos[qi], k_pos[ki])
         return user_mod
+    if isinstance(mask, Joined):                # each row's few key intervals (``Joined.row_intervals``)
+        rows = mask.row_intervals(m).to(device)
+        slots = rows.shape[0] // 2
+
+        def joined_mod(b, h, qi, ki):
+            vis = (ki >= rows[0][qi]) & (ki <= rows[1][qi])
+            for c in range(1, slots):
+                vis = vis | ((ki >= rows[2 * c][qi]) & (ki <= rows[2 * c + 1][qi]))
+            return vis
+        return joined_mod
     if isinstance(mask, Band):
         bounds = torch.tensor([-_BIG if mask.lo is None else mask.lo, _BIG if mask.hi is None else mask.hi],
                               device=device)
@@ -113,8 +129,58 @@ def _mask_mod(mask: Mask, m: int, n: int, device: torch.device):
     return varlen_mod
 
 
+SPARSE_BLOCK = 128
+"""Flex's tile (query rows x key rows) of its block masks: ``create_block_mask``'s default."""
+
+
+def _intervals(mask: Band | Joined, m: int) -> torch.Tensor:
+    """Each query row's visible key intervals, ``(2K, m)`` int32 (``Joined.row_intervals``; a band is one part)."""
+    return (Joined(((0, m, 0, _BIG, mask),)) if isinstance(mask, Band) else mask).row_intervals(m)
+
+
+def _tiles(rows: torch.Tensor, m: int, n: int, chunk: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partial, full)`` bool tile maps ``(ceil(m / T), ceil(n / T))`` (T = ``SPARSE_BLOCK``) from the rows' key
+    intervals ``rows`` (``_intervals``, on the device that computes): a row's visible keys in a tile are the sum of
+    its disjoint intervals' overlaps with it, so a tile is full when all T of its rows see all T of its keys and
+    partial when some row sees some key - what ``create_block_mask`` finds from the S x S mask, in O(m x tiles x K)
+    and ``chunk`` tile rows at a time."""
+    T = SPARSE_BLOCK
+    c = torch.arange(0, n, T, device=rows.device)
+    d = (c + T).clamp(max=n) - 1                              # each tile's last key
+    n_rows = -(-m // T)
+    partial = torch.empty(n_rows, c.shape[0], dtype=torch.bool, device=rows.device)
+    full = torch.empty_like(partial)
+    for r0 in range(0, n_rows, chunk):
+        i0, i1 = r0 * T, min((r0 + chunk) * T, m)
+        seen = torch.zeros(i1 - i0, c.shape[0], dtype=torch.int64, device=rows.device)
+        for s in range(rows.shape[0] // 2):
+            lo, hi = rows[2 * s, i0:i1, None].long(), rows[2 * s + 1, i0:i1, None].long()
+            seen += (torch.minimum(hi, d) - torch.maximum(lo, c) + 1).clamp(min=0)
+        pad = -(i1 - i0) % T                                  # rows past m: a tile with them is never full
+        seen = torch.nn.functional.pad(seen, (0, 0, 0, pad), value=-1).view(-1, T, c.shape[0])
+        partial[r0:r0 + seen.shape[0]] = (seen > 0).any(1)
+        full[r0:r0 + seen.shape[0]] = (seen == T).all(1)
+    return partial & ~full, full
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``(rows, cols)`` tile map as flex's ``(num_blocks (1, 1, rows), indices (1, 1, rows, cols))``, int32."""
+    num = tiles.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num[None, None], idx[None, None].contiguous()
+
+
+def _tiled_block_mask(mask: Band | Joined, m: int, n: int, device: torch.device):
+    """The block mask of a band or joined call from its rows' key intervals (``_tiles``), with its ``mask_mod``."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    partial, full = _tiles(_intervals(mask, m).to(device), m, n)
+    return BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=SPARSE_BLOCK,
+                                    mask_mod=_mask_mod(mask, m, n, device), seq_lengths=(m, n))
+
+
 BAND_MASKS = 64
-"""Band block masks kept (one per band, shape and device: reused by every batch)."""
+"""Band and joined block masks kept (one per band or step, shape and device: reused by every batch)."""
 VARLEN_MASKS = 4
 """Document block masks kept: one packed batch's each, used by one step."""
 MOD_MASKS = 256
@@ -133,13 +199,17 @@ def _block_mask(mask: Mask, m: int, n: int, device: torch.device):
     """The block mask of ``mask`` over ``m`` x ``n`` call-local rows, cached (module docstring)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    key, tier = (mask, m, n, device), _BANDS if isinstance(mask, Band) else _MODS if isinstance(mask, Modded) else _DOCS
+    tiled = isinstance(mask, (Band, Joined))
+    key, tier = (mask, m, n, device), _BANDS if tiled else _MODS if isinstance(mask, Modded) else _DOCS
     with _LOCK:
         hit = tier.get(key)
         if hit is not None:
             tier.move_to_end(key)
             return hit[0]
-    bm = create_block_mask(_mask_mod(mask, m, n, device), None, None, m, n, device=device)
+    if tiled:
+        bm = _tiled_block_mask(mask, m, n, device)
+    else:
+        bm = create_block_mask(_mask_mod(mask, m, n, device), None, None, m, n, device=device)
     nbytes, dropped = _mask_bytes(bm), []
     with _LOCK:
         old = tier.pop(key, None)
@@ -170,6 +240,13 @@ def _softcap_mod(softcap: float, device: torch.device):
     return score_mod
 
 
+BAND_ARCHS = frozenset({90})
+"""Compute capabilities (10 * major + minor) where flex outruns FA2 on windowed bands (Note [Bands on flex] in
+``seqpar.kernels.executor``: measured on the H100; A100's FA2 is its own kernel's home, Blackwell unmeasured)."""
+BAND_RANK = 85
+"""Flex's rank for such a band: above both FA2s (``flash_attn`` 80, ``flash`` 70); cuDNN serves no window."""
+
+
 class FlexKernel(Kernel):
     """``torch.nn.attention.flex_attention`` with a block mask built from the call's mask."""
 
@@ -177,6 +254,17 @@ class FlexKernel(Kernel):
     auto_rank = {"cuda": 50}
     takes_delta = True
     direct_softcap = True
+    joins = True
+
+    def rank(self, call: KernelCall) -> int | None:
+        """``BAND_RANK`` for a windowed band of a training call with fixed block shapes on a ``BAND_ARCHS`` GPU
+        (Note [Bands on flex]): flex compiles once per block shape, which a training run pays once; calls without a
+        backward (serving's prefill meets prompts of every length), shapes from the batch and deterministic calls
+        keep FA2."""
+        if (call.mask == "band" and call.arch in BAND_ARCHS and call.training and not call.shapes_vary
+                and not call.deterministic):
+            return BAND_RANK
+        return super().rank(call)
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
         r = []

@@ -128,7 +128,7 @@ class CudnnKernel(Kernel):
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
         r = _gpu_reasons(call, _HALF, cudnn_max_head_dim())
-        if call.mask in ("band", "varlen", "mod"):
+        if call.mask not in ("full", "causal"):
             r.append(f"no {call.mask} masks from Python (top-left causal only); use flash or flex")
         if call.deterministic:
             r.append("its backward is not deterministic")
@@ -193,8 +193,8 @@ class FlashKernel(Kernel):
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
         r = _gpu_reasons(call, _HALF, 256)
-        if call.mask == "mod":
-            r.append("a mask_mod block runs on flex (GPU) or the reference kernel")
+        if call.mask in ("mod", "joined"):
+            r.append(f"a {call.mask} block runs on flex (GPU) or the reference kernel")
         return r
 
     @staticmethod
@@ -277,7 +277,7 @@ class EfficientKernel(Kernel):
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
         r = _gpu_reasons(call, (torch.float32,), 256)
-        if call.mask in ("band", "varlen", "mod"):
+        if call.mask not in ("full", "causal"):
             r.append(f"no {call.mask} masks through this entry point; use flash or flex")
         if call.deterministic:
             r.append("its backward is not deterministic")

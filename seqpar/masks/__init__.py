@@ -1,4 +1,4 @@
-"""Masks: the forms a kernel call applies (``Band``, ``Varlen``, ``Modded``) and the masks users pass.
+"""Masks: the forms a kernel call applies (``Band``, ``Varlen``, ``Modded``, ``Joined``) and the masks users pass.
 
 ``seqpar.attention(..., mask_mod=m)`` takes a named mask from this module (``chunked``, ``spans``,
 ``prefix_lm``, ``block_causal``, ``shared_prefix``, ``tree``, ``sink_window``: their block structure is declared,
@@ -6,7 +6,7 @@ Note [Masks as pieces]) or any flex-style ``mask_mod(b, h, q_idx, kv_idx) -> boo
 (evaluated per planned block, Note [Generic mask_mod]).
 """
 
-from .forms import Band, Mask, Modded, Varlen, bottom_right_window, dense, run_positions
+from .forms import Band, Joined, Mask, Modded, Varlen, bottom_right_window, dense, run_positions
 from .mod import ModMask
 from .named import (
                     BlockCausal,
@@ -25,6 +25,6 @@ from .named import (
                     tree,
 )
 
-__all__ = ["Band", "BlockCausal", "Chunked", "Mask", "ModMask", "Modded", "PieceMask", "SinkWindow", "Spans", "Tree",
-           "Varlen", "block_causal", "bottom_right_window", "chunked", "dense", "from_spec", "prefix_lm",
-           "run_positions", "shared_prefix", "sink_window", "spans", "tree"]
+__all__ = ["Band", "BlockCausal", "Chunked", "Joined", "Mask", "ModMask", "Modded", "PieceMask", "SinkWindow",
+           "Spans", "Tree", "Varlen", "block_causal", "bottom_right_window", "chunked", "dense", "from_spec",
+           "prefix_lm", "run_positions", "shared_prefix", "sink_window", "spans", "tree"]

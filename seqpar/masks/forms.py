@@ -24,6 +24,23 @@ Segments with no query rows or no key rows fill the gaps between documents.
 rows keep their global positions (runs ``(glob, length)`` advancing by ``stride``), so a kernel evaluates
 ``base(i, j) & fn(b, h, pos_q[i], pos_k[j])``. Only flex (GPU) and the reference kernel (CPU) serve it; the block
 planner hands out this form only for blocks the mask leaves partly visible (Note [Generic mask_mod]).
+
+``Joined(parts)``: several planned blocks of one step served by ONE kernel call over their bounding box (the
+runner joins them, Note [Bands on flex] in ``seqpar.kernels.executor``). Each part ``(q0, q1, k0, k1, band)``
+shows query rows ``q0:q1`` the key rows ``k0:k1`` under ``band`` in the part's own coordinates (as a ``Task``
+does); a key is visible when a part shows it. Parts never overlap (they are the planner's blocks). Each query
+row then sees a few intervals of keys (``row_intervals``), which is how flex evaluates it; only flex (GPU) and
+the reference kernel serve it::
+
+    sink_window(2, sinks=2) on 8 x 8: three blocks, one call
+    x . . . . . . .      rows 0:2 x keys 0:2  Band(None, 0)
+    x x . . . . . .      rows 2:8 x keys 0:2  Band()          (the sink columns)
+    x x x . . . . .      rows 2:8 x keys 2:8  Band(-2, 0)     (the window)
+    x x x x . . . .
+    x x x x x . . .
+    x x . x x x . .      row 5 sees two intervals of keys: [0, 1] and [3, 5]
+    x x . . x x x .
+    x x . . . x x x
 """
 
 from __future__ import annotations
@@ -34,7 +51,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Band", "Mask", "Modded", "Varlen", "bottom_right_window", "dense", "run_positions"]
+__all__ = ["Band", "Joined", "Mask", "Modded", "Varlen", "bottom_right_window", "dense", "run_positions"]
 
 
 @dataclass(frozen=True)
@@ -88,7 +105,40 @@ class Modded:
         return run_positions(self.q, self.stride, device), run_positions(self.k, self.stride, device)
 
 
-Mask = Band | Varlen | Modded
+@dataclass(frozen=True)
+class Joined:
+    """Blocks ``(q0, q1, k0, k1, band)`` (band in the block's own coordinates) served as one call; no overlaps."""
+
+    parts: tuple[tuple[int, int, int, int, Band], ...]
+
+    @property
+    def is_full(self) -> bool:
+        """Never: a call of several blocks hides the cells between them."""
+        return False
+
+    def row_intervals(self, m: int) -> torch.Tensor:
+        """``(2K, m)`` int32 on CPU: rows ``2c`` and ``2c + 1`` hold the first and last key of query row i's c-th
+        visible interval (an empty slot is ``(1, 0)``); K is the most parts any row meets."""
+        cover = torch.zeros(m, dtype=torch.long)
+        for q0, q1, *_ in self.parts:
+            cover[q0:q1] += 1
+        slots = int(cover.max()) if m else 0
+        out = torch.empty(2 * max(slots, 1), m, dtype=torch.int64)
+        out[0::2], out[1::2] = 1, 0
+        used = torch.zeros(m, dtype=torch.long)
+        for q0, q1, k0, k1, band in self.parts:
+            i = torch.arange(q1 - q0)
+            first = i + band.lo if band.lo is not None else torch.zeros_like(i)
+            last = i + band.hi if band.hi is not None else torch.full_like(i, k1 - k0 - 1)
+            first, last = first.clamp(min=0) + k0, last.clamp(max=k1 - k0 - 1) + k0
+            slot = used[q0:q1]
+            rows = torch.arange(q0, q1)
+            out[2 * slot, rows], out[2 * slot + 1, rows] = first, last
+            used[q0:q1] += 1
+        return out.to(torch.int32)
+
+
+Mask = Band | Varlen | Modded | Joined
 
 
 def run_positions(runs: tuple[tuple[int, int], ...], stride: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -117,6 +167,11 @@ def dense(mask: Mask, m: int, n: int, device: torch.device | str = "cpu") -> tor
                 shift = (kb - ka) - (qb - qa)
                 band = Band(None if left < 0 else shift - left, None if right < 0 else shift + right)
                 vis[qa:qb, ka:kb] = dense(band, qb - qa, kb - ka, device)
+        return vis
+    if isinstance(mask, Joined):
+        vis = torch.zeros(m, n, dtype=torch.bool, device=device)
+        for q0, q1, k0, k1, band in mask.parts:
+            vis[q0:q1, k0:k1] |= dense(band, q1 - q0, k1 - k0, device)
         return vis
     qp, kp = mask.positions(device)
     zero = torch.zeros((), dtype=torch.long, device=device)

@@ -1,0 +1,201 @@
+"""Which kernels run a mask's blocks, decided without a GPU (selection is a pure function of the ``KernelCall``, the
+device's compute capability included), and the flex pieces that serve them checked on CPU (eager flex):
+
+* Note [Bands on flex]: in an sm90 training call ``auto`` runs windowed bands on flex and joins a step's band and
+  thin blocks into one flex call (the sink window is one call, the direct path); other GPUs, calls without a
+  backward, bare calls, calls whose shapes vary and deterministic ones keep FA2; thick blocks keep cuDNN;
+* the chunked mask at 128K plans per-chunk causal blocks on cuDNN, not a varlen call on FA2 (plan only);
+* a joined step computes what its blocks compute apart (forward and backward, W = 1 and a ring step);
+* flex's block masks of bands and joined calls, derived from row intervals, equal ``create_block_mask``'s.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from seqpar import masks
+from seqpar.kernels import KERNELS, KernelCall, base, select
+from seqpar.kernels import executor as executor_mod
+from seqpar.kernels import flex as flex_mod
+from seqpar.kernels.executor import TaskRunner
+from seqpar.kernels.merge import Accumulator
+from seqpar.layouts import make_layout
+from seqpar.layouts.blocks import Rule
+from seqpar.masks import Band, Joined, Varlen, dense
+from seqpar.methods._passkv import schedule
+from seqpar.numerics import GradRows
+
+H, HKV, D = 32, 8, 128
+BF16 = torch.bfloat16
+
+
+def steps(S: int, causal: bool, mask=None, window=(-1, -1), world: int = 1, layout: str = "contiguous", rank: int = 0):
+    lay = make_layout(layout, world, None, None)
+    return schedule(lay, rank, S // world * world, Rule(causal, window, mask=mask), None, None).steps
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """Plan as on an H100: compute capability 9.0, a PyTorch build with cuDNN (declarations otherwise unchanged)."""
+    monkeypatch.setattr(executor_mod, "device_arch", lambda device: 90)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    select.cache_clear()
+    base._fastest.cache_clear()
+    yield
+    select.cache_clear()
+    base._fastest.cache_clear()
+
+
+def chosen(tasks, S: int, **runner) -> list[tuple[str, int, int, str]]:
+    """(mask form, rows, cols, kernel) of each call one step of ``tasks`` runs as, on CUDA bf16 GQA 32/8."""
+    r = TaskRunner(runner.pop("kernel", "auto"), 0.1, **{"training": True, **runner})
+    return [(type(t.mask).__name__, t.rows, t.cols, k)
+            for t, k in r.kernels(tasks, (1, S, H, D), (1, S, HKV, D), BF16, "cuda")]
+
+
+def test_auto_ranks_flex_above_fa2_for_windowed_bands_on_sm90_only():
+    band = KernelCall("cuda", BF16, D, H, HKV, "band", arch=90, training=True)
+    assert select("auto", band).name == "flex"
+    for other in (dict(arch=80), dict(arch=100), dict(training=False), dict(shapes_vary=True),
+                  dict(deterministic=True)):
+        assert select("auto", KernelCall(**{**band.__dict__, **other})).name == "flash", other
+    assert select("auto", KernelCall(**{**band.__dict__, "mask": "joined"})).name == "flex"
+    for name in ("cudnn", "flash", "efficient", "flash_attn"):
+        assert KERNELS[name].not_supported_reasons(KernelCall(**{**band.__dict__, "mask": "joined"})), name
+
+
+def test_sink_window_is_one_flex_call_on_sm90(sm90):
+    S = 16384
+    tasks = steps(S, False, masks.sink_window(4095, 4))[0]
+    assert len(tasks) == 3                                # causal sinks, sink columns, the window band
+    assert chosen(tasks, S) == [("Joined", S, S, "flex")]
+    r = TaskRunner("auto", 0.1, training=True)
+    assert r.direct(tasks, (1, S, H, D), (1, S, HKV, D), (1, S, HKV, D), BF16, torch.device("cuda")) is not None
+    assert [k for *_, k in chosen(tasks, S, shapes_vary=True)] == ["flash"] * 3     # documents: no compile per batch
+    assert sorted(k for *_, k in chosen(tasks, S, training=False)) == ["cudnn", "cudnn", "flash"]  # serving, eval
+    assert sorted(k for *_, k in chosen(tasks, S, kernel="sdpa")) == ["cudnn", "cudnn", "flash"]
+
+
+def test_plain_window_and_windowed_spans_on_sm90(sm90):
+    S = 16384
+    assert chosen(steps(S, True, window=(4095, 0))[0], S) == [("Band", S, S, "flex")]
+    gemma = masks.spans([(i * 1024 + 64, i * 1024 + 320) for i in range(16)], window=1023)
+    assert chosen(steps(S, False, gemma)[0], S) == [("Joined", S, S, "flex")]     # 16 images of 256: all thin
+    thick = masks.spans([(0, 4096)], window=1023)          # a 4K image seen whole keeps cuDNN and merges
+    calls = chosen(steps(S, False, thick)[0], S)
+    assert ("Band", 4096, 4096, "cudnn") in calls and sum(k == "flex" for *_, k in calls) == 1
+
+
+def test_chunked_at_128k_plans_per_chunk_causal_blocks_on_cudnn(sm90):
+    S, size = 131072, 8192
+    tasks = steps(S, True, masks.chunked(size))[0]
+    want = [("Band", size, size, "cudnn")] * (S // size)
+    assert chosen(tasks, S) == want                       # GROUP_ROWS: no FA2 varlen call
+    assert all(t.mask == Band(None, 0) for t in tasks)
+    for docs in (None, (0, S)):                           # one document (balanced layouts) keeps fixed shapes
+        cfg = dict(kernel="auto", deterministic=False, softcap=0.0, cu_seqlens=docs, valid_len=None)
+        for grad in (False, True):
+            runner = TaskRunner.of(type("Call", (), {"cfg": type("Cfg", (), cfg), "scale": 0.1, "grad": grad}))
+            assert not runner.shapes_vary and runner.training is grad
+    packed = chosen(tasks, S, shapes_vary=True)           # documents: one FA2 varlen call, no cuDNN plan per shape
+    assert packed == [("Varlen", S, S, "flash")]
+
+
+def _run(runner: TaskRunner, tasks, q, k, v, do):
+    """out, lse and gradients of one step through ``runner`` (forward merges, backward sums)."""
+    acc = Accumulator(q, v.shape[-1])
+    for t in runner.prepare(tasks, q, k):
+        acc.add(t.q, *runner.forward(q, k, v, t))
+    out, lse = acc.result(q.dtype)
+    grads = runner.backward_all(GradRows(do, out, None), q, k, v, lse, tasks)
+    return out, lse, grads
+
+
+@pytest.mark.parametrize("case", ["sink_window", "spans_window", "ring_step"])
+def test_a_joined_step_computes_what_its_blocks_do(monkeypatch, case):
+    """The runner's joining (bounding box, part coordinates, the blocks left apart) on the reference kernel made to
+    join: the same out, lse and gradients as block by block (fp64)."""
+    S = 96
+    if case == "sink_window":
+        tasks = steps(S, False, masks.sink_window(17, 3))[0]
+    elif case == "spans_window":
+        tasks = steps(S, False, masks.spans([(5, 30), (40, 44), (60, 90)], window=9))[0]
+    else:                                                 # zigzag W = 4, rank 1 against rank 0's keys
+        tasks = steps(S, False, masks.sink_window(13, 2), world=4, layout="zigzag", rank=1)[1]
+    g = torch.Generator().manual_seed(len(tasks))
+    L = max(max(t.q_stop for t in tasks), max(t.k_stop for t in tasks))
+    q, do = (torch.randn(1, L, 4, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, L, 2, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    apart = _run(TaskRunner("reference", 0.3), tasks, q, k, v, do)
+    monkeypatch.setattr(type(KERNELS["reference"]), "joins", True)
+    runner = TaskRunner("reference", 0.3)
+    prepared = runner.prepare(tasks, q, k)
+    assert isinstance(prepared[0].mask, Joined) and len(prepared) < len(tasks)
+    joined = _run(runner, tasks, q, k, v, do)
+    for a, b in zip((apart[0], apart[1], *apart[2]), (joined[0], joined[1], *joined[2])):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def _dense_tiles(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    tiles = torch.zeros(idx.shape[-2:], dtype=torch.bool)
+    for r in range(idx.shape[-2]):
+        tiles[r, idx[0, 0, r, : num[0, 0, r]].long()] = True
+    return tiles
+
+
+def _joined_step(S: int, causal: bool, mask) -> tuple[Joined, int, int]:
+    tasks = steps(S, causal, mask)[0]
+    q0, k0 = min(t.q_start for t in tasks), min(t.k_start for t in tasks)
+    parts = tuple((t.q_start - q0, t.q_stop - q0, t.k_start - k0, t.k_stop - k0, t.mask) for t in tasks)
+    return Joined(parts), max(t.q_stop for t in tasks) - q0, max(t.k_stop for t in tasks) - k0
+
+
+def test_flex_block_masks_of_bands_and_joined_calls_equal_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    cpu = torch.device("cpu")
+    rng = random.Random(0)
+    cases = [(Band(rng.choice([None, rng.randint(-n, n)]), rng.choice([None, rng.randint(-m, m)])), m, n)
+             for m, n in ((rng.randint(1, 600), rng.randint(1, 600)) for _ in range(25))]
+    cases += [(*_joined_step(S, c, m)[:1], *_joined_step(S, c, m)[1:]) for S, c, m in (
+        (1000, False, masks.sink_window(200, 4)), (1500, False, masks.spans([(100, 300), (700, 1000)], window=150)),
+        (1300, False, masks.shared_prefix(400, [300, 300, 300])))]          # tiles full only across two parts
+    for mask, m, n in cases:
+        want = create_block_mask(flex_mod._mask_mod(mask, m, n, cpu), None, None, m, n, device=cpu)
+        got = flex_mod._tiled_block_mask(mask, m, n, cpu)
+        for f in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                  "q_indices", "full_q_num_blocks", "full_q_indices"):
+            a, b = getattr(want, f), getattr(got, f)
+            if f.endswith("indices"):                   # past each row's count an index is padding
+                num = getattr(want, f.replace("indices", "num_blocks"))
+                a, b = _dense_tiles(num, a), _dense_tiles(num, b)
+            assert torch.equal(a, b), (mask, m, n, f)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_serves_a_joined_call_as_the_reference_does():
+    """Eager flex on CPU (the joined ``mask_mod`` and its block mask) against the reference kernel on the same
+    ``Joined`` mask and against the named mask evaluated densely."""
+    S = 300
+    joined, m, n = _joined_step(S, False, masks.sink_window(61, 3))
+    assert (m, n) == (S, S) and joined.row_intervals(m).shape == (4, S)
+    pos = torch.arange(S)
+    assert torch.equal(dense(joined, m, n), masks.sink_window(61, 3)(0, 0, pos[:, None], pos[None, :]))
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, S, 4, 16, generator=g)
+    k, v = (torch.randn(1, S, 2, 16, generator=g) for _ in range(2))
+    got = KERNELS["flex"].forward(q, k, v, joined, 0.25)
+    want = KERNELS["reference"].forward(q.double(), k.double(), v.double(), joined, 0.25)
+    torch.testing.assert_close(got.out.double(), want.out, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(got.lse.double(), want.lse, atol=2e-6, rtol=2e-6)
+
+
+def test_cpu_auto_never_joins():
+    S = 64
+    tasks = steps(S, False, masks.sink_window(9, 2))[0]
+    q = k = torch.zeros(1, S, 2, 8)
+    assert TaskRunner("auto", 0.1).prepare(tasks, q, k) == tasks
+    assert not any(isinstance(t.mask, (Joined, Varlen)) for t in TaskRunner("reference", 0.1).prepare(tasks, q, k))
