@@ -2,28 +2,40 @@
 named masks' compute-path efficiency at an emulated W = 8 (fake group, communication free).
 
     python3 benchmarks/gpu/masks_1gpu.py --out DIR [--sections w1,softcap,rl,emulated,profile] [--sizes 16384,131072]
+        [--large-masks sink_window,chunked,window]
 
 Every record is one JSON line in DIR/masks.jsonl, labelled "W = 1" or "emulated W = 8 (rank r of 8, fake
 group)". GQA 32/8, D 128, bf16 unless said; medians of ``--iters`` after ``--warmup``. flex is
-``torch.compile(flex_attention)`` with a block mask from ``create_block_mask`` of the same mask, built outside
-the timed region (seqpar builds its own once per planned call, also outside).
+``torch.compile(flex_attention)`` (one compiled function for every case) with the block mask
+``create_block_mask`` gives for the same mask, built outside the timed region (seqpar builds its own once per
+planned call, also outside): evaluated a slab of query rows at a time, so neither a compile of
+``create_block_mask`` per mask nor an S x S mask is needed, and checked equal to ``create_block_mask``'s at 16K.
+
+The w1 section: every named mask, a generic ``mask_mod`` and a plain ``window_size=(4095, 0)`` call at 16K; at
+larger sizes the masks in ``--large-masks`` (first word of the case name). Each case times the forward without
+grad, the forward of a training step (inputs that require grad: seqpar's training plan, where Note [Bands on flex]
+puts windowed bands on flex on sm90) and forward+backward. The window row also times seqpar on FA2
+(``kernel="flash"``), ``auto``'s choice before that Note. Each record names the kernels seqpar's ``auto`` chose
+(mask kind: kernel); the section ends with a table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import seqpar
 from seqpar import masks
 from seqpar.bench.timing import time_ms
+from seqpar.kernels import select
 from seqpar.layouts import make_layout
 from seqpar.layouts.blocks import Rule
 from seqpar.layouts.work import work
@@ -71,11 +83,68 @@ def inputs(S: int, d: int = D, heads: int = H, kv: int = HKV, batch: int = 1):
     return q, k, v, do
 
 
-def flex_fn(mask, causal: bool, S: int):
+def flex_fn(mask, causal: bool, S: int, window: tuple[int, int] = (-1, -1)):
+    """The case as one flex ``mask_mod`` on global positions: the mask, causal, a left window."""
     fn = mask.mod(dev, S) if hasattr(mask, "mod") else mask
+    left = window[0]
+    if fn is None:
+        return lambda b, h, qi, ki: (ki <= qi) & (qi - ki <= left)
     if not causal:
         return fn
     return lambda b, h, qi, ki: fn(b, h, qi, ki) & (ki <= qi)
+
+
+def block_mask(fn, S: int, check: bool) -> BlockMask:
+    """``create_block_mask(fn, None, None, S, S)``'s block mask, ``fn`` evaluated on a slab of query rows at a time
+    (no S x S mask, no compile per mask); with ``check``, compared with ``create_block_mask``'s own (eager)."""
+    T = 128
+    assert S % T == 0, S
+    rows = max(T, (1 << 26) // S // T * T)
+    kv = torch.arange(S, device=dev)
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    partial, full = [], []
+    for a in range(0, S, rows):
+        qi = torch.arange(a, min(a + rows, S), device=dev)
+        seen = fn(zero, zero, qi[:, None], kv[None, :]).expand(qi.shape[0], S)
+        seen = seen.reshape(-1, T, S // T, T).sum((1, 3))
+        full.append(seen == T * T)
+        partial.append((seen > 0) & (seen < T * T))
+
+    def ordered(tiles):
+        num = tiles.sum(-1, dtype=torch.int32)[None, None]
+        idx = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return num, idx[None, None].contiguous()
+    bm = BlockMask.from_kv_blocks(*ordered(torch.cat(partial)), *ordered(torch.cat(full)), BLOCK_SIZE=T,
+                                  mask_mod=fn, seq_lengths=(S, S))
+    if check:
+        ref = create_block_mask(fn, None, None, S, S, device=dev)
+        for f in ("kv_num_blocks", "full_kv_num_blocks"):
+            assert torch.equal(getattr(bm, f), getattr(ref, f)), f
+        assert torch.equal(bm.to_dense(), ref.to_dense())
+    return bm
+
+
+class Chosen(logging.Handler):
+    """The kernels seqpar chose (``seqpar.kernels``' INFO line per new signature) as "mask kind: kernel", marked
+    "(train)" in a training call's plan and "[name]" when a kernel was named."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg.startswith("kernel=%s -> %s for %s"):
+            name, kern, call = record.args
+            tag = f"{call.mask}: {kern}" + (" (train)" if call.training else "")
+            tag += "" if name == "auto" else f" [{name}]"
+            if tag not in self.seen:
+                self.seen.append(tag)
+
+
+CHOSEN = Chosen()
+logging.getLogger("seqpar.kernels").addHandler(CHOSEN)
+logging.getLogger("seqpar.kernels").setLevel(logging.INFO)
+ROWS: list[dict] = []
 
 
 def timed(call, t, args) -> tuple[float, float]:
@@ -90,6 +159,13 @@ def timed(call, t, args) -> tuple[float, float]:
         call(q, k, v).backward(do)
     return (time_ms(fwd, dev, warmup=args.warmup, iters=args.iters),
             time_ms(fb, dev, warmup=args.warmup, iters=args.iters))
+
+
+def train_fwd(call, t, args) -> float:
+    """Median ms of the forward of a training step: ``call(q, k, v)`` with inputs that require grad, no backward
+    (seqpar's training plan: Note [Bands on flex] serves windowed bands there, not in no-grad calls)."""
+    q, k, v, _ = t
+    return time_ms(lambda: call(q, k, v), dev, warmup=args.warmup, iters=args.iters)
 
 
 def flex_call(bm, score_mod=None):
@@ -108,32 +184,70 @@ def max_diff(a, b, t) -> float:
     return (a(*t[:3]).float() - b(*t[:3]).float()).abs().max().item()
 
 
+WINDOW = (4095, 0)
+
+
+def w1_cases(S: int, large: list[str]) -> list[tuple[str, bool, object, tuple[int, int]]]:
+    """(name, causal, mask_mod, window) of the w1 section at length S."""
+    cases = [(name, causal, m, (-1, -1)) for name, (causal, m) in named(S).items()]
+    causal, sp = named(S)["shared_prefix"]
+    cases.append(("generic mask_mod (shared prefix as a function)", causal, sp.mod(dev, S), (-1, -1)))
+    cases.append((f"window {WINDOW[0]} (window_size=)", True, None, WINDOW))
+    if S > 16384:
+        cases = [c for c in cases if c[0].split()[0] in large]
+    return cases
+
+
 def w1(args) -> None:
-    """seqpar (W = 1) against flex directly, per named mask and length; plus a generic mask_mod at 16K."""
+    """seqpar (W = 1) against flex directly, per named mask and length, a generic mask_mod and a plain window."""
     group(1)
     for S in args.sizes:
         t = inputs(S)
-        cases = list(named(S).items())
-        if S <= 16384:
-            causal, sp = named(S)["shared_prefix"]
-            cases.append(("generic mask_mod (shared prefix as a function)", (causal, sp.mod(dev, S))))
-        for name, (causal, m) in cases:
+        for name, causal, m, window in w1_cases(S, args.large_masks):
             t0 = time.perf_counter()
             try:
-                bm = create_block_mask(flex_fn(m, causal, S), None, None, S, S, device=dev, _compile=True)
-                flex = flex_call(bm)
-                ours = ours_call(causal=causal, mask_mod=m, layout="contiguous")
+                fn = flex_fn(m, causal, S, window)
+                flex = flex_call(block_mask(fn, S, check=S <= 16384))
+                ours = ours_call(causal=causal, mask_mod=m, window_size=window, layout="contiguous")
+                select.cache_clear()            # every case logs the kernels it chose
+                CHOSEN.seen.clear()
                 err = max_diff(ours, flex, t) if S <= 16384 else None
                 f_fwd, f_fb = timed(flex, t, args)
                 o_fwd, o_fb = timed(ours, t, args)
+                f_tr, o_tr = train_fwd(flex, t, args), train_fwd(ours, t, args)
+                rec = dict(section="w1", label="W = 1", mask=name, seq_len=S, causal=causal, window=window,
+                           flex_fwd_ms=f_fwd, flex_fb_ms=f_fb, seqpar_fwd_ms=o_fwd, seqpar_fb_ms=o_fb,
+                           ratio_fwd=o_fwd / f_fwd, ratio_fb=o_fb / f_fb, flex_train_fwd_ms=f_tr,
+                           seqpar_train_fwd_ms=o_tr, ratio_train_fwd=o_tr / f_tr, seqpar_kernels=list(CHOSEN.seen),
+                           max_abs_diff_vs_flex=err)
+                if m is None:                   # the same call on FA2: auto's choice before Note [Bands on flex]
+                    fa2 = timed(ours_call(causal=causal, window_size=window, layout="contiguous", kernel="flash"),
+                                t, args)
+                    rec.update(seqpar_fa2_fwd_ms=fa2[0], seqpar_fa2_fb_ms=fa2[1])
                 W1[(S, name)] = (o_fwd, o_fb)
-                emit(section="w1", label="W = 1", mask=name, seq_len=S, causal=causal, flex_fwd_ms=f_fwd,
-                     flex_fb_ms=f_fb, seqpar_fwd_ms=o_fwd, seqpar_fb_ms=o_fb, ratio_fwd=o_fwd / f_fwd,
-                     ratio_fb=o_fb / f_fb, max_abs_diff_vs_flex=err, wall_s=time.perf_counter() - t0)
+                ROWS.append(rec)
+                emit(**rec, wall_s=time.perf_counter() - t0)
             except Exception as e:          # a record of the failure, then the next case
                 emit(section="w1", label="W = 1", mask=name, seq_len=S, error=f"{type(e).__name__}: {e}"[:400])
         del t
         torch.cuda.empty_cache()
+        table()
+
+
+def table() -> None:
+    """The w1 rows so far as a markdown table (printed after each length, so a run cut short keeps its rows): ms
+    of the forward (no grad), the forward of a training step, and forward+backward."""
+    print("\n| mask | length | flex fwd / train fwd / fwd+bwd | seqpar | seqpar / flex | seqpar's kernels (auto) |",
+          flush=True)
+    print("|---|---|---|---|---|---|", flush=True)
+    for r in ROWS:
+        ours = f"{r['seqpar_fwd_ms']:.2f} / {r['seqpar_train_fwd_ms']:.2f} / {r['seqpar_fb_ms']:.2f}"
+        if "seqpar_fa2_fwd_ms" in r:
+            ours += f" (FA2: {r['seqpar_fa2_fwd_ms']:.2f} / - / {r['seqpar_fa2_fb_ms']:.2f})"
+        flex = f"{r['flex_fwd_ms']:.2f} / {r['flex_train_fwd_ms']:.2f} / {r['flex_fb_ms']:.2f}"
+        ratio = f"**{r['ratio_fwd']:.2f} / {r['ratio_train_fwd']:.2f} / {r['ratio_fb']:.2f}**"
+        kernels = ", ".join(r["seqpar_kernels"])
+        print(f"| {r['mask']} | {r['seq_len'] // 1024}K | {flex} | {ours} | {ratio} | {kernels} |", flush=True)
 
 
 def _capped(cap: torch.Tensor):
@@ -248,6 +362,8 @@ def main() -> None:
                     type=lambda t: [tuple(x.split("/")) for x in t.split(",")],
                     help="method/layout pairs of the emulated section (ring/balanced: the mask's work balanced)")
     ap.add_argument("--sizes", default="16384,131072")
+    ap.add_argument("--large-masks", default="sink_window,chunked,window", type=lambda t: t.split(","),
+                    help="w1 cases (first word of the name) timed at sizes above 16K")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     args = ap.parse_args()
