@@ -15,8 +15,9 @@ The w1 section: every named mask, a generic ``mask_mod`` and a plain ``window_si
 larger sizes the masks in ``--large-masks`` (first word of the case name). Each case times the forward without
 grad, the forward of a training step (inputs that require grad: seqpar's training plan, where Note [Bands on flex]
 puts windowed bands on flex on sm90) and forward+backward. The window row also times seqpar on FA2
-(``kernel="flash"``), ``auto``'s choice before that Note. Each record names the kernels seqpar's ``auto`` chose
-(mask kind: kernel); the section ends with a table.
+(``kernel="flash"``), ``auto``'s choice before that Note; at 16K, a case whose training plan ran a band on flex
+also times its no-grad forward with ``kernel="flex"`` (what ``auto`` declines without a backward). Each record
+names the kernels seqpar chose (mask kind: kernel); the section ends with a table, printed after each length.
 """
 
 from __future__ import annotations
@@ -224,6 +225,10 @@ def w1(args) -> None:
                     fa2 = timed(ours_call(causal=causal, window_size=window, layout="contiguous", kernel="flash"),
                                 t, args)
                     rec.update(seqpar_fa2_fwd_ms=fa2[0], seqpar_fa2_fb_ms=fa2[1])
+                if S <= 16384 and any(x in CHOSEN.seen for x in ("band: flex (train)", "joined: flex (train)")):
+                    named_flex = ours_call(causal=causal, mask_mod=m, window_size=window, layout="contiguous",
+                                           kernel="flex")      # a no-grad forward on flex: what auto declines
+                    rec.update(seqpar_flex_fwd_ms=timed(named_flex, t, args)[0])
                 W1[(S, name)] = (o_fwd, o_fb)
                 ROWS.append(rec)
                 emit(**rec, wall_s=time.perf_counter() - t0)
@@ -244,6 +249,8 @@ def table() -> None:
         ours = f"{r['seqpar_fwd_ms']:.2f} / {r['seqpar_train_fwd_ms']:.2f} / {r['seqpar_fb_ms']:.2f}"
         if "seqpar_fa2_fwd_ms" in r:
             ours += f" (FA2: {r['seqpar_fa2_fwd_ms']:.2f} / - / {r['seqpar_fa2_fb_ms']:.2f})"
+        if "seqpar_flex_fwd_ms" in r:
+            ours += f" (kernel='flex' fwd: {r['seqpar_flex_fwd_ms']:.2f})"
         flex = f"{r['flex_fwd_ms']:.2f} / {r['flex_train_fwd_ms']:.2f} / {r['flex_fb_ms']:.2f}"
         ratio = f"**{r['ratio_fwd']:.2f} / {r['ratio_train_fwd']:.2f} / {r['ratio_fb']:.2f}**"
         kernels = ", ".join(r["seqpar_kernels"])
