@@ -57,8 +57,9 @@ Note [Rank 0 of W on one GPU]
     MFU counts model FLOPs only: 6 x (parameters doing matmuls: all but the embedding table) x tokens per rank,
     plus causal attention 6 x S^2 x heads x head_dim x layers / W per rank (forward 2, backward 4), not the
     recompute; over ``--peak-tflops`` (989: H100 SXM dense bf16). The recompute of attention is ~72 s of the 8B's
-    305 s step at 1M on one H100; keeping 28 of 32 layers' outputs (32.3 GiB one-step peak, + 7.5 GiB of AdamW
-    states in steady state, + 28.4 GiB kept: ~68 GiB, 11 GiB spare of 79) saves ~63 s of it.
+    305 s step at 1M on one H100; the 8B's default 28 GiB of kept outputs (27 of 32 layers at 1M over 8 ranks,
+    1 GiB + 16 MiB each: 27.4 GiB; with the 32.3 GiB one-step peak and 7.5 GiB of AdamW states in steady state,
+    ~67 GiB, 12 GiB spare of 79) saves ~61 s of it.
     ``--search`` runs each try in a fresh process (an OOM leaves nothing behind): doubling from ``--seq-len``
     until a try fails, then bisection until the bracket is under 1/16 of the start, within ``--budget-s``.
     ``bound`` is why the smallest failing try failed: "gpu memory", "host memory" (the offload's host budget
@@ -172,7 +173,7 @@ MODEL_DEFAULTS = {"llama3-8b": dict(method="ring", layout="zigzag", head_chunks=
                                    keep_attention=True, keep_attention_gib=28.0)}
 """What ``--model`` also sets unless given: the 8B runs ring attention over one KV head at a time (its fp32
 buffers are then 1/8 of a layer's heads), computes the loss 4096 tokens at a time (4 GiB of fp32 logits), and keeps
-28 GiB of attention outputs (28 of its 32 layers at 1M tokens over 8 ranks: Note [Rank 0 of W on one GPU])."""
+28 GiB of attention outputs (27 of its 32 layers at 1M tokens over 8 ranks: Note [Rank 0 of W on one GPU])."""
 
 PRESETS = {
     "gpu-128k": Preset(seq_len=131072, steps=20),
