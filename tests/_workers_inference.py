@@ -201,6 +201,39 @@ def prefill_timing() -> dict[str, Any]:
     return {**seen, "after": (cache.kv.length, cache.promised), "equal": torch.equal(got, want)}
 
 
+def dead_layer_prefill() -> dict[str, Any]:
+    """Note [The prefill's dead attention]: ``generate`` with a chunked prefill, once as shipped and once with
+    every layer's attention computed; the cached keys/values and the tokens of the two, and how often each
+    layer's attention was computed or skipped in the first."""
+    import contextlib
+
+    from seqpar.integrations import hf_generate as g
+
+    model = build("llama")
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(1, VOCAB, (1, 13), generator=torch.Generator().manual_seed(5))
+    calls: dict[str, int] = {}
+    real_attend, real_discarding = g.attend_stored, g._discarding
+
+    def counted(q, kv, layer, **kw):
+        key = f"{layer}:{'out' if kw.get('output', True) else 'skipped'}"
+        calls[key] = calls.get(key, 0) + 1
+        return real_attend(q, kv, layer, **kw)
+
+    runs = {}
+    try:
+        for skip in (True, False):
+            g.attend_stored = counted if skip else real_attend
+            g._discarding = real_discarding if skip else (lambda cache, layer: contextlib.nullcontext())
+            cache = g.SeqparCache(ShardedKVCache(layers=layers, batch=1))
+            out = g.generate(model, ids, cache=cache, prefill_chunk=5, max_new_tokens=3, do_sample=False)
+            runs[skip] = (out, [cache.kv.slice(i) for i in range(layers)])
+    finally:
+        g.attend_stored, g._discarding = real_attend, real_discarding
+    return {"calls": calls, "layers": layers, "tokens_equal": torch.equal(runs[True][0], runs[False][0]),
+            "kv_equal": all(torch.equal(a, b) for x, y in zip(runs[True][1], runs[False][1]) for a, b in zip(x, y))}
+
+
 def bench_run(baseline: bool) -> list[dict]:
     """``seqpar.bench.inference`` on CPU with the tiny preset: eager and static decode (and, on 1 rank, the
     transformers baseline with ``check``: its greedy tokens must equal seqpar's)."""

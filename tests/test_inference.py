@@ -39,6 +39,7 @@ from _workers_inference import (
     cache_errors,
     cache_inputs,
     cache_run,
+    dead_layer_prefill,
     generate_run,
     prefill_timing,
     prompt,
@@ -273,6 +274,18 @@ def test_generate_prefills_at_the_first_forward(pools):
     assert res["entry"] == (0, 11, 11), res            # 12 prompt tokens: 11 promised, none stored yet
     assert res["forward"] == (11, 0), res
     assert res["after"] == (14, 0) and res["equal"], res
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_prefill_skips_only_the_last_layers_attention(pools, world):
+    """Note [The prefill's dead attention]: a 13-token prompt in chunks of 5 (3 prefill chunks: 12 tokens) then 3
+    decode steps; the last layer skips its attention in each prefill chunk and computes it in every decode step;
+    the cache's keys/values and the tokens equal those of a prefill that computes every layer's attention."""
+    for res in pools(world).run(dead_layer_prefill):
+        last = res["layers"] - 1
+        assert res["kv_equal"] and res["tokens_equal"], res
+        assert res["calls"][f"{last}:skipped"] == 3 and res["calls"][f"{last}:out"] == 3, res
+        assert all(res["calls"][f"{i}:out"] == 6 and f"{i}:skipped" not in res["calls"] for i in range(last)), res
 
 
 def test_rank_rows_bookkeeping():

@@ -85,11 +85,14 @@ def _check_query(q: torch.Tensor, cache, layer: int, sinks: torch.Tensor | None)
 
 def attend_stored(q: torch.Tensor, cache, layer: int, *, softmax_scale: float | None = None,
                   window_size: tuple[int, int] = (-1, -1), sinks: torch.Tensor | None = None,
-                  return_lse: bool = False, chunk: int | None = None) -> torch.Tensor | AttnOutput:
+                  return_lse: bool = False, chunk: int | None = None, output: bool = True
+                  ) -> torch.Tensor | AttnOutput:
     """``attend`` for a layer whose ``k, v`` the cache already stored (``cache.store``): the HF cache's path.
 
     ``chunk``: Llama 4's chunked attention, chunks of this many cache positions (``RowGroup.bounds``); the same
-    for a layer on every call."""
+    for a layer on every call. ``output=False``: the caller discards this layer's output (the prefill's last
+    layer, Note [The prefill's dead attention] in ``seqpar.integrations.hf_generate``): the layer is recorded
+    as attended and zeros come back, computed by no kernel and no exchange (every rank must pass the same)."""
     c = cache._open(layer, "attend")
     if layer not in c.stored:
         raise RuntimeError(f"layer {layer} must store the open chunk's k, v before attending{rank_suffix()}")
@@ -101,6 +104,11 @@ def attend_stored(q: torch.Tensor, cache, layer: int, *, softmax_scale: float | 
         raise ValueError(f"chunk must be a positive int or None (and no window with it), got chunk={chunk!r}, "
                          f"window_size={window_size!r}{rank_suffix()}")
     cache.set_window(layer, left)
+    if not output:
+        if return_lse:
+            raise ValueError(f"return_lse=True needs output=True (an output nobody reads has no lse){rank_suffix()}")
+        cache.mark_attended(layer)
+        return q.new_zeros(*q.shape[:3], c.stored[layer][1].shape[-1])
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     if c.mode == "fill":
         out, lse = _fill(q, cache, layer, left, scale, chunk)

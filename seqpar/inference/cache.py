@@ -180,7 +180,7 @@ class Chunk:
 #     A chunk's rows are a few runs of cache positions (``rows``); the tensors made from them - the rows'
 #     positions, their RoPE positions, the indices ``take`` selects - are ``S / W`` long. Made on the host,
 #     they cost milliseconds of host tensor work at 128K tokens (measured: ``begin_prefill`` held the first
-#     prefill kernel back 2.0 ms on an idle H100, benchmarks/results/2026-11-26-h100-prefill) and then a copy.
+#     prefill kernel back 2.0 ms on an idle H100, benchmarks/results/2026-11-25-prefill) and then a copy.
 #     Made on the device, each run is one ``arange`` launch and nothing crosses from the host, except the
 #     rows' left padding when some row has any (a few ints, pinned and non-blocking).
 
