@@ -395,8 +395,8 @@ def _warmup(p: Preset, model: nn.Module, lm: nn.Module, opt: Any, handle: Any, d
         a.sliding_window = WARMUP_WINDOW             # read by seqpar's attention function
     try:
         with offload if offload is not None else contextlib.nullcontext():
-            share, _, _ = model(**local)
-        del share                                     # the graph goes: its pinned buffers return to the pool
+            outputs = model(**local)
+        del outputs                                   # the graph goes: its pinned buffers return to the pool
     finally:
         for a, w in zip(attns, windows):
             if w is _ABSENT:
