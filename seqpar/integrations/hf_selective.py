@@ -174,7 +174,7 @@ class KeepAttention:
         frames = self._frames()
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         if not frames:
-            self.stats.unframed_calls += grad
+            self.stats.unframed_calls += int(grad)
             return self._inner(module, query, key, value, *args, **kwargs)
         if torch.compiler.is_compiling():
             raise NotImplementedError(f"keep_attention does not run under torch.compile (its recompute is decided "
@@ -191,9 +191,9 @@ class KeepAttention:
             self._fresh, self._kept, self._seen, self.stats = False, 0, set(), KeepStats()
         self._seen.add(id(module))
         inputs = (query, key, value)
-        B, H, L, _ = query.shape
-        estimate = B * L * H * value.shape[-1] * query.element_size() + B * H * L * (8 if query.dtype ==
-                                                                                      torch.float64 else 4)
+        B, H, L, _ = query.shape                     # out (B, L, H, Dv) in q's dtype, lse (B, H, L) in fp32/fp64
+        lse_bytes = 8 if query.dtype == torch.float64 else 4
+        estimate = B * L * H * (value.shape[-1] * query.element_size() + lse_bytes)
         keep = grad and (self.keep_bytes is None or self._kept + estimate <= self.keep_bytes)
         slot = _Slot(module, inputs, keep)
         frame.slots.append(slot)
