@@ -1,9 +1,11 @@
 """Which kernels run a mask's blocks, decided without a GPU (selection is a pure function of the ``KernelCall``, the
 device's compute capability included), and the flex pieces that serve them checked on CPU (eager flex):
 
-* Note [Bands on flex]: in an sm90 training call ``auto`` runs windowed bands on flex and joins a step's band and
-  thin blocks into one flex call (the sink window is one call, the direct path); other GPUs, calls without a
-  backward, bare calls, calls whose shapes vary and deterministic ones keep FA2; thick blocks keep cuDNN;
+* Note [Bands on flex]: in an sm90 training call ``auto`` runs wide windowed bands (``WIDE_ROWS`` rows or more) on
+  flex and joins a step's band and thin blocks into one flex call (the sink window is one call, the direct path);
+  narrow bands (spans' images, block_causal's frames) keep FA2 and their step is not joined; other GPUs, calls
+  without a backward (wide or not), bare calls, calls whose shapes vary and deterministic ones keep FA2; thick
+  blocks keep cuDNN;
 * the chunked mask at 128K plans per-chunk causal blocks on cuDNN, not a varlen call on FA2 (plan only);
 * a joined step computes what its blocks compute apart (forward and backward, W = 1 and a ring step);
 * flex's block masks of bands and joined calls, derived from row intervals, equal ``create_block_mask``'s.
@@ -56,19 +58,19 @@ def chosen(tasks, S: int, **runner) -> list[tuple[str, int, int, str]]:
             for t, k in r.kernels(tasks, (1, S, H, D), (1, S, HKV, D), BF16, "cuda")]
 
 
-def test_auto_ranks_flex_above_fa2_for_windowed_bands_on_sm90_only():
-    band = KernelCall("cuda", BF16, D, H, HKV, "band", arch=90, training=True)
+def test_auto_ranks_flex_above_fa2_for_wide_windowed_bands_on_sm90_only():
+    band = KernelCall("cuda", BF16, D, H, HKV, "band", arch=90, training=True, wide=True)
     assert select("auto", band).name == "flex"
     for other in (dict(arch=80), dict(arch=100), dict(training=False), dict(shapes_vary=True),
-                  dict(deterministic=True)):
+                  dict(deterministic=True), dict(wide=False)):
         assert select("auto", KernelCall(**{**band.__dict__, **other})).name == "flash", other
     assert select("auto", KernelCall(**{**band.__dict__, "mask": "joined"})).name == "flex"
     for name in ("cudnn", "flash", "efficient", "flash_attn"):
         assert KERNELS[name].not_supported_reasons(KernelCall(**{**band.__dict__, "mask": "joined"})), name
 
 
-def test_sink_window_is_one_flex_call_on_sm90(sm90):
-    S = 16384
+@pytest.mark.parametrize("S", [16384, 131072])
+def test_sink_window_is_one_flex_call_on_sm90(sm90, S):
     tasks = steps(S, False, masks.sink_window(4095, 4))[0]
     assert len(tasks) == 3                                # causal sinks, sink columns, the window band
     assert chosen(tasks, S) == [("Joined", S, S, "flex")]
@@ -82,11 +84,60 @@ def test_sink_window_is_one_flex_call_on_sm90(sm90):
 def test_plain_window_and_windowed_spans_on_sm90(sm90):
     S = 16384
     assert chosen(steps(S, True, window=(4095, 0))[0], S) == [("Band", S, S, "flex")]
+    r = TaskRunner("auto", 0.1, training=True)
+    assert r.direct(steps(S, True, window=(4095, 0))[0], (1, S, H, D), (1, S, HKV, D), (1, S, HKV, D), BF16,
+                    torch.device("cuda")) is not None
+    assert chosen(steps(S, True, window=(4095, 0))[0], S, training=False) == [("Band", S, S, "flash")]  # no grad
     gemma = masks.spans([(i * 1024 + 64, i * 1024 + 320) for i in range(16)], window=1023)
-    assert chosen(steps(S, False, gemma)[0], S) == [("Joined", S, S, "flex")]     # 16 images of 256: all thin
+    assert chosen(steps(S, False, gemma)[0], S) == [("Joined", S, S, "flex")]     # 16 narrow images of 256 join
     thick = masks.spans([(0, 4096)], window=1023)          # a 4K image seen whole keeps cuDNN and merges
     calls = chosen(steps(S, False, thick)[0], S)
     assert ("Band", 4096, 4096, "cudnn") in calls and sum(k == "flex" for *_, k in calls) == 1
+
+
+@pytest.mark.parametrize("case", ["spans", "block_causal"])
+def test_narrow_bands_keep_fa2_and_are_not_joined_on_sm90(sm90, case):
+    """Spans' 256-token images and block_causal's 32 frames at 16K (the bench's masks): their bands are an image's or
+    a frame's diagonal piece, 255 and 511 rows, so the training plan is the one before flex: the causal block on
+    cuDNN and the bands packed into one FA2 varlen call, not a joined flex call."""
+    S = 16384
+    if case == "spans":
+        mask, rows, n = masks.spans([(i * (S // 16) + 64, i * (S // 16) + 320) for i in range(16)]), 255, 16
+    else:
+        mask, rows, n = masks.block_causal(S // 32), 511, 32
+    tasks = steps(S, False, mask)[0]
+    bands = [t for t in tasks if t.mask.lo is not None]
+    assert len(bands) == n and {t.rows for t in bands} == {rows} and rows < executor_mod.WIDE_ROWS
+    span = (bands[0].q_start, bands[-1].q_stop)
+    for training in (True, False):
+        calls = sorted(chosen(tasks, S, training=training))
+        assert calls == [("Band", S, S, "cudnn"), ("Varlen", *(span[1] - span[0],) * 2, "flash")], training
+    r = TaskRunner("auto", 0.1, training=True)
+    assert r.direct(tasks, (1, S, H, D), (1, S, HKV, D), (1, S, HKV, D), BF16, torch.device("cuda")) is None
+    assert [k for _, k in r.kernels(tuple(bands[:1]), (1, S, H, D), (1, S, HKV, D), BF16, "cuda")] == ["flash"]
+
+
+def test_wide_rows_is_the_line_between_fa2_and_flex(sm90):
+    """A band of ``WIDE_ROWS`` rows is wide, one row fewer is not; block_causal's 4096-token frames at 128K (bands of
+    4095 rows) stay on FA2, packed; a sink window whose band falls short of the line keeps its three blocks apart."""
+    n = executor_mod.WIDE_ROWS
+    assert chosen(steps(n, True, window=(1023, 0))[0], n) == [("Band", n, n, "flex")]
+    assert chosen(steps(n - 1, True, window=(1023, 0))[0], n - 1) == [("Band", n - 1, n - 1, "flash")]
+    S = 131072
+    tasks = steps(S, False, masks.block_causal(4096))[0]
+    assert {t.rows for t in tasks if t.mask.lo is not None} == {n - 1}
+    assert sorted((form, k) for form, *_, k in chosen(tasks, S)) == [("Band", "cudnn"), ("Varlen", "flash")]
+    calls = chosen(steps(n, False, masks.sink_window(1023, 4))[0], n)     # the band has n - 4 rows
+    assert sorted(k for *_, k in calls) == ["cudnn", "cudnn", "flash"]
+
+
+def test_takes_delta_asks_narrow_and_wide_blocks(sm90, monkeypatch):
+    """Pass-Q's bundle carries Delta only if every kernel of a kind takes it: an sm90 training call's wide bands are on
+    flex (Delta) but its narrow ones on FA2 (folded rows), so "band" says no; "joined" is flex's alone."""
+    monkeypatch.setattr(executor_mod, "_sig", lambda q, k: (H, HKV, D, BF16, torch.device("cuda")))
+    r, x = TaskRunner("auto", 0.1, training=True), torch.zeros(1)
+    assert not r.takes_delta(x, x, frozenset({"band"}))
+    assert r.takes_delta(x, x, frozenset({"joined"}))
 
 
 def test_chunked_at_128k_plans_per_chunk_causal_blocks_on_cudnn(sm90):

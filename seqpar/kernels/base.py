@@ -66,6 +66,8 @@ class KernelCall:
     arch: int = 0               # the CUDA device's compute capability, 10 * major + minor (0: not CUDA, not known)
     training: bool = False      # a block of a planned call a backward follows (``TaskRunner``): a training step,
     #                             whose signature - and, without ``shapes_vary``, block shapes - recur step after step
+    wide: bool = False          # the block has at least ``executor.WIDE_ROWS`` query rows (``TaskRunner``): large
+    #                             enough that per-cell speed, not a call's fixed cost, decides (Note [Bands on flex])
 
     @property
     def dv(self) -> int:

@@ -30,28 +30,56 @@ Note [Bands on flex]
     3.62 ms sink window (16K tokens, window 4095 + 4 sinks, GQA 32/8, D 128, bf16), where compiled flex ran the
     whole mask - band and sink columns - in 2.61 ms (forward+backward 11.2 ms against seqpar's 14.2 ms;
     ``benchmarks/results/2026-11-25-h100-hardening``, run2). So, with no FlashAttention-3 to ask:
-    1. Flex ranks above both FA2s for a windowed band (mask kind "band": ``lo`` bounded) on ``BAND_ARCHS``
-       (sm90) when the block belongs to a training call with fixed shapes (``KernelCall.training``: a planned
-       call a backward follows, and not ``shapes_vary``). Flex compiles once per block shape (Note [Flex
-       recompiles]: seconds, and at most ``RECOMPILES`` variants): a training run pays it once, its signature
-       recurring step after step, but calls without a backward - serving's prefill, which meets prompts of every
-       length, and evaluation - would pay it per new length, so they keep FA2, as do bare calls, packed
-       documents, deterministic calls and other GPUs. A plain ``window_size=`` call is the same band and moves
-       too. Full and causal blocks stay on cuDNN, faster than flex (1.77 against 2.82 ms for two 8K causal
-       chunks). The choice is the declaration's, logged like every other (``seqpar.kernels``, INFO).
-    2. When flex serves a step's band, the runner joins the step's blocks into one flex call (a ``Joined`` mask
-       over their bounding box, ``_join``): every band flex serves, plus every full or causal block thin enough
-       that a call of its own costs more than flex computing it. Apart, a block costs a launch and a merge of
-       its rows (~5 ns per row: the profile's merge of the sink columns took 82 us for 16K rows); joined, flex
-       spends ~16 ps per (row, key) cell more than cuDNN ((2.82 - 1.77) ms over 67M cells above), so blocks of at
-       most ``JOIN_KEYS`` keys per row (5 ns / 16 ps), or of at most ``JOIN_PAIRS`` cells (a launch's ~15 us),
-       join. The sink window is then one flex call with the tiles of flex's own block mask for it; a thick
-       block (a 4K prompt seen whole) keeps cuDNN and merges. These are estimates from those two profiles; the
-       bench's table is the check.
-    3. A joined block covering the whole call is the direct path (flex's own autograd op, Note [Direct calls]).
+    1. Flex ranks above both FA2s for a wide windowed band - mask kind "band" (``lo`` bounded) with at least
+       ``WIDE_ROWS`` query rows (``KernelCall.wide``) - on ``BAND_ARCHS`` (sm90) when the block belongs to a
+       training call with fixed shapes (``KernelCall.training``: a planned call a backward follows, and not
+       ``shapes_vary``). Flex compiles once per block shape (Note [Flex recompiles]: seconds, and at most
+       ``RECOMPILES`` variants): a training run pays it once, its signature recurring step after step. Bare calls,
+       packed documents, deterministic calls and other GPUs keep FA2, and so do calls without a backward (5.). A
+       plain ``window_size=`` call is the same band and moves too. Full and causal blocks stay on cuDNN, faster than
+       flex (1.77 against 2.82 ms for two 8K causal chunks). The choice is the declaration's, logged like every
+       other (``seqpar.kernels``, INFO).
+    2. Only wide bands: flex wins on a band's cells and loses on its call. On one H200
+       (``benchmarks/results/2026-11-25-h200-masks``: W = 1, GQA 32/8, D 128, bf16; seqpar over flex called
+       directly, training forward / forward+backward) the wide bands won: the sink window 1.04 / 1.06 at 16K and
+       1.02 / 1.06 at 128K (FA2: 1.27 forward+backward, on the H100), ``window_size=(4095, 0)`` 1.07 / 1.04 and
+       1.05 / 1.03, its forward+backward 9.99 and 85.27 ms against FA2's 11.82 and 101.79 ms - 0.11 to 0.13 us
+       saved per row of a 4095-key band. The narrow ones lost: spans' 16 images of 256 tokens (bands of 255 rows)
+       went from 0.81 to 0.92 of flex's forward+backward and block_causal's 32 frames (511 rows) from 0.91 to 0.96
+       (H100 before, H200 now: ratios to flex on the same card), about 2.2 and 1.0 ms of the H200's 20.3 and 20.0
+       ms, for one joined flex call - a compiled call's host dispatch, and a backward that recomputes its forward
+       (the engine path; both wins above ran the direct path, 4.) - in place of one FA2 varlen call.
+       ``WIDE_ROWS`` is 4096, between the 511 rows that lost and the 16380 that won: ``GROUP_ROWS``, the size
+       from which a block is no longer launch-bound and keeps its own call, so a narrow band gets back the plan
+       it had, packed with its siblings into one FA2 varlen call; and below it flex saves under 0.5 ms on a
+       4095-key band (0.11 us a row), less than the narrow bands' call cost. It is the least size that could win,
+       not a measured break-even: bands of 4K to 16K rows (block_causal's frames at 128K have 4095) are the
+       bench's next rows. ``wide`` is one coarse bit, not the size: selection is cached per ``KernelCall``, where
+       a size would make an entry per block shape.
+    3. When flex serves a step's wide band, the runner joins the step's blocks into one flex call (a ``Joined``
+       mask over their bounding box, ``_join``): every band flex serves, plus every full or causal block and
+       every narrow band thin enough that a call of its own costs more than flex computing it. Apart, a block
+       costs a launch and a merge of its rows (~5 ns per row: the H100 profile's merge of the sink columns took
+       82 us for 16K rows); joined, flex spends ~16 ps per (row, key) cell more than cuDNN ((2.82 - 1.77) ms over
+       67M cells above), so blocks of at most ``JOIN_KEYS`` keys per row (5 ns / 16 ps), or of at most
+       ``JOIN_PAIRS`` cells (a launch's ~15 us), join. The sink window is then one flex call with the tiles of
+       flex's own block mask for it; windowed spans' images join their window's call; a thick block (a 4K
+       prompt seen whole) keeps cuDNN and merges. A step without a wide band on flex is not joined: spans'
+       images and block_causal's frames run as before, one FA2 varlen call beside the causal block on cuDNN.
+       These are estimates from two profiles; the bench's table is the check.
+    4. A joined block covering the whole call is the direct path (flex's own autograd op, Note [Direct calls]).
+    5. Calls without a backward keep FA2, wide bands included. Flex would take the 16K no-grad forward from 1.38x
+       to 1.05x of flex (the sink window 2.95 ms against seqpar's 3.87 ms, the window 2.72 against 3.43), but
+       nothing a runner sees tells a no-grad call whose signature recurs (evaluation) from serving's prefill:
+       the cache fills through ``seqpar.attention`` (``seqpar.inference.attend._fill``) like any caller -
+       no grad, ``return_lse=True``, fixed shapes when a prompt needs no padding and fits one row group - and
+       ``TaskRunner.of`` reads the same ``Call`` either way. Flex compiles with ``dynamic=False`` and raises past
+       ``RECOMPILES`` variants, so a server meeting prompts of that many lengths would fail, not slow down. A
+       signal would be a new argument or the cache marking its calls; until one exists, no-grad calls with fixed
+       shapes can name ``kernel="flex"``.
     ``benchmarks/gpu/masks_1gpu.py`` measures it (the w1 section: every named mask, and ``window_size=`` on auto
-    against the same call on FA2, against flex called directly); ``BAND_ARCHS`` is the one place to change if a
-    GPU says otherwise.
+    against the same call on FA2, against flex called directly); ``BAND_ARCHS`` and ``WIDE_ROWS`` are the places
+    to change if a GPU says otherwise.
 """
 
 from __future__ import annotations
@@ -68,8 +96,8 @@ from ..numerics import GradRows, acc_dtype
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, device_arch, mask_kind, select
 
-__all__ = ["GROUP_AT", "GROUP_ROWS", "JOIN_KEYS", "JOIN_PAIRS", "MEMO_SIZE", "VARLEN_BWD_ROWS", "TaskRunner",
-           "row_groups"]
+__all__ = ["GROUP_AT", "GROUP_ROWS", "JOIN_KEYS", "JOIN_PAIRS", "MEMO_SIZE", "VARLEN_BWD_ROWS", "WIDE_ROWS",
+           "TaskRunner", "row_groups"]
 
 GROUP_AT = 3
 """Tasks of one step from which ``TaskRunner.prepare`` packs them into varlen calls."""
@@ -85,6 +113,10 @@ JOIN_KEYS = 320
 """Keys per query row up to which a full or causal block joins its step's flex call (Note [Bands on flex])."""
 JOIN_PAIRS = 1 << 20
 """Cells (rows x keys) up to which a block joins its step's flex call whatever its width: a launch's worth."""
+WIDE_ROWS = 4096
+"""Query rows from which a block is wide (``KernelCall.wide``): a windowed band that wide runs on flex in an sm90
+training call, a narrower one keeps FA2 (Note [Bands on flex]: bands of 255 and 511 rows lost on flex, of 16380
+and more won; ``GROUP_ROWS``, from which a block keeps its own call)."""
 
 Sig = tuple[int, int, int, torch.dtype, torch.device]
 """What a kernel choice depends on besides the block: (heads, KV heads, head dim, dtype, device)."""
@@ -159,16 +191,19 @@ class TaskRunner:
         """The kernel for this kind of block (``dv``: the value head dim, default q's)."""
         return self._kernel(task, _sig(q, k), dv)
 
-    def _kernel(self, task: Task, sig: Sig, dv: int | None = None) -> Kernel:
+    def _kernel(self, task: Task, sig: Sig, dv: int | None = None, *, wide: bool | None = None) -> Kernel:
+        """The kernel of ``task``'s kind of block; ``wide`` (default: from its rows, ``WIDE_ROWS``) overrides the
+        block's size class (``takes_delta`` asks for both)."""
         single = task.rows == 1 and task.cols == 1
+        wide = task.rows >= WIDE_ROWS if wide is None else wide
         kind = mask_kind(task.mask)
         heads, kv_heads, head_dim, dtype, device = sig
-        key = (kind, single, heads, kv_heads, head_dim, dv, dtype, device.type)
+        key = (kind, single, wide, heads, kv_heads, head_dim, dv, dtype, device.type)
         kern = self._chosen.get(key)
         if kern is None:
             call = KernelCall(device.type, dtype, head_dim, heads, kv_heads, kind, self.deterministic, single,
                               0 if dv is None or dv == head_dim else dv, self.softcap > 0, self.shapes_vary,
-                              device_arch(device), self.training)
+                              device_arch(device), self.training, wide)
             kern = self._chosen[key] = select(self.kernel, call)
         return kern
 
@@ -224,15 +259,16 @@ class TaskRunner:
         return joined[:1] + self._packed(joined[1:], sig)
 
     def _join(self, tasks: tuple[Task, ...], sig: Sig) -> tuple[Task, ...]:
-        """``tasks`` with the bands a joining kernel serves and the thin full or causal blocks as one ``Joined``
-        task first (Note [Bands on flex]), or ``tasks`` itself."""
+        """``tasks`` with the bands a joining kernel serves and the thin blocks (full, causal or a narrow band) as
+        one ``Joined`` task first (Note [Bands on flex]), or ``tasks`` itself: a step none of whose bands is on a
+        joining kernel (narrow bands, no-grad calls) is not joined."""
         try:
             anchors = [t for t in tasks if _is_band(t) and self._kernel(t, sig).joins]
         except UnsupportedInputError:
             return tasks
         if not anchors:
             return tasks
-        members = [t for t in tasks if t in anchors or (isinstance(t.mask, Band) and not _is_band(t)
+        members = [t for t in tasks if t in anchors or (isinstance(t.mask, Band)
                                                         and (t.cols <= JOIN_KEYS or t.rows * t.cols <= JOIN_PAIRS))]
         if len(members) < 2:
             return tasks
@@ -266,7 +302,8 @@ class TaskRunner:
         return grouped
 
     def takes_delta(self, q: torch.Tensor, k: torch.Tensor, kinds: frozenset[str], dv: int | None = None) -> bool:
-        """Whether the kernels of every mask kind in ``kinds`` take a precomputed Delta (pass-Q's bundle)."""
+        """Whether the kernels of every mask kind in ``kinds``, narrow and wide blocks alike (a band's kernel
+        depends on its rows: Note [Bands on flex]), take a precomputed Delta (pass-Q's bundle)."""
         probe = {"full": (1, 1, None, None), "causal": (2, 2, None, 0), "band": (2, 2, 0, 0)}
         for kind in sorted(kinds):
             if kind == "varlen":
@@ -278,7 +315,7 @@ class TaskRunner:
             else:
                 m, n, lo, hi = probe[kind]
                 task = Task(0, m, 0, n, Band(lo, hi))
-            if not self.kernel_for(q, k, task, dv).takes_delta:
+            if not all(self._kernel(task, _sig(q, k), dv, wide=w).takes_delta for w in (False, True)):
                 return False
         return True
 

@@ -6,8 +6,8 @@ batch's, so those keep only ``VARLEN_MASKS`` entries (``_block_mask``). A band's
 derived from each row's intervals of visible keys (``_tiles``: O(rows x tiles), where eager ``create_block_mask``
 holds an S x S bool tensor and its int64 temporaries, over 100 GiB at 128K); the same tiles, in the same order,
 as ``create_block_mask`` (``tests/test_masks_kernels.py``). On Hopper ``auto`` prefers flex to FA2 for
-windowed bands, and a step's band and thin blocks run as one flex call (Note [Bands on flex] in
-``seqpar.kernels.executor``).
+wide windowed bands of training calls, and a step's band and thin blocks run as one flex call (Note [Bands on flex]
+in ``seqpar.kernels.executor``).
 Score capping (``softcap``) is a ``score_mod``; every head dim from 16 to 256 (powers of two or not) and a value
 head dim that differs from the key head dim are served (probed forward and backward, ``sdpa.py``'s probe note).
 Flex keeps its lse in base 2 internally; the public lse output is converted in ``_natural_lse`` (the one
@@ -241,8 +241,9 @@ def _softcap_mod(softcap: float, device: torch.device):
 
 
 BAND_ARCHS = frozenset({90})
-"""Compute capabilities (10 * major + minor) where flex outruns FA2 on windowed bands (Note [Bands on flex] in
-``seqpar.kernels.executor``: measured on the H100; A100's FA2 is its own kernel's home, Blackwell unmeasured)."""
+"""Compute capabilities (10 * major + minor) where flex outruns FA2 on wide windowed bands (Note [Bands on flex] in
+``seqpar.kernels.executor``: measured on the H100 and the H200; A100's FA2 is its own kernel's home, Blackwell
+unmeasured)."""
 BAND_RANK = 85
 """Flex's rank for such a band: above both FA2s (``flash_attn`` 80, ``flash`` 70); cuDNN serves no window."""
 
@@ -257,11 +258,12 @@ class FlexKernel(Kernel):
     joins = True
 
     def rank(self, call: KernelCall) -> int | None:
-        """``BAND_RANK`` for a windowed band of a training call with fixed block shapes on a ``BAND_ARCHS`` GPU
-        (Note [Bands on flex]): flex compiles once per block shape, which a training run pays once; calls without a
-        backward (serving's prefill meets prompts of every length), shapes from the batch and deterministic calls
-        keep FA2."""
-        if (call.mask == "band" and call.arch in BAND_ARCHS and call.training and not call.shapes_vary
+        """``BAND_RANK`` for a wide windowed band (``KernelCall.wide``) of a training call with fixed block shapes
+        on a ``BAND_ARCHS`` GPU (Note [Bands on flex]): flex compiles once per block shape, which a training run pays
+        once, and wins only where a band is large enough to repay its call; narrow bands (an image's or a frame's
+        diagonal piece), calls without a backward (serving's prefill meets prompts of every length), shapes from
+        the batch and deterministic calls keep FA2."""
+        if (call.mask == "band" and call.wide and call.arch in BAND_ARCHS and call.training and not call.shapes_vary
                 and not call.deterministic):
             return BAND_RANK
         return super().rank(call)
