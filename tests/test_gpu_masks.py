@@ -74,6 +74,16 @@ WINDOWED = [(False, masks.sink_window(127, 4), (-1, -1)), (False, masks.spans([(
             (-1, -1)), (True, None, (200, 0))]
 
 
+@pytest.fixture
+def wide_at_256(monkeypatch):
+    """These tests' 1K-token bands count as wide (Note [Bands on flex]: ``WIDE_ROWS`` is 4096), so the flex and
+    joined paths run on an sm90 card."""
+    import seqpar.kernels.executor as ex
+
+    monkeypatch.setattr(ex, "WIDE_ROWS", 256)
+
+
+@pytest.mark.usefixtures("wide_at_256")
 @pytest.mark.parametrize("return_lse", [False, True])
 @pytest.mark.parametrize("causal,mask,window", WINDOWED, ids=["sink_window", "spans_window", "window_size"])
 def test_windowed_bands_on_auto(causal, mask, window, return_lse):
@@ -83,6 +93,18 @@ def test_windowed_bands_on_auto(causal, mask, window, return_lse):
     _check(res.out if return_lse else res, q, k, v, causal, mask, window=window)
 
 
+@pytest.mark.parametrize("length", [127, 200, 4100])
+def test_flex_serves_a_band_of_any_length(length):
+    """A band of a length no tile divides, forced onto flex in a training call (the 8B recipe's warm-up met a
+    127-row band there): flex lowers it and matches the oracle."""
+    g = torch.Generator(device="cuda").manual_seed(length)
+    q, k, v = [torch.randn(1, length, h, 64, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for h in (8, 2, 2)]
+    out = seqpar.attention(q, k, v, causal=True, window_size=(length // 3, 0), kernel="flex", layout="contiguous")
+    _check(out, q, k, v, True, None, window=(length // 3, 0))
+
+
+@pytest.mark.usefixtures("wide_at_256")
 def test_sm90_runs_the_sink_window_as_one_flex_call():
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("Note [Bands on flex] is declared for sm90")
