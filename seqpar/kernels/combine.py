@@ -41,7 +41,7 @@ import torch
 
 from ..numerics import acc_dtype
 
-__all__ = ["keep_tables", "merge_parts", "pieces", "sum_parts"]
+__all__ = ["host_table", "keep_tables", "merge_parts", "pieces", "sum_parts"]
 
 Part = tuple[slice, torch.Tensor, torch.Tensor]
 
@@ -57,6 +57,17 @@ def keep_tables(into: list[torch.Tensor]) -> Iterator[None]:
         yield
     finally:
         _KEEP.pop()
+
+
+def host_table(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table`` (a small host tensor) on ``device`` through pinned memory and a non-blocking copy, legal inside a
+    CUDA graph capture: the pinned tensor is kept as long as the graph (Note [Tables under capture])."""
+    table = table.pin_memory()
+    if _KEEP:
+        _KEEP[-1].append(table)
+    elif torch.cuda.is_current_stream_capturing():
+        _FOREIGN.append(table)               # a caller's capture (reduce-overhead): kept for its graph's life
+    return table.to(device, non_blocking=True)
 
 
 def pieces(rows: Sequence[slice], length: int) -> list[tuple[int, int, list[int]]]:
@@ -162,11 +173,6 @@ def _triton_pass(views: list[tuple[torch.Tensor, torch.Tensor | None]], out_BSHD
         row = [x.data_ptr(), x.stride(0), x.stride(1), x.stride(2)]
         row += [lv.data_ptr(), lv.stride(0), lv.stride(1), lv.stride(2)] if lv is not None else [0, 0, 0, 0]
         rows.append(row)
-    table = torch.tensor(rows, dtype=torch.int64).pin_memory()
-    if _KEEP:
-        _KEEP[-1].append(table)
-    elif torch.cuda.is_current_stream_capturing():
-        _FOREIGN.append(table)               # a caller's capture (reduce-overhead): kept for its graph's life
-    table_d = table.to(out_BSHD.device, non_blocking=True)
+    table_d = host_table(torch.tensor(rows, dtype=torch.int64), out_BSHD.device)
     dtypes = (views[0][0].dtype, views[-1][0].dtype)
     _triton().launch(table_d, len(views), out_BSHD, lse_BHS, dtypes, weighted)

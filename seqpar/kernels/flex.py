@@ -45,6 +45,15 @@ def _lse_request() -> dict:
     return {"return_aux": AuxRequest(lse=True)}
 
 
+def _options(q: torch.Tensor) -> dict:
+    """Kernel options for a call with ``q (B, S, H, D)``: under ``SPARSE_BLOCK`` query rows flex's heuristic picks its
+    decoding kernel, which found no valid configuration for seqpar's block masks on an H100 (a 127-row band,
+    ``tests/test_gpu_masks.py``); such calls ask for the standard Triton kernel (``BACKEND``, torch >= 2.9)."""
+    if q.device.type != "cuda" or q.shape[1] >= SPARSE_BLOCK:
+        return {}
+    return {"kernel_options": {"BACKEND": "TRITON"}}
+
+
 RECOMPILES = 128
 """Compiled variants flex may hold (one per mask family, shape and head dim; Note [Flex recompiles])."""
 
@@ -287,7 +296,7 @@ class FlexKernel(Kernel):
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
         o, lse = _flex(q.device)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale,
-                             score_mod=mod, enable_gqa=q.shape[2] != k.shape[2], **_lse_request())
+                             score_mod=mod, enable_gqa=q.shape[2] != k.shape[2], **_lse_request(), **_options(q))
         return AttnOutput(o.transpose(1, 2), _natural_lse(lse if torch.is_tensor(lse) else lse.lse))
 
     def direct(self, mask: Mask) -> bool:
@@ -298,7 +307,7 @@ class FlexKernel(Kernel):
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
         o = _flex(q.device)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale,
-                            score_mod=mod, enable_gqa=q.shape[2] != k.shape[2])
+                            score_mod=mod, enable_gqa=q.shape[2] != k.shape[2], **_options(q))
         return o.transpose(1, 2)
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
+from collections import OrderedDict
 
 import torch
 
@@ -36,6 +38,7 @@ from ..masks import Band, Mask, Varlen, bottom_right_window
 from ..numerics import acc_dtype
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, band_of, register
+from .combine import host_table
 from .merge import merge_
 
 __all__ = ["CudnnKernel", "EfficientKernel", "FlashKernel", "causal_parts", "cudnn_max_head_dim", "merge_parts",
@@ -172,13 +175,34 @@ class CudnnKernel(Kernel):
         return split_backward(lambda *a: self._bwd(*a, scale=scale), do, q, k, v, out, lse, band_of(mask))
 
 
-@functools.lru_cache(maxsize=32)
+CU_TENSORS = 128
+"""Varlen offset tensors kept (``_cu_tensor``), least recently used dropped first."""
+_CU: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_CU_LOCK = threading.Lock()
+
+
 def _cu_tensor(cu: tuple[int, ...], batch: int, stride: int, device: torch.device) -> torch.Tensor:
     """Varlen offsets for ``batch`` packed copies of one row layout (``stride`` rows each), int32. Cached for the
-    calls of one packed batch (a ring step's query and key offsets, forward and backward: 2 per step, at most 32
-    distinct ones for W <= 16); a batch that is gone leaves at most a few small device tensors behind."""
-    full = [c + b * stride for b in range(batch) for c in (cu if b == 0 else cu[1:])]
-    return torch.tensor(full, dtype=torch.int32, device=device)
+    calls of one packed batch (a ring step's query and key offsets, forward and backward: 2 per step; a masked
+    call's document pieces add more); a batch that is gone leaves at most ``CU_TENSORS`` small tensors behind.
+    A miss inside a CUDA graph capture is copied through pinned memory (Note [Tables under capture] in
+    ``seqpar.kernels.combine``) and not cached: the graph owns it."""
+    key = (cu, batch, stride, device)
+    with _CU_LOCK:
+        hit = _CU.get(key)
+        if hit is not None:
+            _CU.move_to_end(key)
+            return hit
+    host = torch.tensor([c + b * stride for b in range(batch) for c in (cu if b == 0 else cu[1:])],
+                        dtype=torch.int32)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return host_table(host, device)
+    t = host.to(device)
+    with _CU_LOCK:
+        _CU[key] = t
+        while len(_CU) > CU_TENSORS:
+            _CU.popitem(last=False)
+    return t
 
 
 def _rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
