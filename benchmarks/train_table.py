@@ -8,7 +8,7 @@ Reads what ``examples/train_long_context.py`` writes: its recipe records (``--js
 and per search) and its run logs (``--out``: a header with the config, one line per step, a summary). Prints one
 markdown table per model and GPU count (rank 0 of W on one GPU is labelled "emulated"), then the budget model
 (Note [Memory budget model]). ``--svg`` draws peak GPU memory against sequence length, measured points and the
-model's lines, as SVG text written here (no plotting package). ``docs/TRAINING_TABLE.md`` is the README text made
+model's lines, as SVG text written here (no plotting package). README.md's "How long can I train" is made
 from it; ``tests/test_train_table.py`` runs it on the committed records.
 
 Note [Memory budget model]

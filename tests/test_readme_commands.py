@@ -46,6 +46,7 @@ REDUCED = {
 HELP_ONLY = {
     "python -m seqpar.planner.fit": "fits the benchmark result files (benchmarks/results/...) in ~5 minutes",
     "python benchmarks/bench_call_cost.py": "a benchmark: a minute of timing, meaningless on a busy machine",
+    "python benchmarks/gpu/train_8b.py --out r8b.jsonl --phases step": "Llama-3-8B at 1M tokens: minutes of an H100",
 }
 
 
