@@ -109,11 +109,17 @@ def test_auto_passes_over_plan_per_shape_kernels_when_shapes_vary(monkeypatch):
     finally:
         select.cache_clear()
 
+    from seqpar.config import AttentionConfig
+    from seqpar.methods.base import Call
+
     def runner(**cfg):
-        base = dict(kernel="auto", deterministic=False, softcap=0.0, cu_seqlens=None, valid_len=None)
-        return TaskRunner.of(SimpleNamespace(cfg=SimpleNamespace(**{**base, **cfg}), scale=0.1))
+        call = SimpleNamespace(cfg=AttentionConfig(layout="balanced" if "cu_seqlens" in cfg else "zigzag", **cfg),
+                               scale=0.1, seq_len=8)
+        call.shapes_vary = Call.shapes_vary.fget(call)
+        return TaskRunner.of(call)
     assert not runner().shapes_vary
-    assert runner(cu_seqlens=(0, 5, 8)).shapes_vary and runner(valid_len=7).shapes_vary
+    assert runner(cu_seqlens=(0, 5, 8)).shapes_vary and runner(seq_len=7).shapes_vary
+    assert runner(cu_seqlens=(0, 7)).shapes_vary                   # one document and padding: a valid length
     assert not runner(cu_seqlens=(0, 8)).shapes_vary              # one document: the shapes of the length
 
 

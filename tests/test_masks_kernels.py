@@ -146,10 +146,17 @@ def test_chunked_at_128k_plans_per_chunk_causal_blocks_on_cudnn(sm90):
     want = [("Band", size, size, "cudnn")] * (S // size)
     assert chosen(tasks, S) == want                       # GROUP_ROWS: no FA2 varlen call
     assert all(t.mask == Band(None, 0) for t in tasks)
+    from types import SimpleNamespace
+
+    from seqpar.config import AttentionConfig
+    from seqpar.methods.base import Call
+
     for docs in (None, (0, S)):                           # one document (balanced layouts) keeps fixed shapes
-        cfg = dict(kernel="auto", deterministic=False, softcap=0.0, cu_seqlens=docs, valid_len=None)
+        cfg = AttentionConfig(layout="balanced" if docs else "zigzag", cu_seqlens=docs, mask=masks.chunked(size))
         for grad in (False, True):
-            runner = TaskRunner.of(type("Call", (), {"cfg": type("Cfg", (), cfg), "scale": 0.1, "grad": grad}))
+            call = SimpleNamespace(cfg=cfg, scale=0.1, grad=grad, seq_len=S)
+            call.shapes_vary = Call.shapes_vary.fget(call)
+            runner = TaskRunner.of(call)
             assert not runner.shapes_vary and runner.training is grad
     packed = chosen(tasks, S, shapes_vary=True)           # documents: one FA2 varlen call, no cuDNN plan per shape
     assert packed == [("Varlen", S, S, "flash")]

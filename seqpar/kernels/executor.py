@@ -169,14 +169,12 @@ class TaskRunner:
     @classmethod
     def of(cls, call: Any) -> TaskRunner:
         """The runner of a planned call (``methods.base.Call``): its kernel, scale and options; its blocks' shapes
-        vary batch to batch when it has several documents or a valid length (Note [Plans per shape]); one
-        document over the whole sequence (a balanced layout's ``(0, S)``) keeps fixed shapes. A call a backward
-        follows is a training step (Note [Bands on flex])."""
+        vary batch to batch when it has several documents or a valid length short of the global one
+        (``Call.shapes_vary``, Note [Plans per shape]); one document over the whole sequence (a balanced layout's
+        ``(0, S)``) keeps fixed shapes. A call a backward follows is a training step (Note [Bands on flex])."""
         cfg = call.cfg
-        docs = cfg.cu_seqlens
         return cls(cfg.kernel, call.scale, deterministic=cfg.deterministic, softcap=cfg.softcap,
-                   shapes_vary=(docs is not None and len(docs) > 2) or cfg.valid_len is not None,
-                   training=bool(getattr(call, "grad", False)))
+                   shapes_vary=call.shapes_vary, training=bool(getattr(call, "grad", False)))
 
     def _memoized(self, key: tuple, make) -> Any:
         """``make()``, computed once per ``key`` for this runner (Note [Runner memos])."""
