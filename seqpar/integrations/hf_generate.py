@@ -24,17 +24,7 @@ Padding: a batch's rows may start late (left padding, the layout for generation;
 inferred from ``pad_token_id`` as transformers does); a row never sees its padding, and RoPE positions count
 from its first real token, as transformers computes them. Not supported (refused): beam search,
 ``num_return_sequences > 1``, assisted decoding, ``inputs_embeds``, right padding, media of models other than
-Gemma 3 (Note [The prefill's dead attention]
-    ``prefill`` runs the decoder over the prompt for the keys and values it stores and discards the hidden
-    states (``model.generate``'s first forward computes the last prompt token's own, with its logits). The last
-    decoder layer's attention output over the prompt feeds only that layer's MLP and the final norm, whose
-    results are discarded, so that layer stores its keys and values and skips its attention: no kernel, no
-    exchange, zeros returned (``attend_stored(output=False)``), on every rank alike. It saves 1/L of the
-    prefill's attention (a 32-layer model: 3%; the inference bench's 4-layer model: a quarter), the way
-    transformers' ``logits_to_keep`` skips the logits nobody reads. The layer's projections and MLP still run
-    on the zeros (they are the model's code), and nothing the cache keeps changes.
-
-Note [Images in generate]).
+Gemma 3 (Note [Images in generate]).
 
 Special masks: sliding layers keep their own window each (interleaved sliding and global layers: Gemma 2/3,
 gpt-oss, Qwen), with the cache evicting what no later query sees. Llama 4's position-scaled NoPE queries are
@@ -66,6 +56,16 @@ Note [Padding checked a step behind]
     ends. On CUDA the verdict is copied to pinned host memory as soon as it is computed, so the read waits on
     an event and launches nothing after the call's last kernel. A bad mask still raises on every rank before
     ``generate`` returns anything.
+
+Note [The prefill's dead attention]
+    ``prefill`` runs the decoder over the prompt for the keys and values it stores and discards the hidden
+    states (``model.generate``'s first forward computes the last prompt token's own, with its logits). The last
+    decoder layer's attention output over the prompt feeds only that layer's MLP and the final norm, whose
+    results are discarded, so that layer stores its keys and values and skips its attention: no kernel, no
+    exchange, zeros returned (``attend_stored(output=False)``), on every rank alike. It saves 1/L of the
+    prefill's attention (a 32-layer model: 3%; the inference bench's 4-layer model: a quarter), the way
+    transformers' ``logits_to_keep`` skips the logits nobody reads. The layer's projections and MLP still run
+    on the zeros (they are the model's code), and nothing the cache keeps changes.
 
 Note [Images in generate]
     Gemma 3 (``Gemma3ForConditionalGeneration``) with ``pixel_values`` and ``token_type_ids``: every rank
