@@ -185,8 +185,9 @@ def _cu_tensor(cu: tuple[int, ...], batch: int, stride: int, device: torch.devic
     """Varlen offsets for ``batch`` packed copies of one row layout (``stride`` rows each), int32. Cached for the
     calls of one packed batch (a ring step's query and key offsets, forward and backward: 2 per step; a masked
     call's document pieces add more); a batch that is gone leaves at most ``CU_TENSORS`` small tensors behind.
-    A miss inside a CUDA graph capture is copied through pinned memory (Note [Tables under capture] in
-    ``seqpar.kernels.combine``) and not cached: the graph owns it."""
+    A miss is copied through pinned memory without blocking (``combine.host_table``: no wait for the device
+    queue inside a ring step, and legal inside a CUDA graph capture, whose miss is not cached: the graph owns
+    it, Note [Tables under capture])."""
     key = (cu, batch, stride, device)
     with _CU_LOCK:
         hit = _CU.get(key)
@@ -195,9 +196,11 @@ def _cu_tensor(cu: tuple[int, ...], batch: int, stride: int, device: torch.devic
             return hit
     host = torch.tensor([c + b * stride for b in range(batch) for c in (cu if b == 0 else cu[1:])],
                         dtype=torch.int32)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return host_table(host, device)
-    t = host.to(device)
+    if device.type != "cuda":
+        return host
+    t = host_table(host, device)
+    if torch.cuda.is_current_stream_capturing():
+        return t
     with _CU_LOCK:
         _CU[key] = t
         while len(_CU) > CU_TENSORS:
