@@ -83,8 +83,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
             ``seqpar.verification``; a collective; use ``verify=(step % N == 0)`` on every rank).
         graphs: run the planned call's forward and backward as CUDA graphs (Note [Graphed calls] in
             ``seqpar.runtime.graphs``): the host cost of a call becomes one replay. None (auto): on CUDA with
-            several ranks, at most ``GRAPH_ROWS`` (8192) local rows and no ``cu_seqlens`` - the short chunks
-            where a call is host-bound; True: always (CUDA only); False: never. A capture that fails raises
+            several ranks, at most ``GRAPH_ROWS`` (8192) local rows and no documents beyond one over the whole
+            sequence - the short chunks where a call is host-bound; True: always (CUDA only); False: never. A
+            capture that fails raises
             (pass False); graphs on NCCL groups of several GPUs have not yet been run on hardware.
             Not inside another capture (``torch.compile(mode="reduce-overhead")``): there the call is captured
             with the caller's graph.
