@@ -85,8 +85,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
             ``seqpar.runtime.graphs``): the host cost of a call becomes one replay. None (auto): on CUDA with
             several ranks, at most ``GRAPH_ROWS`` (8192) local rows and no documents beyond one over the whole
             sequence - the short chunks where a call is host-bound; True: always (CUDA only); False: never. A
-            capture that fails raises
-            (pass False); graphs on NCCL groups of several GPUs have not yet been run on hardware.
+            capture that fails raises (pass False); graphs on NCCL groups of several GPUs have not yet been run
+            on hardware.
             Not inside another capture (``torch.compile(mode="reduce-overhead")``): there the call is captured
             with the caller's graph.
         mask_mod: a named mask from ``seqpar.masks`` (``chunked``, ``spans``, ``prefix_lm``, ``block_causal``,
