@@ -1,0 +1,115 @@
+"""Where a call's host time goes: rank r of W on a fake group, one GPU (emulated, communication free).
+
+    python3 benchmarks/gpu/probe_host.py --out DIR [--world 8] [--cases packed32,packed128,dense16]
+
+For each case (method/layout x mode): the host milliseconds of one call from an idle GPU (median of 10), the call's
+total time, the GPU operations it launches (name and microseconds, from torch.profiler), and cProfile's top
+functions by own time and by cumulative time over 20 calls. One text file per case in DIR, and a summary line per
+case on stdout. The packed rows are the bench's (``seqpar.bench.packing``, seed 7, documents rounded to 2W).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import seqpar
+from seqpar.bench.packing import packed_row
+
+H, HKV, D = 32, 8, 128
+
+
+def case_fn(method: str, layout: str, mode: str, total: int, cu: tuple[int, ...] | None, W: int):
+    dev = torch.device("cuda")
+    where = {"method": method, "layout": layout}
+    if cu is not None:
+        where["cu_seqlens"] = cu
+    full = [torch.randn(1, total, h, D, device=dev, dtype=torch.bfloat16) for h in (H, HKV, HKV, H)]
+    q, k, v, do = (seqpar.shard(t, **where) for t in full)
+    kw = dict(where, check_ranks=False)
+    if cu is not None:
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
+    if mode == "fwd":
+        def fn():
+            with torch.no_grad():
+                return seqpar.attention(q, k, v, **kw)
+        return fn
+    leaves = tuple(t.requires_grad_() for t in (q, k, v))
+    return lambda: torch.autograd.grad(seqpar.attention(*leaves, **kw), leaves, do)
+
+
+def probe(name: str, fn, out: Path) -> str:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    host, total = [], []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+        total.append((time.perf_counter() - t0) * 1e3)
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ops = [(ev.name, ev.time_range.elapsed_us()) for ev in prof.events()
+           if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.elapsed_us() > 0]
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(20):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf)
+    st.sort_stats("tottime").print_stats(35)
+    st.sort_stats("cumtime").print_stats(45)
+    line = (f"{name}: host {statistics.median(host):.3f} ms, call {statistics.median(total):.3f} ms, "
+            f"{len(ops)} GPU ops, {sum(u for _, u in ops) / 1e3:.3f} ms of GPU op time")
+    with (out / f"{name.replace('/', '_')}.txt").open("w") as f:
+        f.write(line + "\n\nGPU ops:\n" + "\n".join(f"  {u:8.1f} us  {n[:150]}" for n, u in ops))
+        f.write("\n\ncProfile, 20 calls:\n" + buf.getvalue())
+        f.write("\n\nprofiler CPU table:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    return line
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--cases", default="packed32,packed128,dense16")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    W = args.world
+    dist.init_process_group("fake", rank=0, world_size=W, store=FakeStore())
+    for case in args.cases.split(","):
+        if case.startswith("packed"):
+            total = int(case[6:]) * 1024
+            cu = packed_row(total, "lognormal", seed=7, multiple=2 * W)
+            configs = [("ulysses", "contiguous"), ("ring", "zigzag"), ("ring", "balanced"), ("allgather", "balanced")]
+        else:
+            total, cu = int(case[5:]) * 1024, None
+            configs = [("ring", "zigzag"), ("ulysses", "contiguous")]
+        for method, layout in configs:
+            for mode in ("fwd", "fwd+bwd"):
+                name = f"{case}-{method}-{layout}-{mode}"
+                try:
+                    print(probe(name, case_fn(method, layout, mode, total, cu, W), out), flush=True)
+                except Exception as e:          # a probe: report and go on
+                    print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
