@@ -156,3 +156,102 @@ def test_triton_merge_and_sum_equal_the_torch_pass(dtype):
     s = combine.sum_parts([(r, o) for r, o, _ in parts], shape, torch.float32)
     s_ref = combine.sum_parts([(r, o.cpu().float()) for r, o, _ in parts], shape, torch.float32)
     torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ covered rows (Note [Covered rows])
+
+def _gappy(S=40, B=1, H=2, D=4, dtype=torch.float32, device="cpu"):
+    """Partials whose rows outside their covered ranges are (0, -inf), as a varlen call's gap rows are."""
+    g = torch.Generator().manual_seed(3)
+    spec = [(slice(0, S), None), (slice(5, 37), ((0, 4), (10, 20))), (slice(2, 30), ((3, 28),)),
+            (slice(8, 40), ((0, 32),)), (slice(20, 24), ())]
+    parts = []
+    for rows, covered in spec:
+        n = rows.stop - rows.start
+        o, lse = torch.randn(B, n, H, D, generator=g), torch.randn(B, H, n, generator=g) * 3
+        keep = torch.zeros(n, dtype=torch.bool)
+        for a, b in (covered if covered is not None else ((0, n),)):
+            keep[a:b] = True
+        o[:, ~keep], lse[:, :, ~keep] = 0.0, float("-inf")
+        parts.append((rows, o.to(device=device, dtype=dtype), lse.to(device), covered))
+    return parts
+
+
+def test_covered_rows_give_the_same_merge_and_sum(monkeypatch):
+    """A merge or a sum that reads only each partial's covered rows equals one that reads every row, deferred
+    or folded (the fold's accumulator keeps the union of what it merged); a part covering nothing is skipped."""
+    from seqpar.kernels import combine, merge
+
+    shape = (1, 40, 2, 4)
+    parts = _gappy()
+    ref_out, ref_lse = combine.merge_parts([p[:3] for p in parts], shape, torch.float32)
+    out, lse = combine.merge_parts(parts, shape, torch.float32)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
+    ref_sum = combine.sum_parts([(r, o) for r, o, _, _ in parts], shape, torch.float32)
+    torch.testing.assert_close(combine.sum_parts([(r, o, c) for r, o, _, c in parts], shape, torch.float32), ref_sum)
+    for budget in (1 << 30, 1):
+        monkeypatch.setattr(merge, "DEFER_BYTES", budget)
+        acc = Accumulator(torch.empty(shape), defer=True)
+        rs = merge.RowSum(shape, torch.float32, torch.device("cpu"))
+        for rows, o, lse_, covered in parts[1:]:
+            acc.add(rows, o, lse_, covered)
+            rs.add(rows, o, covered)
+        sub_out, sub_lse = combine.merge_parts([p[:3] for p in parts[1:]], shape, torch.float32)
+        a_out, a_lse = acc.result(torch.float32)
+        torch.testing.assert_close(a_out, sub_out, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a_lse, sub_lse, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(rs.result(torch.float32),
+                                   combine.sum_parts([(r, o) for r, o, _, _ in parts[1:]], shape, torch.float32))
+    assert combine.union(parts[1:], 40) == ((5, 40),)
+    assert combine.union(parts[:1], 40) is None
+
+
+def test_task_covered_names_the_rows_with_keys():
+    """A grouped varlen call's covered rows are its segments with keys; a call without gaps covers every row."""
+    from seqpar.layouts.blocks import Task, group_varlen
+    from seqpar.masks.forms import Band
+
+    tasks = (Task(0, 4, 0, 4, Band(None, 0)), Task(10, 12, 6, 8, Band(None, 0)), Task(12, 15, 8, 11, Band(None, 0)))
+    (grouped,) = group_varlen(tasks)
+    assert (grouped.q_start, grouped.q_stop) == (0, 15)
+    assert grouped.covered == ((0, 4), (10, 15))
+    assert tasks[0].covered is None
+    (whole,) = group_varlen((Task(0, 4, 0, 4, Band(None, 0)), Task(4, 6, 4, 6, Band(None, 0))))
+    assert whole.covered is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_pass_reads_covered_rows_only(dtype):
+    """The one-launch Triton pass over covered spans (block lists, spans starting mid-block, a part covering
+    nothing, an fp32 accumulator beside bf16 partials) equals the torch pass over every row; its rows outside
+    every span are (0, -inf), and garbage outside a part's spans is never read."""
+    from seqpar.kernels import combine
+
+    S, shape = 200, (2, 200, 3, 128)
+    parts = _gappy(S=S, B=2, H=3, D=128, dtype=dtype, device="cuda")
+    ref_out, ref_lse = combine.merge_parts([(r, o.cpu().float(), l.cpu()) for r, o, l, _ in parts], shape,
+                                           torch.float32)
+    poisoned = []
+    for rows, o, lse, covered in parts:
+        o, lse = o.clone(), lse.clone()
+        if covered is not None:
+            keep = torch.zeros(o.shape[1], dtype=torch.bool, device="cuda")
+            for a, b in covered:
+                keep[a:b] = True
+            o[:, ~keep], lse[:, :, ~keep] = float("nan"), float("nan")     # never read
+        poisoned.append((rows, o, lse, covered))
+    out, lse = combine.merge_parts(poisoned, shape, dtype)
+    tol = {"rtol": 2e-2, "atol": 1e-2} if dtype != torch.float32 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(out.float().cpu(), ref_out.to(dtype).float(), **tol)
+    torch.testing.assert_close(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)
+    folded = [(slice(0, S), out.float(), lse, combine.union(parts, S)), *poisoned[1:]]
+    f_out, _ = combine.merge_parts(folded, shape, torch.float32)
+    f_ref, _ = combine.merge_parts([(r, o.cpu().float(), l.cpu()) for r, o, l, _ in
+                                    [(slice(0, S), out.float(), lse, None), *parts[1:]]], shape, torch.float32)
+    torch.testing.assert_close(f_out.cpu(), f_ref, rtol=1e-4, atol=1e-4)
+    s = combine.sum_parts([(r, o, c) for r, o, _, c in poisoned], shape, torch.float32)
+    s_ref = combine.sum_parts([(r, o.cpu().float()) for r, o, _, _ in parts], shape, torch.float32)
+    torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-5, atol=1e-5)

@@ -48,7 +48,7 @@ def main() -> None:
     for n in (int(x) for x in args.lengths.split(",")):
         q = torch.randn(1, H, n, D, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(1, HKV, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        bm = create_block_mask(window, None, None, n, n, device="cuda")
+        bm = create_block_mask(window, None, None, n, n, device="cuda", _compile=True)
         res = {}
         for name, f in (("dynamic", dyn), ("static", static)):
             with torch.no_grad():
@@ -56,10 +56,10 @@ def main() -> None:
                 f(q, k, v, block_mask=bm, enable_gqa=True)
                 torch.cuda.synchronize()
                 first = time.perf_counter() - t0
-                res[name] = (first, timed(lambda f=f: f(q, k, v, block_mask=bm, enable_gqa=True)))
+                res[name] = (first, timed(lambda f=f, q=q, k=k, v=v, bm=bm: f(q, k, v, block_mask=bm, enable_gqa=True)))
         qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
         with torch.no_grad():
-            fa2 = timed(lambda: torch.ops.aten._flash_attention_forward(
+            fa2 = timed(lambda qt=qt, kt=kt, vt=vt, n=n: torch.ops.aten._flash_attention_forward(
                 qt, kt, vt, None, None, n, n, 0.0, True, False, window_size_left=LEFT, window_size_right=0))
         print(f"S={n}: dynamic first {res['dynamic'][0]:.2f} s, {res['dynamic'][1]:.3f} ms | static first "
               f"{res['static'][0]:.2f} s, {res['static'][1]:.3f} ms | FA2 {fa2:.3f} ms", flush=True)

@@ -4,8 +4,8 @@
 
 For each case (method/layout x mode): the host milliseconds of one call from an idle GPU (median of 10), the call's
 total time, the GPU operations it launches (name and microseconds, from torch.profiler), and cProfile's top
-functions by own time and by cumulative time over 20 calls. One text file per case in DIR, and a summary line per
-case on stdout. The packed rows are the bench's (``seqpar.bench.packing``, seed 7, documents rounded to 2W).
+functions by own time and by cumulative time over 20 calls: all in DIR/host.txt, with a summary line per case on
+stdout. The packed rows are the bench's (``seqpar.bench.packing``, seed 7, documents rounded to 2W).
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ def probe(name: str, fn, out: Path) -> str:
     st.sort_stats("cumtime").print_stats(45)
     line = (f"{name}: host {statistics.median(host):.3f} ms, call {statistics.median(total):.3f} ms, "
             f"{len(ops)} GPU ops, {sum(u for _, u in ops) / 1e3:.3f} ms of GPU op time")
-    with (out / f"{name.replace('/', '_')}.txt").open("w") as f:
-        f.write(line + "\n\nGPU ops:\n" + "\n".join(f"  {u:8.1f} us  {n[:150]}" for n, u in ops))
+    with (out / "host.txt").open("a") as f:
+        f.write(f"\n{'=' * 100}\n" + line + "\n\nGPU ops:\n" + "\n".join(f"  {u:8.1f} us  {n[:150]}" for n, u in ops))
         f.write("\n\ncProfile, 20 calls:\n" + buf.getvalue())
         f.write("\n\nprofiler CPU table:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     return line

@@ -13,14 +13,28 @@ Note [One merge per call]
 
     reading each partial once and writing the result once, in the output dtype, with the sum in fp32
     registers (one rounding, where the step-by-step merge rounded the fp32 accumulator W times and the
-    output once). Local rows are cut at every partial's first and last row into pieces; each piece is one
-    call over the partials that cover it (a zigzag ring's rank: two pieces). A row no partial covers is
-    (0, -inf). The same pass without weights sums gradient partials (a pass-KV ring's dQ). On CUDA the pass is
-    one Triton kernel per piece reading the partials through a table of addresses and strides (any layout
-    with a contiguous last dim, as kernels return them); elsewhere (CPU, fp64, no Triton) the same
-    arithmetic in torch. Held partials cost memory, so ``Accumulator`` holds at most ``DEFER_BYTES`` of them
-    and folds them into its fp32 accumulator with this same pass when more arrive (long chunks, where a
-    merge is cheap next to the attention).
+    output once). A row no partial covers is (0, -inf). The same pass without weights sums gradient partials
+    (a pass-KV ring's dQ). On CUDA the pass is ONE Triton launch over every local row, whatever the number of
+    partials and row ranges: each block of rows reads the spans its block list names (Note [Covered rows])
+    through a table of addresses and strides (any layout with a contiguous last dim, as kernels return them).
+    Elsewhere (CPU, fp64, no Triton) the same arithmetic in torch, piece by piece: local rows cut at every
+    span's bounds, each piece merging the spans that cover it. Held partials cost memory, so ``Accumulator``
+    holds at most ``DEFER_BYTES`` of them and folds them into its fp32 accumulator with this same pass when
+    more arrive (long chunks, where a merge is cheap next to the attention).
+
+Note [Covered rows]
+    A step's small per-document blocks run as one varlen call over the rows from the first block's to the
+    last one's (``blocks.group_varlen``); the rows between them are gap segments with no keys, which the
+    kernel returns as (0, -inf). Under ``layout="balanced"`` most of a remote step's rows are gaps: at 128K
+    tokens over 8 ranks a step's call spans ~14K of a rank's 16K rows and computes ~3K of them. So a partial
+    carries its covered ranges (``Task.covered``: the segments with keys) and a merge reads only those
+    spans: the (0, -inf) rows weigh nothing, so the result is the same bit for bit (``tests/test_merge.py``).
+    The Triton pass takes the spans as CSR block lists, one list per block of ``block_rows`` rows, made once
+    per structure of a call's partials (a planned call's partials have the same rows every call; only their
+    addresses, in the per-call table, change) and kept on the device (``BLOCKS`` structures); a fold's fp32
+    accumulator covers the union of what it merged. Measured before this on an H100 (emulated W = 8, packed
+    128K, ``benchmarks/gpu/probe_host.py``): a ring's balanced forward launched nine merge kernels in three
+    folds, 1.0 ms of its 4.3 ms on the GPU, and 1.7 ms of host time for their tables and launches.
 
 Note [Tables under capture]
     The table of addresses is a pinned host tensor copied to the device without blocking. Captured in a CUDA
@@ -41,7 +55,7 @@ import torch
 
 from ..numerics import acc_dtype
 
-__all__ = ["host_table", "keep_tables", "merge_parts", "pieces", "sum_parts"]
+__all__ = ["Covered", "host_table", "keep_tables", "merge_parts", "pieces", "sum_parts", "union"]
 
 Part = tuple[slice, torch.Tensor, torch.Tensor]
 
@@ -70,27 +84,67 @@ def host_table(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return table.to(device, non_blocking=True)
 
 
-def pieces(rows: Sequence[slice], length: int) -> list[tuple[int, int, list[int]]]:
+Covered = tuple[tuple[int, int], ...] | None
+
+
+def pieces(rows: Sequence[slice], length: int,
+           covered: Sequence[Covered] | None = None) -> list[tuple[int, int, list[int]]]:
     """``[(start, stop, covering)]``: local rows ``[0, length)`` cut at every part's bounds, each piece with the
-    indices of the parts that cover it (parts cover whole pieces by construction)."""
-    cuts = sorted({0, length, *(r.start for r in rows), *(r.stop for r in rows)})
+    indices of the parts that cover it (parts cover whole pieces by construction). ``covered``: per part, the
+    ranges of its rows (relative to its first) that may hold a result, None for all (Note [Covered rows])."""
+    spans = _spans(rows, covered)
+    cuts = sorted({0, length, *(a for a, _, _ in spans), *(b for _, b, _ in spans)})
     out = []
     for a, b in itertools.pairwise(cuts):
         if a < b:
-            out.append((a, b, [i for i, r in enumerate(rows) if r.start <= a and b <= r.stop]))
+            out.append((a, b, sorted({i for lo, hi, i in spans if lo <= a and b <= hi})))
     return out
 
 
-def merge_parts(parts: Sequence[Part], shape: tuple[int, int, int, int], out_dtype: torch.dtype
+def _spans(rows: Sequence[slice], covered: Sequence[Covered] | None) -> list[tuple[int, int, int]]:
+    """``(start, stop, part)`` in local rows: each part's covered ranges (its whole rows when None)."""
+    spans = []
+    for i, r in enumerate(rows):
+        c = None if covered is None else covered[i]
+        if c is None:
+            spans.append((r.start, r.stop, i))
+        else:
+            spans.extend((r.start + a, r.start + b, i) for a, b in c if a < b)
+    return spans
+
+
+def union(parts: Sequence, length: int) -> Covered:
+    """The covered rows of ``parts`` (``(rows, ..., covered)`` tuples) together, as ranges of ``[0, length)``;
+    None when that is every row."""
+    out: list[tuple[int, int]] = []
+    for a, b, _ in sorted(_spans([p[0] for p in parts], [p[-1] for p in parts])):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif a < b:
+            out.append((a, b))
+    return None if out == [(0, length)] else tuple(out)
+
+
+def _split(parts: Sequence, n: int) -> tuple[list, list[Covered]]:
+    """Parts as their first ``n`` elements, and each one's optional last element, its covered ranges."""
+    return [p[:n] for p in parts], [p[n] if len(p) > n else None for p in parts]
+
+
+def merge_parts(parts: Sequence, shape: tuple[int, int, int, int], out_dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (B, S, H, Dv) in out_dtype, lse (B, H, S) fp32 / fp64)``: the partials merged (Note [One merge per
-    call]). ``parts``: ``(rows, out_BSHD, lse_BHS)`` with ``out`` and ``lse`` covering exactly ``rows``."""
+    call]). ``parts``: ``(rows, out_BSHD, lse_BHS[, covered])`` with ``out`` and ``lse`` covering exactly ``rows``;
+    ``covered`` (Note [Covered rows]) names the ranges that may hold a result, the rest being (0, -inf)."""
+    parts, covered = _split(parts, 3)
     B, S, H, _ = shape
     like = parts[0][1]
     acc = acc_dtype(like.dtype if like.dtype == torch.float64 else out_dtype)
     out = torch.empty(shape, dtype=out_dtype, device=like.device)
     lse = torch.empty(B, H, S, dtype=acc, device=like.device)
-    for a, b, idx in pieces([p[0] for p in parts], S):
+    if _fused([p[1] for p in parts], acc):
+        _triton_table(parts, covered, out, lse, weighted=True)
+        return out, lse
+    for a, b, idx in pieces([p[0] for p in parts], S, covered):
         o_v, l_v = out[:, a:b], lse[:, :, a:b]
         if not idx:
             o_v.zero_()
@@ -98,33 +152,30 @@ def merge_parts(parts: Sequence[Part], shape: tuple[int, int, int, int], out_dty
             continue
         views = [(parts[i][1][:, a - parts[i][0].start:b - parts[i][0].start],
                   parts[i][2][:, :, a - parts[i][0].start:b - parts[i][0].start]) for i in idx]
-        if _fused([x for x, _ in views], acc):
-            _triton_pass(views, o_v, l_v, weighted=True)
-        else:
-            _torch_merge(views, o_v, l_v)
+        _torch_merge(views, o_v, l_v)
     return out, lse
 
 
-def sum_parts(parts: Sequence[tuple[slice, torch.Tensor]], shape: tuple[int, int, int, int],
-              out_dtype: torch.dtype) -> torch.Tensor:
-    """``x (B, S, H, D)`` in ``out_dtype``: the sum of ``(rows, x_BSHD)`` partials, accumulated in fp32 (fp64 for
-    fp64); rows no part covers are 0."""
+def sum_parts(parts: Sequence, shape: tuple[int, int, int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """``x (B, S, H, D)`` in ``out_dtype``: the sum of ``(rows, x_BSHD[, covered])`` partials, accumulated in fp32
+    (fp64 for fp64); rows no part covers are 0."""
+    parts, covered = _split(parts, 2)
     like = parts[0][1]
     acc = acc_dtype(out_dtype if like.dtype != torch.float64 else like.dtype)
     out = torch.empty(shape, dtype=out_dtype, device=like.device)
-    for a, b, idx in pieces([p[0] for p in parts], shape[1]):
+    if _fused([p[1] for p in parts], acc):
+        _triton_table([(r, x, None) for r, x in parts], covered, out, None, weighted=False)
+        return out
+    for a, b, idx in pieces([p[0] for p in parts], shape[1], covered):
         o_v = out[:, a:b]
         if not idx:
             o_v.zero_()
             continue
         views = [parts[i][1][:, a - parts[i][0].start:b - parts[i][0].start] for i in idx]
-        if len(views) > 1 and _fused(views, acc):
-            _triton_pass([(x, None) for x in views], o_v, None, weighted=False)
-        else:
-            total = views[0].to(acc, copy=True)
-            for x in views[1:]:
-                total += x
-            o_v.copy_(total)
+        total = views[0].to(acc, copy=True)
+        for x in views[1:]:
+            total += x
+        o_v.copy_(total)
     return out
 
 
@@ -147,11 +198,11 @@ def _torch_merge(views: list[tuple[torch.Tensor, torch.Tensor]], out_BSHD: torch
                               torch.full_like(s, float("-inf"))))
 
 
-def _fused(views: list[torch.Tensor], acc: torch.dtype) -> bool:
-    """The Triton pass serves: CUDA, fp32 accumulation, partials after the first of one dtype, last dim
+def _fused(xs: list[torch.Tensor], acc: torch.dtype) -> bool:
+    """The Triton pass serves: CUDA, fp32 accumulation, partials of fp32 and at most one other dtype, last dim
     contiguous."""
-    return (views[0].is_cuda and acc == torch.float32 and len({x.dtype for x in views[1:]}) <= 1
-            and all(x.stride(-1) == 1 for x in views) and _triton() is not None)
+    return (xs[0].is_cuda and acc == torch.float32 and len({x.dtype for x in xs} - {torch.float32}) <= 1
+            and all(x.stride(-1) == 1 for x in xs) and _triton() is not None)
 
 
 @functools.lru_cache(maxsize=1)
@@ -163,16 +214,63 @@ def _triton():
     return _combine_triton
 
 
-def _triton_pass(views: list[tuple[torch.Tensor, torch.Tensor | None]], out_BSHD: torch.Tensor,
-                 lse_BHS: torch.Tensor | None, weighted: bool) -> None:
-    """One kernel over ``views`` (each ``(x_BSHD, lse_BHS or None)`` of the piece's rows) into the piece."""
-    if out_BSHD.shape[1] == 0:
+BLOCKS = 256
+"""Row-block lists kept on the device (Note [Covered rows]): one per structure of a call's partials."""
+
+
+def _triton_table(parts: list, covered: list[Covered], out_BSHD: torch.Tensor, lse_BHS: torch.Tensor | None,
+                  weighted: bool) -> None:
+    """One kernel over every row of ``out_BSHD`` reading the partials that cover each block of rows (Note
+    [Covered rows]); ``parts``: ``(rows, x_BSHD, lse_BHS or None)``."""
+    S, D = out_BSHD.shape[1], out_BSHD.shape[3]
+    if S == 0:
         return
-    rows = []
-    for x, lv in views:
+    tri = _triton()
+    block_r = tri.block_rows(D)
+    spans = tuple(_spans([p[0] for p in parts], covered))
+    offs, ents = _block_lists(spans, S, block_r, out_BSHD.device)
+    other = next((x.dtype for _, x, _ in parts if x.dtype != torch.float32), torch.float32)
+    table = []
+    for lo, hi, i in spans:
+        r, x, lv = parts[i]
         row = [x.data_ptr(), x.stride(0), x.stride(1), x.stride(2)]
         row += [lv.data_ptr(), lv.stride(0), lv.stride(1), lv.stride(2)] if lv is not None else [0, 0, 0, 0]
-        rows.append(row)
-    table_d = host_table(torch.tensor(rows, dtype=torch.int64), out_BSHD.device)
-    dtypes = (views[0][0].dtype, views[-1][0].dtype)
-    _triton().launch(table_d, len(views), out_BSHD, lse_BHS, dtypes, weighted)
+        row += [lo, hi, r.start, int(x.dtype != other)]
+        table.append(row)
+    if not table:
+        table = [[0] * tri.TABLE_WIDTH]
+    table_d = host_table(torch.tensor(table, dtype=torch.int64), out_BSHD.device)
+    tri.launch(table_d, offs, ents, out_BSHD, lse_BHS, other, weighted, block_r)
+
+
+def _block_lists(spans: tuple[tuple[int, int, int], ...], rows: int, block_r: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(offsets (n_blocks + 1,), entries)`` int32 on ``device``: block j of ``block_r`` rows reads the spans
+    ``entries[offsets[j]:offsets[j + 1]]``, in span order (CSR). Kept per structure (a planned call's partials
+    have the same rows every call, only their addresses change), except inside a graph capture, where they are
+    the graph's own (Note [Tables under capture])."""
+    if torch.cuda.is_current_stream_capturing():
+        n, both = _lists(spans, rows, block_r)
+        both = host_table(both, device)
+        return both[: n + 1], both[n + 1:]
+    return _kept_lists(spans, rows, block_r, device)
+
+
+@functools.lru_cache(maxsize=BLOCKS)
+def _kept_lists(spans: tuple[tuple[int, int, int], ...], rows: int, block_r: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    n, both = _lists(spans, rows, block_r)
+    both = both.to(device)
+    return both[: n + 1], both[n + 1:]
+
+
+def _lists(spans: tuple[tuple[int, int, int], ...], rows: int, block_r: int) -> tuple[int, torch.Tensor]:
+    n = -(-rows // block_r)
+    lists: list[list[int]] = [[] for _ in range(n)]
+    for e, (lo, hi, _) in enumerate(spans):
+        for j in range(lo // block_r, -(-hi // block_r)):
+            lists[j].append(e)
+    offs = [0]
+    for lst in lists:
+        offs.append(offs[-1] + len(lst))
+    return n, torch.tensor(offs + ([e for lst in lists for e in lst] or [0]), dtype=torch.int32)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..numerics import acc_dtype
+from .combine import Covered, merge_parts, sum_parts, union
 
 __all__ = ["DEFER_BYTES", "Accumulator", "RowSum", "merge_", "merge_weights"]
 
@@ -44,9 +45,10 @@ def merge_(acc_out_BSHD: torch.Tensor, acc_lse_BHS: torch.Tensor, out_BSHD: torc
     acc_lse_BHS.copy_(lse)
 
 
-DEFER_BYTES = 256 << 20
+DEFER_BYTES = 1 << 30
 """Partials an ``Accumulator(defer=True)`` holds before folding them into its fp32 accumulator (Note [One merge
-per call] in ``seqpar.kernels.combine``)."""
+per call] in ``seqpar.kernels.combine``): eight partials of 16K rows of 32 heads of 128 in bf16, so a ring of 8 at
+16K tokens per rank merges once; at 128K per rank a partial alone is 1 GiB and folds come every second one."""
 
 
 class Accumulator:
@@ -69,7 +71,8 @@ class Accumulator:
         self.out: torch.Tensor | None = None
         self.lse: torch.Tensor | None = None
         self.defer = defer
-        self._held: list[tuple[slice, torch.Tensor, torch.Tensor]] = []
+        self._covered: Covered = None             # the rows of a folded accumulator that may hold a result
+        self._held: list[tuple[slice, torch.Tensor, torch.Tensor, Covered]] = []
         self._held_bytes = 0
 
     def _init(self) -> None:
@@ -86,9 +89,11 @@ class Accumulator:
             self._init()
         return self
 
-    def add(self, rows: slice, out_BSHD: torch.Tensor, lse_BHS: torch.Tensor) -> None:
+    def add(self, rows: slice, out_BSHD: torch.Tensor, lse_BHS: torch.Tensor, covered: Covered = None) -> None:
+        """``covered``: the ranges of the partial's rows (relative to ``rows.start``) that may hold a result, the
+        others being (0, -inf) (a varlen call's gap rows, ``Task.covered``): a deferred merge reads only those."""
         if self.defer:
-            self._held.append((rows, out_BSHD, lse_BHS))
+            self._held.append((rows, out_BSHD, lse_BHS, covered))
             self._held_bytes += out_BSHD.numel() * out_BSHD.element_size()
             if self._held_bytes > DEFER_BYTES and len(self._held) > 1:
                 self._fold(self.acc_dtype)
@@ -106,14 +111,14 @@ class Accumulator:
 
     def _fold(self, dtype: torch.dtype) -> None:
         """Merge the held partials (and the accumulator, if any) in one pass into ``(out, lse)`` of ``dtype``."""
-        from .combine import merge_parts
-
-        parts = self._held if self.out is None else [(slice(0, self.shape[1]), self.out, self.lse), *self._held]
+        whole = slice(0, self.shape[1])
+        parts = self._held if self.out is None else [(whole, self.out, self.lse, self._covered), *self._held]
         self._held, self._held_bytes = [], 0
-        if len(parts) == 1 and parts[0][0] == slice(0, self.shape[1]):
-            self.out, self.lse = parts[0][1], parts[0][2]       # one whole partial: nothing to merge
+        if len(parts) == 1 and parts[0][0] == whole:
+            self.out, self.lse, self._covered = parts[0][1], parts[0][2], parts[0][3]   # one whole partial
             return
         self.out, self.lse = merge_parts(parts, self.shape, dtype)
+        self._covered = union(parts, self.shape[1])
 
     def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out in dtype, lse in fp32 or fp64)``; rows no partial reached are (0, -inf)."""
@@ -132,19 +137,19 @@ class RowSum:
 
     def __init__(self, shape: tuple[int, ...], acc: torch.dtype, device: torch.device):
         self.shape, self.acc, self.device = tuple(shape), acc, device
-        self._held: list[tuple[slice, torch.Tensor]] = []
+        self._held: list[tuple[slice, torch.Tensor, Covered]] = []
         self._held_bytes = 0
 
-    def add(self, rows: slice, x_BSHD: torch.Tensor) -> None:
-        self._held.append((rows, x_BSHD))
+    def add(self, rows: slice, x_BSHD: torch.Tensor, covered: Covered = None) -> None:
+        """``covered``: as ``Accumulator.add``'s, the rows outside it being 0."""
+        self._held.append((rows, x_BSHD, covered))
         self._held_bytes += x_BSHD.numel() * x_BSHD.element_size()
         if self._held_bytes > DEFER_BYTES and len(self._held) > 1:
-            self._held = [(slice(0, self.shape[1]), self._sum(self.acc))]
+            whole = slice(0, self.shape[1])
+            self._held = [(whole, self._sum(self.acc), union(self._held, self.shape[1]))]
             self._held_bytes = 0
 
     def _sum(self, dtype: torch.dtype) -> torch.Tensor:
-        from .combine import sum_parts
-
         if not self._held:
             return torch.zeros(self.shape, dtype=dtype, device=self.device)
         return sum_parts(self._held, self.shape, dtype)

@@ -47,6 +47,7 @@ __all__ = ["CudnnKernel", "EfficientKernel", "FlashKernel", "causal_parts", "cud
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
 _INF = float("inf")
+_NAN = float("nan")
 
 
 def _t(x: torch.Tensor) -> torch.Tensor:
@@ -265,8 +266,8 @@ class FlashKernel(Kernel):
         o, lse, *_ = aten._flash_attention_forward(self._packed(q), self._packed(k), self._packed(v), cq, ck,
                                                     mask.max_q, mask.max_k, 0.0, causal, False, scale=scale,
                                                     window_size_left=wl, window_size_right=wr)
-        lse = lse.reshape(H, B, m).permute(1, 0, 2)
-        return AttnOutput(o.reshape(B, m, H, -1)[..., :dv], lse.masked_fill(lse == _INF, -_INF))
+        lse = lse.reshape(H, B, m).permute(1, 0, 2).nan_to_num_(nan=_NAN, posinf=-_INF, neginf=-_INF)  # no keys: -inf
+        return AttnOutput(o.reshape(B, m, H, -1)[..., :dv], lse)
 
     def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
                  deterministic=False):
@@ -274,7 +275,7 @@ class FlashKernel(Kernel):
         n, dv = k.shape[1], v.shape[-1]
         causal, wl, wr = self._window(mask, m, n)
         rng, unused = _rng(q.device)
-        lse_k = lse.masked_fill(lse == -_INF, _INF)
+        lse_k = lse.nan_to_num(nan=_NAN, posinf=_INF, neginf=_INF)      # one kernel: a row seeing nothing is +inf
         q, k, v = self._padded(q, k, v)
         do, out = pad_dim(do, q.shape[-1]), pad_dim(out, q.shape[-1])
         with _deterministic(deterministic):

@@ -45,6 +45,7 @@ Note [Block planning]
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -199,6 +200,22 @@ class Task:
     @property
     def cols(self) -> int:
         return self.k_stop - self.k_start
+
+    @functools.cached_property
+    def covered(self) -> tuple[tuple[int, int], ...] | None:
+        """The row ranges (relative to ``q_start``) of a varlen call whose segments have keys, or None when every
+        row may: a grouped call's gap segments (rows between its tasks, no keys) give (0, -inf) rows that a
+        merge may skip (Note [Covered rows] in ``seqpar.kernels.combine``)."""
+        if not isinstance(self.mask, Varlen):
+            return None
+        cu_q, cu_k, out = self.mask.cu_q, self.mask.cu_k, []
+        for i in range(len(cu_q) - 1):
+            if cu_q[i + 1] > cu_q[i] and cu_k[i + 1] > cu_k[i]:
+                if out and out[-1][1] == cu_q[i]:
+                    out[-1] = (out[-1][0], cu_q[i + 1])
+                else:
+                    out.append((cu_q[i], cu_q[i + 1]))
+        return None if out == [(0, self.rows)] else tuple(out)
 
 
 _Eff = tuple[int, int] | None   # an effective (clipped) band on a block, or None when it shows nothing

@@ -140,14 +140,14 @@ class PassKV:
         n = self.sched.n_steps
         if n == 1:                     # one rank, or a window that needs no other rank's keys
             for t in runner.prepare(steps[0], q, k):
-                acc.add(t.q, *runner.forward(q, k, v, t))
+                acc.add(t.q, *runner.forward(q, k, v, t), t.covered)
             return acc.result(q.dtype)
         kv = Double(pack_kv(k, v))
 
         def compute(s: int) -> None:
             kc, vc = unpack_kv(kv.cur, d)
             for t in runner.prepare(steps[s], q, kc):
-                acc.add(t.q, *runner.forward(q, kc, vc, t))
+                acc.add(t.q, *runner.forward(q, kc, vc, t), t.covered)
 
         run_steps(n, post=lambda s: self.ring.send_recv(kv.cur, kv.nxt) if s + 1 < n else None,
                   compute=compute, land=lambda s: kv.swap())
@@ -180,7 +180,7 @@ class PassKV:
             tasks = runner.prepare(steps[s], q, kc)
             grads[:] = [(t, runner.backward(rows, q, kc, vc, lse, t)) for t in tasks]
             for t, (gq, _, _) in grads:
-                dq.add(t.q, gq)
+                dq.add(t.q, gq, t.covered)
 
         def accumulate(s: int) -> None:
             if dkv_acc is None:                # the running dK/dV of the block now held arrived in nxt

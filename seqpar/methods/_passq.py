@@ -182,7 +182,7 @@ class PassQ:
 
         def own(tasks) -> None:
             for t in runner.prepare(tasks, q, k):
-                acc.add(t.q, *runner.forward(q, k, v, t))
+                acc.add(t.q, *runner.forward(q, k, v, t), t.covered)
 
         def guest(s: int) -> None:
             rows = sp.res_rows[(r + s) % sp.world][s]

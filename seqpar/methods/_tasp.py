@@ -244,7 +244,7 @@ class Tasp:
         acc = Accumulator(q, v.shape[-1], defer=True)
         if W == 1:
             for t in runner.prepare(tp.early + tp.late, q, k):
-                acc.add(t.q, *runner.forward(q, k, v, t))
+                acc.add(t.q, *runner.forward(q, k, v, t), t.covered)
             return acc.result(q.dtype)
         own = pack_kv(seq_major(k), seq_major(v), seq_dim=0)          # (L, B, Hkv, D + Dv): pieces are row ranges
         bufs = [torch.empty_like(own), torch.empty_like(own)]
@@ -263,7 +263,7 @@ class Tasp:
                 kb, vb = (bshd(x) for x in unpack_kv(bufs[s % 2], d))
                 tasks = self._round(s).tasks
             for t in runner.prepare(tasks, q, kb):
-                acc.add(t.q, *runner.forward(q, kb, vb, t))
+                acc.add(t.q, *runner.forward(q, kb, vb, t), t.covered)
 
         run_steps(W, post=post, compute=compute)
         return acc.result(q.dtype)

@@ -178,7 +178,7 @@ class _Engine:
                 def compute(s: int, j=j, held=held) -> None:
                     kc, vc = unpack_kv(held[0], d)
                     for t in runner.prepare(tasks[j][s], q, kc):
-                        acc.add(t.q, *runner.forward(q, kc, vc, t))
+                        acc.add(t.q, *runner.forward(q, kc, vc, t), t.covered)
 
                 def post(s: int, held=held):
                     if s + 1 >= w:
