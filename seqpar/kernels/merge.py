@@ -45,10 +45,11 @@ def merge_(acc_out_BSHD: torch.Tensor, acc_lse_BHS: torch.Tensor, out_BSHD: torc
     acc_lse_BHS.copy_(lse)
 
 
-DEFER_BYTES = 1 << 30
+DEFER_BYTES = 2 << 30
 """Partials an ``Accumulator(defer=True)`` holds before folding them into its fp32 accumulator (Note [One merge
-per call] in ``seqpar.kernels.combine``): eight partials of 16K rows of 32 heads of 128 in bf16, so a ring of 8 at
-16K tokens per rank merges once; at 128K per rank a partial alone is 1 GiB and folds come every second one."""
+per call] in ``seqpar.kernels.combine``): a ring of 8 at 16K tokens per rank (nine partials of 128 MiB for 32
+heads of 128 in bf16) merges once, with no fp32 accumulator and no cast; at 128K tokens per rank a partial alone
+is 1 GiB and a fold comes every third one, where the merge is cheap next to the attention."""
 
 
 class Accumulator:
