@@ -4,6 +4,7 @@ and backward = adjoint (replicated KV heads' gradients summed)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from _workers_ulysses import a2a_check
 
 from seqpar.comm.all_to_all import HeadSlots
