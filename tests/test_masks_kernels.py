@@ -27,6 +27,7 @@ from seqpar.kernels.merge import Accumulator
 from seqpar.layouts import make_layout
 from seqpar.layouts.blocks import Rule
 from seqpar.masks import Band, Joined, Varlen, dense
+from seqpar.masks.forms import Modded
 from seqpar.methods._passkv import schedule
 from seqpar.numerics import GradRows
 
@@ -58,12 +59,26 @@ def chosen(tasks, S: int, **runner) -> list[tuple[str, int, int, str]]:
             for t, k in r.kernels(tasks, (1, S, H, D), (1, S, HKV, D), BF16, "cuda")]
 
 
+def test_flex_compiles_for_every_shape_where_shapes_need_not_recur():
+    """Note [Flex recompiles]: flex for a training call with fixed shapes is the per-shape compile; without a
+    backward, or with blocks shaped by the batch (a generic mask_mod's blocks under packed documents), it is the
+    variant compiled once for every shape - the same kernel by name, asked for explicitly too."""
+    mod = KernelCall("cuda", BF16, D, H, HKV, "mod", arch=90, training=True)
+    assert not select("auto", mod).dynamic
+    for other in (dict(training=False), dict(shapes_vary=True)):
+        kern = select("flex", KernelCall(**{**mod.__dict__, **other}))
+        assert kern.name == "flex" and kern.dynamic and kern is select("auto", KernelCall(**{**mod.__dict__, **other}))
+
+
 def test_auto_ranks_flex_above_fa2_for_wide_windowed_bands_on_sm90_only():
     band = KernelCall("cuda", BF16, D, H, HKV, "band", arch=90, training=True, wide=True)
-    assert select("auto", band).name == "flex"
-    for other in (dict(arch=80), dict(arch=100), dict(training=False), dict(shapes_vary=True),
-                  dict(deterministic=True), dict(wide=False)):
+    assert select("auto", band).name == "flex" and not select("auto", band).dynamic
+    for other in (dict(arch=80), dict(arch=100), dict(shapes_vary=True), dict(deterministic=True),
+                  dict(wide=False)):
         assert select("auto", KernelCall(**{**band.__dict__, **other})).name == "flash", other
+    for other in (dict(training=False), dict(training=False, shapes_vary=True)):      # serving, eval: every length
+        kern = select("auto", KernelCall(**{**band.__dict__, **other}))
+        assert kern.name == "flex" and kern.dynamic, other
     assert select("auto", KernelCall(**{**band.__dict__, "mask": "joined"})).name == "flex"
     for name in ("cudnn", "flash", "efficient", "flash_attn"):
         assert KERNELS[name].not_supported_reasons(KernelCall(**{**band.__dict__, "mask": "joined"})), name
@@ -77,7 +92,7 @@ def test_sink_window_is_one_flex_call_on_sm90(sm90, S):
     r = TaskRunner("auto", 0.1, training=True)
     assert r.direct(tasks, (1, S, H, D), (1, S, HKV, D), (1, S, HKV, D), BF16, torch.device("cuda")) is not None
     assert [k for *_, k in chosen(tasks, S, shapes_vary=True)] == ["flash"] * 3     # documents: no compile per batch
-    assert sorted(k for *_, k in chosen(tasks, S, training=False)) == ["cudnn", "cudnn", "flash"]  # serving, eval
+    assert chosen(tasks, S, training=False) == [("Joined", S, S, "flex")]  # serving, eval: compiled for every shape
     assert sorted(k for *_, k in chosen(tasks, S, kernel="sdpa")) == ["cudnn", "cudnn", "flash"]
 
 
@@ -87,7 +102,7 @@ def test_plain_window_and_windowed_spans_on_sm90(sm90):
     r = TaskRunner("auto", 0.1, training=True)
     assert r.direct(steps(S, True, window=(4095, 0))[0], (1, S, H, D), (1, S, HKV, D), (1, S, HKV, D), BF16,
                     torch.device("cuda")) is not None
-    assert chosen(steps(S, True, window=(4095, 0))[0], S, training=False) == [("Band", S, S, "flash")]  # no grad
+    assert chosen(steps(S, True, window=(4095, 0))[0], S, training=False) == [("Band", S, S, "flex")]  # no grad
     gemma = masks.spans([(i * 1024 + 64, i * 1024 + 320) for i in range(16)], window=1023)
     assert chosen(steps(S, False, gemma)[0], S) == [("Joined", S, S, "flex")]     # 16 narrow images of 256 join
     thick = masks.spans([(0, 4096)], window=1023)          # a 4K image seen whole keeps cuDNN and merges
@@ -231,6 +246,44 @@ def test_flex_block_masks_of_bands_and_joined_calls_equal_create_block_mask():
                 num = getattr(want, f.replace("indices", "num_blocks"))
                 a, b = _dense_tiles(num, a), _dense_tiles(num, b)
             assert torch.equal(a, b), (mask, m, n, f)
+
+
+def test_flex_block_masks_of_varlen_and_mask_mod_calls_equal_create_block_mask(monkeypatch):
+    """Varlen and ``mask_mod`` blocks' block masks, evaluated slab by slab (no m x n mask: 128 GiB of temporaries
+    at 128K), equal ``create_block_mask``'s, slabs smaller than the call included."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from seqpar.masks import mod as mask_mod_module
+
+    cpu = torch.device("cpu")
+    rng = random.Random(1)
+    def stripes(p: int):
+        return lambda b, h, qi, ki: ((qi // p) % 2 == 0) | (ki % p == 0)
+
+    cases = []
+    for _ in range(12):
+        m, n = rng.randint(1, 700), rng.randint(1, 700)
+        cu_q = sorted({0, m, *rng.sample(range(1, m + 1), min(m, 3))})
+        cu_k = sorted({0, n, *rng.sample(range(1, n + 1), min(n, len(cu_q) - 2))})
+        k = min(len(cu_q), len(cu_k))
+        cu_q, cu_k = [*cu_q[:k - 1], m], [*cu_k[:k - 1], n]
+        cases.append((Varlen(tuple(cu_q), tuple(cu_k), rng.choice([(-1, -1), (-1, 0), (rng.randint(0, 90), 0)])),
+                      m, n))
+        cases.append((Modded(Band(None, rng.choice([None, 0])), stripes(rng.randint(2, 9)), ((0, m),), ((0, n),)),
+                      m, n))
+    for cells in (mask_mod_module.EVAL_CELLS, 128 * 128):
+        monkeypatch.setattr(mask_mod_module, "EVAL_CELLS", cells)
+        for mask, m, n in cases:
+            want = create_block_mask(flex_mod._mask_mod(mask, m, n, cpu), None, None, m, n, device=cpu)
+            got = flex_mod._block_mask(mask, m, n, cpu)
+            flex_mod._MODS.clear()
+            flex_mod._DOCS.clear()
+            for f in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+                a, b = getattr(want, f), getattr(got, f)
+                if f.endswith("indices"):
+                    num = getattr(want, f.replace("indices", "num_blocks"))
+                    a, b = _dense_tiles(num, a), _dense_tiles(num, b)
+                assert torch.equal(a, b), (mask, m, n, f, cells)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -1,11 +1,12 @@
-"""Does flex compiled with dynamic shapes run a no-grad windowed forward as fast as one compiled per shape?
+"""No-grad windowed calls at lengths a server meets: does flex compile once, and how fast is it against FA2?
 
-    python3 benchmarks/gpu/probe_flex_dynamic.py [--lengths 16384,131072,20000,100000]
+    python3 benchmarks/gpu/probe_flex_dynamic.py [--lengths 16384,20000,24576,131072]
 
-One GPU, W = 1, bf16, GQA 32/8, D 128, causal window (4095, 0). For each length: the first call's seconds (the
-compile, or a reuse) of ``torch.compile(flex_attention, dynamic=True)`` and of a ``dynamic=False`` one, then the
-medians of 10 no-grad forwards of each, and FA2 (``aten._flash_attention_forward`` with the window) for scale.
-Prints one line per length.
+One GPU, W = 1, bf16, GQA 32/8, D 128, ``window_size=(4095, 0)`` through ``seqpar.attention`` without grad:
+``auto`` (flex compiled once for every shape, Note [Flex recompiles]) and ``kernel="flash"`` (FA2, auto's choice
+before). Per length: the first call's seconds (a compile, or none) and the median of 10 calls, ms; at the end
+dynamo's count of frames compiled. Then the same window through ``torch.compile(flex_attention)`` compiled per
+shape and once for every shape on the first length (the kernels' own speed, block mask from seqpar).
 """
 
 from __future__ import annotations
@@ -15,14 +16,12 @@ import statistics
 import time
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
-H, HKV, D, LEFT = 32, 8, 128, 4095
-torch._dynamo.config.recompile_limit = 64
+import seqpar
 
-
-def window(b, h, q, kv):
-    return (kv <= q) & (q - kv <= LEFT)
+H, HKV, D, WINDOW = 32, 8, 128, (4095, 0)
 
 
 def timed(fn, n=10) -> float:
@@ -39,30 +38,43 @@ def timed(fn, n=10) -> float:
     return statistics.median(ts)
 
 
+def first(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", default="16384,131072,20000,100000")
+    ap.add_argument("--lengths", default="16384,20000,24576,131072")
     args = ap.parse_args()
-    dyn = torch.compile(flex_attention, dynamic=True)
-    static = torch.compile(flex_attention, dynamic=False)
+    dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
+    from torch._dynamo.utils import counters
     for n in (int(x) for x in args.lengths.split(",")):
-        q = torch.randn(1, H, n, D, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(1, HKV, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        bm = create_block_mask(window, None, None, n, n, device="cuda", _compile=True)
+        q = torch.randn(1, n, H, D, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, n, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         res = {}
-        for name, f in (("dynamic", dyn), ("static", static)):
-            with torch.no_grad():
-                t0 = time.perf_counter()
-                f(q, k, v, block_mask=bm, enable_gqa=True)
-                torch.cuda.synchronize()
-                first = time.perf_counter() - t0
-                res[name] = (first, timed(lambda f=f, q=q, k=k, v=v, bm=bm: f(q, k, v, block_mask=bm, enable_gqa=True)))
-        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        for kernel in ("auto", "flash"):
+            def call(kernel=kernel, q=q, k=k, v=v):
+                with torch.no_grad():
+                    return seqpar.attention(q, k, v, method="ring", window_size=WINDOW, kernel=kernel,
+                                            check_ranks=False)
+            res[kernel] = (first(call), timed(call))
+        print(f"S={n}: auto first {res['auto'][0]:.2f} s, {res['auto'][1]:.3f} ms | FA2 first {res['flash'][0]:.2f} s, "
+              f"{res['flash'][1]:.3f} ms | auto / FA2 {res['auto'][1] / res['flash'][1]:.3f} | frames compiled so far "
+              f"{counters['stats']['unique_graphs']}", flush=True)
+    from seqpar.kernels import flex as flex_mod
+    from seqpar.masks import Band
+    n = int(args.lengths.split(",")[0])
+    q, k, v = (torch.randn(1, h, n, D, device="cuda", dtype=torch.bfloat16) for h in (H, HKV, HKV))
+    bm = flex_mod._block_mask(Band(-WINDOW[0], 0), n, n, q.device)
+    for dyn in (False, True):
+        f = flex_mod._compiled(dyn)
         with torch.no_grad():
-            fa2 = timed(lambda qt=qt, kt=kt, vt=vt, n=n: torch.ops.aten._flash_attention_forward(
-                qt, kt, vt, None, None, n, n, 0.0, True, False, window_size_left=LEFT, window_size_right=0))
-        print(f"S={n}: dynamic first {res['dynamic'][0]:.2f} s, {res['dynamic'][1]:.3f} ms | static first "
-              f"{res['static'][0]:.2f} s, {res['static'][1]:.3f} ms | FA2 {fa2:.3f} ms", flush=True)
+            s = first(lambda f=f: f(q, k, v, block_mask=bm, enable_gqa=True))
+            ms = timed(lambda f=f: f(q, k, v, block_mask=bm, enable_gqa=True))
+        print(f"flex directly, S={n}, dynamic={dyn}: first {s:.2f} s, {ms:.3f} ms", flush=True)
 
 
 if __name__ == "__main__":

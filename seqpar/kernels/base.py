@@ -103,7 +103,8 @@ def mask_kind(mask: Mask) -> str:
 
 
 class Kernel(ABC):
-    """One local attention implementation. Subclasses are stateless singletons."""
+    """One local attention implementation. Subclasses are stateless singletons (``for_call`` may hand out a
+    configured variant of one)."""
 
     name: ClassVar[str]
     #: preference when ``kernel="auto"`` (higher first) per device type; absent = never chosen by auto
@@ -123,6 +124,11 @@ class Kernel(ABC):
         """``auto``'s preference for ``call`` (higher first; None: never chosen by auto). ``auto_rank`` for the
         call's device; a kernel measured faster for some calls says so here (Note [Bands on flex])."""
         return self.auto_rank.get(call.device)
+
+    def for_call(self, call: KernelCall) -> Kernel:
+        """The instance that runs ``call``: this one, or a variant of it configured by the call (flex compiled for
+        every shape where shapes recur or vary: Note [Flex recompiles] in ``seqpar.kernels.flex``)."""
+        return self
 
     @abstractmethod
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
@@ -207,7 +213,7 @@ def select(name: str, call: KernelCall) -> Kernel:
             log.info("kernel=%s -> %s for %s", name, kernel.name, call)
             if name == "auto" and reasons and call.device != "cpu":     # CPU runs are for correctness
                 _warn_slower(kernel, call, reasons)
-            return kernel
+            return kernel.for_call(call)
         reasons[kernel.name] = why
     if not reasons:
         reasons[name] = [f"no kernel is ranked for device {call.device!r}"]

@@ -33,12 +33,12 @@ Note [Bands on flex]
     1. Flex ranks above both FA2s for a wide windowed band - mask kind "band" (``lo`` bounded) with at least
        ``WIDE_ROWS`` query rows (``KernelCall.wide``) - on ``BAND_ARCHS`` (sm90) when the block belongs to a
        training call with fixed shapes (``KernelCall.training``: a planned call a backward follows, and not
-       ``shapes_vary``). Flex compiles once per block shape (Note [Flex recompiles]: seconds, and at most
-       ``RECOMPILES`` variants): a training run pays it once, its signature recurring step after step. Bare calls,
-       packed documents, deterministic calls and other GPUs keep FA2, and so do calls without a backward (5.). A
-       plain ``window_size=`` call is the same band and moves too. Full and causal blocks stay on cuDNN, faster than
-       flex (1.77 against 2.82 ms for two 8K causal chunks). The choice is the declaration's, logged like every
-       other (``seqpar.kernels``, INFO).
+       ``shapes_vary``) or to a call without a backward (5.). Flex compiles once per block shape for training
+       (Note [Flex recompiles]: seconds, and at most ``RECOMPILES`` variants): a training run pays it once, its
+       signature recurring step after step. Packed documents in training, deterministic calls and other GPUs
+       keep FA2. A plain ``window_size=`` call is the same band and moves too. Full and causal blocks stay on
+       cuDNN, faster than flex (1.77 against 2.82 ms for two 8K causal chunks). The choice is the declaration's,
+       logged like every other (``seqpar.kernels``, INFO).
     2. Only wide bands: flex wins on a band's cells and loses on its call. On one H200
        (``benchmarks/results/2026-11-25-h200-masks``: W = 1, GQA 32/8, D 128, bf16; seqpar over flex called
        directly, training forward / forward+backward) the wide bands won: the sink window 1.04 / 1.06 at 16K and
@@ -68,15 +68,16 @@ Note [Bands on flex]
        images and block_causal's frames run as before, one FA2 varlen call beside the causal block on cuDNN.
        These are estimates from two profiles; the bench's table is the check.
     4. A joined block covering the whole call is the direct path (flex's own autograd op, Note [Direct calls]).
-    5. Calls without a backward keep FA2, wide bands included. Flex would take the 16K no-grad forward from 1.38x
-       to 1.05x of flex (the sink window 2.95 ms against seqpar's 3.87 ms, the window 2.72 against 3.43), but
-       nothing a runner sees tells a no-grad call whose signature recurs (evaluation) from serving's prefill:
-       the cache fills through ``seqpar.attention`` (``seqpar.inference.attend._fill``) like any caller -
-       no grad, ``return_lse=True``, fixed shapes when a prompt needs no padding and fits one row group - and
-       ``TaskRunner.of`` reads the same ``Call`` either way. Flex compiles with ``dynamic=False`` and raises past
-       ``RECOMPILES`` variants, so a server meeting prompts of that many lengths would fail, not slow down. A
-       signal would be a new argument or the cache marking its calls; until one exists, no-grad calls with fixed
-       shapes can name ``kernel="flex"``.
+    5. Calls without a backward move too, on flex compiled once for every shape (``FlexKernel.for_call``, Note
+       [Flex recompiles] in ``seqpar.kernels.flex``). Nothing a runner sees tells a no-grad call whose signature
+       recurs (evaluation) from serving's prefill, which meets every prompt length: the cache fills through
+       ``seqpar.attention`` (``seqpar.inference.attend._fill``) like any caller. Compiled per shape, flex would
+       take the 16K no-grad forward from 1.38x to 1.05x of flex called directly, but a server would compile for
+       seconds at every new length and fail past ``RECOMPILES`` of them; compiled for every shape it compiles
+       once per mask family and runs the 16K window's forward in 2.69 ms, against 2.48 ms per shape and FA2's
+       3.31 ms (H100, ``benchmarks/gpu/probe_flex_dynamic.py``). Blocks whose shapes come from the batch use that
+       variant too wherever flex serves them (a mask_mod's blocks under packed documents); their wide bands in
+       training calls still keep FA2 (unmeasured there).
     ``benchmarks/gpu/masks_1gpu.py`` measures it (the w1 section: every named mask, and ``window_size=`` on auto
     against the same call on FA2, against flex called directly); ``BAND_ARCHS`` and ``WIDE_ROWS`` are the places
     to change if a GPU says otherwise.

@@ -6,8 +6,9 @@ batch's, so those keep only ``VARLEN_MASKS`` entries (``_block_mask``). A band's
 derived from each row's intervals of visible keys (``_tiles``: O(rows x tiles), where eager ``create_block_mask``
 holds an S x S bool tensor and its int64 temporaries, over 100 GiB at 128K); the same tiles, in the same order,
 as ``create_block_mask`` (``tests/test_masks_kernels.py``). On Hopper ``auto`` prefers flex to FA2 for
-wide windowed bands of training calls, and a step's band and thin blocks run as one flex call (Note [Bands on flex]
-in ``seqpar.kernels.executor``).
+wide windowed bands of training calls and of calls without a backward, and a step's band and thin blocks run as one
+flex call (Note [Bands on flex] in ``seqpar.kernels.executor``). Training calls with fixed shapes run flex compiled
+per shape, every other call flex compiled once for every shape (Note [Flex recompiles]).
 Score capping (``softcap``) is a ``score_mod``; every head dim from 16 to 256 (powers of two or not) and a value
 head dim that differs from the key head dim are served (probed forward and backward, ``sdpa.py``'s probe note).
 Flex keeps its lse in base 2 internally; the public lse output is converted in ``_natural_lse`` (the one
@@ -58,26 +59,33 @@ RECOMPILES = 128
 """Compiled variants flex may hold (one per mask family, shape and head dim; Note [Flex recompiles])."""
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled():
+@functools.lru_cache(maxsize=2)
+def _compiled(dynamic: bool):
     from torch.nn.attention.flex_attention import flex_attention
 
-    compiled = torch.compile(flex_attention, dynamic=False)
+    compiled = torch.compile(flex_attention, dynamic=dynamic)
 
     def call(*args, **kwargs):
         # Note [Flex recompiles]: past dynamo's recompile limit (8 by default) a compiled function silently runs
         # eagerly, and eager flex materialises every score (32 GiB at 16K x 32 heads, measured on the H100).
-        # seqpar meets one variant per block shape, mask family and head dim, so it raises the limit for its
-        # own calls and makes hitting it an error rather than a silent unfused fallback.
+        # Compiled per shape (dynamic=False), seqpar meets one variant per block shape, mask family and head dim,
+        # so it raises the limit for its own calls and makes hitting it an error rather than a silent unfused
+        # fallback. A training call's shapes recur step after step, so it compiles per shape: the fastest kernel
+        # (a 16K window's no-grad forward 2.48 ms on an H100, against 2.69 ms compiled for every shape and 3.31 ms
+        # on FA2; benchmarks/gpu/probe_flex_dynamic.py). A call without a backward (serving's prefill meets every
+        # prompt length) and a block shaped by the batch (packed documents) would compile once per length, seconds
+        # each, and fail past RECOMPILES lengths: they run the variant compiled once for every shape
+        # (dynamic=True, FlexKernel.for_call), one compile per mask family.
         with torch._dynamo.config.patch(recompile_limit=RECOMPILES, fail_on_recompile_limit_hit=True):
             return compiled(*args, **kwargs)
     return call
 
 
-def _flex(device: torch.device):
-    """The compiled kernel on CUDA; the eager (unfused) one elsewhere, used only by the CPU tests."""
+def _flex(device: torch.device, dynamic: bool = False):
+    """The compiled kernel on CUDA, one variant per shape or (``dynamic``) one for every shape (Note [Flex
+    recompiles]); the eager (unfused) one elsewhere, used only by the CPU tests."""
     if device.type == "cuda":
-        return _compiled()
+        return _compiled(dynamic)
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention
@@ -179,6 +187,29 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num[None, None], idx[None, None].contiguous()
 
 
+def _evaluated_tiles(mod, m: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partial, full)`` tile maps like ``_tiles``, from ``mod`` evaluated on slabs of whole tile rows of at most
+    ``EVAL_CELLS`` cells (a varlen or ``mask_mod`` call's mask has no row intervals): eager ``create_block_mask``
+    holds the m x n mask and its int64 temporaries at once - 128 GiB at 128K, measured on an H100."""
+    from ..masks.mod import EVAL_CELLS
+
+    T = SPARSE_BLOCK
+    n_pad = -(-n // T) * T
+    step = T * max(1, EVAL_CELLS // (n_pad * T))
+    kv = torch.arange(n, device=device)
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    partial, full = [], []
+    for a in range(0, m, step):
+        qi = torch.arange(a, min(a + step, m), device=device)
+        seen = mod(zero, zero, qi[:, None], kv[None, :]).expand(qi.shape[0], n)
+        rows = -(-qi.shape[0] // T) * T                   # cells past m or n: never seen, so their tiles never full
+        seen = torch.nn.functional.pad(seen, (0, n_pad - n, 0, rows - qi.shape[0]))
+        count = seen.view(rows // T, T, n_pad // T, T).sum((1, 3), dtype=torch.int32)
+        full.append(count == T * T)
+        partial.append((count > 0) & (count < T * T))
+    return torch.cat(partial), torch.cat(full)
+
+
 def _tiled_block_mask(mask: Band | Joined, m: int, n: int, device: torch.device):
     """The block mask of a band or joined call from its rows' key intervals (``_tiles``), with its ``mask_mod``."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -206,7 +237,7 @@ _LOCK = threading.Lock()
 
 def _block_mask(mask: Mask, m: int, n: int, device: torch.device):
     """The block mask of ``mask`` over ``m`` x ``n`` call-local rows, cached (module docstring)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import BlockMask
 
     tiled = isinstance(mask, (Band, Joined))
     key, tier = (mask, m, n, device), _BANDS if tiled else _MODS if isinstance(mask, Modded) else _DOCS
@@ -218,7 +249,10 @@ def _block_mask(mask: Mask, m: int, n: int, device: torch.device):
     if tiled:
         bm = _tiled_block_mask(mask, m, n, device)
     else:
-        bm = create_block_mask(_mask_mod(mask, m, n, device), None, None, m, n, device=device)
+        mod = _mask_mod(mask, m, n, device)
+        partial, full = _evaluated_tiles(mod, m, n, device)
+        bm = BlockMask.from_kv_blocks(*_ordered(partial), *_ordered(full), BLOCK_SIZE=SPARSE_BLOCK, mask_mod=mod,
+                                      seq_lengths=(m, n))
     nbytes, dropped = _mask_bytes(bm), []
     with _LOCK:
         old = tier.pop(key, None)
@@ -265,17 +299,25 @@ class FlexKernel(Kernel):
     takes_delta = True
     direct_softcap = True
     joins = True
+    dynamic = False
+    """Compiled once for every shape, not once per shape (``for_call``'s variant)."""
 
     def rank(self, call: KernelCall) -> int | None:
-        """``BAND_RANK`` for a wide windowed band (``KernelCall.wide``) of a training call with fixed block shapes
-        on a ``BAND_ARCHS`` GPU (Note [Bands on flex]): flex compiles once per block shape, which a training run pays
-        once, and wins only where a band is large enough to repay its call; narrow bands (an image's or a frame's
-        diagonal piece), calls without a backward (serving's prefill meets prompts of every length), shapes from
-        the batch and deterministic calls keep FA2."""
-        if (call.mask == "band" and call.wide and call.arch in BAND_ARCHS and call.training and not call.shapes_vary
-                and not call.deterministic):
+        """``BAND_RANK`` for a wide windowed band (``KernelCall.wide``) on a ``BAND_ARCHS`` GPU of a training call
+        with fixed block shapes (compiled once per block shape, which a training run pays once) or of a call
+        without a backward (compiled once for every shape: ``for_call``), Note [Bands on flex]: flex wins only
+        where a band is large enough to repay its call; narrow bands (an image's or a frame's diagonal piece),
+        training blocks shaped by the batch and deterministic calls keep FA2."""
+        if (call.mask == "band" and call.wide and call.arch in BAND_ARCHS and not call.deterministic
+                and (not call.training or not call.shapes_vary)):
             return BAND_RANK
         return super().rank(call)
+
+    def for_call(self, call: KernelCall) -> FlexKernel:
+        """Compiled for every shape (``dynamic=True``) where a call's shapes need not recur: calls without a
+        backward (serving's prefill meets every prompt length) and blocks shaped by the batch (Note [Flex
+        recompiles])."""
+        return _DYNAMIC if (not call.training or call.shapes_vary) else self
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
         r = []
@@ -295,8 +337,9 @@ class FlexKernel(Kernel):
     def _run(self, q, k, v, mask: Mask, scale: float, softcap: float) -> AttnOutput:
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
-        o, lse = _flex(q.device)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale,
-                             score_mod=mod, enable_gqa=q.shape[2] != k.shape[2], **_lse_request(), **_options(q))
+        o, lse = _flex(q.device, self.dynamic)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm,
+                                               scale=scale, score_mod=mod, enable_gqa=q.shape[2] != k.shape[2],
+                                               **_lse_request(), **_options(q))
         return AttnOutput(o.transpose(1, 2), _natural_lse(lse if torch.is_tensor(lse) else lse.lse))
 
     def direct(self, mask: Mask) -> bool:
@@ -306,8 +349,9 @@ class FlexKernel(Kernel):
         """The whole call as flex's own autograd op: its backward reuses the forward's lse (no recompute)."""
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
-        o = _flex(q.device)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale,
-                            score_mod=mod, enable_gqa=q.shape[2] != k.shape[2], **_options(q))
+        o = _flex(q.device, self.dynamic)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm,
+                                          scale=scale, score_mod=mod, enable_gqa=q.shape[2] != k.shape[2],
+                                          **_options(q))
         return o.transpose(1, 2)
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
@@ -331,3 +375,13 @@ class FlexKernel(Kernel):
 
 
 register(FlexKernel())
+
+
+class _DynamicFlex(FlexKernel):
+    """``FlexKernel`` compiled once for every shape: what ``FlexKernel.for_call`` hands calls whose shapes need not
+    recur (not registered: it is the same kernel, named "flex")."""
+
+    dynamic = True
+
+
+_DYNAMIC = _DynamicFlex()
