@@ -70,6 +70,19 @@ def test_flex_compiles_for_every_shape_where_shapes_need_not_recur():
         assert kern.name == "flex" and kern.dynamic and kern is select("auto", KernelCall(**{**mod.__dict__, **other}))
 
 
+def test_flex_variant_compiles_its_first_shapes_per_shape_then_once_for_all(monkeypatch):
+    """Note [Flex recompiles]: the variant for calls whose shapes need not recur runs the per-shape compile for its
+    first STATIC_SHAPES shapes (and whenever one of them recurs), the compile for every shape after them."""
+    variant = flex_mod._DynamicFlex()
+    monkeypatch.setattr(flex_mod, "STATIC_SHAPES", 3)
+    band = Band(-64, 0)
+
+    def call(n: int) -> bool:
+        return variant._dynamic_for(torch.empty(1, n, 4, 16), torch.empty(1, n, 2, 16), band)
+    assert [call(n) for n in (100, 200, 100, 300, 400, 500, 200)] == [False, False, False, False, True, True, False]
+    assert not KERNELS["flex"]._dynamic_for(torch.empty(1, 900, 4, 16), torch.empty(1, 900, 2, 16), band)
+
+
 def test_auto_ranks_flex_above_fa2_for_wide_windowed_bands_on_sm90_only():
     band = KernelCall("cuda", BF16, D, H, HKV, "band", arch=90, training=True, wide=True)
     assert select("auto", band).name == "flex" and not select("auto", band).dynamic

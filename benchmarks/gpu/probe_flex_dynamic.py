@@ -1,12 +1,13 @@
 """No-grad windowed calls at lengths a server meets: does flex compile once, and how fast is it against FA2?
 
-    python3 benchmarks/gpu/probe_flex_dynamic.py [--lengths 16384,20000,24576,131072]
+    python3 benchmarks/gpu/probe_flex_dynamic.py [--lengths 16384,20000,...]
 
 One GPU, W = 1, bf16, GQA 32/8, D 128, ``window_size=(4095, 0)`` through ``seqpar.attention`` without grad:
-``auto`` (flex compiled once for every shape, Note [Flex recompiles]) and ``kernel="flash"`` (FA2, auto's choice
-before). Per length: the first call's seconds (a compile, or none) and the median of 10 calls, ms; at the end
-dynamo's count of frames compiled. Then the same window through ``torch.compile(flex_attention)`` compiled per
-shape and once for every shape on the first length (the kernels' own speed, block mask from seqpar).
+``auto`` (flex: per shape for the first ``STATIC_SHAPES`` lengths, then compiled once for every shape, Note [Flex
+recompiles]) and ``kernel="flash"`` (FA2, auto's choice before). Per length: the first call's seconds (a compile,
+or none), the median of 10 calls, ms, and dynamo's count of frames compiled so far. Then the same window through
+``torch.compile(flex_attention)`` compiled per shape and once for every shape on the first length (the kernels'
+own speed, block mask from seqpar).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def first(fn) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", default="16384,20000,24576,131072")
+    ap.add_argument("--lengths", default="16384,20000,24576,131072,8192,12288,10000,14000,15000,17000,18000")
     args = ap.parse_args()
     dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
     from torch._dynamo.utils import counters

@@ -68,16 +68,15 @@ Note [Bands on flex]
        images and block_causal's frames run as before, one FA2 varlen call beside the causal block on cuDNN.
        These are estimates from two profiles; the bench's table is the check.
     4. A joined block covering the whole call is the direct path (flex's own autograd op, Note [Direct calls]).
-    5. Calls without a backward move too, on flex compiled once for every shape (``FlexKernel.for_call``, Note
-       [Flex recompiles] in ``seqpar.kernels.flex``). Nothing a runner sees tells a no-grad call whose signature
-       recurs (evaluation) from serving's prefill, which meets every prompt length: the cache fills through
-       ``seqpar.attention`` (``seqpar.inference.attend._fill``) like any caller. Compiled per shape, flex would
-       take the 16K no-grad forward from 1.38x to 1.05x of flex called directly, but a server would compile for
-       seconds at every new length and fail past ``RECOMPILES`` of them; compiled for every shape it compiles
-       once per mask family and runs the 16K window's forward in 2.69 ms, against 2.48 ms per shape and FA2's
-       3.31 ms (H100, ``benchmarks/gpu/probe_flex_dynamic.py``). Blocks whose shapes come from the batch use that
-       variant too wherever flex serves them (a mask_mod's blocks under packed documents); their wide bands in
-       training calls still keep FA2 (unmeasured there).
+    5. Calls without a backward move too, on ``FlexKernel.for_call``'s variant (Note [Flex recompiles] in
+       ``seqpar.kernels.flex``): nothing a runner sees tells a no-grad call whose signature recurs (evaluation)
+       from serving's prefill, which meets every prompt length (the cache fills through ``seqpar.attention``,
+       ``seqpar.inference.attend._fill``, like any caller). Its first ``STATIC_SHAPES`` shapes compile per shape,
+       later ones run flex compiled once for every shape, so a server compiles twice in all instead of at every
+       length and never meets ``RECOMPILES``. The 16K no-grad forward went from 1.33-1.39x of flex called directly
+       (FA2) to 1.05-1.14x, 128K to 1.09x (H100, ``benchmarks/results/2026-11-26-h100-flex-dynamic``). Blocks
+       whose shapes come from the batch take the same variant wherever flex serves them (a mask_mod's blocks
+       under packed documents); their wide bands in training calls still keep FA2 (unmeasured there).
     ``benchmarks/gpu/masks_1gpu.py`` measures it (the w1 section: every named mask, and ``window_size=`` on auto
     against the same call on FA2, against flex called directly); ``BAND_ARCHS`` and ``WIDE_ROWS`` are the places
     to change if a GPU says otherwise.

@@ -33,7 +33,7 @@ from ..types import AttnOutput
 from .base import Kernel, KernelCall, register
 
 __all__ = ["BAND_ARCHS", "BAND_MASKS", "BAND_RANK", "MASK_BYTES", "MOD_MASKS", "RECOMPILES", "SPARSE_BLOCK",
-           "VARLEN_MASKS", "FlexKernel"]
+           "STATIC_SHAPES", "VARLEN_MASKS", "FlexKernel"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,6 +57,9 @@ def _options(q: torch.Tensor) -> dict:
 
 RECOMPILES = 128
 """Compiled variants flex may hold (one per mask family, shape and head dim; Note [Flex recompiles])."""
+STATIC_SHAPES = 8
+"""Shapes of calls without a backward (or shaped by the batch) compiled per shape before the compile for every
+shape takes the rest (Note [Flex recompiles])."""
 
 
 @functools.lru_cache(maxsize=2)
@@ -70,12 +73,15 @@ def _compiled(dynamic: bool):
         # eagerly, and eager flex materialises every score (32 GiB at 16K x 32 heads, measured on the H100).
         # Compiled per shape (dynamic=False), seqpar meets one variant per block shape, mask family and head dim,
         # so it raises the limit for its own calls and makes hitting it an error rather than a silent unfused
-        # fallback. A training call's shapes recur step after step, so it compiles per shape: the fastest kernel
-        # (a 16K window's no-grad forward 2.48 ms on an H100, against 2.69 ms compiled for every shape and 3.31 ms
-        # on FA2; benchmarks/gpu/probe_flex_dynamic.py). A call without a backward (serving's prefill meets every
-        # prompt length) and a block shaped by the batch (packed documents) would compile once per length, seconds
-        # each, and fail past RECOMPILES lengths: they run the variant compiled once for every shape
-        # (dynamic=True, FlexKernel.for_call), one compile per mask family.
+        # fallback. A training call's shapes recur step after step, so it compiles per shape: the fastest kernel.
+        # A call without a backward (serving's prefill meets every prompt length; nothing tells it from an
+        # evaluation loop) and a block shaped by the batch (packed documents) would compile for seconds at every
+        # new length and fail past RECOMPILES of them. They get FlexKernel.for_call's variant: its first
+        # STATIC_SHAPES shapes compile per shape (an evaluation's few shapes at full speed), later ones run flex
+        # compiled once for every shape (dynamic=True), which compiled twice over every length tried (multiples of
+        # 128 and the rest) on an H100 (benchmarks/results/2026-11-26-h100-flex-dynamic). Compiled for every
+        # shape, a 16K window's forward took 2.79 ms against 2.74 per shape, but a generic mask_mod's blocks 6.45 ms
+        # against 5.04: hence per shape first.
         with torch._dynamo.config.patch(recompile_limit=RECOMPILES, fail_on_recompile_limit_hit=True):
             return compiled(*args, **kwargs)
     return call
@@ -300,7 +306,7 @@ class FlexKernel(Kernel):
     direct_softcap = True
     joins = True
     dynamic = False
-    """Compiled once for every shape, not once per shape (``for_call``'s variant)."""
+    """May compile once for every shape, not once per shape (``for_call``'s variant)."""
 
     def rank(self, call: KernelCall) -> int | None:
         """``BAND_RANK`` for a wide windowed band (``KernelCall.wide``) on a ``BAND_ARCHS`` GPU of a training call
@@ -337,10 +343,15 @@ class FlexKernel(Kernel):
     def _run(self, q, k, v, mask: Mask, scale: float, softcap: float) -> AttnOutput:
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
-        o, lse = _flex(q.device, self.dynamic)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm,
-                                               scale=scale, score_mod=mod, enable_gqa=q.shape[2] != k.shape[2],
-                                               **_lse_request(), **_options(q))
+        o, lse = _flex(q.device, self._dynamic_for(q, k, mask))(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale, score_mod=mod,
+            enable_gqa=q.shape[2] != k.shape[2], **_lse_request(), **_options(q))
         return AttnOutput(o.transpose(1, 2), _natural_lse(lse if torch.is_tensor(lse) else lse.lse))
+
+    def _dynamic_for(self, q: torch.Tensor, k: torch.Tensor, mask: Mask) -> bool:
+        """Whether this call runs the compile for every shape (Note [Flex recompiles]): never for the per-shape
+        kernel."""
+        return False
 
     def direct(self, mask: Mask) -> bool:
         return True
@@ -349,9 +360,9 @@ class FlexKernel(Kernel):
         """The whole call as flex's own autograd op: its backward reuses the forward's lse (no recompute)."""
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
-        o = _flex(q.device, self.dynamic)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm,
-                                          scale=scale, score_mod=mod, enable_gqa=q.shape[2] != k.shape[2],
-                                          **_options(q))
+        o = _flex(q.device, self._dynamic_for(q, k, mask))(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale, score_mod=mod,
+            enable_gqa=q.shape[2] != k.shape[2], **_options(q))
         return o.transpose(1, 2)
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
@@ -378,10 +389,25 @@ register(FlexKernel())
 
 
 class _DynamicFlex(FlexKernel):
-    """``FlexKernel`` compiled once for every shape: what ``FlexKernel.for_call`` hands calls whose shapes need not
-    recur (not registered: it is the same kernel, named "flex")."""
+    """``FlexKernel`` for calls whose shapes need not recur (``FlexKernel.for_call``; not registered: it is the same
+    kernel, named "flex"): its first ``STATIC_SHAPES`` shapes run the per-shape compile (an evaluation loop's few
+    shapes at full speed), every later one the compile for every shape (Note [Flex recompiles])."""
 
     dynamic = True
+
+    def __init__(self):
+        self._static: set[tuple] = set()
+        self._lock = threading.Lock()
+
+    def _dynamic_for(self, q: torch.Tensor, k: torch.Tensor, mask: Mask) -> bool:
+        key = (type(mask), q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device)
+        with self._lock:
+            if key in self._static:
+                return False
+            if len(self._static) < STATIC_SHAPES:
+                self._static.add(key)
+                return False
+        return True
 
 
 _DYNAMIC = _DynamicFlex()
