@@ -31,7 +31,8 @@ Note [Covered rows]
     spans: the (0, -inf) rows weigh nothing, so the result is the same bit for bit (``tests/test_merge.py``).
     The Triton pass takes the spans as CSR block lists, one list per block of ``block_rows`` rows, made once
     per structure of a call's partials (a planned call's partials have the same rows every call; only their
-    addresses, in the per-call table, change) and kept on the device (``BLOCKS`` structures); a fold's fp32
+    addresses, in the per-call table, change) and kept pinned on the host (``BLOCKS`` structures; copied per call:
+    Note [Graphs under compile] in ``seqpar.runtime.graphs``); a fold's fp32
     accumulator covers the union of what it merged. Measured before this on an H100 (emulated W = 8, packed
     128K, ``benchmarks/gpu/probe_host.py``): a ring's balanced forward launched nine merge kernels in three
     folds, 1.0 ms of its 4.3 ms on the GPU, and 1.7 ms of host time for their tables and launches.
@@ -215,7 +216,7 @@ def _triton():
 
 
 BLOCKS = 256
-"""Row-block lists kept on the device (Note [Covered rows]): one per structure of a call's partials."""
+"""Row-block lists kept, pinned on the host (Note [Covered rows]): one per structure of a call's partials."""
 
 
 def _triton_table(parts: list, covered: list[Covered], out_BSHD: torch.Tensor, lse_BHS: torch.Tensor | None,
@@ -246,22 +247,23 @@ def _triton_table(parts: list, covered: list[Covered], out_BSHD: torch.Tensor, l
 def _block_lists(spans: tuple[tuple[int, int, int], ...], rows: int, block_r: int, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(offsets (n_blocks + 1,), entries)`` int32 on ``device``: block j of ``block_r`` rows reads the spans
-    ``entries[offsets[j]:offsets[j + 1]]``, in span order (CSR). Kept per structure (a planned call's partials
-    have the same rows every call, only their addresses change), except inside a graph capture, where they are
-    the graph's own (Note [Tables under capture])."""
-    if torch.cuda.is_current_stream_capturing():
-        n, both = _lists(spans, rows, block_r)
-        both = host_table(both, device)
-        return both[: n + 1], both[n + 1:]
-    return _kept_lists(spans, rows, block_r, device)
+    ``entries[offsets[j]:offsets[j + 1]]``, in span order (CSR). Built once per structure (a planned call's
+    partials have the same rows every call, only their addresses change) and kept on the host, pinned; each call
+    copies them without blocking, so no device tensor outlives the call (Note [Graphs under compile] in
+    ``seqpar.runtime.graphs``) and a capture keeps its pinned copy source (Note [Tables under capture])."""
+    n, both = _pinned_lists(spans, rows, block_r)
+    if _KEEP:
+        _KEEP[-1].append(both)
+    elif torch.cuda.is_current_stream_capturing():
+        _FOREIGN.append(both)
+    both = both.to(device, non_blocking=True)
+    return both[: n + 1], both[n + 1:]
 
 
 @functools.lru_cache(maxsize=BLOCKS)
-def _kept_lists(spans: tuple[tuple[int, int, int], ...], rows: int, block_r: int, device: torch.device
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def _pinned_lists(spans: tuple[tuple[int, int, int], ...], rows: int, block_r: int) -> tuple[int, torch.Tensor]:
     n, both = _lists(spans, rows, block_r)
-    both = both.to(device)
-    return both[: n + 1], both[n + 1:]
+    return n, both.pin_memory()
 
 
 def _lists(spans: tuple[tuple[int, int, int], ...], rows: int, block_r: int) -> tuple[int, torch.Tensor]:

@@ -625,14 +625,16 @@ def _traced_args(key: str) -> dict[str, Any]:
 
 
 def traced_plan(key: str, q, k, v, sinks, cu_seqlens) -> Plan:
-    """The planned call behind a custom-op call (its arguments were interned by ``traced_key``)."""
+    """The planned call behind a custom-op call (its arguments were interned by ``traced_key``); auto graphs off
+    (Note [Graphs under compile] in ``seqpar.runtime.graphs``)."""
     a = _traced_args(key)
     return planned(q, k, v, sinks, mesh=_tagged_mesh(a["mesh"]), method=a["method"], layout=a["layout"],
                    causal=a["causal"], softmax_scale=a["softmax_scale"], kernel=a["kernel"], return_lse=True,
                    window_size=a["window_size"], cu_seqlens=cu_seqlens, seq_len=a["seq_len"],
                    deterministic=a["deterministic"], grad_dtype=a["grad_dtype"], dropout_p=0.0, alibi_slopes=None,
                    softcap=a["softcap"], check_ranks=a["check_ranks"], verify=False, options=a["options"],
-                   graphs=a["graphs"], mask_mod=None if a["mask"] is None else _named.from_spec(a["mask"]),
+                   graphs=False if a["graphs"] is None else a["graphs"],       # Note [Graphs under compile]
+                   mask_mod=None if a["mask"] is None else _named.from_spec(a["mask"]),
                    balance=a["balance"])
 
 

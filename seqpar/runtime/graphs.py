@@ -32,10 +32,23 @@ Note [Graphed calls]
     * One thread per plan: the static buffers are the plan's, so two threads replaying one plan at once would
       overwrite each other's inputs (calls on distinct signatures are independent).
 
+Note [Graphs under compile]
+    A call from a compiled model (the ``seqpar::attention`` op, Note [Tracing seqpar.attention] in
+    ``seqpar.runtime.op``) is never graphed by auto: under ``torch.compile(mode="reduce-overhead")`` inductor's
+    cudagraph trees run the compiled step once eagerly with every allocation of the thread routed to their
+    pool (their warm-up, not a capture, so nothing tells it from a plain call), then record it. A graph seqpar
+    captured during that warm-up kept its static buffers in their pool past the step, and cudagraph trees
+    refused the step ("7 tensor(s) in the cudagraph pool not tracked as outputs", emulated W = 4 on an H100,
+    2026-11-25); a plain compiled model loses only seqpar's own graphs, and the mode that graphs the whole step
+    includes seqpar's op in it. ``graphs=True`` is kept as asked (not under reduce-overhead). Device tensors
+    seqpar keeps between calls follow the same rule: the merge's block lists are kept on the host, pinned, and
+    copied per call (Note [Covered rows] in ``seqpar.kernels.combine``).
+
     Auto (``graphs=None``): CUDA, more than one rank, at most ``GRAPH_ROWS`` local rows, a fixed signature
     (no shapes from the batch, ``Call.shapes_vary``: a packed batch is a new plan per batch, and a capture per
     batch would cost more than it saves; one document over the whole sequence, a balanced layout's ``(0, S)``,
-    is fixed and graphed), and not the single-kernel direct path (W = 1 has no steps to save).
+    is fixed and graphed), not the single-kernel direct path (W = 1 has no steps to save), and not a call from a
+    compiled model (Note [Graphs under compile]).
 """
 
 from __future__ import annotations
