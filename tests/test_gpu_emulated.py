@@ -92,9 +92,11 @@ def test_reduce_overhead_compile_has_no_graph_breaks_emulated():
     x = torch.randn(1, 1024, 512, device="cuda", dtype=torch.bfloat16)
     assert torch._dynamo.explain(model)(x).graph_break_count == 0
     compiled = torch.compile(model, mode="reduce-overhead")
-    for _ in range(3):
-        compiled(x).float().square().mean().backward()
+    for _ in range(3):                          # warm-up, recording, replay: a training loop's steps
+        torch.compiler.cudagraph_mark_step_begin()
+        grads = torch.autograd.grad(compiled(x).float().square().mean(), list(model.parameters()))
     torch.cuda.synchronize()
+    assert all(torch.isfinite(g).all() for g in grads)
 
 
 def test_reduce_overhead_compile_of_an_hf_llama_emulated():
@@ -105,7 +107,8 @@ def test_reduce_overhead_compile_of_an_hf_llama_emulated():
 
     from seqpar.integrations import huggingface as sp_hf
 
-    handle = sp_hf.enable(None, method="ring", layout="zigzag", name="seqpar_gpu_reduce_overhead")
+    handle = sp_hf.enable(None, method="ring", layout="zigzag", name="seqpar_gpu_reduce_overhead",
+                          check_ranks=False)      # the agreement round reads on the host: not inside a capture
     try:
         cfg = tf.LlamaConfig(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                              num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
@@ -119,7 +122,9 @@ def test_reduce_overhead_compile_of_an_hf_llama_emulated():
         assert explanation.graph_break_count == 0, [str(b.reason) for b in explanation.break_reasons]
         compiled = torch.compile(model, mode="reduce-overhead")
         for _ in range(3):
-            compiled(**batch).loss.backward()
+            torch.compiler.cudagraph_mark_step_begin()
+            grads = torch.autograd.grad(compiled(**batch).loss, list(model.parameters()))
         torch.cuda.synchronize()
+        assert all(torch.isfinite(g).all() for g in grads)
     finally:
         handle.disable()
