@@ -90,7 +90,8 @@ _TOWERS = ("vision", "audio")
 
 def enable(mesh: Any = None, method: str = "usp", layout: str | None = None, kernel: str = "auto", *,
            name: str = DEFAULT_NAME, check_positions: bool = True, ignore_kwargs: Iterable[str] = (),
-           deterministic: bool = False, grad_dtype: torch.dtype = torch.float32, **options: Any) -> Handle:
+           deterministic: bool = False, grad_dtype: torch.dtype = torch.float32, check_ranks: bool | int = True,
+           **options: Any) -> Handle:
     """Register seqpar as the transformers attention implementation ``name`` and return its handle.
 
     Args:
@@ -108,7 +109,9 @@ def enable(mesh: Any = None, method: str = "usp", layout: str | None = None, ker
             small device-to-host read per forward; position schemes that are not ``(B, L)`` are not checked.
         ignore_kwargs: extra keyword arguments a model may pass to attention functions that you know do not
             change attention (unknown non-None keyword arguments raise otherwise).
-        deterministic, grad_dtype, **options: as in ``seqpar.attention``.
+        deterministic, grad_dtype, check_ranks, **options: as in ``seqpar.attention``; a model compiled with
+            ``torch.compile(mode="reduce-overhead")`` over several ranks needs ``check_ranks=False`` (the
+            agreement round reads its result on the host, which a CUDA graph cannot capture).
 
     Returns:
         A ``Handle``: use ``attn_implementation=name``; ``handle.disable()`` or ``with`` restores the registry.
@@ -121,7 +124,8 @@ def enable(mesh: Any = None, method: str = "usp", layout: str | None = None, ker
                           f"masking_utils.AttentionMaskInterface): {e}") from e
     handle = Handle(mesh=mesh, method=method, layout=layout, kernel=kernel, name=name,
                     check_positions=check_positions, ignore_kwargs=frozenset(ignore_kwargs),
-                    deterministic=deterministic, grad_dtype=grad_dtype, options=dict(options))
+                    deterministic=deterministic, grad_dtype=grad_dtype, check_ranks=check_ranks,
+                    options=dict(options))
     handle._register(AttentionInterface, AttentionMaskInterface)
     return handle
 
@@ -137,7 +141,7 @@ class Handle:
 
     def __init__(self, *, mesh: Any, method: str, layout: str | None, kernel: str, name: str, check_positions: bool,
                  ignore_kwargs: frozenset[str], deterministic: bool, grad_dtype: torch.dtype,
-                 options: dict[str, Any]):
+                 options: dict[str, Any], check_ranks: bool | int = True):
         if not isinstance(name, str) or not name or name in ("eager", "sdpa", "flex_attention") \
                 or name.startswith(("flash_attention", "paged")):
             raise ValueError(f"name must be a new attn_implementation name, got {name!r}{rank_suffix()}")
@@ -150,7 +154,7 @@ class Handle:
             self.config = None
         self.mesh, self.method, self.layout, self.kernel, self.name = mesh, method, layout, kernel, name
         self.options = dict(options)
-        self.deterministic, self.grad_dtype = deterministic, grad_dtype
+        self.deterministic, self.grad_dtype, self.check_ranks = deterministic, grad_dtype, check_ranks
         self.check_positions, self.ignore_kwargs = check_positions, ignore_kwargs
         self.active = False
         self._previous: tuple[Any, Any] = (None, None)
@@ -270,7 +274,7 @@ class Handle:
                              causal=lm.causal, softmax_scale=scaling, kernel=self.kernel, window_size=lm.window,
                              cu_seqlens=cu, deterministic=self.deterministic, grad_dtype=self.grad_dtype,
                              softcap=float(softcap or 0.0), sinks=sinks, mask_mod=lm.mask, balance="causal",
-                             **self.options)
+                             check_ranks=self.check_ranks, **self.options)
         return out_BSHD, None
 
     def _cached(self, module: torch.nn.Module, query: torch.Tensor, causal: bool, scaling: float | None,
