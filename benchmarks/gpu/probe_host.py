@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--cases", default="packed32,packed128,dense16")
+    ap.add_argument("--dense-methods", default="ring/zigzag,ulysses/contiguous",
+                    help="method/layout pairs of the dense cases")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,7 +103,7 @@ def main() -> None:
             configs = [("ulysses", "contiguous"), ("ring", "zigzag"), ("ring", "balanced"), ("allgather", "balanced")]
         else:
             total, cu = int(case[5:]) * 1024, None
-            configs = [("ring", "zigzag"), ("ulysses", "contiguous")]
+            configs = [tuple(c.split("/")) for c in args.dense_methods.split(",")]
         for method, layout in configs:
             for mode in ("fwd", "fwd+bwd"):
                 name = f"{case}-{method}-{layout}-{mode}"
