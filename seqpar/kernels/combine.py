@@ -157,13 +157,15 @@ def merge_parts(parts: Sequence, shape: tuple[int, int, int, int], out_dtype: to
     return out, lse
 
 
-def sum_parts(parts: Sequence, shape: tuple[int, int, int, int], out_dtype: torch.dtype) -> torch.Tensor:
+def sum_parts(parts: Sequence, shape: tuple[int, int, int, int], out_dtype: torch.dtype,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """``x (B, S, H, D)`` in ``out_dtype``: the sum of ``(rows, x_BSHD[, covered])`` partials, accumulated in fp32
-    (fp64 for fp64); rows no part covers are 0."""
+    (fp64 for fp64); rows no part covers are 0. ``out``: write there (any strides, last dim contiguous) instead."""
     parts, covered = _split(parts, 2)
     like = parts[0][1]
     acc = acc_dtype(out_dtype if like.dtype != torch.float64 else like.dtype)
-    out = torch.empty(shape, dtype=out_dtype, device=like.device)
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=like.device)
     if _fused([p[1] for p in parts], acc):
         _triton_table([(r, x, None) for r, x in parts], covered, out, None, weighted=False)
         return out

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..numerics import acc_dtype
-from .combine import Covered, merge_parts, sum_parts, union
+from . import combine
+from .combine import Covered, union
 
 __all__ = ["DEFER_BYTES", "Accumulator", "RowSum", "merge_", "merge_weights"]
 
@@ -118,7 +119,7 @@ class Accumulator:
         if len(parts) == 1 and parts[0][0] == whole:
             self.out, self.lse, self._covered = parts[0][1], parts[0][2], parts[0][3]   # one whole partial
             return
-        self.out, self.lse = merge_parts(parts, self.shape, dtype)
+        self.out, self.lse = combine.merge_parts(parts, self.shape, dtype)
         self._covered = union(parts, self.shape[1])
 
     def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +154,7 @@ class RowSum:
     def _sum(self, dtype: torch.dtype) -> torch.Tensor:
         if not self._held:
             return torch.zeros(self.shape, dtype=dtype, device=self.device)
-        return sum_parts(self._held, self.shape, dtype)
+        return combine.sum_parts(self._held, self.shape, dtype)
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
         return self._sum(dtype)

@@ -26,6 +26,15 @@ Note [Pass-Q schedule]
 
     Every step posts its transfers before it computes, step 0 included: the hop that carries Q to rank r-1
     is in flight while the own block's first half runs.
+
+Note [Pass-Q sums]
+    The backward's gradient partials are fresh tensors, so they are held and summed once (``RowSum``, Note [One
+    merge per call] in ``seqpar.kernels.combine``): dK and dV over every task of every step, dQ over the own
+    blocks' partials and the returns that come home (each return lands in a buffer of its own), each written once
+    in its dtype. A guest step's dQ rows are summed straight into the wire buffer that takes them home (one pass,
+    fp32 inside, rows no task covers zero). Before, every task added into fp32 accumulators and every step zeroed,
+    added and copied its return: at 2K tokens per rank over 8 (emulated, H100) those element-wise passes took
+    about 1.0 ms of a 3.5 ms forward+backward (``benchmarks/gpu/probe_host.py``).
 """
 
 from __future__ import annotations
@@ -37,8 +46,9 @@ import torch
 from ..comm.loop import Double, Loop, run_steps
 from ..comm.ring import Exchange, Ring
 from ..kernels.base import mask_kind
+from ..kernels.combine import sum_parts
 from ..kernels.executor import GROUP_AT, TaskRunner
-from ..kernels.merge import Accumulator, merge_
+from ..kernels.merge import Accumulator, RowSum, merge_
 from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, plan
 from ..memo import batch_memo
@@ -223,22 +233,25 @@ class PassQ:
         r, n, sp, runner = self.ring.rank, self.sp.n_steps, self.sp, self.runner
         D, Dv = q.shape[-1], v.shape[-1]
         acc = acc_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=q.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=q.device)
         delta = runner.takes_delta(q, k, sp.kinds, Dv)   # the plan's kernels decide the bundle: same on every rank
+        # Note [Pass-Q sums]: every gradient partial is a fresh tensor, held and summed once
+        dq, dk, dv = (RowSum(x.shape, acc, q.device) for x in (q, k, v))
 
-        def run(tasks, qv, g: GradRows, lsev, dq_BSHD) -> None:
+        def grads(tasks, qv, g: GradRows, lsev):
             for t in runner.prepare(tasks, qv, k):
                 gq, gk, gv = runner.backward(g, qv, k, v, lsev, t)
-                dq_BSHD[:, t.q] += gq
-                dk[:, t.k] += gk
-                dv[:, t.k] += gv
+                dk.add(t.k, gk)
+                dv.add(t.k, gv)
+                yield t, gq
+
+        def own(tasks) -> None:
+            for t, gq in grads(tasks, q, rows, lse):
+                dq.add(t.q, gq, t.covered)
 
         if n == 1:
-            run(sp.early[r], q, rows, lse, dq)
-            run(sp.late[r], q, rows, lse, dq)
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+            own(sp.early[r])
+            own(sp.late[r])
+            return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
         if delta:                              # (Q, dO | lse, Delta)
             parts, stats = [q, rows.do], [lse, rows.delta.to(lse.dtype)]
         else:                                  # (Q, dO', O' | lse)
@@ -247,8 +260,7 @@ class PassQ:
         st = Double(torch.stack([x.permute(2, 0, 1) for x in stats], -1))
         wire = wire_dtype(self.grad_dtype, q.dtype)
         res = [torch.empty(q.shape[1], q.shape[0], *q.shape[2:], dtype=wire, device=q.device) for _ in range(2)]
-        got = torch.empty_like(res[0])
-        scratch = torch.empty(res[0].shape, dtype=acc, device=q.device) if wire != acc else None
+        landing: list[torch.Tensor] = []       # the receive buffer of the return in flight (a fresh one each)
 
         def guest(s: int) -> None:
             rr = sp.res_rows[(r + s) % sp.world][s]
@@ -258,16 +270,22 @@ class PassQ:
             qv, dov = bshd(b_[..., :D]), bshd(b_[..., D:D + Dv])
             g = GradRows.given(dov, delta=bhs(s_[..., 1])) if delta else \
                 GradRows.given(dov, folded=(dov, bshd(b_[..., D + Dv:])))
-            out_dq = res[s % 2] if scratch is None else scratch
-            out_dq[rr[0]:rr[1]].zero_()       # dQ partials summed in fp32, cast once into the wire buffer
-            run(sp.steps[r][s], qv, g, bhs(s_[..., 0]), bshd(out_dq))
-            if scratch is not None:
-                res[s % 2][rr[0]:rr[1]].copy_(scratch[rr[0]:rr[1]])
+            a, b = rr
+            part = [(slice(t.q_start - a, t.q_stop - a), gq, t.covered)
+                    for t, gq in grads(sp.steps[r][s], qv, g, bhs(s_[..., 0]))]
+            target = bshd(res[s % 2])[:, a:b]  # the rows that go home: summed in fp32, cast once into the wire
+            if part:
+                sum_parts(part, tuple(target.shape), wire, out=target)
+            else:
+                target.zero_()
+
+        def post_return(ex: Exchange, t: int) -> Rows:
+            landing[:] = [torch.empty_like(res[0])]
+            return self._return(ex, t, [res[t % 2]], landing)
 
         def land_return(m: Rows) -> None:
-            dq[:, m[0]:m[1]] += bshd(got[m[0]:m[1]])
+            dq.add(slice(*m), bshd(landing[0])[:, m[0]:m[1]])
 
-        self._run(n, [bundle, st], lambda s: run(sp.early[r], q, rows, lse, dq) if s == 0 else guest(s),
-                  lambda ex, t: self._return(ex, t, [res[t % 2]], [got]), land_return,
-                  lambda: run(sp.late[r], q, rows, lse, dq))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        self._run(n, [bundle, st], lambda s: own(sp.early[r]) if s == 0 else guest(s), post_return, land_return,
+                  lambda: own(sp.late[r]))
+        return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
