@@ -28,6 +28,14 @@ Note [TASP rounds]
     round behind (each holder adds what arrives after its own compute), and the last holder's successor
     is the origin, so the final hop is home. The last return overlaps the back half of the own block (Note [Hiding the
     tail] in ``_shared``).
+
+Note [TASP sums]
+    The backward's dQ partials are fresh kernel outputs, held and summed once (``RowSum``, Note [One merge per
+    call] in ``seqpar.kernels.combine``), and a round's dK/dV partials are summed straight into that round's fp32
+    buffer (``sum_parts(out=)``: rows no task covers zero) before the relayed arrivals are added, where every
+    task used to add into zeroed fp32 accumulators - element-wise passes of the size of the attention kernels'
+    own work at 2K tokens per rank (the same change took TokenRing's forward+backward from 0.44 to 0.49 there,
+    Note [Pass-Q sums] in ``_passq``).
 """
 
 from __future__ import annotations
@@ -39,8 +47,9 @@ import torch
 from ..comm import topology
 from ..comm.loop import Loop, run_steps
 from ..comm.ring import Exchange
+from ..kernels.combine import sum_parts
 from ..kernels.executor import TaskRunner
-from ..kernels.merge import Accumulator
+from ..kernels.merge import Accumulator, RowSum
 from ..layouts.blocks import Rule, Task, plan, slice_rows
 from ..layouts.subchunks import Subchunked
 from ..memo import batch_memo
@@ -274,21 +283,34 @@ class Tasp:
         behind their pieces; every running sum fp32, cast into the wire buffer only."""
         tp, runner, W, d = self.tp, self.runner, self.tp.world, q.shape[-1]
         acc = acc_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dq = RowSum(q.shape, acc, q.device)       # fresh partials, summed once (Note [TASP sums])
         own_dkv = torch.zeros(k.shape[1], k.shape[0], k.shape[2], d + v.shape[-1], dtype=acc, device=q.device)
+
+        def grads(tasks, kb, vb):
+            for t in runner.prepare(tasks, q, kb):
+                gq, gk, gv = runner.backward(rows, q, kb, vb, lse, t)
+                dq.add(t.q, gq, t.covered)
+                yield t, gk, gv
 
         def run(tasks, kb, vb, dkv) -> None:
             dkb, dvb = (bshd(x) for x in unpack_kv(dkv, d))
-            for t in runner.prepare(tasks, q, kb):
-                gq, gk, gv = runner.backward(rows, q, kb, vb, lse, t)
-                dq[:, t.q] += gq
+            for t, gk, gv in grads(tasks, kb, vb):
                 dkb[:, t.k] += gk
                 dvb[:, t.k] += gv
+
+        def round_sums(tasks, kb, vb, dkv) -> None:
+            """A round's dK/dV written once into its (fp32) buffer rows: no zeroing, no adds."""
+            parts = [(t.k, gk, gv) for t, gk, gv in grads(tasks, kb, vb)]
+            for view, i in zip((bshd(x) for x in unpack_kv(dkv, d)), (1, 2)):
+                if parts:
+                    sum_parts([(p[0], p[i]) for p in parts], tuple(view.shape), acc, out=view)
+                else:
+                    view.zero_()
 
         if W == 1:
             run(tp.early + tp.late, k, v, own_dkv)
             dk, dv = (bshd(x) for x in unpack_kv(own_dkv, d))
-            return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+            return dq.result(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
         own = pack_kv(seq_major(k), seq_major(v), seq_dim=0)
         bufs = [torch.empty_like(own), torch.empty_like(own)]
         wire = wire_dtype(self.grad_dtype, q.dtype)
@@ -325,9 +347,8 @@ class Tasp:
             if s == 0:
                 run(tp.early, k, v, own_dkv)
                 return
-            sums[s % 2][: self._round(s).rows].zero_()
             kb, vb = (bshd(x) for x in unpack_kv(bufs[s % 2], d))
-            run(self._round(s).tasks, kb, vb, sums[s % 2])
+            round_sums(self._round(s).tasks, kb, vb, sums[s % 2][: self._round(s).rows])
 
         def land(s: int) -> None:
             if s >= 2:
@@ -342,4 +363,4 @@ class Tasp:
             loop.wait(handles)
             apply_grads(W - 1)
         dk, dv = (bshd(x) for x in unpack_kv(own_dkv, d))
-        return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+        return dq.result(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
