@@ -88,7 +88,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
             capture that fails raises (pass False); graphs on NCCL groups of several GPUs have not yet been run
             on hardware.
             Not inside another capture (``torch.compile(mode="reduce-overhead")``): there the call is captured
-            with the caller's graph.
+            with the caller's graph; auto is off for every call from a compiled model (Note [Graphs under
+            compile]).
         mask_mod: a named mask from ``seqpar.masks`` (``chunked``, ``spans``, ``prefix_lm``, ``block_causal``,
             ``shared_prefix``, ``tree``, ``sink_window``: block structure declared, every block on a dense
             kernel) or a flex-style ``fn(b, h, q_idx, kv_idx) -> bool`` on GLOBAL positions (evaluated once per

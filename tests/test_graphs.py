@@ -16,12 +16,12 @@ CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
 
 @pytest.mark.parametrize("kw,expect", [
-    (dict(device=CUDA, world=8, rows=2048, shapes_vary=False, direct=False), True),        # short chunks: graphed
-    (dict(device=CUDA, world=8, rows=GRAPH_ROWS + 1, shapes_vary=False, direct=False), False),   # not host-bound
-    (dict(device=CUDA, world=1, rows=2048, shapes_vary=False, direct=False), False),       # one rank: one step
-    (dict(device=CUDA, world=8, rows=2048, shapes_vary=True, direct=False), False),        # a new plan per batch
-    (dict(device=CUDA, world=8, rows=2048, shapes_vary=False, direct=True), False),        # one aten call
-    (dict(device=CPU, world=8, rows=2048, shapes_vary=False, direct=False), False),        # no graphs on CPU
+    (dict(device=CUDA, world=8, rows=2048, packed=False, direct=False), True),        # short chunks: graphed
+    (dict(device=CUDA, world=8, rows=GRAPH_ROWS + 1, packed=False, direct=False), False),   # not host-bound
+    (dict(device=CUDA, world=1, rows=2048, packed=False, direct=False), False),       # one rank: one step
+    (dict(device=CUDA, world=8, rows=2048, packed=True, direct=False), False),        # a new plan per batch
+    (dict(device=CUDA, world=8, rows=2048, packed=False, direct=True), False),        # one aten call
+    (dict(device=CPU, world=8, rows=2048, packed=False, direct=False), False),        # no graphs on CPU
 ])
 def test_auto_graphs_only_host_bound_fixed_signatures(kw, expect):
     assert wanted(None, **kw) is expect
@@ -46,6 +46,8 @@ def test_shapes_vary_only_with_the_batch(cfg, vary):
     call = SimpleNamespace(cfg=AttentionConfig(layout="balanced" if "cu_seqlens" in cfg else "zigzag", **cfg),
                            seq_len=16)
     assert Call.shapes_vary.fget(call) is vary
+    # graphs (Note [Graphed calls]) leave out packed documents only: a valid length's plan recurs every layer
+    assert Call.packed.fget(call) is (len(cfg.get("cu_seqlens", ())) > 2)
 
 
 @pytest.fixture

@@ -86,6 +86,13 @@ class Call:
         return self.q_shape[1] * self.groups.world
 
     @property
+    def packed(self) -> bool:
+        """Several documents: a packed batch, whose plan serves one step (Note [Graphed calls] in
+        ``seqpar.runtime.graphs``)."""
+        docs = self.cfg.cu_seqlens
+        return docs is not None and len(docs) > 2
+
+    @property
     def shapes_vary(self) -> bool:
         """Its blocks' shapes come from the batch (Note [Plans per shape] in ``seqpar.kernels.base``): several
         documents, or a valid length short of the global length. One document over the whole sequence (a
