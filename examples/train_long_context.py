@@ -286,11 +286,9 @@ def train(p: Preset, out_path: str | None = None, check: bool = False, *, emulat
     if not p.fsdp and p.dp != 1:
         raise ValueError(f"fsdp=False supports dp=1 only (gradients are summed over the sequence group), got {p.dp}")
     options = {"head_chunks": p.head_chunks} if p.method == "ring" and p.head_chunks > 1 else {}
-    handle = sp_hf.enable(sp_mesh, method=p.method, layout=p.layout, kernel=p.kernel, name="seqpar", **options)
-    if emulated:
-        # the agreement round off (a fake group moves no digests): enable() has no check_ranks argument, and
-        # handle.options go to every seqpar.attention call as keyword arguments
-        handle.options["check_ranks"] = False
+    # emulated: the agreement round off (a fake group moves no digests)
+    handle = sp_hf.enable(sp_mesh, method=p.method, layout=p.layout, kernel=p.kernel, name="seqpar",
+                          check_ranks=not emulated, **options)
     lm = build_model(p, handle.name, device)
     if p.tile_mlp:
         hf_memory.tile_mlp(lm, chunk_tokens=p.tile_mlp)
