@@ -13,7 +13,6 @@ own speed, block mask from seqpar).
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -21,22 +20,14 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import seqpar
+from seqpar.bench.timing import time_ms
 
 H, HKV, D, WINDOW = 32, 8, 128, (4095, 0)
 
 
-def timed(fn, n=10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+def timed(fn) -> float:
+    """Median of 10 calls, ms (after a warm-up call)."""
+    return time_ms(fn, torch.device("cuda"), warmup=1, iters=10)
 
 
 def first(fn) -> float:
