@@ -187,3 +187,25 @@ def test_reduce_overhead_compile_equals_eager():
     torch.testing.assert_close(loss, eager_loss, rtol=2e-2, atol=2e-2)
     for g, e in zip(grads, eager_grads):
         torch.testing.assert_close(g.float(), e.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_padding_within_the_divisor_runs_on_cudnn_and_matches_the_truth():
+    """A valid length short of the padded one by less than the layout's divisor keeps per-shape kernels (cuDNN on
+    its blocks, Call.shapes_vary): out, lse and the gradients of the valid rows match the fp64 truth on the valid
+    rows, and the padding's rows and gradients are zero."""
+    from seqpar.runtime import call as _call
+
+    torch.manual_seed(5)
+    S, valid, H, Hkv, D = 1024, 1023, 8, 2, 128
+    q, k, v = (torch.randn(1, S, h, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (H, Hkv, Hkv))
+    out, lse = seqpar.attention(q, k, v, method="ring", seq_len=valid, return_lse=True)
+    plan = next(reversed(_call._BATCH_PLANS.values()))[0]           # the call just made
+    assert not plan.call.shapes_vary
+    do, dlse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out * do).sum() + (lse * dlse).sum(), (q, k, v))
+    t_out, t_lse, t_grads = _dense(q[:, :valid], k[:, :valid], v[:, :valid], do[:, :valid], dlse[:, :, :valid])
+    assert _rel(out[:, :valid], t_out) < 2e-2 and _rel(lse[:, :, :valid], t_lse) < 1e-3
+    for g, t in zip(grads, t_grads):
+        assert _rel(g[:, :valid], t) < 3e-2
+        assert g[:, valid:].abs().max() == 0

@@ -32,8 +32,10 @@ def test_auto_graphs_only_host_bound_fixed_signatures(kw, expect):
     (dict(), False),
     (dict(cu_seqlens=(0, 16)), False),                   # one document over the whole sequence: fixed shapes
     (dict(cu_seqlens=(0, 5, 16)), True),                 # documents: shapes from the batch
-    (dict(cu_seqlens=(0, 12)), True),                    # one document and padding: a valid length
+    (dict(cu_seqlens=(0, 12)), True),                    # one document and padding past the divisor (4)
     (dict(seq_len=12), True),
+    (dict(seq_len=13), False),                           # padding up to the divisor: at most 4 valid lengths
+    (dict(cu_seqlens=(0, 14)), False),
 ])
 def test_shapes_vary_only_with_the_batch(cfg, vary):
     """Graphs and cuDNN's per-shape plans are kept for calls whose block shapes come from the signature alone
@@ -44,7 +46,7 @@ def test_shapes_vary_only_with_the_batch(cfg, vary):
     from seqpar.methods.base import Call
 
     call = SimpleNamespace(cfg=AttentionConfig(layout="balanced" if "cu_seqlens" in cfg else "zigzag", **cfg),
-                           seq_len=16)
+                           seq_len=16, layout=SimpleNamespace(divisor=4))
     assert Call.shapes_vary.fget(call) is vary
     # graphs (Note [Graphed calls]) leave out packed documents only: a valid length's plan recurs every layer
     assert Call.packed.fget(call) is (len(cfg.get("cu_seqlens", ())) > 2)

@@ -114,13 +114,14 @@ def test_auto_passes_over_plan_per_shape_kernels_when_shapes_vary(monkeypatch):
 
     def runner(**cfg):
         call = SimpleNamespace(cfg=AttentionConfig(layout="balanced" if "cu_seqlens" in cfg else "zigzag", **cfg),
-                               scale=0.1, seq_len=8)
+                               scale=0.1, seq_len=8, layout=SimpleNamespace(divisor=2))
         call.shapes_vary = Call.shapes_vary.fget(call)
         return TaskRunner.of(call)
     assert not runner().shapes_vary
-    assert runner(cu_seqlens=(0, 5, 8)).shapes_vary and runner(seq_len=7).shapes_vary
-    assert runner(cu_seqlens=(0, 7)).shapes_vary                   # one document and padding: a valid length
+    assert runner(cu_seqlens=(0, 5, 8)).shapes_vary and runner(seq_len=6).shapes_vary
+    assert runner(cu_seqlens=(0, 6)).shapes_vary                   # one document, padded past the divisor
     assert not runner(cu_seqlens=(0, 8)).shapes_vary              # one document: the shapes of the length
+    assert not runner(seq_len=7).shapes_vary                       # padding within the divisor: bounded lengths
 
 
 def test_gpu_kernels_declare_mask_limits():

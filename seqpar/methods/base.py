@@ -95,10 +95,15 @@ class Call:
     @property
     def shapes_vary(self) -> bool:
         """Its blocks' shapes come from the batch (Note [Plans per shape] in ``seqpar.kernels.base``): several
-        documents, or a valid length short of the global length. One document over the whole sequence (a
-        balanced layout's ``(0, S)``) keeps the shapes of the signature."""
+        documents, or a valid length short of the global length by the layout's divisor or more (padding to a
+        longest sequence, lengths without bound). One document over the whole sequence (a balanced layout's
+        ``(0, S)``) keeps the shapes of the signature, and so does padding up to the layout's divisor
+        (``shard(pad=True)``, a method's own sub-chunks): a padded length then has fewer valid lengths than the
+        divisor, so per-shape plans stay bounded."""
         docs, valid = self.cfg.cu_seqlens, self.cfg.valid_len
-        return (docs is not None and len(docs) > 2) or (valid is not None and valid != self.seq_len)
+        if docs is not None and len(docs) > 2:
+            return True
+        return valid is not None and self.seq_len - valid >= self.layout.divisor
 
     @property
     def head_dim(self) -> int:
