@@ -105,6 +105,20 @@ def test_other_methods_merge_once(fake_world, counts, method, layout):
     assert counts["kernel_fwd"] >= 1
 
 
+@pytest.mark.parametrize("method", ["tokenring", "tasp"])
+def test_pass_q_and_tasp_backward_sum_their_partials_in_one_pass(fake_world, counts, method):
+    """Note [Pass-Q sums] / Note [TASP sums]: the backward's gradient partials go through the one-pass sums (dQ, dK
+    and dV each summed once at the end, a guest step's or a round's rows summed into their buffer), never a merge
+    per step; at most one pass per step plus the three results."""
+    world = 4
+    fake_world(world)
+    out, leaves = _call_once(method, "zigzag", world)
+    counts.clear()
+    torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert counts["merge_step"] == 0 and counts["kernel_bwd"] >= world, counts
+    assert 3 <= counts["sum_once"] <= 2 * world + 3, counts
+
+
 def test_bench_emulated_world_smoke(tmp_path):
     """``python -m seqpar.bench --emulate-world 4`` on CPU: one process, records with the emulation fields for
     the busiest rank of each configuration."""

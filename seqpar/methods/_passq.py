@@ -45,8 +45,8 @@ import torch
 
 from ..comm.loop import Double, Loop, run_steps
 from ..comm.ring import Exchange, Ring
+from ..kernels import combine
 from ..kernels.base import mask_kind
-from ..kernels.combine import sum_parts
 from ..kernels.executor import GROUP_AT, TaskRunner
 from ..kernels.merge import Accumulator, RowSum, merge_
 from ..layouts.base import Layout
@@ -275,7 +275,7 @@ class PassQ:
                     for t, gq in grads(sp.steps[r][s], qv, g, bhs(s_[..., 0]))]
             target = bshd(res[s % 2])[:, a:b]  # the rows that go home: summed in fp32, cast once into the wire
             if part:
-                sum_parts(part, tuple(target.shape), wire, out=target)
+                combine.sum_parts(part, tuple(target.shape), wire, out=target)
             else:
                 target.zero_()
 

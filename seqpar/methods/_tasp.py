@@ -47,7 +47,7 @@ import torch
 from ..comm import topology
 from ..comm.loop import Loop, run_steps
 from ..comm.ring import Exchange
-from ..kernels.combine import sum_parts
+from ..kernels import combine
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator, RowSum
 from ..layouts.blocks import Rule, Task, plan, slice_rows
@@ -303,7 +303,7 @@ class Tasp:
             parts = [(t.k, gk, gv) for t, gk, gv in grads(tasks, kb, vb)]
             for view, i in zip((bshd(x) for x in unpack_kv(dkv, d)), (1, 2)):
                 if parts:
-                    sum_parts([(p[0], p[i]) for p in parts], tuple(view.shape), acc, out=view)
+                    combine.sum_parts([(p[0], p[i]) for p in parts], tuple(view.shape), acc, out=view)
                 else:
                     view.zero_()
 
