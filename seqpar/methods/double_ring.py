@@ -25,6 +25,13 @@ Note [Double ring]
     end (the inter-node gradient transfer hides behind the pass too) - and goes on to (t + 1, p). After
     the last pass the total has visited every window and takes one final hop home, to
     ((t + 1) mod W_o, (p + 1) mod w). With W_o = 1 this is exactly the ring.
+
+Note [Double-ring sums]
+    The backward's dQ partials are fresh kernel outputs, held and summed once (``RowSum``, Note [One merge per
+    call] in ``seqpar.kernels.combine``); at each inner step the running dK/dV that arrived and the step's partials
+    are summed in one pass into the fp32 buffer (``sum_parts(out=)``), in the order the adds ran before - the
+    arrival first, then the tasks - so the sums are the same bits, where a copy and an add per task each read and
+    wrote the buffer (TokenRing's same change: Note [Pass-Q sums] in ``_passq``).
 """
 
 from __future__ import annotations
@@ -41,8 +48,9 @@ from ..comm.ring import Exchange
 from ..config import AttentionConfig
 from ..cost import model
 from ..errors import rank_suffix
+from ..kernels import combine
 from ..kernels.executor import TaskRunner
-from ..kernels.merge import Accumulator
+from ..kernels.merge import Accumulator, RowSum
 from ..layouts import Layout
 from ..layouts.blocks import Rule, Task, plan
 from ..memo import batch_memo
@@ -199,7 +207,7 @@ class _Engine:
         runner, tasks, pr, me, w, d = self.runner, self.tasks, self.pr, self.rank, self.w, q.shape[-1]
         acc = acc_dtype(q.dtype)
         wire = wire_dtype(self.grad_dtype, q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dq = RowSum(q.shape, acc, q.device)            # Note [Double-ring sums]
         cur = Double(pack_kv(k, v))
         x = Double(torch.empty_like(cur.cur))
         dkv = torch.empty(cur.cur.shape, dtype=acc, device=q.device)         # the pass's running sum, fp32
@@ -225,17 +233,20 @@ class _Engine:
                     ts = runner.prepare(tasks[j][s], q, kc)
                     grads[:] = [(t, runner.backward(rows, q, kc, vc, lse, t)) for t in ts]
                     for t, (gq, _, _) in grads:
-                        dq[:, t.q] += gq
+                        dq.add(t.q, gq, t.covered)
 
                 def accumulate(s: int) -> None:
-                    if s > 0:                             # the running dK/dV of the block now held
-                        dkv.copy_(dkv_wire.nxt)
-                    else:
-                        dkv.zero_()
-                    dk_, dv_ = unpack_kv(dkv, d)
-                    for t, (_, gk, gv) in grads:
-                        dk_[:, t.k] += gk
-                        dv_[:, t.k] += gv
+                    """The running dK/dV of the block now held (what arrived, s > 0) plus this step's partials,
+                    summed in one pass into the fp32 buffer."""
+                    prev = unpack_kv(dkv_wire.nxt, d) if s > 0 else (None, None)
+                    for i, (view, arrived) in enumerate(zip(unpack_kv(dkv, d), prev)):
+                        parts = [(t.k, g[i + 1]) for t, g in grads]
+                        if arrived is not None:
+                            parts.insert(0, (slice(0, view.shape[1]), arrived))
+                        if parts:
+                            combine.sum_parts(parts, tuple(view.shape), acc, out=view)
+                        else:
+                            view.zero_()
                     grads.clear()
 
                 def post_after(s: int):
@@ -265,7 +276,7 @@ class _Engine:
             home = loop.post(_p2p(Exchange(outer), me, tot_wire.cur, pr.home_to, tot_wire.nxt, pr.home_from))
             loop.wait(home)
         dk, dv = unpack_kv(tot_wire.nxt, d)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq.result(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _check(call: Call) -> None:
