@@ -255,3 +255,18 @@ def test_triton_pass_reads_covered_rows_only(dtype):
     s = combine.sum_parts([(r, o, c) for r, o, _, c in poisoned], shape, torch.float32)
     s_ref = combine.sum_parts([(r, o.cpu().float()) for r, o, _, _ in parts], shape, torch.float32)
     torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sum_into_a_buffer():
+    """``sum_parts(out=)`` writes the sum into a strided view (a wire buffer's rows) and zeroes it when no part
+    covers anything (a step without tasks)."""
+    from seqpar.kernels import combine
+
+    buf = torch.full((10, 1, 2, 4), 7.0)                           # seq-major, as a wire buffer
+    view = buf[2:8].permute(1, 0, 2, 3)                             # rows 2..8 as (B, S, H, D)
+    x = torch.randn(1, 3, 2, 4)
+    combine.sum_parts([(slice(1, 4), x)], tuple(view.shape), torch.float32, out=view)
+    torch.testing.assert_close(view[:, 1:4], x)
+    assert view[:, :1].abs().sum() == 0 and view[:, 4:].abs().sum() == 0 and (buf[:2] == 7).all()
+    combine.sum_parts([], tuple(view.shape), torch.float32, out=view)
+    assert view.abs().sum() == 0 and (buf[8:] == 7).all()

@@ -58,8 +58,6 @@ from ..numerics import acc_dtype
 
 __all__ = ["Covered", "host_table", "keep_tables", "merge_parts", "pieces", "sum_parts", "union"]
 
-Part = tuple[slice, torch.Tensor, torch.Tensor]
-
 _KEEP: list[list[torch.Tensor]] = []
 _FOREIGN: list[torch.Tensor] = []      # tables captured into graphs seqpar does not own (64 bytes per partial)
 
@@ -160,7 +158,10 @@ def merge_parts(parts: Sequence, shape: tuple[int, int, int, int], out_dtype: to
 def sum_parts(parts: Sequence, shape: tuple[int, int, int, int], out_dtype: torch.dtype,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """``x (B, S, H, D)`` in ``out_dtype``: the sum of ``(rows, x_BSHD[, covered])`` partials, accumulated in fp32
-    (fp64 for fp64); rows no part covers are 0. ``out``: write there (any strides, last dim contiguous) instead."""
+    (fp64 for fp64); rows no part covers are 0. ``out``: write there (any strides, last dim contiguous) instead;
+    with ``out``, no parts at all zero it."""
+    if not parts and out is not None:
+        return out.zero_()
     parts, covered = _split(parts, 2)
     like = parts[0][1]
     acc = acc_dtype(out_dtype if like.dtype != torch.float64 else like.dtype)
@@ -254,11 +255,7 @@ def _block_lists(spans: tuple[tuple[int, int, int], ...], rows: int, block_r: in
     copies them without blocking, so no device tensor outlives the call (Note [Graphs under compile] in
     ``seqpar.runtime.graphs``) and a capture keeps its pinned copy source (Note [Tables under capture])."""
     n, both = _pinned_lists(spans, rows, block_r)
-    if _KEEP:
-        _KEEP[-1].append(both)
-    elif torch.cuda.is_current_stream_capturing():
-        _FOREIGN.append(both)
-    both = both.to(device, non_blocking=True)
+    both = host_table(both, device)                  # already pinned: kept and copied, not pinned again
     return both[: n + 1], both[n + 1:]
 
 
