@@ -274,10 +274,7 @@ class PassQ:
             part = [(slice(t.q_start - a, t.q_stop - a), gq, t.covered)
                     for t, gq in grads(sp.steps[r][s], qv, g, bhs(s_[..., 0]))]
             target = bshd(res[s % 2])[:, a:b]  # the rows that go home: summed in fp32, cast once into the wire
-            if part:
-                combine.sum_parts(part, tuple(target.shape), wire, out=target)
-            else:
-                target.zero_()
+            combine.sum_parts(part, tuple(target.shape), wire, out=target)
 
         def post_return(ex: Exchange, t: int) -> Rows:
             landing[:] = [torch.empty_like(res[0])]

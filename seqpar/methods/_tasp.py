@@ -302,10 +302,7 @@ class Tasp:
             """A round's dK/dV written once into its (fp32) buffer rows: no zeroing, no adds."""
             parts = [(t.k, gk, gv) for t, gk, gv in grads(tasks, kb, vb)]
             for view, i in zip((bshd(x) for x in unpack_kv(dkv, d)), (1, 2)):
-                if parts:
-                    combine.sum_parts([(p[0], p[i]) for p in parts], tuple(view.shape), acc, out=view)
-                else:
-                    view.zero_()
+                combine.sum_parts([(p[0], p[i]) for p in parts], tuple(view.shape), acc, out=view)
 
         if W == 1:
             run(tp.early + tp.late, k, v, own_dkv)

@@ -243,10 +243,7 @@ class _Engine:
                         parts = [(t.k, g[i + 1]) for t, g in grads]
                         if arrived is not None:
                             parts.insert(0, (slice(0, view.shape[1]), arrived))
-                        if parts:
-                            combine.sum_parts(parts, tuple(view.shape), acc, out=view)
-                        else:
-                            view.zero_()
+                        combine.sum_parts(parts, tuple(view.shape), acc, out=view)
                     grads.clear()
 
                 def post_after(s: int):
