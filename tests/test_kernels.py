@@ -115,6 +115,7 @@ def test_auto_passes_over_plan_per_shape_kernels_when_shapes_vary(monkeypatch):
     def runner(**cfg):
         call = SimpleNamespace(cfg=AttentionConfig(layout="balanced" if "cu_seqlens" in cfg else "zigzag", **cfg),
                                scale=0.1, seq_len=8, layout=SimpleNamespace(divisor=2))
+        call.packed = Call.packed.fget(call)
         call.shapes_vary = Call.shapes_vary.fget(call)
         return TaskRunner.of(call)
     assert not runner().shapes_vary

@@ -183,6 +183,7 @@ def test_chunked_at_128k_plans_per_chunk_causal_blocks_on_cudnn(sm90):
         cfg = AttentionConfig(layout="balanced" if docs else "zigzag", cu_seqlens=docs, mask=masks.chunked(size))
         for grad in (False, True):
             call = SimpleNamespace(cfg=cfg, scale=0.1, grad=grad, seq_len=S, layout=SimpleNamespace(divisor=16))
+            call.packed = Call.packed.fget(call)
             call.shapes_vary = Call.shapes_vary.fget(call)
             runner = TaskRunner.of(call)
             assert not runner.shapes_vary and runner.training is grad

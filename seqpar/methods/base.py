@@ -100,10 +100,8 @@ class Call:
         ``(0, S)``) keeps the shapes of the signature, and so does padding up to the layout's divisor
         (``shard(pad=True)``, a method's own sub-chunks): a padded length then has fewer valid lengths than the
         divisor, so per-shape plans stay bounded."""
-        docs, valid = self.cfg.cu_seqlens, self.cfg.valid_len
-        if docs is not None and len(docs) > 2:
-            return True
-        return valid is not None and self.seq_len - valid >= self.layout.divisor
+        valid = self.cfg.valid_len
+        return self.packed or (valid is not None and self.seq_len - valid >= self.layout.divisor)
 
     @property
     def head_dim(self) -> int:
