@@ -72,9 +72,10 @@ Note [Bands on flex]
        ``seqpar.kernels.flex``): nothing a runner sees tells a no-grad call whose signature recurs (evaluation)
        from serving's prefill, which meets every prompt length (the cache fills through ``seqpar.attention``,
        ``seqpar.inference.attend._fill``, like any caller). Its first ``STATIC_SHAPES`` shapes compile per shape,
-       later ones run flex compiled once for every shape, so a server compiles twice in all instead of at every
-       length and never meets ``RECOMPILES``. The 16K no-grad forward went from 1.33-1.39x of flex called directly
-       (FA2) to 1.05-1.14x, 128K to 1.09x (H100, ``benchmarks/results/2026-11-26-h100-flex-dynamic``). Blocks
+       later ones run flex compiled once for every shape, so a server compiles a bounded number of times (eleven
+       prompt lengths: eight per-shape compiles, then one for every shape) and never meets ``RECOMPILES``. The
+       no-grad forward went from 1.33-1.44x of flex called directly (FA2) to 0.96-1.04x at 16K and 1.00-1.02x at
+       128K (H100, ``benchmarks/results/2026-11-26-h100-flex-dynamic/run2-adaptive``). Blocks
        whose shapes come from the batch take the same variant wherever flex serves them (a mask_mod's blocks
        under packed documents); their wide bands in training calls still keep FA2 (unmeasured there).
     ``benchmarks/gpu/masks_1gpu.py`` measures it (the w1 section: every named mask, and ``window_size=`` on auto
