@@ -92,6 +92,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     _p("mha-full-16k", 32, 32, 16384, False, 0.75, 0.80, 0.46, 0.63),
     # communication-bound: 2K tokens per GPU on 4 GPUs (where pass-Q and TASP schedules are meant to pay)
     Preset(name="mha-causal-8k", heads=32, kv_heads=32, seq_len=8192, causal=True),
+    # short chunks (issue 23) at real W = 2 and 4: 2K and 4K tokens per GPU, GQA like gqa-causal-16k
+    Preset(name="gqa-causal-8k", heads=32, kv_heads=8, seq_len=8192, causal=True),
+    Preset(name="gqa-causal-4k", heads=32, kv_heads=8, seq_len=4096, causal=True),
     Preset(name="gqa-causal-1m", heads=32, kv_heads=8, seq_len=1 << 20, causal=True, modes=("fwd+bwd",),
            targets={"fwd+bwd": 0.99}, best_peer={"fwd+bwd": 0.99}, limit_from=262144),
     Preset(name="gqa-causal-4m", heads=32, kv_heads=8, seq_len=1 << 22, causal=True, modes=("fwd+bwd",),
