@@ -1,0 +1,74 @@
+"""The emulated prediction against the real run, configuration by configuration (issue 23's "record its error").
+
+    python benchmarks/real_vs_emulated.py RESULTS_DIR      # reads RESULTS_DIR/real/*.jsonl and RESULTS_DIR/emulated/*.jsonl
+
+Both sides are ``seqpar.bench`` records of the same presets at the same W: real (``torchrun``, NCCL) and emulated
+(``--emulate-world W``: the busiest rank on a fake group). Prints, as markdown:
+  1. per row (preset x mode): the best seqpar configuration and the best peer of the real run, their efficiency,
+     the same configuration's emulated efficiency and the error (emulated - real, and relative to real);
+  2. per row and over all rows: the median and mean absolute relative error of efficiency, and how many
+     configurations the emulation put faster than the real run (it is meant to be an upper bound);
+  3. every configuration: real and emulated efficiency.
+Efficiency on each side is against that side's own limit (the one-GPU kernel on the whole sequence / W, timed by
+the same process).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def load(folder: Path) -> dict[tuple[str, str, str], dict]:
+    rows = {}
+    for f in sorted(folder.glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("efficiency") is not None and not r["method"].startswith("limit:"):
+                rows[(r["preset"], r["mode"], r["method"])] = r
+    return rows
+
+
+def main(folder: str) -> None:
+    real, emu = load(Path(folder) / "real"), load(Path(folder) / "emulated")
+    both = sorted(set(real) & set(emu))
+    rel = lambda k: (emu[k]["efficiency"] - real[k]["efficiency"]) / real[k]["efficiency"]   # noqa: E731
+    print("| row | mode | best seqpar, real | eff | emulated | err (rel) | best peer, real | eff | emulated | err (rel) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in sorted({k[:2] for k in both}):
+        cells = []
+        for peer in (False, True):
+            ks = [k for k in both if k[:2] == row and k[2].startswith("peer:") == peer]
+            if not ks:
+                cells += ["-"] * 4
+                continue
+            k = max(ks, key=lambda k: real[k]["efficiency"])
+            e, r = emu[k]["efficiency"], real[k]["efficiency"]
+            cells += [k[2].removeprefix("peer:"), f"**{r:.3f}**", f"{e:.3f}", f"{e - r:+.3f} ({rel(k):+.0%})"]
+        print(f"| {row[0]} | {row[1]} | " + " | ".join(cells) + " |")
+    print("\n| configurations | row | n | median rel err | mean abs rel err | min | max | emulated faster |")
+    print("|---|---|---|---|---|---|---|---|")
+    for who, pick in (("seqpar", lambda k: not k[2].startswith("peer:")), ("peers", lambda k: k[2].startswith("peer:"))):
+        for row in [*sorted({k[0] for k in both}), "all rows"]:
+            ks = [k for k in both if pick(k) and row in (k[0], "all rows")]
+            if not ks:
+                continue
+            errs = [rel(k) for k in ks]
+            faster = sum(emu[k]["time_ms"] < real[k]["time_ms"] for k in ks)
+            print(f"| {who} | {row} | {len(ks)} | {statistics.median(errs):+.1%} | "
+                  f"{statistics.fmean(abs(x) for x in errs):.1%} | {min(errs):+.1%} | {max(errs):+.1%} | {faster}/{len(ks)} |")
+    only = sorted(set(real) ^ set(emu))
+    if only:
+        print("\nOn one side only: " + ", ".join(f"{'/'.join(k)} ({'real' if k in real else 'emulated'})" for k in only))
+    print("\n| row | mode | configuration | real eff | emulated eff |")
+    print("|---|---|---|---|---|")
+    for k in both:
+        print(f"| {k[0]} | {k[1]} | {k[2]} | {real[k]['efficiency']:.3f} | {emu[k]['efficiency']:.3f} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit(__doc__)
+    main(sys.argv[1])
