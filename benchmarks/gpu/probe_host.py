@@ -1,6 +1,6 @@
 """Where a call's host time goes: rank r of W on a fake group, one GPU (emulated, communication free).
 
-    python3 benchmarks/gpu/probe_host.py --out DIR [--world 8] [--cases packed32,packed128,dense16]
+    python3 benchmarks/gpu/probe_host.py --out DIR [--world 8] [--cases packed32,packed128,dense16] [--graphs off]
 
 For each case (method/layout x mode): the host milliseconds of one call from an idle GPU (median of 10), the call's
 total time, the GPU operations it launches (name and microseconds, from torch.profiler), and cProfile's top
@@ -28,14 +28,15 @@ from seqpar.bench.packing import packed_row
 H, HKV, D = 32, 8, 128
 
 
-def case_fn(method: str, layout: str, mode: str, total: int, cu: tuple[int, ...] | None, W: int):
+def case_fn(method: str, layout: str, mode: str, total: int, cu: tuple[int, ...] | None, W: int,
+            graphs: bool | None = None):
     dev = torch.device("cuda")
     where = {"method": method, "layout": layout}
     if cu is not None:
         where["cu_seqlens"] = cu
     full = [torch.randn(1, total, h, D, device=dev, dtype=torch.bfloat16) for h in (H, HKV, HKV, H)]
     q, k, v, do = (seqpar.shard(t, **where) for t in full)
-    kw = dict(where, check_ranks=False)
+    kw = dict(where, check_ranks=False, graphs=graphs)
     if cu is not None:
         kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
     if mode == "fwd":
@@ -89,12 +90,14 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--cases", default="packed32,packed128,dense16")
+    ap.add_argument("--graphs", choices=["auto", "on", "off"], default="auto", help="seqpar.attention's graphs=")
     ap.add_argument("--dense-methods", default="ring/zigzag,ulysses/contiguous",
                     help="method/layout pairs of the dense cases")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     W = args.world
+    graphs = {"auto": None, "on": True, "off": False}[args.graphs]
     dist.init_process_group("fake", rank=0, world_size=W, store=FakeStore())
     for case in args.cases.split(","):
         if case.startswith("packed"):
@@ -106,9 +109,9 @@ def main() -> None:
             configs = [tuple(c.split("/")) for c in args.dense_methods.split(",")]
         for method, layout in configs:
             for mode in ("fwd", "fwd+bwd"):
-                name = f"{case}-{method}-{layout}-{mode}"
+                name = f"{case}-{method}-{layout}-{mode}-graphs_{args.graphs}"
                 try:
-                    print(probe(name, case_fn(method, layout, mode, total, cu, W), out), flush=True)
+                    print(probe(name, case_fn(method, layout, mode, total, cu, W, graphs), out), flush=True)
                 except Exception as e:          # a probe: report and go on
                     print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
 
