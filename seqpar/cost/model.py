@@ -22,8 +22,11 @@ Note [Step time]
     pattern (NCCL kernels slow a concurrent attention kernel). A serial transfer (the schedule must wait
     for it) adds its whole time and counts as exposed; a transfer of few bytes costs the pattern's
     latency (Note [Link time]). ``T_comp`` is the kernel time ``FLOPs / rate(size)`` plus a launch, plus
-    MERGE passes over the fp32 accumulator (``merge_passes`` x rows x heads x D x 4 bytes at HBM
-    bandwidth). Summed over a pass, that is the pass's device time D.
+    the step's share of the call's merge: ``merge_passes`` x rows x heads x D x 4 bytes at HBM bandwidth (the
+    runtime merges a call's partials once, at its end, in one pass that reads each partial once and writes the
+    output - Note [One merge per call] in ``seqpar.kernels.combine`` - so the share includes the output's
+    write and is under one fp32 pass; the built-in profiles' figure is that kernel's measured time, Note
+    [Merge share] in ``seqpar.planner.measured``). Summed over a pass, that is the pass's device time D.
 
     The fixed costs (Note [Fixed costs] in ``profile.py``) are host time. The call's ``call_us`` for the
     pass is serial - validation, the agreement round (which waits for the device) and setup come before
@@ -514,7 +517,6 @@ def passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads: 
         more = s + 1 < n
         merge = m.merge_ms(p, blk.rows, heads) if (s and blk is not None) else 0.0
         f.step(m.kernel_ms(p, blk, heads) + merge, t_kv if more else 0.0, "ring", kv if more else 0.0)
-    f.local(m.hbm_ms(p.act(L, heads, 4 + p.dtype_bytes)))                 # fp32 accumulator -> output dtype
     b.local(m.hbm_ms(p.act(L, heads, 2 * p.dtype_bytes)))                 # Delta = rowsum(dO * O)
     for s, blk in enumerate(calls):
         more = s + 1 < n

@@ -14,7 +14,8 @@ P2P rings and all-pairs rounds, ``all_to_all_single``, ``all_gather_into_tensor`
 Derived quantities:
 - ``alpha_us``: one P2P ring step of 4 KiB (launch + synchronisation).
 - ``launch_us``: one kernel call on a tiny block.
-- ``merge_passes``: the measured time of ``merge_`` on an fp32 accumulator over one copy pass.
+- ``merge_passes``: a call's merge as the runtime runs it (``combine.merge_parts`` of 4 partials, Note [One merge
+  per call]) per merged step (3 of the 4), in fp32 passes over a step's rows (Note [Merge share] in ``measured``).
 - overlap loss δ: ``(T(kernel || transfer) - max(T_kernel, T_transfer)) / min(...)``, for P2P and a2a.
 """
 
@@ -37,13 +38,14 @@ import torch.distributed as dist
 from ..comm.ring import Exchange, Ring
 from ..cost.profile import PATTERNS, Curve, KernelRate, LinkRate, Profile
 from ..errors import UnsupportedInputError
-from ..kernels import KernelCall, merge_, select
+from ..kernels import KernelCall, combine, select
 from ..masks import Band
 
 __all__ = ["Settings", "main", "measure", "settings_for"]
 
 KiB, MiB = 1 << 10, 1 << 20
 _MASKS = {"full": Band(), "causal": Band(None, 0)}
+_MERGE_PARTS = 4          # partials merged per timed call (the model charges all but the first: Note [Merge share])
 # torch >= 2.13 renames the tensor collectives (same signatures); older releases only have the old names
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -197,10 +199,10 @@ def _extras(s: Settings, clock: _Clock, dev: torch.device, kern_name: str) -> di
     dst = torch.empty_like(big)
     out["copy"] = clock.ms(lambda: dst.copy_(big))
     n = s.tokens[-1]
-    acc = torch.zeros(1, n, s.heads, s.head_dim, device=dev)
-    lse = torch.zeros(1, s.heads, n, device=dev)
-    part, plse = torch.randn_like(acc).to(dt), torch.randn_like(lse)
-    out["merge"] = clock.ms(lambda: merge_(acc, lse, part, plse))
+    shape = (1, n, s.heads, s.head_dim)
+    parts = [(slice(0, n), torch.randn(shape, device=dev).to(dt), torch.randn(1, s.heads, n, device=dev))
+             for _ in range(_MERGE_PARTS)]
+    out["merge"] = clock.ms(lambda: combine.merge_parts(parts, shape, dt))
     call = KernelCall(dev.type, dt, s.head_dim, s.heads, s.heads, "causal")
     kern = select(kern_name, call)
     tiny = torch.randn(1, 128, 1, s.head_dim, device=dev, dtype=dt)
@@ -287,7 +289,7 @@ def _profile(s: Settings, v: dict[str, float], default: str, dev: torch.device) 
     copy_bytes = _copy_elems(s.device) * 4
     hbm = 2 * copy_bytes / (v["copy"] * 1e-3) / 1e9
     acc_bytes = s.tokens[-1] * s.heads * s.head_dim * 4
-    passes = v["merge"] * 1e-3 * hbm * 1e9 / acc_bytes
+    passes = v["merge"] * 1e-3 * hbm * 1e9 / ((_MERGE_PARTS - 1) * acc_bytes)
     if s.device == "cuda":
         props = torch.cuda.get_device_properties(dev)
         gpu, mem, node = props.name, props.total_memory / 2**30, torch.cuda.device_count()

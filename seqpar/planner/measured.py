@@ -12,18 +12,19 @@ More measurements of the same host (``benchmarks/results/2026-11-21-4xh200*``):
   split-size call, its equal-split number is 298 GB/s (256 MB per peer). Below that, the fastest forward
   all-to-alls (kernel time of out + lse + q/k/v, bytes per rank) the profiler saw in the fit set's
   Ulysses rows (``A2A_PROFILED``): 282.6 GB/s at 63 MB, 281.5 at 101 MB.
-- ``merge_passes``: 9.5, measured by ``python -m seqpar.calibrate`` on the host (``profile_h200x4.json``);
-  the profiler's elementwise kernel time of the ring rows agrees (~10 accumulator passes per merge).
+- ``merge_passes``: Note [Merge share].
 - ``permute_gelems``: all-gather's ``index_select`` into global order (zigzag), the median rate of the
   profiler's "other" kernels in the fit set's ``allgather/zigzag`` forward rows (``PERMUTE_PROFILED``).
 - ``latency_us``: per pattern, the intercept at zero bytes of the calibrated 1 MiB and 4 MiB transfer
   times (``CALIBRATED_SMALL``, from ``profile_h200x4.json``; seqpar's own comm calls, host-timed).
 
 Fitted (Note [Fixed-cost fit] in ``seqpar.planner.fit``; ``FIT_COMMAND`` reproduces them and a test
-checks it): ``call_us``, ``step_us`` and κ (``host_overlap_loss``), on the probe run and three of the
-seven table presets (``FIT_FILES``, ``FIT_PRESETS``); the other four presets and the long run check them
-(``benchmarks/results/2026-11-21-4xh200/planner_fit.md``; predicted vs measured, FIT and CHECK rows apart:
-``planner_validation_fitted.md`` there).
+checks it): ``call_us``, ``step_us`` and κ (``host_overlap_loss``), on the real W = 4 run of 2026-11-26 (4x H200,
+seqpar c2821ff: one merge per call, graphed calls): its 4K-tokens-per-GPU presets (``FIT_PRESETS``) fit, its 2K
+one (gqa-causal-8k) checks (``benchmarks/results/2026-11-26-4xh200-real-run2/planner_fit.md``; predicted vs
+measured and the planner's picks: ``planner_validation.md`` there). The earlier fit (2026-11-21, a runtime
+that merged per step and launched every step from Python: 567 µs per forward call, 0.4-1.9 ms per step) put
+8 of 40 of these rows within 15% and none of the check rows; this one 31 of 40 and 10 of 20.
 
 What is not measured, and how it is filled (each says so in the profile's ``source``):
 - all-gather below 256 MB: the P2P curve's shape scaled to the measured 295 GB/s at 256 MB.
@@ -82,28 +83,48 @@ CALIBRATED_SMALL: dict[str, tuple[float, float]] = {
 _HEADS, _HEAD_DIM = 32, 128
 ALPHA_US = 60.0
 LAUNCH_US = 10.0
-MERGE_PASSES = 9.5
+
+# Note [Merge share]
+#     A planned call merges its steps' partial outputs once, at its end (Note [One merge per call] in
+#     seqpar.kernels.combine): one Triton pass that reads each bf16 partial and its lse once and writes the
+#     output. The cost model charges each merged step (every step but the first) a share of it, in fp32
+#     accumulator passes over the step's rows (Note [Step time] in seqpar.cost.model). Measured: the ``_combine``
+#     kernel of a ring/zigzag forward, GQA 32/8, D 128, 2K tokens per rank (torch.profiler in
+#     benchmarks/gpu/probe_host.py, emulated rank 0 on one H100, 2026-11-26,
+#     benchmarks/results/2026-11-26-h100-graph-copies/run1-per-list/probe.tgz): 30.2 us for the 3 merged steps
+#     of 2048 rows at W = 4, 53.0 us for the 7 at W = 8, i.e. 0.80 and 0.60 passes at 80% of the H100's HBM
+#     bandwidth (MERGE_MEASURED); their mean is the profiles' figure. Before one merge per call every step merged
+#     into fp32 accumulators with element-wise kernels: 9.5 passes (python -m seqpar.calibrate, 2026-11-21).
+#: (merged steps, rows per step, kernel us): the combine kernels measured above (H 32, D 128, H100 HBM 3.35 TB/s)
+MERGE_MEASURED = ((3, 2048, 30.2), (7, 2048, 53.0))
+_H100_HBM_GBPS = 0.8 * 3350.0
+
+
+def _merge_passes() -> float:
+    per = [t * 1e-6 * _H100_HBM_GBPS * 1e9 / (n * rows * _HEADS * _HEAD_DIM * 4) for n, rows, t in MERGE_MEASURED]
+    return round(statistics.fmean(per), 2)
+
+
+MERGE_PASSES = _merge_passes()
 OVERLAP = {"p2p": 0.2, "a2a": 0.2, "allgather": 0.15}
 
 #: the split of Note [Fixed-cost fit]: every row of these files, and these presets of the others
-FIT_FILES = ("vm-4xNVIDIA_H200-20261121-2139-probe.jsonl",)
-FIT_PRESETS = ("mha-causal-16k", "gqa-causal-16k", "mha-full-16k")
-_RESULTS = ("2026-11-21-4xh200-probe/vm-4xNVIDIA_H200-20261121-2139-probe.jsonl",
-            "2026-11-21-4xh200/vm-4xNVIDIA_H200-20261121-2209-table.jsonl",
-            "2026-11-21-4xh200/vm-4xNVIDIA_H200-20261121-2213-long.jsonl")
+FIT_FILES: tuple[str, ...] = ()
+FIT_PRESETS = ("gqa-causal-16k", "mha-causal-16k")
+_RESULTS = ("2026-11-26-4xh200-real-run2/real/vm-4xNVIDIA_H200-20261126-0345-real-w4-short.jsonl",)
 FIT_COMMAND = ("python -m seqpar.planner.fit " + " ".join(f"benchmarks/results/{r}" for r in _RESULTS)
-               + f" --fit-file benchmarks/results/{_RESULTS[0]} --fit-presets {','.join(FIT_PRESETS)}")
+               + "".join(f" --fit-file benchmarks/results/{r}" for r in _RESULTS if Path(r).name in FIT_FILES)
+               + f" --fit-presets {','.join(FIT_PRESETS)}")
 #: fitted by FIT_COMMAND (µs; κ dimensionless)
 CALL_US: dict[str, float] = {
-    "fwd": 567.0, "bwd": 0.0,
+    "fwd": 0.0, "bwd": 0.0,
 }
 STEP_US: dict[str, float] = {
-    "ring/fwd": 0.0, "ring/bwd": 0.0, "allgather/fwd": 885.7, "allgather/bwd": 1865.8,
-    "ulysses/fwd": 856.7, "ulysses/bwd": 1167.2, "usp/fwd": 919.3, "usp/bwd": 1063.1,
-    "tokenring/fwd": 971.8, "tokenring/bwd": 1334.5, "tasp/fwd": 811.8, "tasp/bwd": 1807.5,
-    "double_ring/fwd": 393.8, "double_ring/bwd": 1092.0,
+    "ring/fwd": 79.7, "ring/bwd": 0.0, "allgather/fwd": 281.9, "allgather/bwd": 419.9, "ulysses/fwd": 870.6,
+    "ulysses/bwd": 156.2, "usp/fwd": 213.2, "usp/bwd": 0.0, "tokenring/fwd": 0.0, "tokenring/bwd": 0.0,
+    "tasp/fwd": 282.4, "tasp/bwd": 699.2, "double_ring/fwd": 59.0, "double_ring/bwd": 0.0,
 }
-HOST_OVERLAP_LOSS = 0.15
+HOST_OVERLAP_LOSS = 0.45
 
 
 def _flops(S: int, causal: bool) -> float:
@@ -150,12 +171,13 @@ def _latency_us() -> dict[str, float]:
 _SOURCE = ("kernels and links measured on a 4x H200 NVSwitch host (ALGORITHMS.md §12.1, §12.4; PEERS.md §12); "
            "a2a: the equal-split call (§12.1, 298 GB/s at 768 MB per rank) and the fastest profiled Ulysses "
            "all-to-alls of the probe run (63 and 101 MB); permute_gelems: the profiled index_select of the fit "
-           "set's allgather/zigzag rows; merge_passes and latency_us measured by python -m "
+           "set's allgather/zigzag rows; merge_passes: the one-pass merge's profiled kernel (MERGE_MEASURED); "
+           "latency_us measured by python -m "
            "seqpar.calibrate on the host (benchmarks/results/2026-11-21-4xh200/profile_h200x4.json); "
            "derived: allgather below 256 MB (p2p shape), p2p_bidir=p2p, allpairs=a2a, reduce_scatter=allgather; "
-           "fitted: call_us, step_us and host_overlap_loss by " + FIT_COMMAND + " (fit: the probe run and the "
-           f"table's {', '.join(FIT_PRESETS)}; check: its other presets and the long run; "
-           "benchmarks/results/2026-11-21-4xh200/planner_fit.md); alpha_us=60 for methods the fit lacks; "
+           "fitted: call_us, step_us and host_overlap_loss by " + FIT_COMMAND + " (fit: the real W = 4 run's "
+           f"{', '.join(FIT_PRESETS)}; check: its gqa-causal-8k; "
+           "benchmarks/results/2026-11-26-4xh200-real-run2/planner_fit.md); alpha_us=60 for methods the fit lacks; "
            f"assumed: hbm 80% of datasheet, launch_us={LAUNCH_US}")
 
 
@@ -187,7 +209,7 @@ def h100_profile() -> Profile:
 
 def write_builtin(root: Path | None = None) -> list[Path]:
     """Write the built-in GPU profiles as JSON (the files shipped in ``seqpar/cost/profiles``)."""
-    root = root or Path(__file__).parent / "profiles"
+    root = root or Path(__file__).parents[1] / "cost" / "profiles"
     root.mkdir(parents=True, exist_ok=True)
     paths = []
     for prof in (h200_profile(), h100_profile()):
