@@ -398,3 +398,17 @@ def test_calibrate_on_gloo(pools):
                                                               ("causal", "bwd")}
     r = plan(seq_len=4096, heads=4, world=2, head_dim=16, dtype="float32", profile=prof)
     assert r.best is not None and r.best.time_ms > 0
+
+
+def test_double_ring_offered_inside_one_node():
+    """Note [Double ring in a node]: one node of 8 offers every divisor of W; a group over nodes offers the node."""
+    from seqpar.methods import get
+    dr, topo = get("double_ring"), get_topology(None, H200)
+    sizes = {W: [c.option("node_size") for c in dr.candidates(_problem(16384, W), topo, ("zigzag",), None)]
+             for W in (2, 4, 8)}
+    assert sizes == {2: [], 4: [2], 8: [2, 4]}
+    over = get_topology("nvswitch", H200)
+    assert [c.option("node_size") for c in dr.candidates(_problem(16384, 16), over, ("zigzag",), None)] == [8]
+    # the real W = 4 rows (2026-11-26): the double ring's GQA forward was the best; Ulysses the best fwd+bwd
+    assert plan(seq_len=16384, heads=32, kv_heads=8, world=4, mode="fwd").best.label == "double_ring/n2/zigzag"
+    assert plan(seq_len=16384, heads=32, kv_heads=8, world=4, mode="fwd+bwd").best.label == "ulysses"

@@ -26,6 +26,16 @@ Note [Double ring]
     the last pass the total has visited every window and takes one final hop home, to
     ((t + 1) mod W_o, (p + 1) mod w). With W_o = 1 this is exactly the ring.
 
+Note [Double ring in a node]
+    Nodes are a reading of group ranks, so one host can run a double ring too, and the planner offers one for
+    every divisor of W when the group fits in one node. On four H200s (NVLink all-to-all, 2026-11-26, two runs)
+    the forward with ``node_size=2`` beat the ring by 6-48% at 2-4K tokens per GPU (GQA 16K: 0.697 / 0.653
+    against 0.616 / 0.624; MHA 16K: 0.497 / 0.456 against 0.335 / 0.338; ``benchmarks/results/2026-11-26-4xh200-
+    real-run2/``): its inner and outer hops go to two peers on two communicators at once, where the ring's
+    W - 1 hops to one peer follow each other; the cost model credits the outer hop hidden behind the inner pass.
+    It is chosen only where the model ranks it first (the GQA forward at W = 4 here); its forward+backward lost
+    to Ulysses in every real row.
+
 Note [Double-ring sums]
     The backward's dQ partials are fresh kernel outputs, held and summed once (``RowSum``, Note [One merge per
     call] in ``seqpar.kernels.combine``); at each inner step the running dK/dV that arrived and the step's partials
@@ -335,11 +345,16 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
 
 
 def _candidates(p: model.Problem, topo, layouts: tuple[str, ...], ulysses: int | None) -> list:
-    """The topology's node size, when the group spans more than one node."""
+    """The topology's node size when the group spans more than one node; inside one node, every divisor of W
+    between 1 and W (two rings of one host's ranks: Note [Double ring in a node])."""
     w = topo.node_size
-    if not 1 < w < p.world or p.world % w:
-        return []
-    return [model.Candidate("double_ring", lay, options=(("node_size", w),)) for lay in layouts]
+    if w >= p.world:
+        sizes = [d for d in range(2, p.world) if p.world % d == 0]
+    elif w > 1 and p.world % w == 0:
+        sizes = [w]
+    else:
+        sizes = []
+    return [model.Candidate("double_ring", lay, options=(("node_size", d),)) for d in sizes for lay in layouts]
 
 
 def _why_not(p: model.Problem, c: model.Candidate) -> list[str]:
