@@ -35,16 +35,17 @@ Note [Graphed calls]
       overwrite each other's inputs (calls on distinct signatures are independent).
 
 Note [Graph copies]
-    A graphed call's copies in and out are its host cost and a tenth of its GPU work at 2K tokens per rank: a
-    Ulysses forward+backward copied 8 inputs and 5 outputs of the backward, 3 and 7 of the forward, each its own
+    A graphed call's copies in and out are its host cost and a fifth of its GPU work at 2K tokens per rank: a
+    Ulysses forward+backward copied 8 inputs and 3 outputs of the backward, 3 and 7 of the forward, each its own
     ``copy_`` / ``clone`` (a launch of 10-30 us of host time each on the H100 host; profiled emulated rank 0 of 4,
     2026-11-26). ``torch._foreach_copy_`` moves a list in one multi-tensor kernel when the list has one dtype and
     each pair agrees in strides (PyTorch's fast route), so ``_copy`` groups by dtype: usually two groups (bf16
     tensors, fp32 lse). Pairs whose strides differ (a caller's non-contiguous input against the buffer made from
     the capture's) take PyTorch's per-tensor route inside the same call, so the result never depends on it.
-    Outputs are ``empty_like`` buffers filled the same way. Emulated on an H100 before and after: 2-4 fewer
-    GPU operations per call, forward +0.01-0.09 of efficiency at 2-4K tokens per rank, forward+backward within
-    the runs' noise (``benchmarks/results/2026-11-26-h100-graph-copies/``).
+    Outputs are ``empty_like`` buffers filled the same way. Emulated on an H100, before and after in one call
+    each (two runs, ``benchmarks/results/2026-11-26-h100-graph-copies/``): 1-10 fewer GPU operations per call
+    (a Ulysses forward+backward 41 -> 31); efficiency moved within the runs' own noise (up to +-0.08 per row at
+    2-4K tokens per rank, either way), so the change is fewer launches, not a measured speed-up.
 
 Note [Graphs under compile]
     A call from a compiled model (the ``seqpar::attention`` op, Note [Tracing seqpar.attention] in
