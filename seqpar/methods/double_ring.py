@@ -31,10 +31,10 @@ Note [Double ring in a node]
     every divisor of W when the group fits in one node. On four H200s (NVLink all-to-all, 2026-11-26, two runs)
     the forward with ``node_size=2`` beat the ring by 6-48% at 2-4K tokens per GPU (GQA 16K: 0.697 / 0.653
     against 0.616 / 0.624; MHA 16K: 0.497 / 0.456 against 0.335 / 0.338; ``benchmarks/results/2026-11-26-4xh200-
-    real-run2/``): its inner and outer hops go to two peers on two communicators at once, where the ring's
-    W - 1 hops to one peer follow each other; the cost model credits the outer hop hidden behind the inner pass.
-    It is chosen only where the model ranks it first (the GQA forward at W = 4 here); its forward+backward lost
-    to Ulysses in every real row.
+    real-run2/``). Not because two peers or two communicators move bytes faster: a step's transfer split that way
+    ran no faster on that host (``2026-11-26-4xh200-p2p/``); the cost model credits the outer hop hidden behind
+    the inner pass. It is chosen only where the model ranks it first (the GQA forward at W = 4 here); its
+    forward+backward lost to Ulysses in every real row.
 
 Note [Double-ring sums]
     The backward's dQ partials are fresh kernel outputs, held and summed once (``RowSum``, Note [One merge per
