@@ -30,16 +30,26 @@ def fake_group():
     _call.cache_clear()
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
 @pytest.mark.parametrize("method,layout", [("ring", "zigzag"), ("allgather", "zigzag"), ("ulysses", None),
                                            ("tokenring", "zigzag"), ("tasp", "zigzag"),
-                                           ("double_ring", "zigzag")])
-def test_every_method_captures_and_replays(method, layout):
+                                           ("double_ring", "zigzag"), ("ring", "balanced"),
+                                           ("allgather", "balanced")])
+def test_every_method_captures_and_replays(method, layout, packed):
+    """Packed: three documents (Note [Graphed batches]), sharded as ``seqpar.shard`` does for the layout."""
     L = 2 * W * (W - 1) * 8
-    q, k, v = (torch.randn(1, L, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for h in (16, 8, 8))
-    do = torch.randn(1, L, 16, 128, device="cuda", dtype=torch.bfloat16)
+    if layout == "balanced" and not packed:
+        pytest.skip("balanced deals documents")
+    T = L * W
+    cu = (0, T // 2, 3 * T // 4, T) if packed else None
+    where = dict(layout=layout, cu_seqlens=cu) if packed else dict(layout=layout)
+    full = [torch.randn(1, L * W, h, 128, device="cuda", dtype=torch.bfloat16) for h in (16, 8, 8, 16)]
+    q, k, v, do = (seqpar.shard(t, method=method, **where) if packed else t[:, :L] for t in full)
+    q, k, v = (t.contiguous().requires_grad_() for t in (q, k, v))
     options = {"node_size": 2} if method == "double_ring" else {}
     kw = dict(method=method, layout=layout, check_ranks=False, **options)
+    if packed:
+        kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
 
     def fb():
         out = seqpar.attention(q, k, v, graphs=True, **kw)

@@ -171,6 +171,45 @@ def test_graphed_calls_equal_eager(method, options):
                 assert err <= 2 ** -8 * float(b.float().abs().max()), (method, step, name, err)
 
 
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_graphed_packed_batches_equal_eager_and_retire(method):
+    """Note [Graphed batches]: a packed batch's calls - eager, captured, replayed - give the eager result bitwise;
+    the next packed batch's plan retires the first's graphs, and a call that comes back for the first batch runs
+    eagerly with the same result."""
+    from seqpar.runtime import call as _call
+
+    _call.cache_clear()
+    batches = [torch.tensor(cu, dtype=torch.int32) for cu in ((0, 100, 356, 512), (0, 256, 300, 512))]
+    kw = dict(method=method, deterministic=True)
+
+    def run(cu, graphs, q, k, v, do):
+        leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
+        out = seqpar.attention(*leaves, cu_seqlens=cu, graphs=graphs, **kw)
+        return (out, *torch.autograd.grad(out, leaves, do))
+
+    def check(cu, calls):
+        for step in range(calls):
+            torch.manual_seed(step)
+            q, k, v = (torch.randn(1, 512, h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
+            do = torch.randn(1, 512, 8, 64, device="cuda", dtype=torch.bfloat16)
+            for name, a, b in zip(("out", "dq", "dk", "dv"), run(cu, True, q, k, v, do),
+                                  run(cu, False, q, k, v, do)):
+                assert torch.equal(a, b), (method, step, name)
+
+    def engines(cu):
+        return [p.engine for p, _ in _call._BATCH_PLANS.values() if p.cfg.cu_seqlens == tuple(cu.tolist())]
+
+    try:
+        check(batches[0], 4)
+        first = [e for e in engines(batches[0]) if hasattr(e, "retire")]
+        assert first and not any(e.retired for e in first)       # graphs=True: graphed (W = 1: auto would not)
+        check(batches[1], 3)
+        assert all(e.retired for e in first)
+        check(batches[0], 2)                                      # retired: eager, the same bits
+    finally:
+        _call.cache_clear()
+
+
 def test_reduce_overhead_compile_equals_eager():
     """torch.compile(mode="reduce-overhead") of a decoder stack calling seqpar.attention gives the eager
     result at W = 1 on NCCL, loss and gradients, after the warm-up and recorded runs."""

@@ -19,7 +19,7 @@ CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
     (dict(device=CUDA, world=8, rows=2048, packed=False, direct=False), True),        # short chunks: graphed
     (dict(device=CUDA, world=8, rows=GRAPH_ROWS + 1, packed=False, direct=False), False),   # not host-bound
     (dict(device=CUDA, world=1, rows=2048, packed=False, direct=False), False),       # one rank: one step
-    (dict(device=CUDA, world=8, rows=2048, packed=True, direct=False), False),        # a new plan per batch
+    (dict(device=CUDA, world=8, rows=2048, packed=True, direct=False), True),         # Note [Graphed batches]
     (dict(device=CUDA, world=8, rows=2048, packed=False, direct=True), False),        # one aten call
     (dict(device=CPU, world=8, rows=2048, packed=False, direct=False), False),        # no graphs on CPU
 ])
@@ -94,3 +94,38 @@ def test_graph_copies_group_by_dtype_and_keep_any_strides():
         assert d.dtype == s.dtype and torch.equal(d, s)
     with pytest.raises(ValueError):
         _copy(dst[:2], src[:3])
+
+
+def test_a_new_packed_batch_retires_the_graphs_of_the_ones_before(monkeypatch):
+    """Note [Graphed batches]: inserting a packed batch's plan retires the graphs (their engines' ``retire``) of
+    the packed plans of other batches - never its own, another plan of its batch, a padded plan's or a plan
+    outside the batch tier."""
+    from types import SimpleNamespace
+
+    class Engine:
+        def __init__(self):
+            self.retired = 0
+
+        def retire(self):
+            self.retired += 1
+
+    monkeypatch.setattr(_call, "footprint", lambda plan: 0)
+    _call.cache_clear()
+    try:
+        def plan(cu):
+            packed = cu is not None and len(cu) > 2
+            return SimpleNamespace(engine=Engine(), call=SimpleNamespace(packed=packed),
+                                   cfg=SimpleNamespace(cu_seqlens=cu))
+        fixed, padded = plan(None), plan((0, 12))
+        first, first_other_layer, second = plan((0, 5, 16)), plan((0, 5, 16)), plan((0, 9, 16))
+        _call._insert("fixed", False, fixed)
+        _call._insert("padded", True, padded)
+        _call._insert("first", True, first)
+        _call._insert("first, another layer shape", True, first_other_layer)
+        assert [p.engine.retired for p in (fixed, padded, first, first_other_layer)] == [0, 0, 0, 0]
+        _call._insert("second", True, second)
+        assert [p.engine.retired for p in (fixed, padded, first, first_other_layer, second)] == [0, 0, 1, 1, 0]
+        _call._insert("padded again", True, plan((0, 13)))              # not packed: retires nothing
+        assert second.engine.retired == 0
+    finally:
+        _call.cache_clear()

@@ -1,6 +1,6 @@
 """Do 200 distinct 1M-token packed batches leave GPU and host memory flat? (issue 24, "Memory")
 
-    python benchmarks/gpu/probe_packed_batches.py --out DIR [--batches 200 --tokens 1M --world 4]
+    python benchmarks/gpu/probe_packed_batches.py --out DIR [--batches 200 --tokens 1M --world 4 --calls 1]
 
 Rank 0 of ``--world`` on one GPU with torch's fake process group (communication free; the rank's own plans,
 schedules, index tensors, block masks and kernels are real). Every batch is a new lognormal packed row of
@@ -48,6 +48,9 @@ def main() -> None:
     ap.add_argument("--settle", type=int, default=20, help="the batch the growth is measured from")
     ap.add_argument("--slack-mib", type=float, default=64.0)
     ap.add_argument("--slack-rss-mib", type=float, default=256.0)
+    ap.add_argument("--calls", type=int, default=1,
+                    help="forward+backward calls per batch and method (a step's layers): from 2 on, short chunks "
+                         "capture and replay CUDA graphs (Note [Graphed batches])")
     args = ap.parse_args()
     dist.init_process_group("fake", rank=0, world_size=args.world, store=FakeStore())
     dev = torch.device("cuda", 0)
@@ -59,7 +62,8 @@ def main() -> None:
     L = S // W
     header = {"kind": "header", "host": platform.node(), "device": torch.cuda.get_device_name(),
               "torch": torch.__version__, "seqpar": seqpar.__version__, "emulated_world": W, "tokens": S,
-              "methods": methods, "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+              "methods": methods, "calls": args.calls,
+              "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
               "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     samples = []
     with open(path, "w") as f:
@@ -71,11 +75,12 @@ def main() -> None:
         for i in range(1, args.batches + 1):
             cu = packed_row(S, "lognormal", seed=1000 + i, multiple=2 * W)
             for m in methods:
-                out = seqpar.attention(q, k, v, causal=True, cu_seqlens=cu, method=m, layout=METHODS[m],
-                                       check_ranks=False)
-                out.backward(torch.ones_like(out))
-                del out
-                q.grad = k.grad = v.grad = None
+                for _ in range(args.calls):
+                    out = seqpar.attention(q, k, v, causal=True, cu_seqlens=cu, method=m, layout=METHODS[m],
+                                           check_ranks=False)
+                    out.backward(torch.ones_like(out))
+                    del out
+                    q.grad = k.grad = v.grad = None
             torch.cuda.synchronize()
             rec = {"kind": "sample", "batch": i, "documents": len(cu) - 1,
                    "allocated_mib": torch.cuda.memory_allocated() / 2**20,

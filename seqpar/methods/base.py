@@ -87,7 +87,7 @@ class Call:
 
     @property
     def packed(self) -> bool:
-        """Several documents: a packed batch, whose plan serves one step (Note [Graphed calls] in
+        """Several documents: a packed batch, whose plan serves one step (Note [Graphed batches] in
         ``seqpar.runtime.graphs``)."""
         docs = self.cfg.cu_seqlens
         return docs is not None and len(docs) > 2

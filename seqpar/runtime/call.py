@@ -190,6 +190,12 @@ def _insert(key: Any, batch: bool, plan: Plan) -> None:
             while _BYTES > CACHE_BYTES and t and next(iter(t)) != key:
                 dropped.append(t.popitem(last=False)[1])
                 _BYTES -= dropped[-1][1]
+        passed = [p for p, _ in _BATCH_PLANS.values() if p.call.packed and p.cfg.cu_seqlens != plan.cfg.cu_seqlens] \
+            if plan.call.packed else []
+    for p in passed:                                    # Note [Graphed batches]: one batch's graphs at a time
+        retire = getattr(p.engine, "retire", None)
+        if retire is not None:
+            retire()
     del dropped
 
 

@@ -47,6 +47,20 @@ Note [Graph copies]
     (a Ulysses forward+backward 41 -> 31); efficiency moved within the runs' own noise (up to +-0.08 per row at
     2-4K tokens per rank, either way), so the change is fewer launches, not a measured speed-up.
 
+Note [Graphed batches]
+    A packed batch (``Call.packed``) is a plan of its own, used by every layer of one training step - forward,
+    the recompute and backward - and then never again (Note [Bounded plan cache] in ``seqpar.runtime.call``).
+    Its second call is captured and the rest replay, as for any plan: a step of L layers runs 2 calls eagerly or
+    capturing and about 3L - 2 as replays. When a plan for another packed batch (other ``cu_seqlens``) is made,
+    the graphs of the packed plans of every other batch are retired (``Graphed.retire``): their memory goes
+    back, and a call that still comes for such a plan (a pipeline's earlier micro-batch) runs eagerly, with the
+    same result. Plans of the same batch (layers of other shapes: sliding and global, say) keep theirs. So one
+    packed batch's graphs are held at a time, where the cache keeps ``BATCH_CACHE_SIZE`` batch plans. (A padded
+    batch without documents - one plan per valid length, the same lengths coming back - keeps its graphs while
+    cached.) Until 2026-11-26 auto left packed calls eager, and at 4K tokens per rank they were host-bound
+    (Ulysses at 0.36 / 0.52 of the kernel over 8 ranks, emulated); before and after:
+    ``benchmarks/results/2026-11-26-h100-graphed-batches/``.
+
 Note [Graphs under compile]
     A call from a compiled model (the ``seqpar::attention`` op, Note [Tracing seqpar.attention] in
     ``seqpar.runtime.op``) is never graphed by auto: under ``torch.compile(mode="reduce-overhead")`` inductor's
@@ -59,14 +73,12 @@ Note [Graphs under compile]
     seqpar keeps between calls follow the same rule: the merge's block lists are kept on the host, pinned, and
     copied per call (Note [Covered rows] in ``seqpar.kernels.combine``).
 
-    Auto (``graphs=None``): CUDA, more than one rank, at most ``GRAPH_ROWS`` local rows, no packed documents
-    (``Call.packed``: a packed batch is a new plan per batch with block shapes of its own, and a capture per
-    batch would cost more than it saves; one document over the whole sequence, a balanced layout's ``(0, S)``,
-    is graphed), not the single-kernel direct path (W = 1 has no steps to save), and not a call from a
-    compiled model (Note [Graphs under compile]). A valid length short of the padded one is graphed: its plan
-    is one per length, reused by every layer of a step, and a method that pads for its own layout (TASP's
-    multiples of 2W(W-1)) meets the same length every call - counted as varying, TASP at 2K tokens per rank
-    over 8 ran ungraphed at 0.18 / 0.19 of the kernel, against 0.50 / 0.43 graphed (emulated, H100).
+    Auto (``graphs=None``): CUDA, more than one rank, at most ``GRAPH_ROWS`` local rows (packed documents
+    included: Note [Graphed batches]), not the single-kernel direct path (W = 1 has no steps to save), and not
+    a call from a compiled model (Note [Graphs under compile]). A valid length short of the padded one is
+    graphed: its plan is one per length, reused by every layer of a step, and a method that pads for its own
+    layout (TASP's multiples of 2W(W-1)) meets the same length every call - counted as varying, TASP at 2K
+    tokens per rank over 8 ran ungraphed at 0.18 / 0.19 of the kernel, against 0.50 / 0.43 graphed (emulated, H100).
 """
 
 from __future__ import annotations
@@ -91,7 +103,7 @@ def wanted(graphs: bool | None, *, device: torch.device, world: int, rows: int, 
            direct: bool) -> bool:
     """Whether a planned call runs as graphs: ``graphs=True`` (then CUDA is required), False, or auto."""
     if graphs is None:
-        return device.type == "cuda" and world > 1 and rows <= GRAPH_ROWS and not packed and not direct
+        return device.type == "cuda" and world > 1 and rows <= GRAPH_ROWS and not direct
     return bool(graphs)
 
 
@@ -165,6 +177,12 @@ class Graphed:
         self.pool = torch.cuda.graph_pool_handle()
         self._seen: set[Any] = set()
         self._graphs: dict[Any, _Captured] = {}
+        self.retired = False
+
+    def retire(self) -> None:
+        """Free the graphs; later calls run eagerly (a batch plan whose batch has passed: Note [Graphed batches])."""
+        self.retired = True
+        self._graphs.clear()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         return self._run("fwd", lambda q, k, v: self.engine.forward(q, k, v), [q, k, v])
@@ -181,7 +199,7 @@ class Graphed:
         return self._run(("bwd", tuple(x is None for x in inputs)), bwd, inputs)
 
     def _run(self, key: Any, fn: Callable[..., Any], inputs: list[torch.Tensor | None]):
-        if torch.cuda.is_current_stream_capturing():
+        if self.retired or torch.cuda.is_current_stream_capturing():
             return fn(*inputs)
         g = self._graphs.get(key)
         if g is None:
