@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import seqpar
 from seqpar.runtime import call as _call
-from seqpar.runtime.graphs import GRAPH_ROWS, _copy, wanted
+from seqpar.runtime.graphs import GRAPH_ROWS, wanted
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
@@ -77,23 +77,6 @@ def test_graphs_false_and_auto_run_on_cpu(fake2):
     q = torch.randn(1, 8, 2, 4)
     for graphs in (None, False):
         assert seqpar.attention(q, q, q, method="ring", graphs=graphs, check_ranks=False).shape == q.shape
-
-
-def test_graph_copies_group_by_dtype_and_keep_any_strides():
-    """Note [Graph copies]: mixed dtypes, a source whose strides differ from its buffer's (the per-tensor route),
-    and a transposed pair (the fast route with non-default strides) all land exactly."""
-    g = torch.Generator().manual_seed(0)
-    src = [torch.randn(4, 6, generator=g).to(torch.bfloat16), torch.randn(3, 5, generator=g),
-           torch.randn(6, 4, generator=g).to(torch.bfloat16).t(), torch.randn(5, 3, generator=g).t(),
-           torch.randn(2, 3, 4, generator=g, dtype=torch.float64)]
-    dst = [torch.empty_like(src[0]), torch.empty_like(src[1]), torch.empty_like(src[2]),
-           torch.empty(3, 5), torch.empty(2, 3, 4, dtype=torch.float64)]
-    assert dst[3].stride() != src[3].stride()
-    _copy(dst, src)
-    for d, s in zip(dst, src):
-        assert d.dtype == s.dtype and torch.equal(d, s)
-    with pytest.raises(ValueError):
-        _copy(dst[:2], src[:3])
 
 
 def test_a_new_packed_batch_retires_the_graphs_of_the_ones_before(monkeypatch):

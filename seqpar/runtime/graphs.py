@@ -14,8 +14,6 @@ Note [Graphed calls]
       outputs, since the next replay (the next layer, which shares the plan) overwrites them. The copies cost
       a few percent of the call at the sizes where graphs pay; above ``GRAPH_ROWS`` rows per rank a call is
       not host-bound and runs eagerly.
-    * Copies (Note [Graph copies]): the inputs go into the static buffers, and the outputs out of the graph's,
-      in one multi-tensor copy per dtype each way rather than a copy per tensor.
     * Capture: the first call of a plan runs eagerly (it builds cuDNN plans, compiles Triton kernels, opens
       NCCL connections - none of which may happen inside a capture); the second is captured and replayed;
       later calls replay. Forward and backward are separate graphs sharing one memory pool (they never run
@@ -35,17 +33,12 @@ Note [Graphed calls]
       overwrite each other's inputs (calls on distinct signatures are independent).
 
 Note [Graph copies]
-    A graphed call's copies in and out are its host cost and a fifth of its GPU work at 2K tokens per rank: a
-    Ulysses forward+backward copied 8 inputs and 3 outputs of the backward, 3 and 7 of the forward, each its own
-    ``copy_`` / ``clone`` (a launch of 10-30 us of host time each on the H100 host; profiled emulated rank 0 of 4,
-    2026-11-26). ``torch._foreach_copy_`` moves a list in one multi-tensor kernel when the list has one dtype and
-    each pair agrees in strides (PyTorch's fast route), so ``_copy`` groups by dtype: usually two groups (bf16
-    tensors, fp32 lse). Pairs whose strides differ (a caller's non-contiguous input against the buffer made from
-    the capture's) take PyTorch's per-tensor route inside the same call, so the result never depends on it.
-    Outputs are ``empty_like`` buffers filled the same way. Emulated on an H100, before and after in one call
-    each (two runs, ``benchmarks/results/2026-11-26-h100-graph-copies/``): 1-10 fewer GPU operations per call
-    (a Ulysses forward+backward 41 -> 31); efficiency moved within the runs' own noise (up to +-0.08 per row at
-    2-4K tokens per rank, either way), so the change is fewer launches, not a measured speed-up.
+    The copies into the static buffers and the clones out cost a fifth of a graphed call's GPU work at 2K tokens
+    per rank (a Ulysses forward+backward copies 8 inputs and clones 3 outputs in backward, 3 and 7 in forward) and
+    a launch each. Tried 2026-11-26 and not kept: one ``torch._foreach_copy_`` per dtype each way (PyTorch's
+    multi-tensor kernel). It cut 1-10 GPU operations per call, but its copies ran slower than the per-tensor
+    ones - the calls' GPU busy time +2.5% (median of 80 configurations, emulated on an H100) - and efficiency
+    did not move (median ratio 0.997; ``benchmarks/results/2026-11-26-h100-graph-copies/``).
 
 Note [Graphed batches]
     A packed batch (``Call.packed``) is a plan of its own, used by every layer of one training step - forward,
@@ -113,8 +106,9 @@ class _Captured:
     def __init__(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor | None], pool: Any):
         self.device = next(x.device for x in inputs if x is not None)
         self.static = [None if x is None else torch.empty_like(x) for x in inputs]
-        self.present = [s for s in self.static if s is not None]
-        _copy(self.present, [x for x in inputs if x is not None])
+        for s, x in zip(self.static, inputs):
+            if s is not None:
+                s.copy_(x)
         self.graph = torch.cuda.CUDAGraph()
         self.tables: list[torch.Tensor] = []          # Note [Tables under capture] in seqpar.kernels.combine
         with torch.cuda.device(self.device), keep_tables(self.tables), \
@@ -123,23 +117,12 @@ class _Captured:
         self.flat, self.spec = _flatten(res)
 
     def __call__(self, inputs: Sequence[torch.Tensor | None]) -> Any:
-        _copy(self.present, [x for x in inputs if x is not None])
+        for s, x in zip(self.static, inputs):
+            if s is not None:
+                s.copy_(x)
         with torch.cuda.device(self.device):
             self.graph.replay()
-        outs = [torch.empty_like(t) for t in self.flat]
-        _copy(outs, self.flat)
-        return _unflatten(outs, self.spec)
-
-
-def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[i].copy_(src[i])`` for every i, one ``_foreach_copy_`` per dtype (Note [Graph copies])."""
-    groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for d, s in zip(dst, src, strict=True):
-        ds, ss = groups.setdefault(d.dtype, ([], []))
-        ds.append(d)
-        ss.append(s)
-    for ds, ss in groups.values():
-        torch._foreach_copy_(ds, ss)
+        return _unflatten([t.clone() for t in self.flat], self.spec)
 
 
 def _flatten(res: Any) -> tuple[list[torch.Tensor], list[int]]:
