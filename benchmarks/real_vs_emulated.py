@@ -1,6 +1,6 @@
 """The emulated prediction against the real run, configuration by configuration (issue 23's "record its error").
 
-    python benchmarks/real_vs_emulated.py RESULTS_DIR      # reads RESULTS_DIR/real/*.jsonl and RESULTS_DIR/emulated/*.jsonl
+    python benchmarks/real_vs_emulated.py RESULTS_DIR    # RESULTS_DIR/real/*.jsonl against RESULTS_DIR/emulated/*.jsonl
 
 Both sides are ``seqpar.bench`` records of the same presets at the same W: real (``torchrun``, NCCL) and emulated
 (``--emulate-world W``: the busiest rank on a fake group). Prints, as markdown:
@@ -35,7 +35,8 @@ def main(folder: str) -> None:
     real, emu = load(Path(folder) / "real"), load(Path(folder) / "emulated")
     both = sorted(set(real) & set(emu))
     rel = lambda k: (emu[k]["efficiency"] - real[k]["efficiency"]) / real[k]["efficiency"]   # noqa: E731
-    print("| row | mode | best seqpar, real | eff | emulated | err (rel) | best peer, real | eff | emulated | err (rel) |")
+    print("| row | mode | best seqpar, real | eff | emulated | err (rel) "
+          "| best peer, real | eff | emulated | err (rel) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in sorted({k[:2] for k in both}):
         cells = []
@@ -50,7 +51,9 @@ def main(folder: str) -> None:
         print(f"| {row[0]} | {row[1]} | " + " | ".join(cells) + " |")
     print("\n| configurations | row | n | median rel err | mean abs rel err | min | max | emulated faster |")
     print("|---|---|---|---|---|---|---|---|")
-    for who, pick in (("seqpar", lambda k: not k[2].startswith("peer:")), ("peers", lambda k: k[2].startswith("peer:"))):
+    def peer(k):
+        return k[2].startswith("peer:")
+    for who, pick in (("seqpar", lambda k: not peer(k)), ("peers", peer)):
         for row in [*sorted({k[0] for k in both}), "all rows"]:
             ks = [k for k in both if pick(k) and row in (k[0], "all rows")]
             if not ks:
@@ -58,10 +61,12 @@ def main(folder: str) -> None:
             errs = [rel(k) for k in ks]
             faster = sum(emu[k]["time_ms"] < real[k]["time_ms"] for k in ks)
             print(f"| {who} | {row} | {len(ks)} | {statistics.median(errs):+.1%} | "
-                  f"{statistics.fmean(abs(x) for x in errs):.1%} | {min(errs):+.1%} | {max(errs):+.1%} | {faster}/{len(ks)} |")
+                  f"{statistics.fmean(abs(x) for x in errs):.1%} | {min(errs):+.1%} | {max(errs):+.1%} "
+                  f"| {faster}/{len(ks)} |")
     only = sorted(set(real) ^ set(emu))
     if only:
-        print("\nOn one side only: " + ", ".join(f"{'/'.join(k)} ({'real' if k in real else 'emulated'})" for k in only))
+        sides = (f"{'/'.join(k)} ({'real' if k in real else 'emulated'})" for k in only)
+        print("\nOn one side only: " + ", ".join(sides))
     print("\n| row | mode | configuration | real eff | emulated eff |")
     print("|---|---|---|---|---|")
     for k in both:
