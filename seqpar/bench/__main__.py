@@ -20,6 +20,9 @@ Note [Emulated world]
     per call and the fraction of a call the GPU idles (``timing.call_profile``). What it cannot see: NCCL's
     own use of SMs and memory bandwidth beside the kernels, link contention and latency, stragglers (no
     other rank exists), and any wait on a peer; values are garbage (nothing arrives), so nothing is checked.
+    ``--link PROFILE`` gives seqpar's transfers the planner's time for their bytes (Note [Modelled link] in
+    ``seqpar.comm.link``): the records then carry ``link`` and ``predicted_efficiency`` (a prediction of W
+    GPUs) instead of ``compute_efficiency``.
 """
 
 
@@ -67,6 +70,9 @@ def _args(argv):
     ap.add_argument("--emulate-world", type=int, default=0,
                     help="one process as one rank of this many on a fake group (Note [Emulated world]); no torchrun")
     ap.add_argument("--emulate-rank", default="busiest", help="the emulated rank: an int, or 'busiest' per config")
+    ap.add_argument("--link", default="",
+                    help="emulation: model transfer times with this planner profile (a built-in name or a JSON "
+                         "path; Note [Modelled link] in seqpar.comm.link): records predict W GPUs' efficiency")
     ap.add_argument("--check-ranks", action="store_true",
                     help="emulation: keep seqpar's agreement round on (default off, as the issue's protocol)")
     ap.add_argument("--cpu-gloo", action="store_true",
@@ -81,6 +87,10 @@ class Bench:
         if args.device == "cuda":
             torch.cuda.set_device(self.device)
         self.emulated = args.emulate_world > 0
+        self.link = None
+        if args.link:
+            from ..comm.link import Link
+            self.link = Link(args.link, args.emulate_world)
         if self.emulated:
             self.emulate_as(0 if args.emulate_rank == "busiest" else int(args.emulate_rank))
         elif args.device == "cuda" and args.cpu_gloo:
@@ -140,8 +150,11 @@ class Bench:
             return {}
         rec = {"emulated_world": self.world, "emulated_rank": self.rank, "tokens_per_rank": seq_len // self.world,
                "check_ranks": self.args.check_ranks}
+        if self.link is not None:
+            rec["link"] = self.link.name
         if time_ms_ is not None and limit_ms is not None:
-            rec["compute_efficiency"] = limit_ms / time_ms_
+            # communication free, or with the modelled link a prediction of W GPUs (Note [Modelled link])
+            rec["predicted_efficiency" if self.link is not None else "compute_efficiency"] = limit_ms / time_ms_
         if fn is not None and time_ms_ is not None:
             prof = call_profile(fn, self.device)
             rec.update(prof)
@@ -355,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ and not args.emulate_world:
         raise SystemExit("launch with torchrun: torchrun --nproc-per-node N -m seqpar.bench ... (or emulate one rank: "
                          "python -m seqpar.bench --emulate-world W ...)")
+    if args.link and not (args.emulate_world and args.device == "cuda"):
+        raise SystemExit(f"--link {args.link!r} models transfers of an emulated world on CUDA (--emulate-world W, "
+                         f"--device cuda); a real group's transfers take their own time")
     if args.emulate_world and (args.scaling or "inference" in args.preset):
         raise SystemExit("--emulate-world times presets and suites; --scaling and the inference preset need a real "
                          "group")
@@ -364,13 +380,15 @@ def main(argv: list[str] | None = None) -> int:
         if set(args.preset) == {"inference"}:
             return 0
     bench = Bench(args)
-    for preset in presets:
-        if bench.over_budget():
-            break
-        bench.run_preset(preset)
-    for name in args.preset:
-        if name in SUITES and not bench.over_budget():
-            SUITES[name](bench)
+    from ..comm.link import modelled
+    with modelled(bench.link):
+        for preset in presets:
+            if bench.over_budget():
+                break
+            bench.run_preset(preset)
+        for name in args.preset:
+            if name in SUITES and not bench.over_budget():
+                SUITES[name](bench)
     if args.scaling and not bench.over_budget():
         bench.run_scaling()
     dist.barrier()

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import link as _link
+
 __all__ = ["AllGather", "AllToAllV", "Handle"]
 
 # torch >= 2.12 renames the tensor-in/tensor-out collectives; older releases only have the first names.
@@ -66,7 +68,8 @@ class AllGather:
         if self.world == 1:
             recv.copy_(send)
             return Handle()
-        return Handle(_GATHER(recv, send, group=self.group, async_op=True))
+        work = _GATHER(recv, send, group=self.group, async_op=True)
+        return Handle(_link.delay(work, "allgather", recv.nbytes - send.nbytes, self.world, send.device))
 
     def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> Handle:
         """Post: ``recv (L, ...)`` = the sum over ranks of their ``send (W L, ...)`` rows ``[r L, (r+1) L)``."""
@@ -74,7 +77,8 @@ class AllGather:
         if self.world == 1:
             recv.copy_(send)
             return Handle()
-        return Handle(_REDUCE_SCATTER(recv, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        work = _REDUCE_SCATTER(recv, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return Handle(_link.delay(work, "reduce_scatter", send.nbytes - recv.nbytes, self.world, send.device))
 
 
 class AllToAllV:
@@ -98,5 +102,7 @@ class AllToAllV:
         if self.world == 1:
             recv.copy_(send)
             return Handle()
-        return Handle(dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group,
-                                             async_op=True))
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
+        row = send[0].nbytes if send.shape[0] else 0
+        mine = send_splits[dist.get_rank(self.group)]
+        return Handle(_link.delay(work, "a2a", (sum(send_splits) - mine) * row, self.world, send.device))

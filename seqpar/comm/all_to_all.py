@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import rank_suffix
+from . import link as _link
 
 __all__ = ["HeadSlots", "Pending", "heads_to_seq", "post_grads_heads_to_seq", "post_heads_to_seq",
            "post_qkv_seq_to_heads", "post_seq_to_heads", "qkv_seq_to_heads", "seq_to_heads"]
@@ -168,7 +169,8 @@ def _check_split(x: torch.Tensor, dim: int, U: int, what: str) -> None:
 def _post(send: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[Any, torch.Tensor]:
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    return work, recv
+    U = _size(group)
+    return _link.delay(work, "a2a", send.nbytes * (U - 1) / U, U, send.device), recv
 
 
 def _slots_write(send_UBLF: torch.Tensor, lo: int, t_BLKD: torch.Tensor, heads_total: int, per: int,

@@ -22,6 +22,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from . import link as _link
+
 __all__ = ["Exchange", "Ring"]
 
 
@@ -58,6 +60,12 @@ class Exchange:
         self._posted = True
         if self._ops:
             self._reqs = dist.batch_isend_irecv(self._ops)
+            if _link.installed() is not None:           # Note [Modelled link]: the bytes this rank receives
+                got = sum(op.tensor.nbytes for op in self._ops if op.op is dist.irecv)
+                size = dist.get_world_size(self.group)
+                held = _link.delay(None, "ring", got, size, self._ops[0].tensor.device)
+                if held is not None:
+                    self._reqs.append(held)
         return self
 
     def wait(self) -> None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import link as _link
+
 __all__ = ["Pending", "all_reduce_states", "gather_states"]
 
 
@@ -53,7 +55,7 @@ def gather_states(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.T
         res[0].copy_(x)
         return Pending(None, res)
     work = _gather_flat()(res.view(-1), x.contiguous().view(-1), group=group, async_op=True)
-    return Pending(work, res)
+    return Pending(_link.delay(work, "allgather", res.nbytes - x.nbytes, world, x.device), res)
 
 
 def all_reduce_states(x: torch.Tensor, group: dist.ProcessGroup | None) -> Pending:

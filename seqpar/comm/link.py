@@ -1,0 +1,121 @@
+"""A modelled link for emulated worlds: each transfer holds a stream of its own for its modelled time.
+
+    with modelled(Link("h200-nvswitch", world=8)):     # python -m seqpar.bench --emulate-world 8 --link h200-nvswitch
+        seqpar.attention(...)                           # on a fake group: transfers now take time
+
+Note [Modelled link]
+    On torch's fake process group (Note [Emulated world] in ``seqpar.bench``) every transfer completes at once, so an
+    emulated rank's time is its compute path alone: on four H200s it put seqpar's configurations a median 28%
+    above their real efficiency (``benchmarks/results/2026-11-26-4xh200-real-run2/``). With a ``Link`` installed,
+    the comm layer hands each posted transfer to ``delay``: on the link's own CUDA stream, once the posting stream
+    has reached the post (the data is ready), a spin kernel (``torch.cuda._sleep``) holds the stream for the
+    transfer's modelled time, and the transfer's ``wait()`` makes the waiting stream wait for it. Transfers queue
+    one after another on that stream, as on one link, and a wait exposes what the kernels did not hide.
+
+    The time is the planner's (``seqpar.cost.topology.Network.ms``: the profile's measured curve for the pattern,
+    the bytes a rank moves, the group's size): P2P steps ("ring", the bytes received), all-to-all ("a2a", the bytes
+    bound for other ranks), all-gather and reduce-scatter (the bytes from or to other ranks). Only seqpar's comm
+    layer is modelled (the peers call torch.distributed themselves). Still unseen: NCCL's own SMs and memory
+    traffic beside the kernels (the spin is one thread), contention with other ranks, stragglers. CUDA only.
+    A captured graph records the spins with the kernels, so a plan graphed before the link was installed replays
+    without it: install the link before a plan's first call (the bench installs it for the whole run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["Link", "delay", "installed", "modelled"]
+
+_LINK: Link | None = None
+
+
+class Link:
+    """Transfer times from a planner profile (a built-in name, a JSON path or a ``Profile``) on its host topology."""
+
+    def __init__(self, profile: Any, world: int):
+        from ..cost.profile import load_profile
+        from ..cost.topology import Network, get_topology
+
+        prof = load_profile(profile)
+        self.name = prof.name
+        self.network = Network(get_topology(None, prof), prof)
+        self.world = world
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._cycles_per_ms: dict[torch.device, float] = {}
+
+    def ms(self, pattern: str, nbytes: float, size: int) -> float:
+        """The modelled time of one ``pattern`` moving ``nbytes`` per rank in a group of ``size``."""
+        from ..cost.topology import Group
+
+        return self.network.ms(pattern, nbytes, Group(size))
+
+    def _cycles(self, device: torch.device) -> float:
+        """Spin-kernel cycles per millisecond on ``device``, measured once (outside any capture)."""
+        if device not in self._cycles_per_ms:
+            n = 20_000_000
+            with torch.cuda.device(device):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda._sleep(n)                      # warm-up
+                a.record()
+                torch.cuda._sleep(n)
+                b.record()
+                b.synchronize()
+                self._cycles_per_ms[device] = n / a.elapsed_time(b)
+        return self._cycles_per_ms[device]
+
+    def occupy(self, pattern: str, nbytes: float, size: int, device: torch.device) -> torch.cuda.Event:
+        """Hold the link's stream for the transfer's time after the current stream's work so far; the event."""
+        cycles = int(self.ms(pattern, nbytes, size) * self._cycles(device))
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        here = torch.cuda.current_stream(device)
+        stream.wait_stream(here)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            if cycles > 0:
+                torch.cuda._sleep(cycles)
+            done.record(stream)
+        return done
+
+
+class _Delayed:
+    """A transfer's work whose ``wait()`` also waits for its modelled time."""
+
+    def __init__(self, work: Any, done: torch.cuda.Event):
+        self._work, self._done = work, done
+
+    def wait(self) -> bool:
+        if self._work is not None:
+            self._work.wait()
+        torch.cuda.current_stream().wait_event(self._done)
+        return True
+
+
+def installed() -> Link | None:
+    """The link in use, or None (transfers take the time the process group gives them)."""
+    return _LINK
+
+
+@contextlib.contextmanager
+def modelled(link: Link | None) -> Iterator[None]:
+    """Model ``link`` for the transfers posted inside (None: none)."""
+    global _LINK
+    before, _LINK = _LINK, link
+    try:
+        yield
+    finally:
+        _LINK = before
+
+
+def delay(work: Any, pattern: str, nbytes: float, size: int, device: torch.device) -> Any:
+    """``work`` as it is, or - with a link installed and a CUDA transfer - one whose ``wait()`` also waits for the
+    transfer's modelled time (Note [Modelled link])."""
+    if _LINK is None or device.type != "cuda" or size <= 1 or nbytes <= 0:
+        return work
+    return _Delayed(work, _LINK.occupy(pattern, nbytes, size, device))

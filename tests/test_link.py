@@ -1,0 +1,59 @@
+"""The modelled link of emulated worlds (Note [Modelled link] in ``seqpar.comm.link``), on CPU; its effect on a
+CUDA call is in ``tests/test_gpu_emulated.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import seqpar
+from seqpar.comm.link import Link, delay, installed, modelled
+from seqpar.cost.profile import load_profile
+
+
+def test_link_times_are_the_planners():
+    link, prof = Link("h200-nvswitch", 4), load_profile("h200-nvswitch")
+    for n in (4 << 20, 64 << 20, 512 << 20):
+        assert link.ms("ring", n, 4) == pytest.approx(prof.link_ms("p2p", n))
+    assert link.ms("a2a", 64 << 20, 4) > 0
+    assert link.ms("ring", 0, 4) == 0 and link.ms("ring", 1 << 20, 1) == 0
+
+
+def test_delay_leaves_other_transfers_alone():
+    work, cuda = object(), torch.device("cuda", 0)
+    assert installed() is None and delay(work, "ring", 1 << 20, 4, cuda) is work       # nothing installed
+    with modelled(Link("h200-nvswitch", 4)):
+        assert installed().name == "h200-nvswitch"
+        assert delay(work, "ring", 1 << 20, 4, torch.device("cpu")) is work            # CPU: gloo's own time
+        assert delay(work, "a2a", 1 << 20, 1, cuda) is work                            # one rank moves nothing
+        assert delay(work, "a2a", 0, 4, cuda) is work
+        with modelled(None):
+            assert installed() is None
+        assert installed() is not None
+    assert installed() is None
+
+
+@pytest.mark.parametrize("method,layout", [("ring", "zigzag"), ("ulysses", None), ("allgather", "zigzag")])
+def test_every_comm_path_runs_under_a_link_on_cpu(method, layout):
+    """The comm layer's hooks (P2P, all-to-all, all-gather, reduce-scatter) run with a link installed: on CPU the
+    transfers keep gloo's (here the fake group's) time."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
+    try:
+        q, k, v = (torch.randn(1, 64, h, 16, requires_grad=True) for h in (4, 4, 4))
+        with modelled(Link("h200-nvswitch", 4)):
+            out = seqpar.attention(q, k, v, method=method, layout=layout, check_ranks=False, kernel="reference")
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bench_link_needs_an_emulated_cuda_world():
+    from seqpar.bench.__main__ import main
+
+    with pytest.raises(SystemExit, match="--link 'h200-nvswitch' models transfers of an emulated world on CUDA"):
+        main(["--emulate-world", "2", "--link", "h200-nvswitch", "--device", "cpu", "--preset", "tiny-causal"])
