@@ -65,8 +65,9 @@ def main(folder: str) -> None:
                   f"| {faster}/{len(ks)} |")
     only = sorted(set(real) ^ set(emu))
     if only:
-        sides = (f"{'/'.join(k)} ({'real' if k in real else 'emulated'})" for k in only)
-        print("\nOn one side only: " + ", ".join(sides))
+        real_only = sum(k in real for k in only)
+        print(f"\nOn one side only: {real_only} configurations real, {len(only) - real_only} emulated "
+              f"({', '.join(sorted({k[2] for k in only})[:6])}{', ...' if len({k[2] for k in only}) > 6 else ''})")
     print("\n| row | mode | configuration | real eff | emulated eff |")
     print("|---|---|---|---|---|")
     for k in both:
