@@ -1,6 +1,7 @@
 """The emulated prediction against the real run, configuration by configuration (issue 23's "record its error").
 
-    python benchmarks/real_vs_emulated.py RESULTS_DIR    # RESULTS_DIR/real/*.jsonl against RESULTS_DIR/emulated/*.jsonl
+    python benchmarks/real_vs_emulated.py RESULTS_DIR [EMULATED]   # RESULTS_DIR/real/*.jsonl against
+                                                                   # RESULTS_DIR/EMULATED/*.jsonl (emulated)
 
 Both sides are ``seqpar.bench`` records of the same presets at the same W: real (``torchrun``, NCCL) and emulated
 (``--emulate-world W``: the busiest rank on a fake group). Prints, as markdown:
@@ -31,8 +32,8 @@ def load(folder: Path) -> dict[tuple[str, str, str], dict]:
     return rows
 
 
-def main(folder: str) -> None:
-    real, emu = load(Path(folder) / "real"), load(Path(folder) / "emulated")
+def main(folder: str, emulated: str = "emulated") -> None:
+    real, emu = load(Path(folder) / "real"), load(Path(folder) / emulated)
     both = sorted(set(real) & set(emu))
     rel = lambda k: (emu[k]["efficiency"] - real[k]["efficiency"]) / real[k]["efficiency"]   # noqa: E731
     print("| row | mode | best seqpar, real | eff | emulated | err (rel) "
@@ -75,6 +76,6 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) not in (2, 3):
         raise SystemExit(__doc__)
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -13,7 +13,10 @@
 # Usage (device machine, repo root, carry .peers):  W=4 PART=real bash benchmarks/gpu/real_table.sh
 #   SHORT / LONG: preset lists (" " for none); DEMO=0 skips the demo; EMU_JOBS: the emulated jobs, ';'-separated
 #   "presets|flags" (default: the long row's seqpar configurations, its peers, then each short preset with its
-#   peers), job i on GPU i mod W; TRAIN_SEQ (default 256K), TRAIN_EXTRA: more recipe arguments;
+#   peers), job i on GPU i mod W; LINK=h200-nvswitch (a planner profile) also runs each job's seqpar configurations
+#   with the modelled link into emulated-link/ (Note [Modelled link]: a prediction of the real rows;
+#   benchmarks/real_vs_emulated.py DIR emulated-link); TRAIN_SEQ (default 256K), TRAIN_EXTRA: more
+#   recipe arguments;
 #   PROFILE=" " drops the bench's --profile (exposed communication: extra timed calls per configuration);
 #   DRY=1: a CPU smoke run of the whole pipeline (gloo, tiny presets, no peers, a tiny model).
 #   SRC: a directory holding the seqpar package to time, e.g. a clean copy of a commit, made here with
@@ -28,7 +31,7 @@ OUT=${OUT:-/tmp/seqpar-out}; PART=${PART:-all}; DRY=${DRY:-0}; W=${W:-2}; mkdir 
 REPO=$PWD; SRC=$(cd "${SRC:-.}" && pwd)
 START=$(date +%s); DEADLINE=${DEADLINE:-540}           # seconds after START by which everything has ended
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
-RES=$(mktemp -d)/results; mkdir -p "$RES/real" "$RES/emulated" "$RES/train"
+RES=$(mktemp -d)/results; mkdir -p "$RES/real" "$RES/emulated" "$RES/emulated-link" "$RES/train"
 SHORT=${SHORT:-"gqa-causal-4k gqa-causal-8k mha-causal-8k gqa-causal-16k mha-causal-16k mha-full-16k"}
 LONG=${LONG:-"gqa-causal-128k"}
 TRAIN_SEQ=${TRAIN_SEQ:-256K}; TRAIN_EXTRA=${TRAIN_EXTRA:-}
@@ -106,6 +109,13 @@ if has emulated; then
       CUDA_VISIBLE_DEVICES=$([ "$DRY" = 1 ] || echo "$g") run "$OUT/emulated_gpu$g.log" "$T" python3 -m seqpar.bench \
         --emulate-world "$W" $(presets ${job%%|*}) ${job#*|} $DEV $ITERS --budget-s $(( T - 35 )) \
         --out "$RES/emulated" --tag "emu-w$W-gpu$g-$i"
+      # the same job's seqpar configurations with the modelled link (Note [Modelled link]): W GPUs predicted
+      T=$(( $(left) - 15 ))
+      if [ -n "${LINK:-}" ] && [ "$DRY" != 1 ] && [ "$T" -ge 45 ] && [[ "${job#*|}" != *"--methods none"* ]]; then
+        CUDA_VISIBLE_DEVICES=$g run "$OUT/emulated_gpu$g.log" "$T" python3 -m seqpar.bench --emulate-world "$W" \
+          --link "$LINK" $(presets ${job%%|*}) $ITERS --budget-s $(( T - 35 )) --out "$RES/emulated-link" \
+          --tag "emu-link-w$W-gpu$g-$i"
+      fi
     done
   }
   for (( g = 0; g < W; g++ )); do queue "$g" & done; wait
