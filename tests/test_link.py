@@ -52,8 +52,20 @@ def test_every_comm_path_runs_under_a_link_on_cpu(method, layout):
         dist.destroy_process_group()
 
 
-def test_bench_link_needs_an_emulated_cuda_world():
+def test_bench_link_needs_an_emulated_cuda_world_and_no_peers():
     from seqpar.bench.__main__ import main
 
     with pytest.raises(SystemExit, match="--link 'h200-nvswitch' models transfers of an emulated world on CUDA"):
         main(["--emulate-world", "2", "--link", "h200-nvswitch", "--device", "cpu", "--preset", "tiny-causal"])
+    with pytest.raises(SystemExit, match="models seqpar's transfers only"):
+        main(["--emulate-world", "2", "--link", "h200-nvswitch", "--device", "cuda", "--preset", "tiny-causal",
+              "--peers"])
+
+
+def test_report_reads_predicted_efficiency():
+    from seqpar.bench.report import emulated_table
+
+    rec = {"preset": "p", "method": "ring/zigzag", "mode": "fwd", "world_size": 4, "emulated_world": 4,
+           "seq_len": 8192, "time_ms": 1.0, "efficiency": 0.5, "predicted_efficiency": 0.5, "link": "h200-nvswitch"}
+    table = emulated_table([rec, dict(rec, method="ulysses", efficiency=0.6, predicted_efficiency=0.6)])
+    assert "| p | 4 | 2K | fwd | 0.50 | - | 0.60 |" in table and "**0.60** (ulysses)" in table

@@ -371,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.link and not (args.emulate_world and args.device == "cuda"):
         raise SystemExit(f"--link {args.link!r} models transfers of an emulated world on CUDA (--emulate-world W, "
                          f"--device cuda); a real group's transfers take their own time")
+    if args.link and args.peers:
+        raise SystemExit(f"--link {args.link!r} models seqpar's transfers only (the peers call torch.distributed "
+                         f"themselves, so theirs would stay free): run the peers without --link")
     if args.emulate_world and (args.scaling or "inference" in args.preset):
         raise SystemExit("--emulate-world times presets and suites; --scaling and the inference preset need a real "
                          "group")

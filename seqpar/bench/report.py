@@ -160,13 +160,17 @@ def emulated_table(rows: list[dict], before: list[dict] | None = None) -> str:
     """The README table of emulated runs (Note [Emulated world] in ``seqpar.bench``): per preset, emulated W and
     mode, each method's compute efficiency (its busiest rank, communication free; the method's best
     configuration), the best seqpar and the best peer; ``before``: a baseline run's best seqpar beside it.
+    Records of a run with a modelled link (``--link``) give their ``predicted_efficiency`` instead: label such a
+    table as predicted (Note [Modelled link] in ``seqpar.comm.link``).
     A peer above 1.3 is marked: beyond the kernel's limit, not a meaningful emulated figure."""
     def table(rs):
         out: dict[tuple, dict[str, float]] = defaultdict(dict)
         for r in rs:
             if _ok(r) and r.get("emulated_world") and not r["method"].startswith("limit"):
                 key = (r["preset"], r["emulated_world"], r["mode"])
-                out[key][r["method"]] = max(out[key].get(r["method"], 0.0), r["compute_efficiency"])
+                eff = r.get("compute_efficiency", r.get("predicted_efficiency"))
+                if eff is not None:
+                    out[key][r["method"]] = max(out[key].get(r["method"], 0.0), eff)
         return out
 
     now, base = table(rows), table(before or [])
