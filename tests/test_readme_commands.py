@@ -47,6 +47,8 @@ HELP_ONLY = {
     "python -m seqpar.planner.fit": "fits the benchmark result files (benchmarks/results/...) in ~5 minutes",
     "python benchmarks/bench_call_cost.py": "a benchmark: a minute of timing, meaningless on a busy machine",
     "python benchmarks/gpu/train_8b.py --out r8b.jsonl --phases step": "Llama-3-8B at 1M tokens: minutes of an H100",
+    "python -m seqpar.bench --emulate-world 4 --link h200-nvswitch": "the modelled link holds CUDA streams: a GPU "
+                                                                     "only (tests/test_link.py: its CPU side)",
 }
 
 
