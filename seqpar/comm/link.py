@@ -47,6 +47,8 @@ class Link:
         self.world = world
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._cycles_per_ms: dict[torch.device, float] = {}
+        if torch.cuda.is_available():       # calibrate now: the first transfer may come inside a graph capture
+            self._cycles(torch.device("cuda", torch.cuda.current_device()))
 
     def ms(self, pattern: str, nbytes: float, size: int) -> float:
         """The modelled time of one ``pattern`` moving ``nbytes`` per rank in a group of ``size``."""
@@ -57,6 +59,9 @@ class Link:
     def _cycles(self, device: torch.device) -> float:
         """Spin-kernel cycles per millisecond on ``device``, measured once (outside any capture)."""
         if device not in self._cycles_per_ms:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"the modelled link has not timed its spin kernel on {device} yet, and a CUDA "
+                                   f"graph is being captured: make the Link while {device} is the current device")
             n = 20_000_000
             with torch.cuda.device(device):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
