@@ -38,6 +38,9 @@ REDUCED = {
     "python -m seqpar.bench --preset masks": (
         "python -m seqpar.bench --emulate-world 4 --preset tiny-mask --device cpu --methods ulysses --modes fwd "
         "--warmup 0 --iters 1", "the mask presets are GPU sizes: the CPU smoke mask preset, rank r of 4 emulated"),
+    "python benchmarks/train_table.py --svg docs/train_memory.svg": (
+        "python benchmarks/train_table.py --svg train_memory.svg",
+        "the same plot into the scratch directory: the repository's own docs/train_memory.svg stays as committed"),
     "python -m seqpar.bench.inference --entry generate --baseline": (
         "python -m seqpar.bench.inference --entry generate --baseline --device cpu --preset tiny --contexts 96 "
         "--repeats 1 --check", "the small model at 32K-128K on a GPU: the tiny model on CPU, one repeat"),
