@@ -16,14 +16,13 @@ CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 
 
 @pytest.mark.parametrize("kw,expect", [
-    (dict(device=CUDA, world=8, rows=2048, packed=False, direct=False), True),        # short chunks: graphed
-    (dict(device=CUDA, world=8, rows=GRAPH_ROWS + 1, packed=False, direct=False), False),   # not host-bound
-    (dict(device=CUDA, world=1, rows=2048, packed=False, direct=False), False),       # one rank: one step
-    (dict(device=CUDA, world=8, rows=2048, packed=True, direct=False), True),         # Note [Graphed batches]
-    (dict(device=CUDA, world=8, rows=2048, packed=False, direct=True), False),        # one aten call
-    (dict(device=CPU, world=8, rows=2048, packed=False, direct=False), False),        # no graphs on CPU
+    (dict(device=CUDA, world=8, rows=2048, direct=False), True),                      # short chunks (packed too)
+    (dict(device=CUDA, world=8, rows=GRAPH_ROWS + 1, direct=False), False),           # not host-bound
+    (dict(device=CUDA, world=1, rows=2048, direct=False), False),                     # one rank: one step
+    (dict(device=CUDA, world=8, rows=2048, direct=True), False),                      # one aten call
+    (dict(device=CPU, world=8, rows=2048, direct=False), False),                      # no graphs on CPU
 ])
-def test_auto_graphs_only_host_bound_fixed_signatures(kw, expect):
+def test_auto_graphs_only_host_bound_calls(kw, expect):
     assert wanted(None, **kw) is expect
     assert wanted(True, **kw) is True and wanted(False, **kw) is False
 

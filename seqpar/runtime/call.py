@@ -324,7 +324,7 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
     direct = getattr(engine, "direct", None)
     direct = direct(call) if direct is not None and not (return_lse or verify or sinks is not None) else None
     if _graphs.wanted(graphs, device=q.device, world=groups.world, rows=q.shape[0] * q.shape[1],
-                      packed=call.packed, direct=direct is not None):
+                      direct=direct is not None):
         engine, direct = _graphs.Graphed(engine, required=graphs is True), None
     plan = Plan(m, cfg, groups, call, engine, items, return_lse, verify, direct)
     if key is not None:

@@ -92,8 +92,7 @@ GRAPH_ROWS = 8192
 """Auto graphs a call with at most this many local rows (batch x sequence) per rank (Note [Graphed calls])."""
 
 
-def wanted(graphs: bool | None, *, device: torch.device, world: int, rows: int, packed: bool,
-           direct: bool) -> bool:
+def wanted(graphs: bool | None, *, device: torch.device, world: int, rows: int, direct: bool) -> bool:
     """Whether a planned call runs as graphs: ``graphs=True`` (then CUDA is required), False, or auto."""
     if graphs is None:
         return device.type == "cuda" and world > 1 and rows <= GRAPH_ROWS and not direct
