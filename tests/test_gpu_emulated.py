@@ -75,7 +75,7 @@ def test_modelled_link_holds_the_ring_for_its_transfers(graphs):
 
     L, H = 2048, 32
     q, k, v = (torch.randn(1, L, H, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    link = Link("h200-nvswitch", W)
+    link = Link("h200-nvswitch")
     step_ms = link.ms("ring", 2 * k.nbytes, W)
 
     def timed():

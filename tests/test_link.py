@@ -13,7 +13,7 @@ from seqpar.cost.profile import load_profile
 
 
 def test_link_times_are_the_planners():
-    link, prof = Link("h200-nvswitch", 4), load_profile("h200-nvswitch")
+    link, prof = Link("h200-nvswitch"), load_profile("h200-nvswitch")
     for n in (4 << 20, 64 << 20, 512 << 20):
         assert link.ms("ring", n, 4) == pytest.approx(prof.link_ms("p2p", n))
     assert link.ms("a2a", 64 << 20, 4) > 0
@@ -23,7 +23,7 @@ def test_link_times_are_the_planners():
 def test_delay_leaves_other_transfers_alone():
     work, cuda = object(), torch.device("cuda", 0)
     assert installed() is None and delay(work, "ring", 1 << 20, 4, cuda) is work       # nothing installed
-    with modelled(Link("h200-nvswitch", 4)):
+    with modelled(Link("h200-nvswitch")):
         assert installed().name == "h200-nvswitch"
         assert delay(work, "ring", 1 << 20, 4, torch.device("cpu")) is work            # CPU: gloo's own time
         assert delay(work, "a2a", 1 << 20, 1, cuda) is work                            # one rank moves nothing
@@ -45,7 +45,7 @@ def test_every_comm_path_runs_under_a_link_on_cpu(method, layout):
     dist.init_process_group("fake", rank=0, world_size=4, store=FakeStore())
     try:
         q, k, v = (torch.randn(1, 64, h, 16, requires_grad=True) for h in (4, 4, 4))
-        with modelled(Link("h200-nvswitch", 4)):
+        with modelled(Link("h200-nvswitch")):
             out = seqpar.attention(q, k, v, method=method, layout=layout, check_ranks=False, kernel="reference")
             torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     finally:

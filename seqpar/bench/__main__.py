@@ -90,7 +90,7 @@ class Bench:
         self.link = None
         if args.link:
             from ..comm.link import Link
-            self.link = Link(args.link, args.emulate_world)
+            self.link = Link(args.link)
         if self.emulated:
             self.emulate_as(0 if args.emulate_rank == "busiest" else int(args.emulate_rank))
         elif args.device == "cuda" and args.cpu_gloo:

@@ -1,6 +1,6 @@
 """A modelled link for emulated worlds: each transfer holds a stream of its own for its modelled time.
 
-    with modelled(Link("h200-nvswitch", world=8)):     # python -m seqpar.bench --emulate-world 8 --link h200-nvswitch
+    with modelled(Link("h200-nvswitch")):     # python -m seqpar.bench --emulate-world 8 --link h200-nvswitch
         seqpar.attention(...)                           # on a fake group: transfers now take time
 
 Note [Modelled link]
@@ -37,14 +37,13 @@ _LINK: Link | None = None
 class Link:
     """Transfer times from a planner profile (a built-in name, a JSON path or a ``Profile``) on its host topology."""
 
-    def __init__(self, profile: Any, world: int):
+    def __init__(self, profile: Any):
         from ..cost.profile import load_profile
         from ..cost.topology import Network, get_topology
 
         prof = load_profile(profile)
         self.name = prof.name
         self.network = Network(get_topology(None, prof), prof)
-        self.world = world
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._cycles_per_ms: dict[torch.device, float] = {}
         if torch.cuda.is_available():       # calibrate now: the first transfer may come inside a graph capture
