@@ -95,9 +95,10 @@ LAUNCH_US = 10.0
 #     of 2048 rows at W = 4, 53.0 us for the 7 at W = 8, i.e. 0.80 and 0.60 passes at 80% of the H100's HBM
 #     bandwidth (MERGE_MEASURED); their mean is the profiles' figure. Before one merge per call every step merged
 #     into fp32 accumulators with element-wise kernels: 9.5 passes (python -m seqpar.calibrate, 2026-11-21).
-#: (merged steps, rows per step, kernel us): the combine kernels measured above (H 32, D 128, H100 HBM 3.35 TB/s)
+#: (merged steps, rows per step, kernel us): the combine kernels measured above (H 32, D 128, on an H100)
 MERGE_MEASURED = ((3, 2048, 30.2), (7, 2048, 53.0))
-_H100_HBM_GBPS = 0.8 * 3350.0
+#: the profiles' HBM rate: 80% of the datasheet bandwidth
+_H100_HBM_GBPS, _H200_HBM_GBPS = 0.8 * 3350.0, 0.8 * 4800.0
 
 
 def _merge_passes() -> float:
@@ -186,7 +187,7 @@ def h200_profile() -> Profile:
     return Profile(
         name="h200-nvswitch", device="cuda", gpu="NVIDIA H200", gpus_per_node=8, interconnect="NVSwitch (NVLink 4)",
         dtype="bfloat16", head_dim=_HEAD_DIM, default_kernel="cudnn", kernels=_kernel_rates(), links=_links(),
-        alpha_us=ALPHA_US, launch_us=LAUNCH_US, hbm_gbps=0.8 * 4800.0, merge_passes=MERGE_PASSES,
+        alpha_us=ALPHA_US, launch_us=LAUNCH_US, hbm_gbps=_H200_HBM_GBPS, merge_passes=MERGE_PASSES,
         overlap_loss=tuple(sorted(OVERLAP.items())), memory_gib=141.0, call_us=tuple(sorted(CALL_US.items())),
         step_us=tuple(sorted(STEP_US.items())), latency_us=tuple(sorted(_latency_us().items())),
         permute_gelems=_permute_gelems(),
@@ -199,7 +200,7 @@ def h100_profile() -> Profile:
     """H100 SXM NVSwitch: derived from the H200 profile (compute 1.0x; HBM and memory scaled)."""
     h200 = h200_profile()
     return h200.replace(
-        name="h100-nvswitch", gpu="NVIDIA H100 80GB HBM3", hbm_gbps=0.8 * 3350.0, memory_gib=80.0,
+        name="h100-nvswitch", gpu="NVIDIA H100 80GB HBM3", hbm_gbps=_H100_HBM_GBPS, memory_gib=80.0,
         derived_from="h200-nvswitch",
         source="derived from h200-nvswitch: kernel rates x1.0 (same SM count and clocks), links unchanged "
                "(NVLink 4 / NVSwitch), HBM 3.35 TB/s and 80 GB (datasheet); call_us, step_us and "
