@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--seq-len", default="1M")
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--max-entries", type=int, default=2_000_000)
+    ap.add_argument("--context", default="alloc", choices=("alloc", "all", "none"),
+                    help="stacks recorded: at allocation, at allocation and free, or none (sizes only)")
     ap.add_argument("--fit-probe", type=int, default=0, help="a sliding window instead of causal attention")
     ap.add_argument("--tile-mlp", type=int, default=8192)
     args = ap.parse_args()
@@ -101,7 +103,8 @@ def main() -> None:
 
     torch.cuda.set_device(0)
     dist.init_process_group("fake", rank=0, world_size=args.world, store=FakeStore())
-    torch.cuda.memory._record_memory_history(max_entries=args.max_entries, stacks="python")
+    ctx = None if args.context == "none" else args.context
+    torch.cuda.memory._record_memory_history(max_entries=args.max_entries, context=ctx, stacks="python")
     try:
         records = ex.train(p, str(out / "train.jsonl"), emulated=True, json_path=str(out / "recipe.jsonl"))
     finally:
