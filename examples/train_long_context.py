@@ -14,9 +14,9 @@ parameters over the whole data x sequence mesh.
 The recipe for a 7-8B model at a million tokens (Note [Rank 0 of W on one GPU]):
 
     python examples/train_long_context.py --preset gpu-1m --model llama3-8b --seq-len 1M --world 8 --emulate \
-        --tile-mlp --offload --warmup --steps 1 --json r8b.jsonl    # one steady-state step of rank 0 of 8
+        --tile-mlp --tile-norms --offload --warmup --steps 1 --json r8b.jsonl    # a steady-state step, rank 0 of 8
     python examples/train_long_context.py --preset gpu-1m --model llama3-8b --seq-len 2M --world 8 --emulate \
-        --tile-mlp --offload --no-keep-attention --steps 1 --search --budget-s 600 --fit-probe 4096 \
+        --tile-mlp --tile-norms --offload --no-keep-attention --steps 1 --search --budget-s 600 --fit-probe 4096 \
         --json r8b.jsonl                                            # the longest fit of the memory-lean recipe
 
 ``--model llama3-8b`` keeps 28 GiB of attention outputs (``--keep-attention-gib``; ``--no-keep-attention`` for the
@@ -53,7 +53,8 @@ Note [Rank 0 of W on one GPU]
     free communication, an upper bound on what W GPUs reach.
     Memory per local token, Llama-3-8B shape: checkpointed layer inputs 32 x 8 KiB (``--offload``: pinned host
     memory, Note [Activation offload] in seqpar.integrations.hf_memory), one layer's MLP intermediates 3 x 28
-    KiB (``--tile-mlp``: one chunk at a time, Note [Tiled MLP]), logits (the tiled loss: one chunk at a time).
+    KiB (``--tile-mlp``: one chunk at a time, Note [Tiled MLP]), the RMSNorms' fp32 upcasts and their backward's
+    fp32 temporaries, 112 KiB (``--tile-norms``, Note [Tiled norms]), logits (the tiled loss: one chunk at a time).
     MFU counts model FLOPs only: 6 x (parameters doing matmuls: all but the embedding table) x tokens per rank,
     plus causal attention 6 x S^2 x heads x head_dim x layers / W per rank (forward 2, backward 4), not the
     recompute; over ``--peak-tflops`` (989: H100 SXM dense bf16). The recompute of attention is ~72 s of the 8B's
@@ -142,6 +143,9 @@ class Preset:
     """method="ring": run the ring over this many groups of KV heads (smaller fp32 buffers)."""
     tile_mlp: int = 0
     """Tokens per chunk of every decoder layer's MLP (``hf_memory.tile_mlp``); 0: the plain MLP."""
+    tile_norms: int = 0
+    """Tokens per chunk of every hidden-size RMSNorm (``hf_memory.tile_norms``: no fp32 copy of the hidden states
+    saved, Note [Tiled norms]); 0: the plain norms."""
     offload: bool = False
     """Checkpointed layer inputs (and the other saved activations) in pinned host memory (``hf_memory``)."""
     offload_reserve_gib: float | None = None
@@ -292,6 +296,8 @@ def train(p: Preset, out_path: str | None = None, check: bool = False, *, emulat
     lm = build_model(p, handle.name, device)
     if p.tile_mlp:
         hf_memory.tile_mlp(lm, chunk_tokens=p.tile_mlp)
+    if p.tile_norms:
+        hf_memory.tile_norms(lm, chunk_tokens=p.tile_norms)
     if p.fit_probe:
         for layer in lm.model.layers:
             layer.self_attn.sliding_window = p.fit_probe        # read by seqpar's attention function
@@ -505,7 +511,8 @@ def recipe_record(p: Preset, records: list[dict[str, Any]], *, world: int, emula
            "pin_s_timed": sum((r.get("offload") or {}).get("pin_s", 0.0) for r in timed) if p.offload else None,
            "model_flops_per_rank": flops,
            "peak_tflops": peak_tflops, "method": p.method, "layout": p.layout, "head_chunks": p.head_chunks,
-           "tile_mlp": p.tile_mlp, "offload": p.offload, "offload_reserve_gib": p.offload_reserve_gib,
+           "tile_mlp": p.tile_mlp, "tile_norms": p.tile_norms, "offload": p.offload,
+           "offload_reserve_gib": p.offload_reserve_gib,
            "checkpointing": p.checkpointing, "keep_attention": p.keep_attention,
            "keep_attention_gib": p.keep_attention_gib, "keep_stats": steps[-1].get("keep_attention") if steps else None,
            "loss_chunk": p.loss_chunk, "dtype": p.dtype, "device": records[0]["device"],
@@ -695,6 +702,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--compile", action="store_true", default=None)
     ap.add_argument("--tile-mlp", type=int, nargs="?", const=8192, metavar="TOKENS",
                     help="every decoder layer's MLP in chunks of TOKENS tokens (default 8192)")
+    ap.add_argument("--tile-norms", type=int, nargs="?", const=8192, metavar="TOKENS",
+                    help="every hidden-size RMSNorm in chunks of TOKENS tokens (default 8192)")
     ap.add_argument("--offload", action="store_true", default=None,
                     help="saved activations (checkpointed layer inputs) in pinned host memory")
     ap.add_argument("--offload-reserve-gib", type=float, metavar="GIB",

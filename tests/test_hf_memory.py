@@ -1,11 +1,12 @@
 """``seqpar.integrations.hf_memory``: the tiled MLP and activation offload change no value.
 
 A tiny Llama (random weights, config in code, activation checkpointing on) trained twice from one seed: plain,
-and with ``tile_mlp`` (16-token chunks) plus ``ActivationOffload`` around the forward. At W = 1 in this process,
-at W = 2 (ring, zigzag) and W = 4 (USP 2 x 2) on gloo workers. Expected, in fp64 and fp32 (Note [Tiled MLP]):
-- the loss, and every gradient that does not sum over the MLP's chunks, bitwise equal (a row-chunked matmul
-  is row-independent on CPU when the chunk is a multiple of its 8-row block: the test uses 16);
-- the MLP weights' gradients, a sum split into one partial per chunk, within 1e-12 (fp64) / 1e-5 (fp32)
+and with ``tile_mlp`` and ``tile_norms`` (16-token chunks) plus ``ActivationOffload`` around the forward. At W = 1
+in this process, at W = 2 (ring, zigzag) and W = 4 (USP 2 x 2) on gloo workers. Expected, in fp64 and fp32 (Note
+[Tiled MLP], Note [Tiled norms]):
+- the loss, and (MLP tiled alone) every gradient that does not sum over the MLP's chunks, bitwise equal (a
+  row-chunked matmul is row-independent on CPU when the chunk is a multiple of its 8-row block: the test uses 16);
+- the MLP and RMSNorm weights' gradients, a sum split into one partial per chunk, within 1e-12 (fp64) / 1e-5 (fp32)
   normalised error; the second step's loss and gradients and the parameters after it the same way (AdamW in
   fp64, SGD with momentum in fp32).
 On CPU the offload hooks pass tensors through (there is no device memory to spare): the test checks that the
@@ -38,7 +39,8 @@ MLP_TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 
 def _is_mlp_weight(name: str) -> bool:
-    return ".mlp." in name
+    """A weight whose gradient the tiled model sums over chunks: the MLP's and the tiled RMSNorms'."""
+    return ".mlp." in name or name.endswith("norm.weight")
 
 
 def _norm_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -78,11 +80,19 @@ def _step_pair(plain, tiled, run_plain, run_tiled, steps: int = 2) -> dict[str, 
     return errors
 
 
-def _judge(errors: dict[str, float], dtype: torch.dtype, label: str) -> None:
+def _judge(errors: dict[str, float], dtype: torch.dtype, label: str, norms: bool = False,
+           norm_dtype: torch.dtype | None = None) -> None:
     """First step: the loss and every gradient but the MLP weights' bitwise, those within MLP_TOL. Later steps
-    and the parameters: within MLP_TOL (the first step's last-bit differences propagate)."""
+    and the parameters: within MLP_TOL (the first step's last-bit differences propagate). With tiled ``norms``,
+    only the loss is bitwise: in fp32/fp64 the RMSNorm's upcast is a no-op, so the plain backward adds the
+    norm's two gradient terms and the residual's into the input in one order, the tiled one in another
+    (Note [Tiled norms]); every gradient upstream of a norm is then within MLP_TOL. ``norm_dtype``: the dtype
+    a norm computes in, when not the model's (Gemma's upcasts to fp32): its weights' tolerance."""
     def limit(key: str) -> float:
-        return MLP_TOL[dtype] if not (key == "loss0" or key.startswith("grad0:")) or _is_mlp_weight(key) else 0.0
+        if norm_dtype is not None and key.endswith("norm.weight"):
+            return MLP_TOL[norm_dtype]
+        first = key == "loss0" or key.startswith("grad0:")
+        return MLP_TOL[dtype] if not first or _is_mlp_weight(key) or (norms and key != "loss0") else 0.0
 
     bad = {k: f"{v:.2e}" for k, v in errors.items() if v > limit(k)}
     assert not bad, f"{label}: {bad}"
@@ -102,12 +112,19 @@ def _pair(family: str, dtype: torch.dtype, attn: str = "sdpa"):
     return plain, tiled
 
 
+@pytest.mark.parametrize("norms", [False, True], ids=["mlp", "mlp+norms"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_one_process_equals_plain_step(dtype):
-    """W = 1, batch 2 x 40 tokens (80 rows: five 16-row chunks), checkpointing, two optimizer steps."""
+def test_one_process_equals_plain_step(dtype, norms):
+    """W = 1, batch 2 x 40 tokens (80 rows: five 16-row chunks), checkpointing, two optimizer steps; the tiled MLP
+    alone, and with tiled norms."""
     plain, tiled = _pair("llama", dtype)
     tiling = hf_memory.tile_mlp(tiled, chunk_tokens=CHUNK)
     assert sorted(tiling.modules) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    if norms:
+        tiled_norms = hf_memory.tile_norms(tiled, chunk_tokens=CHUNK)
+        assert sorted(tiled_norms.modules) == [
+            "model.layers.0.input_layernorm", "model.layers.0.post_attention_layernorm",
+            "model.layers.1.input_layernorm", "model.layers.1.post_attention_layernorm", "model.norm"]
     ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(3))
     offload = hf_memory.ActivationOffload(min_bytes=0)
 
@@ -122,7 +139,7 @@ def test_one_process_equals_plain_step(dtype):
         loss.backward()
         return loss.detach()
 
-    _judge(_step_pair(plain, tiled, run_plain, run_tiled), dtype, f"W=1 {dtype}")
+    _judge(_step_pair(plain, tiled, run_plain, run_tiled), dtype, f"W=1 {dtype} norms={norms}", norms)
     layer_input = 2 * 40 * 32 * torch.finfo(dtype).bits // 8
     assert offload.stats.offloaded_bytes == 0                     # CPU: everything passes through
     assert offload.stats.kept_bytes >= 2 * layer_input            # ... but the checkpointed inputs reached it
@@ -133,6 +150,7 @@ def test_chunks_that_do_not_divide_and_no_grad():
     forward (no graph: chunks only), and ``remove()`` restoring the module's own forward."""
     plain, tiled = _pair("llama", torch.float64)
     tiling = hf_memory.tile_mlp(tiled, chunk_tokens=7)
+    norms = hf_memory.tile_norms(tiled, chunk_tokens=7)
     ids = torch.randint(0, 64, (1, 33), generator=torch.Generator().manual_seed(4))
     lp, lt = plain(input_ids=ids, labels=ids).loss, tiled(input_ids=ids, labels=ids).loss
     lp.backward()
@@ -144,7 +162,8 @@ def test_chunks_that_do_not_divide_and_no_grad():
     with torch.no_grad():
         assert _norm_error(tiled(input_ids=ids).logits, plain(input_ids=ids).logits) <= 1e-14
     tiling.remove()
-    assert "forward" not in tiled.model.layers[0].mlp.__dict__
+    norms.remove()
+    assert not any("forward" in m.__dict__ for m in tiled.modules())
     with torch.no_grad():
         assert torch.equal(tiled.model.layers[0].mlp(torch.ones(3, 32, dtype=torch.float64)),
                            plain.model.layers[0].mlp(torch.ones(3, 32, dtype=torch.float64)))
@@ -165,6 +184,9 @@ def test_families(family):
     else:
         plain, tiled = _pair(family, torch.float64, "eager" if family == "gemma2" else "sdpa")
     hf_memory.tile_mlp(tiled, chunk_tokens=CHUNK)
+    norms = hf_memory.tile_norms(tiled, chunk_tokens=CHUNK)
+    assert not any("q_norm" in n or "k_norm" in n for n in norms.modules)      # per-head norms: not hidden-size
+    assert "model.norm" in norms.modules and len(norms.modules) >= 5
     ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(5))
 
     def run(m):
@@ -172,7 +194,8 @@ def test_families(family):
         loss.backward()
         return loss.detach()
 
-    _judge(_step_pair(plain, tiled, run, run, steps=1), torch.float64, family)
+    _judge(_step_pair(plain, tiled, run, run, steps=1), torch.float64, family, norms=True,
+           norm_dtype=torch.float32 if family.startswith("gemma") else None)    # Gemma's norms compute in fp32
 
 
 @pytest.mark.parametrize("family,refused", [("gpt_oss", "GptOssMLP"), ("deepseek_v3", "DeepseekV3MoE")])
@@ -193,6 +216,13 @@ def test_bad_arguments():
         hf_memory.tile_mlp(plain, chunk_tokens=0)
     with pytest.raises(ValueError, match="no module with an 'mlp' child"):
         hf_memory.tile_mlp(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
+        hf_memory.tile_norms(plain, chunk_tokens=True)
+    with pytest.raises(ValueError, match="no RMSNorm of the hidden size"):
+        hf_memory.tile_norms(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"serves RMSNorm modules.*model.layers.0.mlp \(LlamaMLP\)"):
+        hf_memory.tile_norms(plain, modules=[plain.model.layers[0].input_layernorm, plain.model.layers[0].mlp])
+    assert all("forward" not in m.__dict__ for m in plain.modules())
     with pytest.raises(ValueError, match="keep_bytes must be a non-negative int"):
         hf_memory.ActivationOffload(keep_bytes=-1)
     offload = hf_memory.ActivationOffload()
@@ -205,7 +235,7 @@ def test_bad_arguments():
 
 
 def sequence_parallel_pair(spec: dict) -> dict[str, float]:
-    """Worker: the seqpar model plain and with tile_mlp + offload on this rank's ``shard_batch`` share,
+    """Worker: the seqpar model plain and with tile_mlp + tile_norms + offload on this rank's ``shard_batch`` share,
     gradients all-reduced (test_hf.py checks the plain one against one process)."""
     dtype = getattr(torch, spec["dtype"])
     mesh = make_mesh(spec)
@@ -213,6 +243,7 @@ def sequence_parallel_pair(spec: dict) -> dict[str, float]:
     try:
         plain, tiled = _pair("llama", dtype, handle.name)
         hf_memory.tile_mlp(tiled, chunk_tokens=CHUNK)
+        hf_memory.tile_norms(tiled, chunk_tokens=CHUNK)
         batch = global_batch({**spec, "batch": 2})
         local = handle.shard_batch(batch)
         offload = hf_memory.ActivationOffload(min_bytes=0)
@@ -238,7 +269,7 @@ def test_sequence_parallel_equals_plain_step(pools, world, spec, dtype):
     results = pools(world).run(sequence_parallel_pair, {**spec, "dtype": dtype, "seq": 64})
     for rank, errors in enumerate(results):
         kept = errors.pop("kept_layer_inputs")
-        _judge(errors, getattr(torch, dtype), f"W={world} {spec['method']} {dtype} rank {rank}")
+        _judge(errors, getattr(torch, dtype), f"W={world} {spec['method']} {dtype} rank {rank}", norms=True)
         assert kept > 0
 
 

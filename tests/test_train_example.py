@@ -61,12 +61,13 @@ def test_usp_zigzag_matches_single_process_and_plots(tmp_path):
 
 def test_data_by_sequence_mesh_ring_tiled_mlp_offload(tmp_path):
     """2 data-parallel replicas x 2 sequence-parallel ranks (ring, zigzag), FSDP2 over the 2D mesh, with every
-    MLP in 16-token chunks and the offload context (a pass-through on CPU): the loss and gradients of the mean
+    MLP and RMSNorm in 16-token chunks and the offload context (a pass-through on CPU): the loss and gradients of the mean
     over replicas equal one process's (plain MLP) on both replicas' batches."""
-    records = _run(tmp_path, "--dp", "2", "--method", "ring", "--tile-mlp", "16", "--offload")
+    records = _run(tmp_path, "--dp", "2", "--method", "ring", "--tile-mlp", "16", "--tile-norms", "16", "--offload")
     _check(records)
     assert records[0]["config"]["dp"] == 2
-    assert records[0]["config"]["tile_mlp"] == 16 and records[0]["config"]["offload"]
+    assert records[0]["config"]["tile_mlp"] == 16 and records[0]["config"]["tile_norms"] == 16
+    assert records[0]["config"]["offload"]
 
 
 RECIPE_KEYS = {"model", "seq_len", "world", "emulated", "fits", "peak_gib", "step_s", "mfu"}
@@ -84,11 +85,12 @@ def _emulate(tmp_path: pathlib.Path, *args: str, timeout: float = 300) -> list[d
 def test_emulated_rank_0_of_4_recipe_record(tmp_path):
     """Rank 0 of 4 on a fake group (CPU), tiled MLP + offload + checkpointing + tiled loss, 2 AdamW steps:
     one record with the recipe's keys; step time and MFU from the second step."""
-    (rec,) = _emulate(tmp_path, "--tile-mlp", "16", "--offload", "--steps", "2", "--seq-len", "256")
+    (rec,) = _emulate(tmp_path, "--tile-mlp", "16", "--tile-norms", "16", "--offload", "--steps", "2", "--seq-len",
+                      "256")
     assert RECIPE_KEYS <= set(rec)
     assert (rec["model"], rec["seq_len"], rec["world"], rec["emulated"], rec["fits"]) == ("tiny", 256, 4, True, True)
     assert rec["peak_gib"] > 0 and rec["step_s"] > 0 and 0 < rec["mfu"] < 1 and rec["steps_timed"] == 1
-    assert rec["tile_mlp"] == 16 and rec["offload"] and rec["probe"] is None
+    assert rec["tile_mlp"] == 16 and rec["tile_norms"] == 16 and rec["offload"] and rec["probe"] is None
     assert rec["offload_stats"]["offloaded_bytes"] == 0          # CPU tensors stay where they are
 
 

@@ -91,14 +91,16 @@ def main() -> None:
                     help="stacks recorded: at allocation, at allocation and free, or none (sizes only)")
     ap.add_argument("--fit-probe", type=int, default=0, help="a sliding window instead of causal attention")
     ap.add_argument("--tile-mlp", type=int, default=8192)
+    ap.add_argument("--tile-norms", type=int, default=0, help="tokens per chunk of the tiled RMSNorms (0: plain)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ex = _example()
     p = ex.PRESETS["gpu-1m"]
     p = replace(p, model="llama3-8b", **ex.MODELS["llama3-8b"], **ex.MODEL_DEFAULTS["llama3-8b"])
-    p = replace(p, layers=args.layers, seq_len=ex.tokens(args.seq_len), tile_mlp=args.tile_mlp, offload=True,
-                warmup=True, steps=1, keep_attention=False, fit_probe=args.fit_probe)
+    p = replace(p, layers=args.layers, seq_len=ex.tokens(args.seq_len), tile_mlp=args.tile_mlp,
+                tile_norms=args.tile_norms, offload=True, warmup=True, steps=1, keep_attention=False,
+                fit_probe=args.fit_probe)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.cuda.set_device(0)

@@ -46,7 +46,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_long_context.py"
-RECIPE = ["--preset", "gpu-1m", "--world", "8", "--emulate", "--tile-mlp", "--offload", "--steps", "1", "--warmup"]
+RECIPE = ["--preset", "gpu-1m", "--world", "8", "--emulate", "--tile-mlp", "--tile-norms", "--offload", "--steps", "1",
+          "--warmup"]
 
 
 def main() -> None:

@@ -3,6 +3,7 @@
     from seqpar.integrations import hf_memory
 
     tiling = hf_memory.tile_mlp(model, chunk_tokens=8192)   # every decoder layer's MLP over 8K-token chunks
+    hf_memory.tile_norms(model, chunk_tokens=8192)           # and every hidden-size RMSNorm
     offload = hf_memory.ActivationOffload()                  # saved activations to pinned host memory
     with offload:
         loss = model(**batch).loss                           # (or seqpar's tiled loss on the hidden states)
@@ -10,10 +11,11 @@
 
 Once attention is sharded over W ranks, what a rank holds per local token of a Llama-3-8B shape is the logits
 (the tiled loss in ``huggingface.sequence_parallel_loss`` fixes those), one ``(L, hidden)`` checkpointed input
-per decoder layer (32 x 8 KiB: ``ActivationOffload``) and one layer's MLP intermediates, ``(L, intermediate)``
-three times over (``tile_mlp``). Neither changes a value: ``tile_mlp`` gives the same forward bitwise and the
-same gradients up to the order of one sum (Note [Tiled MLP]); offload returns the tensors it was given
-(Note [Activation offload]). ``tests/test_hf_memory.py`` checks both at W = 1, 2 and 4.
+per decoder layer (32 x 8 KiB: ``ActivationOffload``), one layer's MLP intermediates, ``(L, intermediate)``
+three times over (``tile_mlp``), and its RMSNorms' fp32 copies of the hidden states (``tile_norms``). None
+changes a value: ``tile_mlp`` and ``tile_norms`` give the same forward bitwise and the same gradients up to the
+order of one sum (Note [Tiled MLP], Note [Tiled norms]); offload returns the tensors it was given (Note [Activation
+offload]). ``tests/test_hf_memory.py`` checks them at W = 1, 2 and 4.
 
 The other way round, memory for time: ``keep_attention(handle)`` (``seqpar.integrations.hf_selective``, re-exported
 here) keeps each checkpointed layer's attention output and lse on the GPU so that the recompute in backward runs
@@ -38,7 +40,8 @@ from torch import nn
 from ..errors import rank_suffix
 from .hf_selective import KeepAttention, KeepStats, keep_attention
 
-__all__ = ["ActivationOffload", "KeepAttention", "KeepStats", "OffloadStats", "Tiling", "keep_attention", "tile_mlp"]
+__all__ = ["ActivationOffload", "KeepAttention", "KeepStats", "OffloadStats", "Tiling", "keep_attention", "tile_mlp",
+           "tile_norms"]
 
 GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
 """The attributes of the MLPs ``tile_mlp`` serves: Llama, Qwen2/3, Mistral, Gemma/Gemma2/Gemma3 (``down(act(gate(x))
@@ -51,7 +54,7 @@ GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
 # Note [Tiled MLP]
 #     A gated MLP maps each token on its own: out[t] = down(act(gate(x[t])) * up(x[t])). Over L tokens it holds
 #     three (L, intermediate) tensors (gate, up, their product; 3.5 GiB each for 8B at 128K tokens in bf16),
-#     saved for backward. _TiledMLP runs the module's own forward over chunks of rows instead:
+#     saved for backward. _TiledRows runs the module's own forward over chunks of rows instead:
 #       forward   no graph; each chunk's output is written into the (L, hidden) result; only x is saved;
 #       backward  per chunk: recompute the chunk with a graph, autograd.grad for (x chunk, parameters), write
 #                 dx rows, add the parameter gradients into an fp32 sum (the parameter's dtype when wider).
@@ -65,6 +68,20 @@ GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
 #     The module is recomputed from its attributes at backward time (not from tensors saved in forward), so
 #     FSDP2, which unshards the layer's parameters again before its backward, sees the parameters it expects.
 
+
+# Note [Tiled norms]
+#     transformers' RMSNorm (Llama, Qwen, Mistral; Gemma's differs only in the weight's ``1 +``) upcasts its input
+#     to fp32 and autograd saves that upcast (16 KiB per token at hidden 4096) plus the bf16 normalised rows for the
+#     weight's gradient (8 KiB); its backward then makes about five more fp32 (L, hidden) tensors at once. Measured
+#     on rank 0 of 8 (Llama-3-8B shape, 128K local tokens, tiled MLP, offload; benchmarks/gpu/probe_train_memory.py,
+#     benchmarks/results/2026-11-26-h100-train-memory/): the step's peak fell inside post_attention_layernorm's
+#     backward, with both norms' saved upcasts (4 GiB) and five 2 GiB fp32 temporaries live - 112 of the 161 KiB
+#     per local token the step's peak grows by. A norm maps each row on its own, so it tiles as the MLP does
+#     (_TiledRows): it saves only its input (the layer's input or residual, bf16) and recomputes one chunk's fp32
+#     work at a time in backward. The forward is the module's own on row chunks; dx is per row; the weight's
+#     gradient is summed as one fp32 partial per chunk (the plain backward sums all rows in one reduction: equal
+#     up to that order). The final norm sits outside the checkpointed layers, so what it saves goes through the
+#     offload to the host: tiled, that is 8 KiB per token instead of 24.
 
 @dataclass
 class Tiling:
@@ -99,8 +116,7 @@ def tile_mlp(model: nn.Module, chunk_tokens: int = 8192, *, layers: Iterable[nn.
     Returns:
         A ``Tiling``; ``tiling.remove()`` puts the plain MLPs back.
     """
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}{rank_suffix()}")
+    _check_chunk(chunk_tokens)
     names = {id(m): n for n, m in model.named_modules()}
     owners = list(layers) if layers is not None else [m for m in model.modules()
                                                       if isinstance(getattr(m, "mlp", None), nn.Module)]
@@ -126,55 +142,104 @@ def tile_mlp(model: nn.Module, chunk_tokens: int = 8192, *, layers: Iterable[nn.
     return tiling
 
 
-class _TiledForward:
-    """The instance ``forward`` of a tiled MLP (a strong reference: ``copy.deepcopy`` of the model then tiles the
-    copy, not the original)."""
+def tile_norms(model: nn.Module, chunk_tokens: int = 8192, *, modules: Iterable[nn.Module] | None = None) -> Tiling:
+    """Run each hidden-size RMSNorm over chunks of ``chunk_tokens`` rows with recompute (Note [Tiled norms]).
 
-    def __init__(self, mlp: nn.Module, chunk_tokens: int):
-        self.module = mlp
+    Enables it for every module whose class name ends in ``RMSNorm`` and whose weight has the model's hidden size
+    (``model.config.hidden_size``; every RMSNorm when the model has no config): the decoder layers' norms and the
+    final one of Llama, Qwen2/3, Mistral and Gemma 1-3, not Qwen3's or Gemma 3's per-head q/k norms. Values are
+    unchanged: the forward is the module's own, chunk by chunk; the input gradient is per row; the weight's
+    gradient is one fp32 partial per chunk. Works under activation checkpointing, FSDP2 and torch.autocast.
+
+    Args:
+        model: a transformers model (or any module tree); only the norms' ``forward`` are replaced, per instance.
+        chunk_tokens: rows (batch x sequence tokens) per chunk: one chunk's fp32 intermediates exist at a time.
+        modules: the norms to tile (default: as above); each must be an RMSNorm (a row-wise map of the last dim).
+
+    Returns:
+        A ``Tiling``; ``tiling.remove()`` puts the plain norms back.
+    """
+    _check_chunk(chunk_tokens)
+    names = {id(m): n for n, m in model.named_modules()}
+    if modules is None:
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        norms = [m for m in model.modules() if _is_rms_norm(m)
+                 and (hidden is None or tuple(m.weight.shape[-1:]) == (hidden,))]
+        if not norms:
+            raise ValueError(f"tile_norms found no RMSNorm of the hidden size in {type(model).__name__}"
+                             f"{rank_suffix()}")
+    else:
+        norms = list(modules)
+        refused = [f"{names.get(id(m), '?')} ({type(m).__name__})" for m in norms if not _is_rms_norm(m)]
+        if refused or not norms:
+            raise ValueError("tile_norms serves RMSNorm modules (a row-wise map of the last dimension with a weight),"
+                             f" got {'; '.join(refused) or 'none'}{rank_suffix()}")
+    tiling = Tiling(chunk_tokens)
+    for m in norms:
+        m.forward = _TiledForward(m, chunk_tokens)
+        tiling.modules[names.get(id(m), "?")] = m
+    return tiling
+
+
+def _is_rms_norm(m: nn.Module) -> bool:
+    return type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), nn.Parameter)
+
+
+def _check_chunk(chunk_tokens: Any) -> None:
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}{rank_suffix()}")
+
+
+class _TiledForward:
+    """The instance ``forward`` of a tiled module (a strong reference: ``copy.deepcopy`` of the model then tiles
+    the copy, not the original)."""
+
+    def __init__(self, module: nn.Module, chunk_tokens: int):
+        self.module = module
         self.chunk_tokens = chunk_tokens
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        mlp = self.module
-        named = list(mlp.named_parameters())
+        module = self.module
+        named = list(module.named_parameters())
         params = tuple(p for _, p in named)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-            return _TiledMLP.apply(mlp, self.chunk_tokens, tuple(n for n, _ in named), x, *params)
-        return _chunked(type(mlp).forward, mlp, x, self.chunk_tokens)
+            return _TiledRows.apply(module, self.chunk_tokens, tuple(n for n, _ in named), x, *params)
+        return _chunked(type(module).forward, module, x, self.chunk_tokens)
 
 
-def _chunked(fn: Any, mlp: nn.Module, x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``fn(mlp, rows)`` over chunks of rows of ``x (..., C)`` written into one ``(..., C_out)`` result."""
+def _chunked(fn: Any, module: nn.Module, x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``fn(module, rows)`` over chunks of rows of ``x (..., C)`` written into one ``(..., C_out)`` result."""
     rows = x.reshape(-1, x.shape[-1])
     out = None
     for s in range(0, rows.shape[0], chunk):
-        y = fn(mlp, rows[s:s + chunk])
+        y = fn(module, rows[s:s + chunk])
         if out is None:
             out = y.new_empty((rows.shape[0], y.shape[-1]))
         out[s:s + chunk] = y
     if out is None:                                   # zero rows: let the module say what it returns
-        return fn(mlp, x)
+        return fn(module, x)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-class _TiledMLP(torch.autograd.Function):
-    """Note [Tiled MLP]: inputs ``(module, chunk, parameter names, x, *parameters)``."""
+class _TiledRows(torch.autograd.Function):
+    """Note [Tiled MLP], Note [Tiled norms]: inputs ``(module, chunk, parameter names, x, *parameters)``; the
+    module maps each row of ``x`` on its own."""
 
     @staticmethod
-    def forward(ctx: Any, mlp: nn.Module, chunk: int, names: tuple[str, ...], x: torch.Tensor,
+    def forward(ctx: Any, module: nn.Module, chunk: int, names: tuple[str, ...], x: torch.Tensor,
                 *params: torch.Tensor) -> torch.Tensor:
         device_type = x.device.type
-        ctx.mlp, ctx.chunk, ctx.names = mlp, chunk, names
+        ctx.module, ctx.chunk, ctx.names = module, chunk, names
         ctx.autocast = (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)) \
             if torch.amp.is_autocast_available(device_type) else None
         ctx.save_for_backward(x)
-        return _chunked(type(mlp).forward, mlp, x, chunk)
+        return _chunked(type(module).forward, module, x, chunk)
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (x,) = ctx.saved_tensors
-        mlp, chunk = ctx.mlp, ctx.chunk
-        current = dict(mlp.named_parameters())
+        module, chunk = ctx.module, ctx.chunk
+        current = dict(module.named_parameters())
         params = [current[n] for n in ctx.names]
         want = [i for i, p in enumerate(params) if ctx.needs_input_grad[4 + i] and p.requires_grad]
         rows, drows = x.reshape(-1, x.shape[-1]), dout.reshape(-1, dout.shape[-1])
@@ -185,7 +250,7 @@ class _TiledMLP(torch.autograd.Function):
         for s in range(0, rows.shape[0], chunk):
             xc = rows[s:s + chunk].detach().requires_grad_(dx is not None)
             with torch.enable_grad(), autocast:
-                yc = type(mlp).forward(mlp, xc)
+                yc = type(module).forward(module, xc)
             inputs = ([xc] if dx is not None else []) + [params[i] for i in want]
             if not inputs:
                 break
