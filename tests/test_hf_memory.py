@@ -273,17 +273,32 @@ def test_sequence_parallel_equals_plain_step(pools, world, spec, dtype):
         assert kept > 0
 
 
+class _FakeCudart:
+    """``torch.cuda.cudart()`` on CPU: registration succeeds (``rc``), every call noted."""
+
+    def __init__(self, rc: int = 0):
+        self.rc, self.calls = rc, []
+
+    def cudaHostRegister(self, ptr, size, flags):
+        self.calls.append(("register", ptr, size))
+        return self.rc
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
 def test_pinned_pool_budget_reuse_and_eviction(monkeypatch):
-    """The host side of the offload without a GPU (pinning stubbed): sizes round up to whole pages, a freed
+    """The host side of the offload without a GPU (registration stubbed): sizes round up to whole pages, a freed
     buffer serves the next request of its size, a request past the budget evicts free buffers first and is
     refused (None: the tensor stays on the GPU) when even that is not enough."""
     page = hf_memory.PAGE
-    monkeypatch.setattr(hf_memory, "_pin", lambda size: hf_memory._Pinned(torch.empty(size, dtype=torch.uint8),
-                                                                         size, False))
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
     pool = hf_memory._PinnedPool()
     pool.budget = 4 * page
     a = pool.take(1)
-    assert a.size == page and pool.held == page
+    assert a.size == page and a.registered and pool.held == page
     b = pool.take(2 * page)
     pool.give(a)
     assert pool.take(page - 7) is a                          # reused, not pinned again
@@ -295,6 +310,29 @@ def test_pinned_pool_budget_reuse_and_eviction(monkeypatch):
     pool.give(c)
     pool.close()
     assert pool.held == 0 and not pool.free
+    assert sum(1 for c in cudart.calls if c[0] == "register") == sum(1 for c in cudart.calls if c[0] == "unregister")
+
+
+def test_registered_memory_is_pinned_and_the_fallback_is_counted_whole(monkeypatch):
+    """Note [Registered is pinned]: a successful cudaHostRegister gives a buffer of exactly the size asked,
+    page-aligned (torch 2.11's ``is_pinned()`` says False for it; the pool must not fall back on that). Where
+    registering fails, the caching host allocator's buffer counts as the power of two it takes, and a request
+    whose power of two does not fit the budget is refused."""
+    page = hf_memory.PAGE
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    buf = hf_memory._pin(3 * page)
+    assert buf.registered and buf.size == buf.footprint == 3 * page and buf.tensor.numel() == 3 * page
+    assert buf.tensor.data_ptr() % page == 0 and cudart.calls[-1] == ("register", buf.tensor.data_ptr(), 3 * page)
+    fallback = hf_memory._Pinned(torch.empty(3 * page, dtype=torch.uint8), 3 * page, False)
+    assert fallback.footprint == 4 * page
+    monkeypatch.setattr(hf_memory, "_pin", lambda size: hf_memory._Pinned(torch.empty(size, dtype=torch.uint8),
+                                                                         size, False))
+    pool = hf_memory._PinnedPool()
+    pool.budget = 6 * page
+    assert pool.take(3 * page).footprint == 4 * page and pool.held == 4 * page
+    assert pool.take(2 * page) is not None and pool.held == 6 * page
+    assert pool.take(page) is None and pool.held == 6 * page     # one page fits nothing more
 
 
 # --------------------------------------------------------------------------------------------------------------
