@@ -105,6 +105,10 @@ class Row:
     bound: str | None = None
     gpu_total_gib: float | None = None
     host_total_gib: float | None = None
+    tile_norms: bool = False
+    """The recipe tiled its RMSNorms (``--tile-norms``, Note [Tiled norms]): a smaller working set per token."""
+    host_refused: bool = False
+    """The offload's host budget was spent: some saved tensors stayed on the GPU (not a point of the lines)."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -146,7 +150,9 @@ def _recipe_row(rec: dict[str, Any], source: str) -> Row:
                steady=bool(rec.get("steady_state", not rec.get("first_step_only", True))),
                keep_gib=keep.get("kept_bytes", 0) / GIB if rec.get("keep_attention") else None,
                probe=rec.get("probe"), device=rec.get("device", ""), source=source, bound=rec.get("bound"),
-               gpu_total_gib=rec.get("gpu_total_gib"), host_total_gib=rec.get("host_total_gib"))
+               gpu_total_gib=rec.get("gpu_total_gib"), host_total_gib=rec.get("host_total_gib"),
+               tile_norms=bool(rec.get("tile_norms")),
+               host_refused=bool((rec.get("offload_stats") or {}).get("host_refused_bytes")))
 
 
 def _run_rows(recs: list[dict[str, Any]], source: str) -> list[Row]:
@@ -222,8 +228,8 @@ def tables(rows: Sequence[Row]) -> str:
                  else f"{world} x {_gpu(group)}")
         out.append(f"### {title}{params}, W = {world} ({where})\n")
         out.append("| tokens | per GPU | fits | peak GPU GiB | host peak GiB | step s | tokens/s/GPU | MFU | "
-                   "timed | kept attention | source |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+                   "timed | kept attention | tiled norms | source |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in group:
             what = r.probe and f"probe ({r.probe})"
             timed = "-" if r.step_s is None else ("steady state" if r.steady else "first step")
@@ -232,7 +238,8 @@ def tables(rows: Sequence[Row]) -> str:
             fits = "yes" if r.fits else f"no ({r.bound or '?'})"
             out.append(f"| {tokens_text(r.seq_len)}{' ' + what if what else ''} | {tokens_text(r.seq_len // world)} | "
                        f"{fits} | {_num(r.peak_gib, 1)} | {_num(r.host_gib, 1)} | {_num(r.step_s, step_digits)} | "
-                       f"{_num(r.tokens_per_s_per_gpu, 0)} | {_pct(r.mfu)} | {timed} | {keep} | `{r.source}` |")
+                       f"{_num(r.tokens_per_s_per_gpu, 0)} | {_pct(r.mfu)} | {timed} | {keep} | "
+                       f"{'yes' if r.tile_norms else '-'} | `{r.source}` |")
         out.append("")
     return "\n".join(out)
 
@@ -280,6 +287,7 @@ class Fit:
     host_per_token: float
     gpu_total: float
     host_total: float
+    tile_norms: bool = False
 
 
 @dataclass(frozen=True)
@@ -308,15 +316,20 @@ class Scenario:
     """The plot legend's label (drawn when set)."""
 
 
-def fit(rows: Sequence[Row], model: str = "llama3-8b", world: int = 8) -> Fit:
+def fit(rows: Sequence[Row], model: str = "llama3-8b", world: int = 8, tile_norms: bool | None = None) -> Fit:
     """Least-squares lines of peak GPU and host memory per local token, from the memory-lean recipe's fitting
     records of ``model`` at ``world`` (one per length: the full step over a probe; a steady-state record less its
-    AdamW states, so the line is a first step's, as measured first)."""
+    AdamW states, so the line is a first step's, as measured first; not a run whose offload ran out of host budget,
+    which kept tensors on the GPU). ``tile_norms``: the recipe with or without tiled norms (None: with, where such
+    records exist)."""
     if model not in SHAPES:
         raise ValueError(f"the budget model knows the shapes {sorted(SHAPES)}, got model={model!r}")
+    if tile_norms is None:
+        tile_norms = any(r.tile_norms and r.model == model and r.world == world for r in rows)
     pts: dict[int, Row] = {}
     for r in rows:
-        if r.model == model and r.world == world and r.fits and r.peak_gib is not None and r.keep_gib is None:
+        if (r.model == model and r.world == world and r.fits and r.peak_gib is not None and r.keep_gib is None
+                and r.tile_norms == tile_norms and not r.host_refused):
             if r.seq_len not in pts or (pts[r.seq_len].probe is not None and r.probe is None):
                 pts[r.seq_len] = r
     if len(pts) < 2:
@@ -333,7 +346,8 @@ def fit(rows: Sequence[Row], model: str = "llama3-8b", world: int = 8) -> Fit:
     if gpu_total is None or host_total is None:
         raise ValueError(f"the budget model needs the device totals (gpu_total_gib, host_total_gib) in the records "
                          f"of {model} at W = {world}")
-    return Fit(model, world, tuple(lens), g0, g1, h0, h1, gpu_total=gpu_total, host_total=host_total)
+    return Fit(model, world, tuple(lens), g0, g1, h0, h1, gpu_total=gpu_total, host_total=host_total,
+               tile_norms=tile_norms)
 
 
 def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -413,7 +427,8 @@ def budget_report(f: Fit) -> tuple[str, list[dict[str, Any]]]:
     shape = SHAPES[f.model]
     per_m = 2**20 / f.world
     lines = [f"### Memory budget model: {shape.name} (Note [Memory budget model] in `benchmarks/train_table.py`)\n",
-             f"Fitted at W = {f.world} from {', '.join(tokens_text(n) for n in f.seq_lens)} tokens: GPU "
+             f"Fitted at W = {f.world} from {', '.join(tokens_text(n) for n in f.seq_lens)} tokens "
+             f"({'tiled norms' if f.tile_norms else 'plain norms'}): GPU "
              f"{f.gpu_fixed:.2f} GiB + {f.gpu_per_token * per_m:.2f} GiB per 1M tokens "
              f"({f.gpu_per_token * GIB / 1024:.0f} KiB per local token); host {f.host_fixed:.2f} GiB + "
              f"{f.host_per_token * per_m:.2f} GiB per 1M tokens ({f.host_per_token * GIB / 1024:.0f} KiB per local "

@@ -148,6 +148,13 @@ class Preset:
     saved, Note [Tiled norms]); 0: the plain norms."""
     offload: bool = False
     """Checkpointed layer inputs (and the other saved activations) in pinned host memory (``hf_memory``)."""
+    offload_prefetch: int = 1
+    """With offload: saved tensors brought back to the GPU ahead of their use in backward (``ActivationOffload(
+    prefetch=...)``); 0: each when backward asks for it (one layer input less on the GPU, the copy exposed)."""
+    offload_states: bool = False
+    """FSDP2's ``CPUOffloadPolicy``: the fp32 parameter shards, their gradients and AdamW's states live in pinned
+    host memory and the optimizer steps on the CPU; the GPU holds the bf16 parameters of the layers in use
+    (Note [States on the host])."""
     offload_reserve_gib: float | None = None
     """With offload: keep saved activations on the GPU up to its free memory at the forward less this much
     (``ActivationOffload(reserve_bytes=...)``); None: offload all of them."""
@@ -318,7 +325,7 @@ def train(p: Preset, out_path: str | None = None, check: bool = False, *, emulat
     offload = None
     if p.offload:
         reserve = None if p.offload_reserve_gib is None else int(p.offload_reserve_gib * 2**30)
-        offload = hf_memory.ActivationOffload(reserve_bytes=reserve)
+        offload = hf_memory.ActivationOffload(reserve_bytes=reserve, prefetch=p.offload_prefetch)
     ref = _Reference(p, device) if check else None
     records = [_header(p, check)]
     _emit(records[-1], out_path)
@@ -362,6 +369,11 @@ def _check_options(p: Preset, check: bool) -> None:
         raise ValueError("keep_attention does not run under torch.compile: pass --no-keep-attention with --compile")
     if p.keep_attention_gib is not None and p.keep_attention_gib < 0:
         raise ValueError(f"keep_attention_gib must be >= 0 or None, got {p.keep_attention_gib}")
+    if p.offload_states and not (p.fsdp and p.device == "cuda"):
+        raise ValueError("offload_states moves FSDP2's parameter shards, gradients and AdamW's states to host "
+                         f"memory: it needs --fsdp on a CUDA device, got fsdp={p.fsdp}, device={p.device!r}")
+    if p.offload_prefetch < 0:
+        raise ValueError(f"offload_prefetch must be >= 0, got {p.offload_prefetch}")
     if p.warmup and check:
         raise ValueError("--warmup takes a zero-gradient AdamW step (its step count then differs from --check's "
                          "reference): run --check without --warmup")
@@ -380,6 +392,16 @@ def _check_options(p: Preset, check: bool) -> None:
 #                           first timed step then pins nothing and its peak includes the optimizer states.
 #     One step with --warmup costs a forward of matmuls (seconds) and the pinning instead of a second full step
 #     (minutes at 1M tokens), which is what keeps one 1M-token call inside a 10-minute device slot.
+
+# Note [States on the host]
+#     At W = 8 an 8B rank's fixed GPU memory is mostly state, not activations: fp32 parameter shards (3.7 GiB),
+#     their fp32 gradients (3.7 GiB), AdamW's two fp32 moments (7.5 GiB); at W = 1 the same states are 120 GiB.
+#     ``--offload-states`` hands them to FSDP2's own CPUOffloadPolicy (torch's facility, ZeRO-Offload's layout):
+#     the shards live in pinned host memory, each layer's unshard copies its shard to the GPU and all-gathers it
+#     (bf16 under the mixed-precision policy), gradients are reduce-scattered and copied back, and AdamW steps on
+#     the CPU over the host shards. The GPU then holds the bf16 parameters of the layers in use and the
+#     activations; the host holds 16 bytes per parameter / W on top of the offloaded activations. Values: the
+#     same reductions in the same order, and AdamW's CPU kernel for its CUDA one (fp32 either way).
 
 WARMUP_WINDOW = 128
 _ABSENT = object()
@@ -512,7 +534,8 @@ def recipe_record(p: Preset, records: list[dict[str, Any]], *, world: int, emula
            "model_flops_per_rank": flops,
            "peak_tflops": peak_tflops, "method": p.method, "layout": p.layout, "head_chunks": p.head_chunks,
            "tile_mlp": p.tile_mlp, "tile_norms": p.tile_norms, "offload": p.offload,
-           "offload_reserve_gib": p.offload_reserve_gib,
+           "offload_reserve_gib": p.offload_reserve_gib, "offload_prefetch": p.offload_prefetch,
+           "offload_states": p.offload_states,
            "checkpointing": p.checkpointing, "keep_attention": p.keep_attention,
            "keep_attention_gib": p.keep_attention_gib, "keep_stats": steps[-1].get("keep_attention") if steps else None,
            "loss_chunk": p.loss_chunk, "dtype": p.dtype, "device": records[0]["device"],
@@ -552,6 +575,10 @@ def _fully_shard(model: TiledLossLM, mesh: Any, p: Preset) -> None:
         low = getattr(torch, p.dtype)
         mp_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
     kw = {"mesh": mesh} | ({"mp_policy": mp_policy} if mp_policy is not None else {})
+    if p.offload_states:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
     for layer in model.lm.model.layers:
         fully_shard(layer, **kw)
     fully_shard(model, **kw)          # root: embeddings, final norm, LM head (kept unsharded through backward)
@@ -706,6 +733,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="every hidden-size RMSNorm in chunks of TOKENS tokens (default 8192)")
     ap.add_argument("--offload", action="store_true", default=None,
                     help="saved activations (checkpointed layer inputs) in pinned host memory")
+    ap.add_argument("--offload-prefetch", type=int, metavar="N",
+                    help="with --offload: saved tensors fetched ahead of use in backward (default 1; 0: none)")
+    ap.add_argument("--offload-states", action="store_true", default=None,
+                    help="FSDP2 CPU offload: fp32 parameter shards, gradients and AdamW's states in host memory")
     ap.add_argument("--offload-reserve-gib", type=float, metavar="GIB",
                     help="with --offload: keep what fits in the GPU's free memory less GIB on the GPU")
     ap.add_argument("--keep-attention", action="store_true", default=None,

@@ -61,8 +61,8 @@ def test_usp_zigzag_matches_single_process_and_plots(tmp_path):
 
 def test_data_by_sequence_mesh_ring_tiled_mlp_offload(tmp_path):
     """2 data-parallel replicas x 2 sequence-parallel ranks (ring, zigzag), FSDP2 over the 2D mesh, with every
-    MLP and RMSNorm in 16-token chunks and the offload context (a pass-through on CPU): the loss and gradients of the mean
-    over replicas equal one process's (plain MLP) on both replicas' batches."""
+    MLP and RMSNorm in 16-token chunks and the offload context (a pass-through on CPU): the loss and gradients of
+    the mean over replicas equal one process's (plain MLP) on both replicas' batches."""
     records = _run(tmp_path, "--dp", "2", "--method", "ring", "--tile-mlp", "16", "--tile-norms", "16", "--offload")
     _check(records)
     assert records[0]["config"]["dp"] == 2
@@ -152,3 +152,20 @@ def test_token_counts_and_model_flops():
     matmul = 6 * params * (1 << 17)
     attention = 6 * (1 << 40) * 32 * 128 * 32 / 8
     assert ex.model_flops(p, 8) == pytest.approx(matmul + attention, rel=1e-12)
+
+
+def test_options_refused_before_any_work():
+    """``--offload-states`` needs FSDP2 on CUDA (CPUOffloadPolicy); ``--offload-prefetch`` is a count: refused by
+    name with the value, before a model is built."""
+    from dataclasses import replace
+
+    ex = _example()
+    tiny = ex.PRESETS["cpu-tiny"]
+    with pytest.raises(ValueError, match=r"offload_states .* needs --fsdp on a CUDA device, got fsdp=True, "
+                                         r"device='cpu'"):
+        ex._check_options(replace(tiny, offload_states=True), False)
+    with pytest.raises(ValueError, match=r"offload_states .* got fsdp=False"):
+        ex._check_options(replace(tiny, offload_states=True, fsdp=False, device="cuda"), False)
+    with pytest.raises(ValueError, match="offload_prefetch must be >= 0, got -1"):
+        ex._check_options(replace(tiny, offload_prefetch=-1), False)
+    ex._check_options(replace(tiny, offload_states=True, device="cuda"), False)     # accepted
