@@ -12,8 +12,10 @@ model's lines, as SVG text written here (no plotting package). README.md's "How 
 from it; ``tests/test_train_table.py`` runs it on the committed records.
 
 Note [Memory budget model]
-    Inputs, all read from records of one model at one W (default Llama-3-8B, rank 0 of 8 emulated, the
-    memory-lean recipe: tiled MLP, offloaded layer inputs, tiled loss, FSDP2, AdamW, no kept attention outputs):
+    Inputs, all read from records of one model at one W (default Llama-3-8B, rank 0 of 8 emulated, a
+    memory-lean recipe: tiled MLP, offloaded layer inputs, tiled loss, FSDP2, AdamW, no kept attention outputs;
+    one model per recipe, newest first: with tiled norms and the states on the host, with tiled norms, plain;
+    runs whose offload ran out of host budget are left out, since they kept tensors on the GPU):
     peak GPU memory (max allocated) and host peak (max RSS) at two or more lengths, a full step and/or a
     sliding-window probe (the same tensors; the probe's attention kernel differs, FA2 for windows against cuDNN
     for causal, so its working set may too). A least-squares line through them gives, per rank:
@@ -28,7 +30,10 @@ Note [Memory budget model]
         gpu_fixed(W) = (gpu_fixed(W0) - 8 P / W0) + 8 P / W; the per-token slopes are per local token and kept.
         At W = 1 an 8B's 16 bytes per parameter of fp32 state (120 GiB) cannot sit on an 80 GiB GPU: the model
         puts fp32 parameters, gradients and AdamW on the host (ZeRO-Offload style, ALST's setting) and bf16
-        parameters and gradients (4 bytes per parameter) on the GPU.
+        parameters and gradients (4 bytes per parameter) on the GPU. A recipe measured with the states on the
+        host (``--offload-states``: FSDP2's CPUOffloadPolicy, Note [States on the host] in the example) needs no
+        such guess: its GPU line holds the layers in use at any W, and only the host's 16 bytes per parameter / W
+        move with W.
     A length fits when both lines stay under 95% of the device's memory (GPU total, host total): the projected
     maximum is the smaller of the two crossings, and the bound says which. It is a line through few points, not a
     simulation: the kernels' workspaces, the allocator's fragmentation (reserved above allocated) and what a
@@ -109,6 +114,8 @@ class Row:
     """The recipe tiled its RMSNorms (``--tile-norms``, Note [Tiled norms]): a smaller working set per token."""
     host_refused: bool = False
     """The offload's host budget was spent: some saved tensors stayed on the GPU (not a point of the lines)."""
+    offload_states: bool = False
+    """fp32 parameter shards, gradients and AdamW's states in host memory (``--offload-states``)."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -152,7 +159,8 @@ def _recipe_row(rec: dict[str, Any], source: str) -> Row:
                probe=rec.get("probe"), device=rec.get("device", ""), source=source, bound=rec.get("bound"),
                gpu_total_gib=rec.get("gpu_total_gib"), host_total_gib=rec.get("host_total_gib"),
                tile_norms=bool(rec.get("tile_norms")),
-               host_refused=bool((rec.get("offload_stats") or {}).get("host_refused_bytes")))
+               host_refused=bool((rec.get("offload_stats") or {}).get("host_refused_bytes")),
+               offload_states=bool(rec.get("offload_states")))
 
 
 def _run_rows(recs: list[dict[str, Any]], source: str) -> list[Row]:
@@ -288,6 +296,7 @@ class Fit:
     gpu_total: float
     host_total: float
     tile_norms: bool = False
+    offload_states: bool = False
 
 
 @dataclass(frozen=True)
@@ -316,20 +325,30 @@ class Scenario:
     """The plot legend's label (drawn when set)."""
 
 
-def fit(rows: Sequence[Row], model: str = "llama3-8b", world: int = 8, tile_norms: bool | None = None) -> Fit:
+def recipes(rows: Sequence[Row], model: str = "llama3-8b", world: int = 8) -> list[tuple[bool, bool]]:
+    """The memory-lean recipes of ``model`` at ``world`` with records, newest first, as ``(tile_norms,
+    offload_states)``."""
+    have = {(r.tile_norms, r.offload_states) for r in rows if r.model == model and r.world == world}
+    return [k for k in ((True, True), (True, False), (False, True), (False, False)) if k in have]
+
+
+def fit(rows: Sequence[Row], model: str = "llama3-8b", world: int = 8, tile_norms: bool | None = None,
+        offload_states: bool | None = None) -> Fit:
     """Least-squares lines of peak GPU and host memory per local token, from the memory-lean recipe's fitting
     records of ``model`` at ``world`` (one per length: the full step over a probe; a steady-state record less its
     AdamW states, so the line is a first step's, as measured first; not a run whose offload ran out of host budget,
-    which kept tensors on the GPU). ``tile_norms``: the recipe with or without tiled norms (None: with, where such
-    records exist)."""
+    which kept tensors on the GPU). ``tile_norms``, ``offload_states``: which recipe (None: the newest with
+    records, ``recipes``). With the states on the host the GPU line is the steady state's as measured."""
     if model not in SHAPES:
         raise ValueError(f"the budget model knows the shapes {sorted(SHAPES)}, got model={model!r}")
-    if tile_norms is None:
-        tile_norms = any(r.tile_norms and r.model == model and r.world == world for r in rows)
+    have = recipes(rows, model, world)
+    newest = have[0] if have else (False, False)
+    tile_norms = newest[0] if tile_norms is None else tile_norms
+    offload_states = newest[1] if offload_states is None else offload_states
     pts: dict[int, Row] = {}
     for r in rows:
         if (r.model == model and r.world == world and r.fits and r.peak_gib is not None and r.keep_gib is None
-                and r.tile_norms == tile_norms and not r.host_refused):
+                and r.tile_norms == tile_norms and r.offload_states == offload_states and not r.host_refused):
             if r.seq_len not in pts or (pts[r.seq_len].probe is not None and r.probe is None):
                 pts[r.seq_len] = r
     if len(pts) < 2:
@@ -338,6 +357,8 @@ def fit(rows: Sequence[Row], model: str = "llama3-8b", world: int = 8, tile_norm
     lens = sorted(pts)
     xs = [n / world for n in lens]
     states = 8 * SHAPES[model].params / GIB / world          # a steady row's AdamW states: the line is one step's
+    if offload_states:
+        states = 0.0                                          # ... unless they live on the host
     g0, g1 = _line(xs, [pts[n].peak_gib - (states if pts[n].steady else 0.0) for n in lens])
     hosts = [pts[n].host_gib for n in lens]
     h0, h1 = _line(xs, hosts) if None not in hosts else (math.nan, math.nan)
@@ -347,7 +368,7 @@ def fit(rows: Sequence[Row], model: str = "llama3-8b", world: int = 8, tile_norm
         raise ValueError(f"the budget model needs the device totals (gpu_total_gib, host_total_gib) in the records "
                          f"of {model} at W = {world}")
     return Fit(model, world, tuple(lens), g0, g1, h0, h1, gpu_total=gpu_total, host_total=host_total,
-               tile_norms=tile_norms)
+               tile_norms=tile_norms, offload_states=offload_states)
 
 
 def _line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -364,7 +385,10 @@ def project(f: Fit, s: Scenario) -> dict[str, Any]:
     state = shape.params / GIB                                   # GiB per byte per parameter
     gpu_fixed = f.gpu_fixed - 8 * state / f.world                # the fp32 parameter and gradient shards out ...
     host_fixed = f.host_fixed
-    if s.states_on_host:
+    if f.offload_states:                                         # measured so: the GPU holds the layers in use
+        gpu_fixed = f.gpu_fixed
+        host_fixed = f.host_fixed - 16 * state / f.world + 16 * state / s.world
+    elif s.states_on_host:
         gpu_fixed += 4 * state                                   # ... bf16 parameters and gradients in, whole
         host_fixed += 16 * state                                 # fp32 parameters, gradients, AdamW
     else:
@@ -402,11 +426,24 @@ def _crossing(g: Any, cap: float) -> int:
     return int(lo)
 
 
+H100_GIB = 79.18
+"""An H100's memory as torch reports it: the GPU the projections are for (peaks measured on an H200 are the same
+allocations)."""
+
+
 def scenarios(f: Fit) -> list[Scenario]:
     """The projections of the README: this host and a 2 TB host, W = 8 and W = 1."""
-    here = Machine(f"{f.gpu_total:.0f} GiB GPU, {f.host_total:.0f} GiB host (measured)", f.gpu_total, f.host_total)
-    big = replace(here, name=f"{f.gpu_total:.0f} GiB GPU, 2 TB host", host_gib=2000e9 / GIB)
+    gpu = min(f.gpu_total, H100_GIB)
+    here = Machine(f"{gpu:.0f} GiB GPU, {f.host_total:.0f} GiB host (measured)", gpu, f.host_total)
+    big = replace(here, name=f"{gpu:.0f} GiB GPU, 2 TB host", host_gib=2000e9 / GIB)
     w = f.world
+    if f.offload_states:
+        return [
+            Scenario(f"W = {w}, states on the host (as measured)", w, here, plot=f"W = {w}, states on host"),
+            Scenario(f"W = {w}, states on the host, 2 TB host", w, big),
+            Scenario("W = 1, states on the host", 1, here, plot="W = 1, states on host"),
+            Scenario("W = 1, states on the host, 2 TB host", 1, big),
+        ]
     return [
         Scenario(f"W = {w}, one step (as measured)", w, here, steady=False, plot=f"W = {w}, one step"),
         Scenario(f"W = {w}, steady state", w, here, plot=f"W = {w}, steady state"),
@@ -428,13 +465,19 @@ def budget_report(f: Fit) -> tuple[str, list[dict[str, Any]]]:
     per_m = 2**20 / f.world
     lines = [f"### Memory budget model: {shape.name} (Note [Memory budget model] in `benchmarks/train_table.py`)\n",
              f"Fitted at W = {f.world} from {', '.join(tokens_text(n) for n in f.seq_lens)} tokens "
-             f"({'tiled norms' if f.tile_norms else 'plain norms'}): GPU "
+             f"({'tiled norms' if f.tile_norms else 'plain norms'}, "
+             f"{'states on the host' if f.offload_states else 'states on the GPU'}): GPU "
              f"{f.gpu_fixed:.2f} GiB + {f.gpu_per_token * per_m:.2f} GiB per 1M tokens "
              f"({f.gpu_per_token * GIB / 1024:.0f} KiB per local token); host {f.host_fixed:.2f} GiB + "
              f"{f.host_per_token * per_m:.2f} GiB per 1M tokens ({f.host_per_token * GIB / 1024:.0f} KiB per local "
-             f"token). Added from the shape: AdamW's states {8 * shape.params / GIB / f.world:.2f} GiB per rank at "
-             f"W = {f.world} (steady state), kept attention outputs {shape.kept_bytes_per_token() / 1024:.0f} KiB "
-             f"per local token. A length fits under {HEADROOM:.0%} of each memory.\n",
+             + (f"token). Added from the shape: the host's fp32 shards, gradients and AdamW states, "
+                f"{16 * shape.params / GIB / f.world:.2f} GiB per rank at W = {f.world}, are in the measured host "
+                f"line; another W moves them (16 bytes per parameter / W); the GPU line holds no state to move."
+                if f.offload_states else
+                f"token). Added from the shape: AdamW's states {8 * shape.params / GIB / f.world:.2f} GiB per rank "
+                f"at W = {f.world} (steady state), kept attention outputs {shape.kept_bytes_per_token() / 1024:.0f} "
+                f"KiB per local token.")
+             + f" A length fits under {HEADROOM:.0%} of each memory (the GPU: an H100's {H100_GIB} GiB).\n",
              "| scenario | machine | GPU GiB: fixed + per 1M tokens | host GiB: fixed + per 1M tokens | "
              "longest by GPU | longest by host | **longest** | bound |",
              "|---|---|---|---|---|---|---|---|"]
@@ -572,16 +615,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows = load_rows(args.paths or train_files())
     print("## How long can I train\n")
     print(tables(rows))
-    try:
-        f: Fit | None = fit(rows, args.model, args.world)
-    except ValueError as e:
-        f = None
-        print(f"(no budget model: {e})\n")
-    report: dict[str, Any] = {"rows": [asdict(r) for r in rows]}
-    if f is not None:
-        text, projections = budget_report(f)
+    report: dict[str, Any] = {"rows": [asdict(r) for r in rows], "fits": []}
+    f: Fit | None = None
+    for norms, states in recipes(rows, args.model, args.world) or [(None, None)]:
+        try:
+            one = fit(rows, args.model, args.world, norms, states)
+        except ValueError as e:
+            print(f"(no budget model: {e})\n")
+            continue
+        text, projections = budget_report(one)
         print(text)
-        report.update(fit=asdict(f), projections=projections)
+        report["fits"].append({"fit": asdict(one), "projections": projections})
+        if f is None:                                # the newest recipe: the plot's lines and "fit"
+            f = one
+            report.update(fit=asdict(one), projections=projections)
     if args.svg:
         args.svg.write_text(svg(rows, f))
     if args.json:

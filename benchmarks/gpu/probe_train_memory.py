@@ -108,7 +108,7 @@ def main() -> None:
     ctx = None if args.context == "none" else args.context
     torch.cuda.memory._record_memory_history(max_entries=args.max_entries, context=ctx, stacks="python")
     try:
-        records = ex.train(p, str(out / "train.jsonl"), emulated=True, json_path=str(out / "recipe.jsonl"))
+        records = ex.train(p, str(out / "run.jsonl"), emulated=True, json_path=str(out / "recipe.jsonl"))
     finally:
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
