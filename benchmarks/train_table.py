@@ -236,7 +236,7 @@ def tables(rows: Sequence[Row]) -> str:
                  else f"{world} x {_gpu(group)}")
         out.append(f"### {title}{params}, W = {world} ({where})\n")
         out.append("| tokens | per GPU | fits | peak GPU GiB | host peak GiB | step s | tokens/s/GPU | MFU | "
-                   "timed | kept attention | tiled norms | source |")
+                   "timed | kept attention | recipe | source |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in group:
             what = r.probe and f"probe ({r.probe})"
@@ -247,9 +247,14 @@ def tables(rows: Sequence[Row]) -> str:
             out.append(f"| {tokens_text(r.seq_len)}{' ' + what if what else ''} | {tokens_text(r.seq_len // world)} | "
                        f"{fits} | {_num(r.peak_gib, 1)} | {_num(r.host_gib, 1)} | {_num(r.step_s, step_digits)} | "
                        f"{_num(r.tokens_per_s_per_gpu, 0)} | {_pct(r.mfu)} | {timed} | {keep} | "
-                       f"{'yes' if r.tile_norms else '-'} | `{r.source}` |")
+                       f"{_recipe(r)} | `{r.source}` |")
         out.append("")
     return "\n".join(out)
+
+
+def _recipe(r: Row) -> str:
+    parts = ["tiled norms"] * r.tile_norms + ["states on host"] * r.offload_states
+    return ", ".join(parts) or "-"
 
 
 def _params(model: str) -> int:
