@@ -180,11 +180,13 @@ MODELS = {
 }
 """Model shapes (random weights; Llama 3's vocabulary). llama3-8b: Llama-3-8B's architecture, 8.03B parameters."""
 
-MODEL_DEFAULTS = {"llama3-8b": dict(method="ring", layout="zigzag", head_chunks=8, loss_chunk=4096,
+MODEL_DEFAULTS = {"llama3-8b": dict(method="ring", layout="zigzag", head_chunks=8, loss_chunk=4096, tile_norms=8192,
                                    keep_attention=True, keep_attention_gib=28.0)}
 """What ``--model`` also sets unless given: the 8B runs ring attention over one KV head at a time (its fp32
-buffers are then 1/8 of a layer's heads), computes the loss 4096 tokens at a time (4 GiB of fp32 logits), and keeps
-28 GiB of attention outputs (27 of its 32 layers at 1M tokens over 8 ranks: Note [Rank 0 of W on one GPU])."""
+buffers are then 1/8 of a layer's heads), computes the loss 4096 tokens at a time (4 GiB of fp32 logits), tiles its
+RMSNorms (Note [Tiled norms]: 77 KiB per local token at the step's peak instead of 161) and keeps 28 GiB of
+attention outputs (27 of its 32 layers at 1M tokens over 8 ranks: Note [Rank 0 of W on one GPU]; with tiled norms
+``--keep-attention-gib all`` fits too, 58.4 GiB at 1M)."""
 
 PRESETS = {
     "gpu-128k": Preset(seq_len=131072, steps=20),

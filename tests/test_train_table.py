@@ -177,5 +177,5 @@ def test_recipe_refuses_what_cannot_go_together():
     with pytest.raises(ValueError, match="run --check without --warmup"):
         ex._check_options(ex.replace(p, warmup=True), True)
     llama = ex.preset_from(ex.argparse.Namespace(preset="gpu-1m", model="llama3-8b"))
-    assert llama.keep_attention and llama.keep_attention_gib == 28.0
+    assert llama.keep_attention and llama.keep_attention_gib == 28.0 and llama.tile_norms == 8192
     assert ex.gib_or_all("all") == float("inf") and ex.gib_or_all("2.5") == 2.5
