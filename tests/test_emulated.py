@@ -132,8 +132,10 @@ def test_bench_emulated_world_smoke(tmp_path):
     assert {r["method"] for r in ours} == {"ring/contiguous", "ulysses"}
     for r in ours:
         for key in ("emulated_world", "tokens_per_rank", "method", "mode", "causal", "heads", "kv_heads",
-                    "compute_efficiency", "host_ms_per_call", "emulated_rank"):
+                    "compute_efficiency", "host_ms_per_call", "emulated_rank", "steady_ms",
+                    "steady_compute_efficiency"):
             assert key in r, (key, r)
+        assert r["steady_ms"] > 0 and r["steady_compute_efficiency"] == pytest.approx(r["limit_ms"] / r["steady_ms"])
         assert r["emulated_world"] == 4 and r["tokens_per_rank"] == 128 and r["backend"] == "fake"
     ranks = {r["method"]: r["emulated_rank"] for r in ours}
     assert ranks == {"ring/contiguous": 3, "ulysses": 0}      # the busiest rank of a causal contiguous ring

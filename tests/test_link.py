@@ -69,3 +69,14 @@ def test_report_reads_predicted_efficiency():
            "seq_len": 8192, "time_ms": 1.0, "efficiency": 0.5, "predicted_efficiency": 0.5, "link": "h200-nvswitch"}
     table = emulated_table([rec, dict(rec, method="ulysses", efficiency=0.6, predicted_efficiency=0.6)])
     assert "| p | 4 | 2K | fwd | 0.50 | - | 0.60 |" in table and "**0.60** (ulysses)" in table
+
+
+def test_report_steady_table_reads_back_to_back_calls():
+    """``--steady``: the efficiency of calls issued back to back, not the cold call's."""
+    from seqpar.bench.report import emulated_table
+
+    rec = {"preset": "p", "method": "ring/zigzag", "mode": "fwd", "world_size": 4, "emulated_world": 4,
+           "seq_len": 8192, "time_ms": 1.0, "efficiency": 0.5, "compute_efficiency": 0.5,
+           "steady_compute_efficiency": 0.8}
+    assert "| p | 4 | 2K | fwd | 0.50 |" in emulated_table([rec])
+    assert "| p | 4 | 2K | fwd | 0.80 |" in emulated_table([rec], steady=True)

@@ -17,7 +17,13 @@ Note [Emulated world]
     layout that is not balanced rank 0 may be idle half the time); the group is re-created when r changes.
     Each record adds ``emulated_world``, ``emulated_rank``, ``tokens_per_rank``, ``compute_efficiency`` (the
     efficiency above, communication free), the host time of one call from an idle GPU, the GPU operations
-    per call and the fraction of a call the GPU idles (``timing.call_profile``). What it cannot see: NCCL's
+    per call and the fraction of a call the GPU idles (``timing.call_profile``). Beside the time of a call from
+    an idle GPU (host time before its first launch included), each record carries the steady state of calls
+    issued back to back, as a training step's layers issue them (``timing.burst_ms``, 10 calls per burst):
+    ``steady_ms``, ``steady_compute_efficiency`` (or ``steady_predicted_efficiency``) and
+    ``steady_gpu_idle_fraction`` = 1 - GPU busy time of one call / ``steady_ms``: near 0 when the host issues
+    a call faster than the GPU runs it (the call is not host-bound), the host's excess when not. The limit is
+    the one-GPU kernel's cold time either way. What it cannot see: NCCL's
     own use of SMs and memory bandwidth beside the kernels, link contention and latency, stragglers (no
     other rank exists), and any wait on a peer; values are garbage (nothing arrives), so nothing is checked.
     ``--link PROFILE`` gives seqpar's transfers the planner's time for their bytes (Note [Modelled link] in
@@ -46,7 +52,7 @@ from .presets import MASKS, PRESETS, TABLE, MethodSpec, Preset, method_specs
 from .report import console_table, load, plot, readme_table, suite_table
 from .runners import limit_runner, ours_runner, peer_runners
 from .suites import SUITES
-from .timing import call_profile, exposed_comm_ms, peak_mem_gib, reset_peak, time_ms
+from .timing import burst_ms, call_profile, exposed_comm_ms, peak_mem_gib, reset_peak, time_ms
 
 
 def _args(argv):
@@ -158,8 +164,14 @@ class Bench:
         if fn is not None and time_ms_ is not None:
             prof = call_profile(fn, self.device)
             rec.update(prof)
+            steady = burst_ms({"call": fn}, self.device, burst=10, rounds=5, warmup=1)["call"]
+            rec["steady_ms"] = steady
+            if limit_ms is not None:
+                key = "steady_predicted_efficiency" if self.link is not None else "steady_compute_efficiency"
+                rec[key] = limit_ms / steady
             if "gpu_busy_ms" in prof:
                 rec["gpu_idle_fraction"] = max(0.0, 1.0 - prof["gpu_busy_ms"] / time_ms_)
+                rec["steady_gpu_idle_fraction"] = max(0.0, 1.0 - prof["gpu_busy_ms"] / steady)
         return rec
 
     def _meta(self) -> dict:

@@ -156,19 +156,21 @@ def plot(rows: list[dict], path: str | Path) -> str | None:
 _EMULATED_COLUMNS = ("ring", "allgather", "ulysses", "usp", "tokenring", "tasp", "double_ring")
 
 
-def emulated_table(rows: list[dict], before: list[dict] | None = None) -> str:
+def emulated_table(rows: list[dict], before: list[dict] | None = None, steady: bool = False) -> str:
     """The README table of emulated runs (Note [Emulated world] in ``seqpar.bench``): per preset, emulated W and
     mode, each method's compute efficiency (its busiest rank, communication free; the method's best
     configuration), the best seqpar and the best peer; ``before``: a baseline run's best seqpar beside it.
     Records of a run with a modelled link (``--link``) give their ``predicted_efficiency`` instead: label such a
     table as predicted (Note [Modelled link] in ``seqpar.comm.link``).
-    A peer above 1.3 is marked: beyond the kernel's limit, not a meaningful emulated figure."""
+    A peer above 1.3 is marked: beyond the kernel's limit, not a meaningful emulated figure. ``steady``: the
+    efficiency of calls issued back to back (``steady_*`` fields) instead of one call from an idle GPU."""
+    prefix = "steady_" if steady else ""
     def table(rs):
         out: dict[tuple, dict[str, float]] = defaultdict(dict)
         for r in rs:
             if _ok(r) and r.get("emulated_world") and not r["method"].startswith("limit"):
                 key = (r["preset"], r["emulated_world"], r["mode"])
-                eff = r.get("compute_efficiency", r.get("predicted_efficiency"))
+                eff = r.get(f"{prefix}compute_efficiency", r.get(f"{prefix}predicted_efficiency"))
                 if eff is not None:
                     out[key][r["method"]] = max(out[key].get(r["method"], 0.0), eff)
         return out
@@ -204,10 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", help="write the efficiency / scaling plot to this PNG")
     ap.add_argument("--emulated", action="store_true", help="print the emulated-world table (markdown)")
     ap.add_argument("--before", nargs="*", default=[], help="with --emulated: a baseline run's records")
+    ap.add_argument("--steady", action="store_true",
+                    help="with --emulated: calls issued back to back (steady_* fields), not from an idle GPU")
     args = ap.parse_args(argv)
     rows = load(args.files)
     if args.emulated:
-        print(emulated_table(rows, load(args.before) if args.before else None))
+        print(emulated_table(rows, load(args.before) if args.before else None, steady=args.steady))
         return 0
     print(readme_table(rows) if args.readme else console_table(rows))
     if args.plot:
