@@ -12,8 +12,9 @@ Phases, each in a fresh process (its log next to ``--out``), every record a JSON
              seqpar's attention (one process, W = 1: cuDNN / FA2 through the direct path, whose kernels save their
              own outputs and RNG state): loss and gradients against plain run twice. Seconds.
   step       examples/train_long_context.py: llama3-8b, 1M tokens, ``--world 8 --emulate``, one full step
-             (forward, backward, AdamW) with tiled MLP, offload, checkpointing, the tiled loss and (the 8B's
-             default) 28 GiB of kept attention outputs, after ``--warmup`` (the offload's pinned buffers and
+             (forward, backward, AdamW) with tiled MLP and norms, offload, checkpointing, the tiled loss and (the
+             8B's default) 28 GiB of kept attention outputs (``--extra "--keep-attention-gib all"``: every layer's,
+             which fits with tiled norms), after ``--warmup`` (the offload's pinned buffers and
              AdamW's states made before the timed step: a steady-state step, Note [Steady-state step]): peak
              memory, step time, MFU. By FLOPs a few minutes (attention at 1M is ~95% of the step's model FLOPs);
              expected ~350 s of wall time (setup ~15 s, warm-up ~85 s, the step ~240 s).
@@ -23,7 +24,8 @@ Phases, each in a fresh process (its log next to ``--out``), every record a JSON
              includes AdamW's states).
 
 ``--extra`` reaches both: ``--extra "--no-keep-attention"`` is the step before selective recompute (the
-baseline), ``--extra "--keep-attention-gib all"`` keeps every layer's output.
+baseline), ``--extra "--keep-attention-gib all"`` keeps every layer's output, ``--extra "--offload-states
+--offload-prefetch 0"`` puts the fp32 states on the host (Note [States on the host] in the example).
 Nothing is taken from outside the repository (no flash-attn): PyTorch's kernels through seqpar.
 
 ``--deadline-s`` bounds the whole script (default 560 s: inside a 10-minute device call); a phase that would
