@@ -866,3 +866,19 @@ def test_keep_attention_refusals():
         keep.remove()
     finally:
         handle.disable()
+
+
+def test_tile_norms_of_a_multimodal_model_take_the_text_models_hidden_size():
+    """Gemma 3 with a vision tower: its config's hidden size is the text config's; the per-head q/k norms and
+    the multimodal projector's norm (the vision width) are left alone."""
+    import transformers as tf
+
+    cfg = tf.Gemma3Config(text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+                          vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14))
+    model = tf.Gemma3ForConditionalGeneration(cfg)
+    tiling = hf_memory.tile_norms(model)
+    assert len(tiling.modules) == 2 * 4 + 1 and "model.language_model.norm" in tiling.modules
+    assert all(n.startswith("model.language_model.") and "q_norm" not in n and "k_norm" not in n
+               for n in tiling.modules)

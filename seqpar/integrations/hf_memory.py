@@ -146,10 +146,11 @@ def tile_norms(model: nn.Module, chunk_tokens: int = 8192, *, modules: Iterable[
     """Run each hidden-size RMSNorm over chunks of ``chunk_tokens`` rows with recompute (Note [Tiled norms]).
 
     Enables it for every module whose class name ends in ``RMSNorm`` and whose weight has the model's hidden size
-    (``model.config.hidden_size``; every RMSNorm when the model has no config): the decoder layers' norms and the
-    final one of Llama, Qwen2/3, Mistral and Gemma 1-3, not Qwen3's or Gemma 3's per-head q/k norms. Values are
-    unchanged: the forward is the module's own, chunk by chunk; the input gradient is per row; the weight's
-    gradient is one fp32 partial per chunk. Works under activation checkpointing, FSDP2 and torch.autocast.
+    (``model.config.hidden_size``, or its ``text_config``'s; every RMSNorm when there is none): the decoder layers'
+    norms and the final one of Llama, Qwen2/3, Mistral and Gemma 1-3, not Qwen3's or Gemma 3's per-head q/k norms.
+    Values are unchanged: the forward is the module's own, chunk by chunk; the input gradient is per row; the
+    weight's gradient is one fp32 partial per chunk. Works under activation checkpointing, FSDP2 and
+    torch.autocast.
 
     Args:
         model: a transformers model (or any module tree); only the norms' ``forward`` are replaced, per instance.
@@ -162,7 +163,8 @@ def tile_norms(model: nn.Module, chunk_tokens: int = 8192, *, modules: Iterable[
     _check_chunk(chunk_tokens)
     names = {id(m): n for n, m in model.named_modules()}
     if modules is None:
-        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        cfg = getattr(model, "config", None)
+        hidden = getattr(cfg, "hidden_size", None) or getattr(getattr(cfg, "text_config", None), "hidden_size", None)
         norms = [m for m in model.modules() if _is_rms_norm(m)
                  and (hidden is None or tuple(m.weight.shape[-1:]) == (hidden,))]
         if not norms:
