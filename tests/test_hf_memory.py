@@ -882,3 +882,29 @@ def test_tile_norms_of_a_multimodal_model_take_the_text_models_hidden_size():
     assert len(tiling.modules) == 2 * 4 + 1 and "model.language_model.norm" in tiling.modules
     assert all(n.startswith("model.language_model.") and "q_norm" not in n and "k_norm" not in n
                for n in tiling.modules)
+
+
+def test_tiled_norms_save_no_fp32_copy_of_the_hidden_states():
+    """Structural (Note [Tiled norms]): in a bf16 Llama decoder layer without checkpointing, the plain RMSNorms
+    save fp32 (tokens, hidden) upcasts for backward; tiled, nothing of that size and dtype is saved, and the
+    norms' saved bytes fall to their bf16 inputs."""
+    plain = build("llama", "sdpa", dtype=torch.float32).to(torch.bfloat16)
+    tiled = copy.deepcopy(plain)
+    hf_memory.tile_norms(tiled, chunk_tokens=CHUNK)
+    ids = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(6))
+
+    def saved(model) -> list[tuple[torch.dtype, tuple[int, ...]]]:
+        out = []
+
+        def pack(t):
+            out.append((t.dtype, tuple(t.shape)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids).logits.float().sum().backward()
+        return out
+
+    hidden = plain.config.hidden_size
+    fp32_rows = lambda recs: [s for d, s in recs if d == torch.float32 and s[-1] == hidden and 64 in s]  # noqa: E731
+    assert len(fp32_rows(saved(plain))) >= 2 * 2 + 1            # an upcast per norm: two per layer and the final
+    assert fp32_rows(saved(tiled)) == []
