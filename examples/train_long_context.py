@@ -297,6 +297,7 @@ def train(p: Preset, out_path: str | None = None, check: bool = False, *, emulat
     """
     device = torch.device(p.device, torch.cuda.current_device()) if p.device == "cuda" else torch.device("cpu")
     _check_options(p, check)
+    _host_preflight(p, dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     sp_mesh, fsdp_mesh, dp_index = meshes(p, device)
     if not p.fsdp and p.dp != 1:
         raise ValueError(f"fsdp=False supports dp=1 only (gradients are summed over the sequence group), got {p.dp}")
@@ -494,6 +495,33 @@ def _since(t0: float, device: torch.device, progress: str | None = None) -> floa
     if progress and dist.get_rank() == 0:
         print(f"{progress} done at {dt:.1f} s, peak {_local_peak(device):.2f} GiB", file=sys.stderr, flush=True)
     return dt
+
+
+class HostMemoryShort(RuntimeError):
+    """What the recipe puts on the host cannot fit there (raised before any work; its record says "host memory")."""
+
+
+def parameter_count(p: Preset) -> int:
+    """Parameters of the preset's Llama (untied embedding and LM head), from its shape."""
+    attn = p.hidden * p.head_dim * (2 * p.heads + 2 * p.kv_heads)
+    layer = attn + 3 * p.hidden * p.intermediate + 2 * p.hidden
+    return 2 * p.vocab * p.hidden + p.layers * layer + p.hidden
+
+
+def _host_preflight(p: Preset, world: int, local: int = 1, available: int | None = None) -> None:
+    """Note [States on the host]: with ``offload_states`` each rank's host holds 16 bytes per parameter / W of
+    fp32 state before any activation (``local`` ranks share one host). A run whose states alone pass 95% of the
+    host's available memory (MemAvailable) is refused before it builds anything, so a try that cannot fit says
+    why in seconds, where it would be killed by the host's OOM killer minutes in (an 8B at W = 1: 120 GiB of
+    states on a 126 GiB host)."""
+    if not p.offload_states:
+        return
+    need = 16 * parameter_count(p) / world * local
+    have = hf_memory._host_available() if available is None else available
+    if need > 0.95 * have:
+        raise HostMemoryShort(f"host out of memory: the fp32 parameter shards, gradients and AdamW states need "
+                              f"{need / 2**30:.1f} GiB of host memory at W = {world} (16 bytes per parameter / W), "
+                              f"{have / 2**30:.1f} GiB available")
 
 
 def _out_of_memory(e: BaseException) -> bool:

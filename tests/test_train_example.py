@@ -169,3 +169,22 @@ def test_options_refused_before_any_work():
     with pytest.raises(ValueError, match="offload_prefetch must be >= 0, got -1"):
         ex._check_options(replace(tiny, offload_prefetch=-1), False)
     ex._check_options(replace(tiny, offload_states=True, device="cuda"), False)     # accepted
+
+
+def test_states_on_the_host_that_cannot_fit_are_refused_up_front():
+    """Note [States on the host]: an 8B's fp32 states at W = 1 (120 GiB) on a 126 GiB host (124 available) are
+    refused before any work with a "host out of memory" error (the recipe's record then says "host memory"); at
+    W = 8 (15 GiB per rank) they pass, and eight ranks on one host count eight times."""
+    from dataclasses import replace
+
+    ex = _example()
+    p = replace(ex.preset_from(ex.argparse.Namespace(preset="gpu-1m", model="llama3-8b")), offload_states=True)
+    assert ex.parameter_count(p) == 8_030_261_248
+    host = 124 * 2**30                         # MemAvailable of the 126 GiB GPU machine
+    with pytest.raises(ex.HostMemoryShort, match=r"host out of memory: .* need 119\.7 GiB .* at W = 1 .* 124\.0 GiB"):
+        ex._host_preflight(p, 1, available=host)
+    ex._host_preflight(p, 8, available=host)
+    with pytest.raises(ex.HostMemoryShort, match=r"need 119\.7 GiB"):
+        ex._host_preflight(p, 8, local=8, available=host)
+    ex._host_preflight(replace(p, offload_states=False), 1, available=host)       # the states stay on the GPU
+    assert ex._which_memory(ex.HostMemoryShort("host out of memory: ..."), None) == "host memory"
