@@ -19,7 +19,8 @@ Note [Emulated world]
     efficiency above, communication free), the host time of one call from an idle GPU, the GPU operations
     per call and the fraction of a call the GPU idles (``timing.call_profile``). Beside the time of a call from
     an idle GPU (host time before its first launch included), each record carries the steady state of calls
-    issued back to back, as a training step's layers issue them (``timing.burst_ms``, 10 calls per burst):
+    issued back to back, as a training step's layers issue them (``timing.burst_ms``: three bursts of up to 10
+    calls, fewer for calls of more than ``STEADY_BUDGET_MS`` / 30):
     ``steady_ms``, ``steady_compute_efficiency`` (or ``steady_predicted_efficiency``) and
     ``steady_gpu_idle_fraction`` = 1 - GPU busy time of one call / ``steady_ms``: near 0 when the host issues
     a call faster than the GPU runs it (the call is not host-bound), the host's excess when not. The limit is
@@ -53,6 +54,10 @@ from .report import console_table, load, plot, readme_table, suite_table
 from .runners import limit_runner, ours_runner, peer_runners
 from .suites import SUITES
 from .timing import burst_ms, call_profile, exposed_comm_ms, peak_mem_gib, reset_peak, time_ms
+
+STEADY_BUDGET_MS = 200.0
+"""About how long an emulated record's steady-state bursts take (at 128K tokens a call is 0.1 s, and at 2K per rank
+well under a millisecond: only short calls can be host-bound)."""
 
 
 def _args(argv):
@@ -164,7 +169,8 @@ class Bench:
         if fn is not None and time_ms_ is not None:
             prof = call_profile(fn, self.device)
             rec.update(prof)
-            steady = burst_ms({"call": fn}, self.device, burst=10, rounds=5, warmup=1)["call"]
+            burst = max(1, min(10, int(STEADY_BUDGET_MS / 3 / max(time_ms_, 1e-3))))   # long calls: few
+            steady = burst_ms({"call": fn}, self.device, burst=burst, rounds=3, warmup=1)["call"]
             rec["steady_ms"] = steady
             if limit_ms is not None:
                 key = "steady_predicted_efficiency" if self.link is not None else "steady_compute_efficiency"
