@@ -13,9 +13,10 @@ On CPU the offload hooks pass tensors through (there is no device memory to spar
 checkpointed layer inputs reach them, and that the values are unchanged.
 
 ``keep_attention`` (Note [Keeping attention's output] in ``seqpar.integrations.hf_selective``): plain checkpointing
-against checkpointing that keeps each layer's attention output, with the tiled MLP and the offload context on both,
-every method at W = 1, 2 and 4 and under FSDP2: losses and gradients bitwise equal, the adapter's attention
-forwards counted (one per layer per step instead of two), the budget, the forward boundaries and the refusals.
+against checkpointing that keeps each layer's attention output, with the tiled MLP and norms and the offload context
+on both, every method at W = 1, 2 and 4 and under FSDP2 (tiled norms there too): losses and gradients bitwise
+equal, the adapter's attention forwards counted (one per layer per step instead of two), the budget, the forward
+boundaries and the refusals.
 """
 
 from __future__ import annotations
@@ -665,6 +666,7 @@ def keep_attention_pair(spec: dict) -> dict:
         _checkpoint(kept, keep.checkpoint_kwargs())
         for m in (plain, kept):
             hf_memory.tile_mlp(m, chunk_tokens=CHUNK)
+            hf_memory.tile_norms(m, chunk_tokens=CHUNK)
         local = handle.shard_batch(global_batch({**spec, "batch": 2}))
         offload = hf_memory.ActivationOffload(min_bytes=0)
         per_step: dict[str, list[int]] = {"plain": [], "kept": []}
@@ -732,6 +734,7 @@ def keep_attention_fsdp(spec: dict) -> dict:
         _checkpoint(plain, {"use_reentrant": False})
         _checkpoint(kept, keep.checkpoint_kwargs())
         for m in (plain, kept):
+            hf_memory.tile_norms(m, chunk_tokens=CHUNK)              # under FSDP2: the norms' weights unsharded
             for layer in m.model.layers:
                 fully_shard(layer, mesh=mesh)
             fully_shard(m, mesh=mesh)
