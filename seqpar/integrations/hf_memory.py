@@ -85,11 +85,11 @@ GATED_MLP = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 @dataclass
 class Tiling:
-    """What ``tile_mlp`` changed: ``remove()`` restores every MLP's own forward."""
+    """What ``tile_mlp`` or ``tile_norms`` changed: ``remove()`` restores every tiled module's own forward."""
 
     chunk_tokens: int
     modules: dict[str, nn.Module] = field(default_factory=dict)
-    """Qualified name -> the tiled MLP module."""
+    """Qualified name -> the tiled module (an MLP or an RMSNorm)."""
 
     def remove(self) -> None:
         for m in self.modules.values():
@@ -679,8 +679,7 @@ class _PinnedPool:
                 return None
             buf = _pin(size)
             if buf is not None and self.held + buf.footprint > (self.budget or 0):
-                self._release(buf, counted=False)         # the fallback's power of two does not fit
-                return None
+                return None                               # the fallback's power of two does not fit: dropped
             if buf is not None:
                 self.held += buf.footprint
             return buf
@@ -696,13 +695,12 @@ class _PinnedPool:
                 return True
         return False
 
-    def _release(self, buf: _Pinned, counted: bool = True) -> None:
+    def _release(self, buf: _Pinned) -> None:
         if buf.last is not None:
             buf.last.synchronize()                 # no copy of either direction still uses it
         if buf.registered:
             torch.cuda.cudart().cudaHostUnregister(buf.tensor.data_ptr())
-        if counted:
-            self.held -= buf.footprint
+        self.held -= buf.footprint
 
     def close(self) -> None:
         with self._lock:
