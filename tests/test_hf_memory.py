@@ -908,6 +908,9 @@ def test_tiled_norms_save_no_fp32_copy_of_the_hidden_states():
         return out
 
     hidden = plain.config.hidden_size
-    fp32_rows = lambda recs: [s for d, s in recs if d == torch.float32 and s[-1] == hidden and 64 in s]  # noqa: E731
+
+    def fp32_rows(recs):
+        return [s for d, s in recs if d == torch.float32 and s[-1] == hidden and 64 in s]
+
     assert len(fp32_rows(saved(plain))) >= 2 * 2 + 1            # an upcast per norm: two per layer and the final
     assert fp32_rows(saved(tiled)) == []
