@@ -116,6 +116,9 @@ class Row:
     """The offload's host budget was spent: some saved tensors stayed on the GPU (not a point of the lines)."""
     offload_states: bool = False
     """fp32 parameter shards, gradients and AdamW's states in host memory (``--offload-states``)."""
+    offload_state_layers: int | None = None
+    """With offload_states: only the root's and this many decoder layers' states on the host (None: all); such a
+    split recipe is in the tables but not in the budget model's lines."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -160,7 +163,7 @@ def _recipe_row(rec: dict[str, Any], source: str) -> Row:
                gpu_total_gib=rec.get("gpu_total_gib"), host_total_gib=rec.get("host_total_gib"),
                tile_norms=bool(rec.get("tile_norms")),
                host_refused=bool((rec.get("offload_stats") or {}).get("host_refused_bytes")),
-               offload_states=bool(rec.get("offload_states")))
+               offload_states=bool(rec.get("offload_states")), offload_state_layers=rec.get("offload_state_layers"))
 
 
 def _run_rows(recs: list[dict[str, Any]], source: str) -> list[Row]:
@@ -254,6 +257,8 @@ def tables(rows: Sequence[Row]) -> str:
 
 def _recipe(r: Row) -> str:
     parts = ["tiled norms"] * r.tile_norms + ["states on host"] * r.offload_states
+    if r.offload_states and r.offload_state_layers is not None:
+        parts[-1] += f" (root + {r.offload_state_layers} of {SHAPES[r.model].layers} layers)"
     return ", ".join(parts) or "-"
 
 
@@ -333,7 +338,8 @@ class Scenario:
 def recipes(rows: Sequence[Row], model: str = "llama3-8b", world: int = 8) -> list[tuple[bool, bool]]:
     """The memory-lean recipes of ``model`` at ``world`` with records, newest first, as ``(tile_norms,
     offload_states)``."""
-    have = {(r.tile_norms, r.offload_states) for r in rows if r.model == model and r.world == world}
+    have = {(r.tile_norms, r.offload_states) for r in rows
+            if r.model == model and r.world == world and r.offload_state_layers is None}
     return [k for k in ((True, True), (True, False), (False, True), (False, False)) if k in have]
 
 
@@ -353,7 +359,8 @@ def fit(rows: Sequence[Row], model: str = "llama3-8b", world: int = 8, tile_norm
     pts: dict[int, Row] = {}
     for r in rows:
         if (r.model == model and r.world == world and r.fits and r.peak_gib is not None and r.keep_gib is None
-                and r.tile_norms == tile_norms and r.offload_states == offload_states and not r.host_refused):
+                and r.tile_norms == tile_norms and r.offload_states == offload_states and not r.host_refused
+                and r.offload_state_layers is None):
             if r.seq_len not in pts or (pts[r.seq_len].probe is not None and r.probe is None):
                 pts[r.seq_len] = r
     if len(pts) < 2:

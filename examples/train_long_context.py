@@ -157,6 +157,10 @@ class Preset:
     """FSDP2's ``CPUOffloadPolicy``: the fp32 parameter shards, their gradients and AdamW's states live in pinned
     host memory and the optimizer steps on the CPU; the GPU holds the bf16 parameters of the layers in use
     (Note [States on the host])."""
+    offload_state_layers: int | None = None
+    """With offload_states: the root's states (embeddings, final norm, LM head) and the first N decoder layers' go
+    to the host, the other layers' stay on the GPU - for a host that cannot hold them all (an 8B at W = 1: 120
+    GiB of states on a 126 GiB host); None: every layer's."""
     offload_reserve_gib: float | None = None
     """With offload: keep saved activations on the GPU up to its free memory at the forward less this much
     (``ActivationOffload(reserve_bytes=...)``); None: offload all of them."""
@@ -330,7 +334,8 @@ def train(p: Preset, out_path: str | None = None, check: bool = False, *, emulat
     offload = None
     if p.offload:
         reserve = None if p.offload_reserve_gib is None else int(p.offload_reserve_gib * 2**30)
-        offload = hf_memory.ActivationOffload(reserve_bytes=reserve, prefetch=p.offload_prefetch)
+        host = hf_memory._host_available() - (4 << 30) - _host_states_to_come(model) if p.offload_states else None
+        offload = hf_memory.ActivationOffload(reserve_bytes=reserve, prefetch=p.offload_prefetch, host_bytes=host)
     ref = _Reference(p, device) if check else None
     records = [_header(p, check)]
     _emit(records[-1], out_path)
@@ -377,6 +382,9 @@ def _check_options(p: Preset, check: bool) -> None:
     if p.offload_states and not (p.fsdp and p.device == "cuda"):
         raise ValueError("offload_states moves FSDP2's parameter shards, gradients and AdamW's states to host "
                          f"memory: it needs --fsdp on a CUDA device, got fsdp={p.fsdp}, device={p.device!r}")
+    if p.offload_state_layers is not None and not (p.offload_states and 0 <= p.offload_state_layers <= p.layers):
+        raise ValueError(f"offload_state_layers takes 0..layers ({p.layers}) with offload_states, got "
+                         f"{p.offload_state_layers} (offload_states={p.offload_states})")
     if p.offload_prefetch < 0:
         raise ValueError(f"offload_prefetch must be >= 0, got {p.offload_prefetch}")
     if p.warmup and check:
@@ -407,6 +415,11 @@ def _check_options(p: Preset, check: bool) -> None:
 #     the CPU over the host shards. The GPU then holds the bf16 parameters of the layers in use and the
 #     activations; the host holds 16 bytes per parameter / W on top of the offloaded activations. Values: the
 #     same reductions in the same order, and AdamW's CPU kernel for its CUDA one (fp32 either way).
+#     ``--offload-state-layers N`` splits them for a host that cannot hold all of them (an 8B at W = 1 on a
+#     126 GiB host): the root's (embeddings and LM head, 15.7 GiB at W = 1) and the first N layers' go to the
+#     host (FSDP2 takes an offload policy per ``fully_shard`` call), the rest stay on the GPU (3.25 GiB per 8B
+#     layer at W = 1), and AdamW steps each group on its own device. The offload's pinned pool leaves room
+#     for what the host states take after sharding (gradients, moments), so neither starves the other.
 
 WARMUP_WINDOW = 128
 _ABSENT = object()
@@ -497,15 +510,29 @@ def _since(t0: float, device: torch.device, progress: str | None = None) -> floa
     return dt
 
 
+def _host_states_to_come(model: nn.Module) -> int:
+    """Note [States on the host]: the host bytes the offloaded states take after sharding (which pinned the fp32
+    parameter shards): each shard's gradient (FSDP2 copies it into the caching host allocator's pinned blocks, a
+    power of two each) and AdamW's two moments. The offload's pinned pool leaves them room."""
+    total = 0
+    for q in model.parameters():
+        local = q.to_local() if hasattr(q, "to_local") else q
+        if local.device.type == "cpu":
+            n = local.numel() * local.element_size()
+            total += (1 << max(n - 1, 0).bit_length()) + 2 * n
+    return total
+
+
 class HostMemoryShort(RuntimeError):
     """What the recipe puts on the host cannot fit there (raised before any work; its record says "host memory")."""
 
 
-def parameter_count(p: Preset) -> int:
-    """Parameters of the preset's Llama (untied embedding and LM head), from its shape."""
+def parameter_count(p: Preset, layers: int | None = None) -> int:
+    """Parameters of the preset's Llama (untied embedding and LM head), from its shape; ``layers``: the root's
+    and that many decoder layers' only."""
     attn = p.hidden * p.head_dim * (2 * p.heads + 2 * p.kv_heads)
     layer = attn + 3 * p.hidden * p.intermediate + 2 * p.hidden
-    return 2 * p.vocab * p.hidden + p.layers * layer + p.hidden
+    return 2 * p.vocab * p.hidden + (p.layers if layers is None else layers) * layer + p.hidden
 
 
 def _host_preflight(p: Preset, world: int, local: int = 1, available: int | None = None) -> None:
@@ -516,12 +543,13 @@ def _host_preflight(p: Preset, world: int, local: int = 1, available: int | None
     states on a 126 GiB host)."""
     if not p.offload_states:
         return
-    need = 16 * parameter_count(p) / world * local
+    need = 16 * parameter_count(p, p.offload_state_layers) / world * local
     have = hf_memory._host_available() if available is None else available
     if need > 0.95 * have:
-        raise HostMemoryShort(f"host out of memory: the fp32 parameter shards, gradients and AdamW states need "
-                              f"{need / 2**30:.1f} GiB of host memory at W = {world} (16 bytes per parameter / W), "
-                              f"{have / 2**30:.1f} GiB available")
+        part = "" if p.offload_state_layers is None else f" (the root's and {p.offload_state_layers} layers')"
+        raise HostMemoryShort(f"host out of memory: the fp32 parameter shards, gradients and AdamW states{part} "
+                              f"need {need / 2**30:.1f} GiB of host memory at W = {world} (16 bytes per parameter / "
+                              f"W), {have / 2**30:.1f} GiB available")
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -567,7 +595,7 @@ def recipe_record(p: Preset, records: list[dict[str, Any]], *, world: int, emula
            "peak_tflops": peak_tflops, "method": p.method, "layout": p.layout, "head_chunks": p.head_chunks,
            "tile_mlp": p.tile_mlp, "tile_norms": p.tile_norms, "offload": p.offload,
            "offload_reserve_gib": p.offload_reserve_gib, "offload_prefetch": p.offload_prefetch,
-           "offload_states": p.offload_states,
+           "offload_states": p.offload_states, "offload_state_layers": p.offload_state_layers,
            "checkpointing": p.checkpointing, "keep_attention": p.keep_attention,
            "keep_attention_gib": p.keep_attention_gib, "keep_stats": steps[-1].get("keep_attention") if steps else None,
            "loss_chunk": p.loss_chunk, "dtype": p.dtype, "device": records[0]["device"],
@@ -607,13 +635,15 @@ def _fully_shard(model: TiledLossLM, mesh: Any, p: Preset) -> None:
         low = getattr(torch, p.dtype)
         mp_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
     kw = {"mesh": mesh} | ({"mp_policy": mp_policy} if mp_policy is not None else {})
+    host = {}
     if p.offload_states:
         from torch.distributed.fsdp import CPUOffloadPolicy
 
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-    for layer in model.lm.model.layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)          # root: embeddings, final norm, LM head (kept unsharded through backward)
+        host["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    on_host = len(model.lm.model.layers) if p.offload_state_layers is None else p.offload_state_layers
+    for i, layer in enumerate(model.lm.model.layers):
+        fully_shard(layer, **kw, **(host if i < on_host else {}))
+    fully_shard(model, **kw, **host)  # root: embeddings, final norm, LM head (kept unsharded through backward)
 
 
 def _dp_mean(value: torch.Tensor, p: Preset) -> float:
@@ -769,6 +799,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --offload: saved tensors fetched ahead of use in backward (default 1; 0: none)")
     ap.add_argument("--offload-states", action="store_true", default=None,
                     help="FSDP2 CPU offload: fp32 parameter shards, gradients and AdamW's states in host memory")
+    ap.add_argument("--offload-state-layers", type=int, metavar="N",
+                    help="with --offload-states: only the root's and the first N decoder layers' states on the host")
     ap.add_argument("--offload-reserve-gib", type=float, metavar="GIB",
                     help="with --offload: keep what fits in the GPU's free memory less GIB on the GPU")
     ap.add_argument("--keep-attention", action="store_true", default=None,

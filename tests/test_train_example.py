@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -169,6 +170,11 @@ def test_options_refused_before_any_work():
     with pytest.raises(ValueError, match="offload_prefetch must be >= 0, got -1"):
         ex._check_options(replace(tiny, offload_prefetch=-1), False)
     ex._check_options(replace(tiny, offload_states=True, device="cuda"), False)     # accepted
+    with pytest.raises(ValueError, match=r"offload_state_layers takes 0\.\.layers \(2\) with offload_states, got 3"):
+        ex._check_options(replace(tiny, offload_states=True, device="cuda", offload_state_layers=3), False)
+    with pytest.raises(ValueError, match=r"offload_state_layers .* got 1 \(offload_states=False\)"):
+        ex._check_options(replace(tiny, offload_state_layers=1), False)
+    ex._check_options(replace(tiny, offload_states=True, device="cuda", offload_state_layers=0), False)
 
 
 def test_states_on_the_host_that_cannot_fit_are_refused_up_front():
@@ -188,3 +194,20 @@ def test_states_on_the_host_that_cannot_fit_are_refused_up_front():
         ex._host_preflight(p, 8, local=8, available=host)
     ex._host_preflight(replace(p, offload_states=False), 1, available=host)       # the states stay on the GPU
     assert ex._which_memory(ex.HostMemoryShort("host out of memory: ..."), None) == "host memory"
+    # a split for W = 1: the root's 1.05B parameters (15.7 GiB) and 15 of 32 layers' (48.7 GiB) on the host
+    split = replace(p, offload_state_layers=15)
+    assert ex.parameter_count(split, 15) == 2 * 128256 * 4096 + 4096 + 15 * 218_112_000
+    ex._host_preflight(split, 1, available=host)
+    with pytest.raises(ex.HostMemoryShort, match=r"states \(the root's and 15 layers'\) need 64\.4 GiB"):
+        ex._host_preflight(split, 1, available=60 * 2**30)
+
+
+def test_host_states_to_come_counts_pinned_gradients_and_moments():
+    """What the offloaded states add on the host after sharding, which the offload's pinned pool leaves room for:
+    each fp32 gradient in a power-of-two pinned block, and AdamW's two moments; parameters on the GPU count 0."""
+    ex = _example()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(4, 4, bias=False))
+    sizes = [15 * 4, 5 * 4, 16 * 4]               # weight, bias, weight: bytes of fp32
+    expected = sum((1 << (n - 1).bit_length()) + 2 * n for n in sizes)
+    assert ex._host_states_to_come(model) == expected == 64 + 32 + 64 + 2 * 144
+    assert ex._host_states_to_come(torch.nn.Sequential()) == 0

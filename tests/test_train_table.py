@@ -130,6 +130,20 @@ def test_budget_model_of_the_lean_recipes(table):
     assert big1["bound"] == "gpu memory" and big1["max_seq_len"] >= 500_000          # ALST's 500K on one H100
 
 
+def test_a_split_of_the_states_is_tabled_but_not_fitted(table):
+    """A run with only the root's and some layers' states on the host (``--offload-state-layers``: an 8B at
+    W = 1 on this host) is a row of the tables, named so, and no point of any recipe's lines."""
+    rec = {"model": "llama3-8b", "seq_len": 160 * 1024, "world": 1, "emulated": True, "fits": True,
+           "peak_gib": 70.0, "host_peak_gib": 110.0, "step_s": 100.0, "tile_norms": 8192, "offload_states": True,
+           "offload_state_layers": 16, "steady_state": True}
+    row = table._recipe_row(rec, "x")
+    assert table._recipe(row) == "tiled norms, states on host (root + 16 of 32 layers)"
+    rows = [row, table._recipe_row({**rec, "seq_len": 2 * rec["seq_len"]}, "x")]
+    assert table.recipes(rows, world=1) == []
+    with pytest.raises(ValueError, match="two lengths at least"):
+        table.fit(rows, world=1, tile_norms=True, offload_states=True)
+
+
 def test_fit_needs_two_lengths(table):
     rows = [r for r in table.load_rows([RUN3]) if r.seq_len == 2**20]
     with pytest.raises(ValueError, match=r"two lengths at least, got \[1048576\]"):
