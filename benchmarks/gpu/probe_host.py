@@ -1,6 +1,7 @@
 """Where a call's host time goes: rank r of W on a fake group, one GPU (emulated, communication free).
 
     python3 benchmarks/gpu/probe_host.py --out DIR [--world 8] [--cases packed32,packed128,dense16] [--graphs off]
+        [--kv-heads 32]
 
 For each case (method/layout x mode): the host milliseconds of one call from an idle GPU (median of 10), the call's
 total time, the GPU operations it launches (name and microseconds, from torch.profiler), and cProfile's top
@@ -25,11 +26,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import seqpar
 from seqpar.bench.packing import packed_row
 
-H, HKV, D = 32, 8, 128
+H, D = 32, 128
 
 
 def case_fn(method: str, layout: str, mode: str, total: int, cu: tuple[int, ...] | None, W: int,
-            graphs: bool | None = None):
+            graphs: bool | None = None, HKV: int = 8):
     dev = torch.device("cuda")
     where = {"method": method, "layout": layout}
     if cu is not None:
@@ -91,6 +92,7 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=8)
     ap.add_argument("--cases", default="packed32,packed128,dense16")
     ap.add_argument("--graphs", choices=["auto", "on", "off"], default="auto", help="seqpar.attention's graphs=")
+    ap.add_argument("--kv-heads", type=int, default=8, help="KV heads of the 32 query heads (32: MHA)")
     ap.add_argument("--dense-methods", default="ring/zigzag,ulysses/contiguous",
                     help="method/layout pairs of the dense cases")
     args = ap.parse_args()
@@ -109,9 +111,10 @@ def main() -> None:
             configs = [tuple(c.split("/")) for c in args.dense_methods.split(",")]
         for method, layout in configs:
             for mode in ("fwd", "fwd+bwd"):
-                name = f"{case}-{method}-{layout}-{mode}-graphs_{args.graphs}"
+                name = f"{case}-kv{args.kv_heads}-{method}-{layout}-{mode}-graphs_{args.graphs}"
                 try:
-                    print(probe(name, case_fn(method, layout, mode, total, cu, W, graphs), out), flush=True)
+                    fn = case_fn(method, layout, mode, total, cu, W, graphs, args.kv_heads)
+                    print(probe(name, fn, out), flush=True)
                 except Exception as e:          # a probe: report and go on
                     print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)
 
