@@ -120,6 +120,34 @@ def test_pass_q_and_tasp_backward_sum_their_partials_in_one_pass(fake_world, cou
     assert 3 <= counts["sum_once"] <= 2 * world + 3, counts
 
 
+@pytest.mark.parametrize("method,layout,options", [
+    ("allgather", "zigzag", {}), ("allgather", "contiguous", {"window_size": (7, 0)}), ("ulysses", None, {}),
+    ("usp", "zigzag", {"ulysses": 2})])
+def test_fake_group_collectives_copy_nothing(fake_world, monkeypatch, method, layout, options):
+    """Note [Fake groups copy]: on a fake group every all-gather, reduce-scatter and all-to-all of a call,
+    forward and backward, is posted with empty buffers (torch's fake group would otherwise copy its input into
+    the output: work no real backend does on the rank's stream); the selective gather (a window) included."""
+    from seqpar.comm import all_gather as ag
+
+    fake_world(4)
+    posted: list[tuple[str, int]] = []
+
+    def spy(name, fn):
+        def wrapped(out, inp, *args, **kwargs):
+            posted.append((name, out.numel() + inp.numel()))
+            return fn(out, inp, *args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(ag, "_GATHER", spy("all_gather", ag._GATHER))
+    monkeypatch.setattr(ag, "_REDUCE_SCATTER", spy("reduce_scatter", ag._REDUCE_SCATTER))
+    monkeypatch.setattr(dist, "all_to_all_single", spy("all_to_all", dist.all_to_all_single))
+    if options.pop("ulysses", None):
+        options["mesh"] = seqpar.make_mesh(ulysses=2, device_type="cpu")
+    out, leaves = _call_once(method, layout, 4, **options)
+    torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert posted and all(n == 0 for _, n in posted), posted
+
+
 def test_bench_emulated_world_smoke(tmp_path):
     """``python -m seqpar.bench --emulate-world 4`` on CPU: one process, records with the emulation fields for
     the busiest rank of each configuration."""

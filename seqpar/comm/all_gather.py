@@ -68,7 +68,7 @@ class AllGather:
         if self.world == 1:
             recv.copy_(send)
             return Handle()
-        work = _GATHER(recv, send, group=self.group, async_op=True)
+        work = _GATHER(*_link.wire(self.group, recv, send), group=self.group, async_op=True)
         return Handle(_link.delay(work, "allgather", recv.nbytes - send.nbytes, self.world, send.device))
 
     def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor) -> Handle:
@@ -77,7 +77,8 @@ class AllGather:
         if self.world == 1:
             recv.copy_(send)
             return Handle()
-        work = _REDUCE_SCATTER(recv, send, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = _REDUCE_SCATTER(*_link.wire(self.group, recv, send), op=dist.ReduceOp.SUM, group=self.group,
+                               async_op=True)
         return Handle(_link.delay(work, "reduce_scatter", send.nbytes - recv.nbytes, self.world, send.device))
 
 
@@ -102,7 +103,9 @@ class AllToAllV:
         if self.world == 1:
             recv.copy_(send)
             return Handle()
-        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.group, async_op=True)
+        wired = _link.wire(self.group, recv, send)
+        splits = (recv_splits, send_splits) if wired[0] is recv else (None, None)     # a fake group: empty views
+        work = dist.all_to_all_single(*wired, *splits, group=self.group, async_op=True)
         if _link.installed() is not None:               # Note [Modelled link]: the rows bound for other ranks
             row = send[0].nbytes if send.shape[0] else 0
             away = send.shape[0] - send_splits[dist.get_rank(self.group)]

@@ -168,7 +168,7 @@ def _check_split(x: torch.Tensor, dim: int, U: int, what: str) -> None:
 
 def _post(send: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[Any, torch.Tensor]:
     recv = torch.empty_like(send)
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    work = dist.all_to_all_single(*_link.wire(group, recv, send), group=group, async_op=True)
     if _link.installed() is not None:                   # Note [Modelled link]: the bytes bound for other ranks
         U = _size(group)
         work = _link.delay(work, "a2a", send.nbytes * (U - 1) / U, U, send.device)

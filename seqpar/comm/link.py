@@ -19,6 +19,17 @@ Note [Modelled link]
     traffic beside the kernels (the spin is one thread), contention with other ranks, stragglers. CUDA only.
     A captured graph records the spins with the kernels, so a plan graphed before the link was installed replays
     without it: install the link before a plan's first call (the bench installs it for the whole run).
+
+Note [Fake groups copy]
+    torch's fake process group "moves no data" but still fills its outputs (a C++ ``copy_`` on the calling
+    stream, so that autograd sees defined values): an all-gather writes the input into each of the W slots of
+    its output, an all-to-all copies its whole input, a reduce-scatter one slot. On a GPU those copies are
+    kernels in the emulated rank's own stream: at 2K tokens per rank over 8, MHA, 8 copies of 32 MiB (190 us) in
+    every all-gather of K and V, more than a third of the call's attention. A real backend writes from its own
+    kernels on its own stream, which the emulation leaves out on purpose (what it cannot see: NCCL's SMs).
+    So the comm layer hands a fake group empty views of its buffers (``wire``): the collective is still posted
+    through torch.distributed (its host cost stays in the figure), and nothing is copied. Results on a fake
+    group are undefined either way. Send and receive copy nothing on a fake group and are posted as they are.
 """
 
 from __future__ import annotations
@@ -28,8 +39,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["Link", "delay", "installed", "modelled"]
+__all__ = ["Link", "delay", "installed", "modelled", "wire"]
 
 _LINK: Link | None = None
 
@@ -123,3 +135,9 @@ def delay(work: Any, pattern: str, nbytes: float, size: int, device: torch.devic
     if _LINK is None or device.type != "cuda" or size <= 1 or nbytes <= 0:
         return work
     return _Delayed(work, _LINK.occupy(pattern, nbytes, size, device))
+
+
+def wire(group: Any, *buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The buffers a collective over ``group`` is given: as they are, or on torch's fake process group empty
+    views, so the collective is posted but copies nothing (Note [Fake groups copy])."""
+    return tuple(b[:0] for b in buffers) if dist.get_backend(group) == "fake" else buffers

@@ -54,7 +54,7 @@ def gather_states(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.T
     if world == 1:
         res[0].copy_(x)
         return Pending(None, res)
-    work = _gather_flat()(res.view(-1), x.contiguous().view(-1), group=group, async_op=True)
+    work = _gather_flat()(*_link.wire(group, res.view(-1), x.contiguous().view(-1)), group=group, async_op=True)
     return Pending(_link.delay(work, "allgather", res.nbytes - x.nbytes, world, x.device), res)
 
 
