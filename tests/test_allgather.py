@@ -108,6 +108,35 @@ def test_zigzag_is_two_bottom_right_calls(world):
         assert cgp.order is None and len(cgp.tasks) == 1
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_chunk_permutations_are_a_few_copies(world):
+    """Note [Chunk copies]: zigzag's rank-order -> global-order map is one strided copy of the fronts and one
+    copy per back chunk (W + 1), its inverse one strided copy per rank (W); both equal ``index_select``; an
+    order of more than ``COPY_RUNS`` runs (a per-batch layout's) stays one ``index_select``."""
+    from seqpar.methods import allgather
+
+    _, order = allgather._chunk_order(make_layout("zigzag", world), 4 * world)
+    maps = allgather._ChunkIndex.of(order, torch.device("cpu"))
+    assert (len(maps.to_global.runs), len(maps.to_rank.runs)) == (world + 1, world)
+    src = torch.randn(2 * world * 3, 5, 2)
+    for m in (maps.to_global, maps.to_rank):
+        index = [s + step * i for _, s, step, n in m.runs for i in range(n)]
+        assert sorted(index) == list(range(2 * world))
+        dst = torch.empty_like(src)
+        m.apply(src, dst)
+        assert torch.equal(dst, src.view(2 * world, -1)[index].view_as(src))
+    rng = random.Random(world)
+    for n in (7, allgather.COPY_RUNS * 3):
+        perm = list(range(n))
+        rng.shuffle(perm)
+        m = allgather._ChunkMap.of(perm, torch.device("cpu"))
+        assert (m.runs is None) == (n > allgather.COPY_RUNS)
+        src = torch.randn(n * 2, 3)
+        dst = torch.empty_like(src)
+        m.apply(src, dst)
+        assert torch.equal(dst, src.view(n, -1)[perm].view_as(src))
+
+
 def test_zigzag_balances_causal_work_contiguous_does_not():
     """PEERS §1 defect 7: llama3's contiguous split is causally imbalanced; zigzag is exact."""
     world, seq = 4, 32

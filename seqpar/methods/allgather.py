@@ -20,6 +20,19 @@ Note [Gather into global order]
     Backward permutes the fp32 dK/dV buffer back to rank order the same way before the reduce-scatter.
     Contiguous needs neither copy.
 
+Note [Chunk copies]
+    The permutation moves 2W chunks of up to tens of MiB each. ``index_select`` with so few indices runs CUDA's
+    small-index kernel, which reads a huge row with a handful of blocks: 504 us for the 256 MiB of an MHA KV
+    buffer at 2K tokens per rank over 8 (H100), against ~170 us at memory bandwidth, and 596 us for its fp32
+    dK/dV - a third of the call's forward and backward. A plain layout's permutation is a few arithmetic runs
+    (zigzag into global order: the fronts ``0, 2, 4, ...`` as one strided copy, then each back chunk; back to
+    rank order: a front and its back chunk per rank), so it is applied as one copy per run, each at memory
+    bandwidth (a strided ``copy_``, or a DtoD memcpy for a run of one). A per-batch layout's order can hold one
+    chunk per token; past ``COPY_RUNS`` runs it stays one ``index_select`` (many small rows: its large-index
+    kernel). The planner's ``permute_gelems`` is still the index_select rate its fixed costs were fitted with
+    (``seqpar.planner.measured``), so it prices the permutation above what the copies take until the next fit
+    on a real run.
+
 Note [All-gather pipeline]
     KV heads are processed in chunks of ``heads_k_stride`` (None = all heads in one round; GQA: query heads
     ``[c0 G, (c0 + stride) G)`` go with KV heads ``[c0, c0 + stride)``). Chunk c+1's gather is posted
@@ -230,28 +243,63 @@ def gather_plan(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds:
     return GatherPlan(plan(q, k, rule), chunk, order, ((0, seq_len),))
 
 
+COPY_RUNS = 128
+"""A chunk permutation of at most this many strided runs is applied as that many copies, longer ones as one
+``index_select`` (Note [Chunk copies])."""
+
+
+@dataclass(frozen=True)
+class _ChunkMap:
+    """One chunk permutation (Note [Chunk copies]): destination chunk c = source chunk ``index[c]``, applied as a
+    few strided copies (``runs``: ``(dst, src, step, count)``) or, with many runs, one ``index_select``."""
+
+    n: int
+    runs: tuple[tuple[int, int, int, int], ...] | None
+    index: torch.Tensor | None
+
+    @staticmethod
+    def of(index: list[int], device: torch.device) -> _ChunkMap:
+        runs: list[list[int]] = []
+        for c, s in enumerate(index):
+            last = runs[-1] if runs else None
+            if last is not None and last[3] == 1 and s > last[1]:
+                last[2], last[3] = s - last[1], 2                       # a run's second chunk fixes its step
+            elif last is not None and last[3] > 1 and s == last[1] + last[2] * last[3]:
+                last[3] += 1
+            else:
+                runs.append([c, s, 1, 1])
+        if len(runs) <= COPY_RUNS:
+            return _ChunkMap(len(index), tuple(tuple(r) for r in runs), None)
+        return _ChunkMap(len(index), None, torch.tensor(index, dtype=torch.long, device=device))
+
+    def apply(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``dst`` chunk c = ``src`` chunk ``index[c]`` (dim 0 cut into ``n`` chunks)."""
+        a, b = src.view(self.n, -1), dst.view(self.n, -1)
+        if self.runs is None:
+            torch.index_select(a, 0, self.index, out=b)
+            return
+        for d, s, step, count in self.runs:
+            b[d:d + count].copy_(a[s:s + step * (count - 1) + 1:step])
+
+
 @dataclass(frozen=True)
 class _ChunkIndex:
-    """A ``GatherPlan.order`` as device index tensors, built once per planned call and held by it (a per-batch
+    """A ``GatherPlan.order`` as its two chunk maps, built once per planned call and held by it (a per-batch
     layout's order is one entry per chunk, up to one per token: never kept in a module-level cache).
 
     Attributes:
-        to_global: global chunk c <- rank-order chunk ``to_global[c]``; to_rank: its inverse.
+        to_global: global chunk c <- rank-order chunk ``order[c]``; to_rank: its inverse.
     """
 
-    to_global: torch.Tensor
-    to_rank: torch.Tensor
+    to_global: _ChunkMap
+    to_rank: _ChunkMap
 
     @staticmethod
     def of(order: tuple[int, ...], device: torch.device) -> _ChunkIndex:
-        fwd = torch.tensor(order, dtype=torch.long)
-        return _ChunkIndex(fwd.to(device), torch.argsort(fwd).to(device))
-
-
-def _permute_chunks(src: torch.Tensor, dst: torch.Tensor, index: torch.Tensor) -> None:
-    """``dst`` chunk c = ``src`` chunk ``index[c]`` (dim 0 cut into ``len(index)`` chunks), one device op."""
-    n = len(index)
-    torch.index_select(src.view(n, -1), 0, index, out=dst.view(n, -1))
+        inverse = [0] * len(order)
+        for c, r in enumerate(order):
+            inverse[r] = c
+        return _ChunkIndex(_ChunkMap.of(list(order), device), _ChunkMap.of(inverse, device))
 
 
 class _Gathered:
@@ -285,7 +333,7 @@ class _Gathered:
         """Chunk c's gathered ``k (B, S, stride, D), v (B, S, stride, Dv)`` in global order (after its wait)."""
         buf = self.recv[c % len(self.recv)]
         if self.chunks is not None:
-            _permute_chunks(buf, self.glob, self.chunks.to_global)
+            self.chunks.to_global.apply(buf, self.glob)
             buf = self.glob
         return buf[..., : self.d].transpose(0, 1), buf[..., self.d:].transpose(0, 1)
 
@@ -336,10 +384,10 @@ class _DKV:
             if self.chunks is None:
                 send.copy_(buf)
             elif self.stage is None:
-                _permute_chunks(buf, send, self.chunks.to_rank)
+                self.chunks.to_rank.apply(buf, send)
             else:
                 self.stage.copy_(buf)
-                _permute_chunks(self.stage, send, self.chunks.to_rank)
+                self.chunks.to_rank.apply(self.stage, send)
             buf = send
         self.pending[slot] = self.ag.reduce_scatter(buf, self.out[c])
         return self.pending[slot]
