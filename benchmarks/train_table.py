@@ -235,7 +235,8 @@ def tables(rows: Sequence[Row]) -> str:
         shape = SHAPES.get(model)
         title = shape.name if shape else model
         params = f", {shape.params / 1e9:.2f}B parameters" if shape and shape.params else ""
-        where = (f"**emulated**: rank 0 of {world} on one {_gpu(group)}" if emulated
+        where = (f"one {_gpu(group)}: a fake group of one, nothing emulated" if emulated and world == 1
+                 else f"**emulated**: rank 0 of {world} on one {_gpu(group)}" if emulated
                  else f"{world} x {_gpu(group)}")
         out.append(f"### {title}{params}, W = {world} ({where})\n")
         out.append("| tokens | per GPU | fits | peak GPU GiB | host peak GiB | step s | tokens/s/GPU | MFU | "
