@@ -12,12 +12,14 @@ planned call, also outside): evaluated a slab of query rows at a time, so neithe
 ``create_block_mask`` per mask nor an S x S mask is needed, and checked equal to ``create_block_mask``'s at 16K.
 
 The w1 section: every named mask, a generic ``mask_mod`` and a plain ``window_size=(4095, 0)`` call at 16K; at
-larger sizes the masks in ``--large-masks`` (first word of the case name). Each case times the forward without
-grad, the forward of a training step (inputs that require grad: seqpar's training plan, where Note [Bands on flex]
-puts windowed bands on flex on sm90) and forward+backward. The window row also times seqpar on FA2
-(``kernel="flash"``), ``auto``'s choice before that Note; at 16K, a case whose training plan ran a band on flex
-also times its no-grad forward with ``kernel="flex"`` (what ``auto`` declines without a backward). Each record
-names the kernels seqpar chose (mask kind: kernel); the section ends with a table, printed after each length.
+larger sizes the masks in ``--large-masks`` (first word of the case name). Each case times the forward without grad,
+the forward of a training step (inputs that require grad: seqpar's training plan, where Note [Bands on flex] puts
+windowed bands on flex on sm90) and forward+backward, flex and seqpar side by side in interleaved bursts
+(``burst_ms``; separate medians moved the training forward's ratio by up to 0.1 between runs). The window row also
+times seqpar on FA2 (``kernel="flash"``), ``auto``'s choice before that Note; at 16K, a case whose training plan ran
+a band on flex also times its no-grad forward with ``kernel="flex"`` (what ``auto`` declines without a backward).
+Each record names the kernels seqpar chose (mask kind: kernel); the section ends with a table, printed after each
+length.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import seqpar
 from seqpar import masks
-from seqpar.bench.timing import time_ms
+from seqpar.bench.timing import burst_ms, time_ms
 from seqpar.kernels import select
 from seqpar.layouts import make_layout
 from seqpar.layouts.blocks import Rule
@@ -162,13 +164,6 @@ def timed(call, t, args) -> tuple[float, float]:
             time_ms(fb, dev, warmup=args.warmup, iters=args.iters))
 
 
-def train_fwd(call, t, args) -> float:
-    """Median ms of the forward of a training step: ``call(q, k, v)`` with inputs that require grad, no backward
-    (seqpar's training plan: Note [Bands on flex] serves windowed bands there, not in no-grad calls)."""
-    q, k, v, _ = t
-    return time_ms(lambda: call(q, k, v), dev, warmup=args.warmup, iters=args.iters)
-
-
 def flex_call(bm, score_mod=None):
     def call(q, k, v):
         o = FLEX(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, score_mod=score_mod,
@@ -179,6 +174,24 @@ def flex_call(bm, score_mod=None):
 
 def ours_call(**kw):
     return lambda q, k, v: seqpar.attention(q, k, v, **kw)
+
+
+def side_by_side(flex, ours, t, S: int) -> dict[str, float]:
+    """Median ms of flex and seqpar in each mode - no-grad forward, a training step's forward (inputs that
+    require grad, no backward), forward+backward - as interleaved bursts of back-to-back calls (``burst_ms``: the
+    six functions take turns round by round, so a clock that drifts moves them alike; at 128K bursts of 2)."""
+    q, k, v, do = t
+
+    def modes(call):
+        def fwd():
+            with torch.no_grad():
+                call(q, k, v)
+
+        def fb():
+            call(q, k, v).backward(do)
+        return {"fwd": fwd, "train_fwd": lambda: call(q, k, v), "fb": fb}
+    fns = {f"{who}_{mode}": fn for who, call in (("flex", flex), ("seqpar", ours)) for mode, fn in modes(call).items()}
+    return burst_ms(fns, dev, burst=10 if S <= 16384 else 2, rounds=7 if S <= 16384 else 3, warmup=2)
 
 
 def max_diff(a, b, t) -> float:
@@ -213,10 +226,11 @@ def w1(args) -> None:
                 select.cache_clear()            # every case logs the kernels it chose
                 CHOSEN.seen.clear()
                 err = max_diff(ours, flex, t) if S <= 16384 else None
-                f_fwd, f_fb = timed(flex, t, args)
-                o_fwd, o_fb = timed(ours, t, args)
-                f_tr, o_tr = train_fwd(flex, t, args), train_fwd(ours, t, args)
-                rec = dict(section="w1", label="W = 1", mask=name, seq_len=S, causal=causal, window=window,
+                ms = side_by_side(flex, ours, t, S)
+                f_fwd, f_tr, f_fb = ms["flex_fwd"], ms["flex_train_fwd"], ms["flex_fb"]
+                o_fwd, o_tr, o_fb = ms["seqpar_fwd"], ms["seqpar_train_fwd"], ms["seqpar_fb"]
+                rec = dict(section="w1", label="W = 1", timing="interleaved bursts", mask=name, seq_len=S,
+                           causal=causal, window=window,
                            flex_fwd_ms=f_fwd, flex_fb_ms=f_fb, seqpar_fwd_ms=o_fwd, seqpar_fb_ms=o_fb,
                            ratio_fwd=o_fwd / f_fwd, ratio_fb=o_fb / f_fb, flex_train_fwd_ms=f_tr,
                            seqpar_train_fwd_ms=o_tr, ratio_train_fwd=o_tr / f_tr, seqpar_kernels=list(CHOSEN.seen),
