@@ -85,27 +85,30 @@ def _cells(task) -> int:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
-def test_zigzag_is_two_bottom_right_calls(world):
-    """Note [Gather into global order]: front chunk vs keys [0, (r+1)h), back chunk vs [0, (2W-r)h)."""
+def test_zigzag_gathers_by_parts_in_three_calls(world):
+    """Note [Gather by parts]: zigzag gathers its front chunks and its back chunks separately (no permutation of
+    the gathered keys), and every rank runs three calls - its front chunk bottom-right against the fronts it
+    sees, its back chunk's diagonal block, the rest of what the back chunk sees in one full call - whose (query,
+    key) pairs are exactly the causal ones, each once."""
     h = 3
     lay = Zigzag(world)
     seq = 2 * world * h
     for r in range(world):
         gp = gather_plan(lay, r, seq, Rule(True), None, None)
-        if r == world - 1:                           # chunks W-1 and W are adjacent: one causal call
-            (t,) = gp.tasks
-            assert (t.q, t.k) == (slice(0, 2 * h), slice(0, (world + 1) * h))
-        else:
-            front, back = sorted(gp.tasks, key=lambda t: t.q_start)
-            assert (front.q, front.k) == (slice(0, h), slice(0, (r + 1) * h))
-            assert (back.q, back.k) == (slice(h, 2 * h), slice(0, (2 * world - r) * h))
+        assert gp.order is None and len(gp.slots) == 2 and len(gp.tasks) == 3
+        assert sorted((a, n) for a, n, _ in gp.slots) == [(0, h), (h, h)]
+        assert sorted(o for _, _, o in gp.slots) == [0, world * h]
+        qpos = lay.segments(r, seq).positions()
+        pairs = []
         for t in gp.tasks:
-            assert t.mask == Band(None, t.cols - t.rows), "bottom-right causal"
-        if world > 1:
-            assert gp.order is not None and sorted(gp.order) == list(range(2 * world))
+            assert t.mask in (Band(None, None), Band(None, t.cols - t.rows)), "full or bottom-right causal"
+            keys = gp.key_positions(t)
+            pairs += [(qpos[i], keys[j]) for i in range(t.q_start, t.q_stop) for j in range(t.cols)
+                      if t.mask == Band(None, None) or j - i + t.q_start <= t.cols - t.rows]
+        assert sorted(pairs) == sorted((p, k) for p in qpos for k in range(p + 1))
         assert len(gather_plan(lay, r, seq, Rule(False), None, None).tasks) == 1
         cgp = gather_plan(Contiguous(world), r, seq, Rule(True), None, None)
-        assert cgp.order is None and len(cgp.tasks) == 1
+        assert cgp.order is None and cgp.slots is None and len(cgp.tasks) == 1
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])

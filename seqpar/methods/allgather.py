@@ -6,6 +6,7 @@ backward re-gathers K and V, accumulates dK/dV for the whole gathered buffer in 
 back to the owners (``cfg.grad_dtype`` on the wire, fp32 by default).
 
 Note [Gather into global order]
+    (Plain layouts gather by parts since 2026-11-26, Note [Gather by parts]; this holds for the per-batch ones.)
     The collective delivers rank-major rows: contiguous ranks arrive in global order, zigzag ranks as
     ``[c0 c_{2W-1} | c1 c_{2W-2} | ...]``. We permute the gathered chunks into global order (one
     ``index_select`` of the gathered buffer on the device, chunk granularity, map precomputed) and plan
@@ -19,6 +20,22 @@ Note [Gather into global order]
     the attention it feeds is O(S^2 H D / W) work, so the copy is the cheaper side on every GPU shape.
     Backward permutes the fp32 dK/dV buffer back to rank order the same way before the reduce-scatter.
     Contiguous needs neither copy.
+
+Note [Gather by parts]
+    A plain layout's ranks hold their rows as the same runs (zigzag: a front and a back chunk of L/2 rows). Such a
+    layout gathers run by run - every rank's fronts into one part of the buffer, then every rank's backs into the
+    next - so no permutation of the gathered keys and no permutation of the fp32 dK/dV back is needed: the buffer's
+    parts are rank-major, as the reduce-scatter of each part wants them. In zigzag's fronts part global order
+    holds (c0, c1, ..., c_{W-1}); the backs part runs backwards (c_{2W-1}, ..., c_W). The planner takes the
+    buffer's runs as they lie (a fully visible key run merges with its fully visible neighbours whatever their
+    global order), so causal zigzag is three calls per rank, the order of the two parts chosen per rank for the
+    fewest: the front chunk bottom-right against the fronts it sees, the back chunk's diagonal block, and the rest
+    of what the back chunk sees in one full call - one more call than in global order, and one merge of the back
+    chunk's two partials (Note [One merge per call]), where global order moved the whole gathered buffer through
+    memory twice per forward and backward plus the fp32 dK/dV once (at 2K tokens per rank over 8, MHA: 0.17 ms
+    forward, 0.5 ms backward, against a merge of 1K rows). The per-batch layouts, whose runs differ from rank to
+    rank, keep one gather and the permutation (Note [Gather into global order]). The cost model still prices the
+    permutation for every non-contiguous layout (its fixed costs were fitted on runs that paid it).
 
 Note [Chunk copies]
     The permutation moves 2W chunks of up to tens of MiB each. ``index_select`` with so few indices runs CUDA's
@@ -82,7 +99,7 @@ from ..comm.loop import Loop, run_steps
 from ..cost import model
 from ..errors import rank_suffix
 from ..kernels.executor import TaskRunner
-from ..kernels.merge import merge_
+from ..kernels.merge import Accumulator
 from ..layouts import Layout, make_layout
 from ..layouts.blocks import Rule, Run, Segments, Task, plan
 from ..memo import batch_memo
@@ -94,6 +111,9 @@ __all__ = ["METHOD", "SELECT_AT", "GatherPlan", "Selection", "gather_plan", "nee
 
 SELECT_AT = 0.75
 """The selective gather runs when the busiest reader needs at most this share of the sequence."""
+
+PARTS = 4
+"""A plain layout of at most this many runs per rank is gathered run by run (Note [Gather by parts])."""
 
 
 Spans = tuple[tuple[int, int], ...]      # sorted, disjoint global intervals [start, stop)
@@ -125,6 +145,8 @@ class GatherPlan:
         order: ``order[c]`` is the rank-order chunk holding global chunk c; None when they coincide.
         keys: the global positions of the buffer's rows, as intervals in row order.
         selection: the selective gather's rows, or None for the full all-gather.
+        slots: one gather per part (Note [Gather by parts]): per part, ``(local start, rows, buffer offset)``
+            of every rank's rows of that part and where they land; None for one gather of all local rows.
     """
 
     tasks: tuple[Task, ...]
@@ -132,6 +154,7 @@ class GatherPlan:
     order: tuple[int, ...] | None
     keys: Spans
     selection: Selection | None = None
+    slots: tuple[tuple[int, int, int], ...] | None = None
 
     def key_positions(self, task: Task) -> list[int]:
         """The global positions of ``task``'s key rows."""
@@ -238,9 +261,42 @@ def gather_plan(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds:
         k = Segments(tuple(Run(at, a, b - a) for at, (a, b) in zip(starts, needs[rank])))
         tasks = plan(q, k.cut(doc_bounds, valid_len), rule) if k.runs else ()
         return GatherPlan(tasks, 1, None, needs[rank], sel)
+    parts = _parts(layout, seq_len)
+    if parts is not None:
+        return min((_by_parts(layout, seq_len, q, rule, doc_bounds, valid_len, parts, buffer)
+                    for buffer in itertools.permutations(range(len(parts)))), key=lambda gp: len(gp.tasks))
     k = Segments((Run(0, 0, seq_len),)).cut(doc_bounds, valid_len)
     chunk, order = _chunk_order(layout, seq_len)
     return GatherPlan(plan(q, k, rule), chunk, order, ((0, seq_len),))
+
+
+def _parts(layout: Layout, seq_len: int) -> tuple[tuple[int, int], ...] | None:
+    """``(local start, rows)`` of the runs every rank holds alike - a plain layout of 2-4 runs per rank, like
+    zigzag's two - or None (one run: the rank-major gather is global order already; per-batch layouts differ
+    from rank to rank)."""
+    shapes = {tuple((r.local, r.length) for r in layout.segments(j, seq_len).runs) for j in range(layout.world)}
+    if len(shapes) != 1:
+        return None
+    (shape,) = shapes
+    return shape if 2 <= len(shape) <= PARTS else None
+
+
+def _by_parts(layout: Layout, seq_len: int, q: Segments, rule: Rule, doc_bounds: tuple[int, ...] | None,
+              valid_len: int | None, parts: tuple[tuple[int, int], ...], buffer: tuple[int, ...]) -> GatherPlan:
+    """The plan against a buffer holding part ``buffer[0]`` of every rank (in rank order), then part
+    ``buffer[1]``, ... (Note [Gather by parts])."""
+    W = layout.world
+    runs, slots, at = [], {}, 0
+    for p in buffer:
+        slots[p] = (parts[p][0], parts[p][1], at)
+        for j in range(W):
+            r = layout.segments(j, seq_len).runs[p]
+            runs.append(Run(at, r.glob, r.length))
+            at += r.length
+    k = Segments(tuple(runs))
+    keys = tuple((r.glob, r.glob + r.length) for r in runs)
+    return GatherPlan(plan(q, k.cut(doc_bounds, valid_len), rule), 1, None, keys,
+                      slots=tuple(slots[p] for p in range(len(parts))))
 
 
 COPY_RUNS = 128
@@ -303,31 +359,34 @@ class _ChunkIndex:
 
 
 class _Gathered:
-    """Double-buffered all-gather of one KV head chunk at a time, read back in global order.
+    """Double-buffered all-gather of one KV head chunk at a time, read back in global order (per-batch layouts)
+    or part by part (Note [Gather by parts]).
 
     Buffers are sequence-major, ``(rows, B, stride, D + Dv)`` with K and V side by side on the last dim (Note
     [One KV message] in ``_shared``), so the rank-major gather concatenates along the sequence and the
     gathered K is the view ``(B, S, stride, D)``.
     """
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, stride: int, ag: AllGather, chunks: _ChunkIndex | None):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, stride: int, ag: AllGather, chunks: _ChunkIndex | None,
+                 slots: tuple[tuple[int, int, int], ...] | None = None):
         B, L, _, D = k.shape
-        self.k, self.v, self.stride, self.ag, self.chunks, self.d = k, v, stride, ag, chunks, D
+        self.k, self.v, self.stride, self.ag, self.chunks, self.slots, self.d = k, v, stride, ag, chunks, slots, D
         self.rounds = k.shape[2] // stride
         self.send = k.new_empty(L, B, stride, D + v.shape[-1])
         self.recv = [k.new_empty(ag.world * L, B, stride, D + v.shape[-1]) for _ in range(min(2, self.rounds))]
         self.glob = None if chunks is None else torch.empty_like(self.recv[0])
 
-    def post(self, c: int) -> Handle:
-        """Pack KV heads of chunk c and post their gather (Note [All-gather pipeline])."""
+    def post(self, c: int) -> list[Handle]:
+        """Pack KV heads of chunk c and post their gather, one per part with slots (Note [All-gather pipeline],
+        Note [Gather by parts])."""
         hs = slice(c * self.stride, (c + 1) * self.stride)
         self.send[..., : self.d].copy_(self.k[:, :, hs].transpose(0, 1))
         self.send[..., self.d:].copy_(self.v[:, :, hs].transpose(0, 1))
-        return self.ag.gather(self.send, self.recv[c % len(self.recv)])
+        return _by_slots(self.ag.gather, self.send, self.recv[c % len(self.recv)], self.slots, self.ag.world)
 
     def grads(self, grad_dtype: torch.dtype, loop: Loop) -> _DKV:
         """The matching dK/dV return: fp32 accumulators reduce-scattered to the owners."""
-        return _DKV(self.k, self.v, self.stride, self.ag, self.rounds, self.chunks, grad_dtype, loop)
+        return _DKV(self.k, self.v, self.stride, self.ag, self.rounds, self.chunks, grad_dtype, loop, self.slots)
 
     def kv(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Chunk c's gathered ``k (B, S, stride, D), v (B, S, stride, Dv)`` in global order (after its wait)."""
@@ -338,21 +397,32 @@ class _Gathered:
         return buf[..., : self.d].transpose(0, 1), buf[..., self.d:].transpose(0, 1)
 
 
+def _by_slots(op, local: torch.Tensor, full: torch.Tensor, slots: tuple[tuple[int, int, int], ...] | None,
+              world: int) -> list[Handle]:
+    """``op(local rows, their W-rank buffer)``: over all rows, or part by part (Note [Gather by parts])."""
+    if slots is None:
+        return [op(local, full)]
+    return [op(local[a:a + n], full[o:o + world * n]) for a, n, o in slots]
+
+
 class _DKV:
     """fp32 dK/dV of the gathered buffer per head chunk, and their pipelined reduce-scatter to the owners.
 
-    ``start(c)`` gives chunk c's zeroed global-order accumulator ``(S, B, stride, D + Dv)``; ``post(c)`` brings
-    it to rank order in the wire dtype (a copy only when the order or the dtype differs) and posts the
-    reduce-scatter into ``out[c]``; ``finish`` waits and returns ``dk (B, L, Hkv, D), dv (B, L, Hkv, Dv)``.
+    ``start(c)`` gives chunk c's zeroed accumulator ``(S, B, stride, D + Dv)`` in the gathered buffer's order;
+    ``post(c)`` brings it to rank order in the wire dtype (a copy only when the order or the dtype differs) and
+    posts the reduce-scatter into ``out[c]`` (one per part with slots: Note [Gather by parts]); ``finish`` waits
+    and returns ``dk (B, L, Hkv, D), dv (B, L, Hkv, Dv)``.
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, stride: int, ag: AllGather, rounds: int,
-                 chunks: _ChunkIndex | None, grad_dtype: torch.dtype, loop: Loop):
+                 chunks: _ChunkIndex | None, grad_dtype: torch.dtype, loop: Loop,
+                 slots: tuple[tuple[int, int, int], ...] | None = None):
         B, L, _, D = k.shape
         F = D + v.shape[-1]
         self.acc_dtype = acc_dtype(k.dtype)
         self.wire = wire_dtype(grad_dtype, k.dtype)
         self.chunks, self.shape, self.d, self.loop, self.ag = chunks, (B, L, k.shape[2], D, v.shape[-1]), D, loop, ag
+        self.slots = slots
         self.direct = chunks is None and self.wire == self.acc_dtype     # reduce-scatter the accumulator
         nbuf = min(2, rounds)
         self.acc = [k.new_empty(ag.world * L, B, stride, F, dtype=self.acc_dtype)
@@ -361,12 +431,12 @@ class _DKV:
         self.stage = (torch.empty_like(self.acc[0], dtype=self.wire)
                       if chunks is not None and self.wire != self.acc_dtype else None)
         self.out = k.new_empty(rounds, L, B, stride, F, dtype=self.wire)
-        self.pending: list[Handle | None] = [None] * nbuf
+        self.pending: list[list[Handle] | None] = [None] * nbuf
 
     def _wait(self, slot: int) -> None:
         h = self.pending[slot]
         if h is not None:
-            self.loop.wait([h])
+            self.loop.wait(h)
             self.pending[slot] = None
 
     def start(self, c: int) -> torch.Tensor:
@@ -375,7 +445,7 @@ class _DKV:
             self._wait(slot)                   # its reduce-scatter still reads this accumulator
         return self.acc[c % len(self.acc)].zero_()
 
-    def post(self, c: int) -> Handle:
+    def post(self, c: int) -> list[Handle]:
         slot = c % len(self.pending)
         buf = self.acc[c % len(self.acc)]
         if not self.direct:
@@ -389,7 +459,8 @@ class _DKV:
                 self.stage.copy_(buf)
                 self.chunks.to_rank.apply(self.stage, send)
             buf = send
-        self.pending[slot] = self.ag.reduce_scatter(buf, self.out[c])
+        self.pending[slot] = _by_slots(lambda part, whole: self.ag.reduce_scatter(whole, part), self.out[c], buf,
+                                       self.slots, self.ag.world)
         return self.pending[slot]
 
     def finish(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -560,7 +631,7 @@ class _Engine:
     def _transport(self, k: torch.Tensor, v: torch.Tensor) -> _Gathered | _Selected:
         """The full all-gather, or the selective one when the plan has a selection."""
         if self.index is None:
-            return _Gathered(k, v, self.stride, AllGather(self.groups.group), self.chunks)
+            return _Gathered(k, v, self.stride, AllGather(self.groups.group), self.chunks, self.gp.slots)
         return _Selected(k, v, self.stride, AllToAllV(self.groups.group), self.index)
 
     def _heads(self, c: int) -> slice:
@@ -572,8 +643,8 @@ class _Engine:
         B, L, H, _ = q.shape
         acc = acc_dtype(q.dtype)
         tasks = runner.prepare(self.gp.tasks, q[:, :, : stride * G], k[:, :, :stride])   # the same for every chunk
-        direct = _disjoint(tasks)       # every row in at most one call: write results, no fp32 merge buffer
-        out = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype if direct else acc, device=q.device)
+        direct = _disjoint(tasks)       # every row in at most one call: write results, no merge
+        out = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
         gathered = self._transport(k, v)
         with Loop() as loop:
@@ -583,13 +654,16 @@ class _Engine:
                 kc, vc = gathered.kv(c)
                 qh = self._heads(c)
                 qc = q[:, :, qh]
+                parts = Accumulator(qc, v.shape[-1], defer=True)     # rows in two calls: one merge per round
                 for t in tasks:
                     o, l = runner.forward(qc, kc, vc, t)
                     if direct:
                         out[:, t.q, qh] = o
                         lse[:, qh, t.q] = l
                     else:
-                        merge_(out[:, t.q, qh], lse[:, qh, t.q], o, l)
+                        parts.add(t.q, o, l, t.covered)
+                if not direct:
+                    out[:, :, qh], lse[:, qh] = parts.result(q.dtype)
 
             def post(c: int):
                 loop.wait(handles[c])             # chunk c arrived (and its send buffer is free again)
@@ -598,7 +672,7 @@ class _Engine:
                 return None
 
             run_steps(gathered.rounds, post=post, compute=compute, loop=loop)
-        return out.to(q.dtype), lse
+        return out, lse
 
     def backward(self, b: BackwardInputs):
         """Re-gather per head chunk, local block backward, fp32 dK/dV reduce-scattered to the owners."""
