@@ -106,6 +106,21 @@ def test_other_methods_merge_once(fake_world, counts, method, layout):
     assert counts["kernel_fwd"] >= 1
 
 
+@pytest.mark.parametrize("world", [4, 8])
+def test_allgather_zigzag_step_program(fake_world, counts, world):
+    """Note [Gather by parts]: all-gather over zigzag is three kernel calls and ONE merge per head chunk forward
+    (one per round with heads_k_stride), three backward calls per round, and no merge step by step."""
+    fake_world(world)
+    out, leaves = _call_once("allgather", "zigzag", world)
+    assert (counts["kernel_fwd"], counts["merge_once"], counts["merge_step"]) == (3, 1, 0), counts
+    counts.clear()
+    torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert counts["kernel_bwd"] == 3 and counts["merge_step"] == 0, counts
+    counts.clear()
+    _call_once("allgather", "zigzag", world, heads_k_stride=1)            # two KV heads: two rounds
+    assert (counts["kernel_fwd"], counts["merge_once"]) == (6, 2), counts
+
+
 @pytest.mark.parametrize("method", ["tokenring", "tasp"])
 def test_pass_q_and_tasp_backward_sum_their_partials_in_one_pass(fake_world, counts, method):
     """Note [Pass-Q sums] / Note [TASP sums]: the backward's gradient partials go through the one-pass sums (dQ, dK
