@@ -15,7 +15,7 @@ import torch
 from conftest import assert_all_ok, run_cases
 
 from seqpar.layouts import Contiguous, Rule, Zigzag, make_layout
-from seqpar.layouts.blocks import visible_dense
+from seqpar.layouts.blocks import Task, visible_dense
 from seqpar.masks import Band
 from seqpar.methods.allgather import SELECT_AT, gather_plan, needed_keys
 from seqpar.testing import Case
@@ -138,6 +138,44 @@ def test_chunk_permutations_are_a_few_copies(world):
         dst = torch.empty_like(src)
         m.apply(src, dst)
         assert torch.equal(dst, src.view(n, -1)[perm].view_as(src))
+
+
+def test_first_touch_copies_where_no_call_wrote_and_zeroes_the_rest():
+    """Note [First touch]: applying each call's pieces (copy where no earlier call wrote, add where one did) and
+    zeroing the unwritten rows gives the zero-then-add sum bit for bit, for random overlapping calls; zigzag by
+    parts writes every row it does not zero with a copy first."""
+    from seqpar.methods.allgather import _first_touch
+
+    rng = random.Random(3)
+    for _ in range(200):
+        rows = rng.randint(1, 40)
+        tasks = []
+        for _ in range(rng.randint(0, 5)):
+            a = rng.randrange(rows)
+            tasks.append(Task(0, 1, a, rng.randint(a + 1, rows), Band(None, None)))
+        touch, zero = _first_touch(tuple(tasks), rows)
+        grads = [torch.randn(t.k_stop - t.k_start, dtype=torch.float32).bfloat16() for t in tasks]
+        want = torch.zeros(rows)
+        for t, g in zip(tasks, grads):
+            want[t.k_start:t.k_stop] += g
+        got = torch.full((rows,), float("nan"))
+        for a, z in zero:
+            got[a:z].zero_()
+        for t, pieces, g in zip(tasks, touch, grads):
+            assert [p[:2] for p in pieces] == sorted(p[:2] for p in pieces)
+            assert pieces[0][0] == t.k_start and pieces[-1][1] == t.k_stop
+            for a, z, add in pieces:
+                src = g[a - t.k_start:z - t.k_start]
+                if add:
+                    got[a:z] += src
+                else:
+                    got[a:z] = src
+        assert torch.equal(got, want)
+    world, h = 8, 4
+    for r in range(world):
+        gp = gather_plan(Zigzag(world), r, 2 * world * h, Rule(True), None, None)
+        touch, zero = _first_touch(gp.tasks, 2 * world * h)
+        assert sum(z - a for a, z in zero) == 2 * world * h - sum(z - a for p in touch for a, z, add in p if not add)
 
 
 def test_zigzag_balances_causal_work_contiguous_does_not():

@@ -37,6 +37,15 @@ Note [Gather by parts]
     rank, keep one gather and the permutation (Note [Gather into global order]). The cost model still prices the
     permutation for every non-contiguous layout (its fixed costs were fitted on runs that paid it).
 
+Note [First touch]
+    Backward accumulates every call's dK/dV into the fp32 buffer of the gathered keys (W L rows per head chunk).
+    Zeroing it and adding every call moves 4 + 10 bytes per element of the buffer (a fill; then read the
+    gradient, read and write the accumulator); most rows are written by exactly one call. So the plan's calls
+    are read once per planned call (``_first_touch``, cached with the calls): where a call is the first to write
+    a row it copies its gradient (6 bytes per element), where an earlier call wrote it, it adds, and only the
+    rows no call writes are zeroed (zigzag by parts: the back chunks of the ranks below, which this rank's
+    queries never see). The sums are the same, bit for bit: the first add to a zero is exact.
+
 Note [Chunk copies]
     The permutation moves 2W chunks of up to tens of MiB each. ``index_select`` with so few indices runs CUDA's
     small-index kernel, which reads a huge row with a handful of blocks: 504 us for the 256 MiB of an MHA KV
@@ -440,10 +449,11 @@ class _DKV:
             self.pending[slot] = None
 
     def start(self, c: int) -> torch.Tensor:
+        """Chunk c's accumulator, not zeroed (Note [First touch])."""
         slot = c % len(self.pending)
         if self.direct:
             self._wait(slot)                   # its reduce-scatter still reads this accumulator
-        return self.acc[c % len(self.acc)].zero_()
+        return self.acc[c % len(self.acc)]
 
     def post(self, c: int) -> list[Handle]:
         slot = c % len(self.pending)
@@ -557,7 +567,8 @@ class _SelectedDKV:
         self.pending: list[Handle | None] = [None] * nbuf
 
     def start(self, c: int) -> torch.Tensor:
-        return self.acc.zero_()
+        """The accumulator, not zeroed (Note [First touch])."""
+        return self.acc
 
     def post(self, c: int) -> Handle:
         slot = c % len(self.pending)
@@ -589,6 +600,37 @@ class _SelectedDKV:
             at += n
         g = g.permute(2, 1, 0, 3, 4).reshape(B, L, Hkv, D + Dv)
         return g[..., :D].to(dtype), g[..., D:].to(dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _first_touch(tasks: tuple[Task, ...], rows: int
+                 ) -> tuple[tuple[tuple[tuple[int, int, bool], ...], ...], tuple[tuple[int, int], ...]]:
+    """Note [First touch]: per task, its key rows as ``(start, stop, add)`` pieces - ``add`` where an earlier task
+    wrote them, a copy where none did - and the rows of ``[0, rows)`` no task writes (zeroed)."""
+    touched: list[tuple[int, int]] = []                # disjoint, sorted
+    program = []
+    for t in tasks:
+        a, b, at, pieces = t.k_start, t.k_stop, t.k_start, []
+        for lo, hi in touched:
+            if hi <= at or lo >= b:
+                continue
+            if lo > at:
+                pieces.append((at, lo, False))
+            pieces.append((max(lo, at), min(hi, b), True))
+            at = min(hi, b)
+        if at < b:
+            pieces.append((at, b, False))
+        program.append(tuple(pieces))
+        merged: list[tuple[int, int]] = []
+        for lo, hi in sorted([*touched, (a, b)]):
+            if merged and lo <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            elif lo < hi:
+                merged.append((lo, hi))
+        touched = merged
+    bounds = [0, *(x for span in touched for x in span), rows]
+    zero = tuple((bounds[i], bounds[i + 1]) for i in range(0, len(bounds), 2) if bounds[i] < bounds[i + 1])
+    return tuple(program), zero
 
 
 @functools.lru_cache(maxsize=32)
@@ -681,6 +723,7 @@ class _Engine:
         gathered = self._transport(k, v)
         dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         tasks = runner.prepare(self.gp.tasks, q[:, :, : stride * G], k[:, :, :stride])
+        touch, zero = _first_touch(tasks, gathered.recv[0].shape[0])
         with Loop() as loop:
             grads = gathered.grads(self.grad_dtype, loop)
             handles = [loop.post(gathered.post(0))]
@@ -692,11 +735,18 @@ class _Engine:
                 hrows = GradRows(rows.do[:, :, qh], rows.out[:, :, qh], None if rows.dlse is None
                                  else rows.dlse[:, qh])
                 dkv = grads.start(c)
-                for t in tasks:
+                for a, z in zero:
+                    dkv[a:z].zero_()
+                for t, pieces in zip(tasks, touch):
                     gq, gk, gv = runner.backward(hrows, q[:, :, qh], kc, vc, b.lse[:, qh], t)
                     dq[:, t.q, qh] += gq
-                    dkv[t.k, ..., :d] += gk.transpose(0, 1)
-                    dkv[t.k, ..., d:] += gv.transpose(0, 1)
+                    for a, z, add in pieces:
+                        for part, g in ((dkv[a:z, ..., :d], gk), (dkv[a:z, ..., d:], gv)):
+                            g = g[:, a - t.k_start:z - t.k_start].transpose(0, 1)
+                            if add:
+                                part.add_(g)
+                            else:
+                                part.copy_(g)
 
             def post(c: int):
                 loop.wait(handles[c])
