@@ -48,7 +48,7 @@ from ..comm.ring import Exchange, Ring
 from ..kernels import combine
 from ..kernels.base import mask_kind
 from ..kernels.executor import GROUP_AT, TaskRunner
-from ..kernels.merge import Accumulator, RowSum, merge_
+from ..kernels.merge import Accumulator, RowSum
 from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, plan
 from ..memo import batch_memo
@@ -185,11 +185,6 @@ class PassQ:
             landing[:] = [q.new_empty(L, B, H, Dv), torch.empty(L, B, H, dtype=lse_dt, device=q.device)]
             return self._return(ex, t, list(res[t % 2]), landing)
 
-        scratch = None
-        if any(len(ts) > 1 for ts in sp.steps[r]):
-            scratch = (torch.empty(L, B, H, Dv, dtype=lse_dt, device=q.device),
-                       torch.empty(L, B, H, dtype=lse_dt, device=q.device))
-
         def own(tasks) -> None:
             for t in runner.prepare(tasks, q, k):
                 acc.add(t.q, *runner.forward(q, k, v, t), t.covered)
@@ -207,14 +202,13 @@ class PassQ:
                 res_o[a:b].copy_(o.transpose(0, 1))
                 res_l[a:b].copy_(lse.permute(2, 0, 1))
                 return
-            so, sl = scratch                  # merge several tasks in fp32, then cast once
-            so[a:b].zero_()
-            sl[a:b].fill_(float("-inf"))
+            parts = []                        # several tasks: their partials merged in one pass, cast once
             for t in tasks:
                 o, lse = runner.forward(qv, k, v, t)
-                merge_(bshd(so)[:, t.q], bhs(sl)[:, :, t.q], o, lse)
-            res_o[a:b].copy_(so[a:b])
-            res_l[a:b].copy_(sl[a:b])
+                parts.append((slice(t.q_start - a, t.q_stop - a), o, lse, t.covered))
+            o, lse = combine.merge_parts(parts, (B, b - a, H, Dv), q.dtype)
+            res_o[a:b].copy_(o.transpose(0, 1))
+            res_l[a:b].copy_(lse.permute(2, 0, 1))
 
         def land_return(m: Rows) -> None:
             acc.add(slice(*m), bshd(landing[0])[:, m[0]:m[1]], bhs(landing[1])[:, :, m[0]:m[1]])
