@@ -21,15 +21,17 @@ Note [Modelled link]
     without it: install the link before a plan's first call (the bench installs it for the whole run).
 
 Note [Fake groups copy]
-    torch's fake process group "moves no data" but still fills its outputs (a C++ ``copy_`` on the calling
-    stream, so that autograd sees defined values): an all-gather writes the input into each of the W slots of
-    its output, an all-to-all copies its whole input, a reduce-scatter one slot. On a GPU those copies are
-    kernels in the emulated rank's own stream: at 2K tokens per rank over 8, MHA, 8 copies of 32 MiB (190 us) in
-    every all-gather of K and V, more than a third of the call's attention. A real backend writes from its own
-    kernels on its own stream, which the emulation leaves out on purpose (what it cannot see: NCCL's SMs).
-    So the comm layer hands a fake group empty views of its buffers (``wire``): the collective is still posted
-    through torch.distributed (its host cost stays in the figure), and nothing is copied. Results on a fake
-    group are undefined either way. Send and receive copy nothing on a fake group and are posted as they are.
+    torch's fake process group "moves no data" but still fills its outputs (a C++ ``copy_`` on the calling stream,
+    so that autograd sees defined values; ``FakeProcessGroup.hpp``): an all-gather writes the input into each of
+    the W slots of its output, an all-to-all copies its whole input, a reduce-scatter one slot. On a GPU those
+    copies are kernels in the emulated rank's own stream: on torch 2.11, at 2K tokens per rank over 8, MHA, 8
+    copies of 32 MiB (190 us) in every all-gather of K and V, more than a third of the call's attention (the
+    Ulysses all-to-alls' GPU time did not change with this, so that torch's all-to-all was not copying). A real
+    backend writes from its own kernels on its own stream, which the emulation leaves out on purpose (what it
+    cannot see: NCCL's SMs). So the comm layer hands a fake group empty views of its buffers (``wire``): the
+    collective is still posted through torch.distributed (its host cost stays in the figure), and nothing is
+    copied. Results on a fake group are undefined either way. Send and receive copy nothing on a fake group and
+    are posted as they are.
 """
 
 from __future__ import annotations
