@@ -5,6 +5,12 @@
 #   bash benchmarks/gpu/run_1gpu.sh overhead   python -m seqpar.bench --preset overhead --preset heads
 #   bash benchmarks/gpu/run_1gpu.sh packed     python -m seqpar.bench --preset packed --peers
 #   bash benchmarks/gpu/run_1gpu.sh inference  python -m seqpar.bench.inference (1M-token context, vs transformers)
+#   bash benchmarks/gpu/run_1gpu.sh emulated   the busiest rank of W = 8 and 4 on a fake group, every method
+#                                              (emulate_1gpu.sh; PRESETS), with BASE=<dir> (a `git archive` of a
+#                                              baseline's seqpar/ and benchmarks/gpu/) the baseline in the same call;
+#                                              a line per configuration: tree, preset, W, method, mode, efficiency of
+#                                              one call and back to back, GPU operations and busy ms per call
+#   bash benchmarks/gpu/run_1gpu.sh masks      the named masks against flex at W = 1, side by side (masks_1gpu.sh)
 # Device machine, repo root, with .peers carried (../shared/peers). Logs and JSON lines go to $OUT/results.tgz.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -19,8 +25,8 @@ export PYTHONPATH=$PWD:$PWD/.peers/site:$PWD/.peers/shim:$PWD/.peers
 for part in "$@"; do
   case "$part" in
     tests)
-      timeout 150 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_kernels.py -q -rs \
-        -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; echo "== gpu tests rc=$?"
+      timeout 200 python3 -m pytest -m gpu tests/test_gpu_runtime.py tests/test_gpu_kernels.py \
+        tests/test_gpu_emulated.py -q -rs -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; echo "== gpu tests rc=$?"
       grep -E "passed|failed|^FAILED|^ERROR" "$OUT/gpu_tests.log" | head -n 30 | cut -c1-300 ;;
     overhead)
       timeout 150 torchrun --nproc-per-node 1 -m seqpar.bench --preset overhead --preset heads --out "$OUT" \
@@ -36,5 +42,21 @@ for part in "$@"; do
       echo "== inference rc=$?"
       grep -v "^W11" "$OUT/inference_1gpu.log" | tail -n 25 | cut -c1-250
       python3 -m seqpar.bench.inference --report "$OUT/inference_1gpu.jsonl" | tee "$OUT/inference_1gpu.md" ;;
+    emulated)
+      for tree in ${BASE:+base} new; do
+        src=.; [ "$tree" = base ] && src=$BASE
+        OUT=$OUT SRC=$src TAG=$tree WORLDS="8 4" PRESETS="${PRESETS:-gqa-causal-16k mha-causal-16k mha-full-16k}" \
+          TIMEOUT=120 bash benchmarks/gpu/emulate_1gpu.sh 2>&1 | grep -E "^== "
+        tar xzf "$OUT/emulated-$tree.tgz" -O --wildcards '*.jsonl' | python3 -c "
+import json, sys
+for r in map(json.loads, sys.stdin):
+    if 'compute_efficiency' in r:
+        print('$tree', r['preset'], r['emulated_world'], r['method'], r['mode'], round(r['compute_efficiency'], 3),
+              round(r.get('steady_compute_efficiency', 0), 3), r['gpu_ops_per_call'], round(r['gpu_busy_ms'], 3))"
+      done ;;
+    masks)
+      OUT=$OUT SECTIONS=w1 SIZES="${SIZES:-16384,131072}" LARGE_MASKS="${LARGE_MASKS:-sink_window,window,generic}" \
+        TIMEOUT=330 bash benchmarks/gpu/masks_1gpu.sh | tail -n 16 ;;
+    *) echo "unknown part $part (tests, overhead, packed, inference, emulated, masks)" ;;
   esac
 done
