@@ -197,11 +197,16 @@ def needed_keys(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds:
         stop = b if hi is None else min(b, r.glob + r.length + hi)
         if start < stop:
             spans.append((start, stop))
+    return _union(spans)
+
+
+def _union(spans) -> Spans:
+    """Intervals ``[a, b)`` merged into sorted, disjoint ones (empty ones dropped)."""
     merged: list[list[int]] = []
     for a, b in sorted(spans):
         if merged and a <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], b)
-        else:
+        elif a < b:
             merged.append([a, b])
     return tuple((a, b) for a, b in merged)
 
@@ -417,7 +422,8 @@ def _by_slots(op, local: torch.Tensor, full: torch.Tensor, slots: tuple[tuple[in
 class _DKV:
     """fp32 dK/dV of the gathered buffer per head chunk, and their pipelined reduce-scatter to the owners.
 
-    ``start(c)`` gives chunk c's zeroed accumulator ``(S, B, stride, D + Dv)`` in the gathered buffer's order;
+    ``start(c)`` gives chunk c's accumulator ``(S, B, stride, D + Dv)`` in the gathered buffer's order, not
+    zeroed (the caller writes or zeroes every row: Note [First touch]);
     ``post(c)`` brings it to rank order in the wire dtype (a copy only when the order or the dtype differs) and
     posts the reduce-scatter into ``out[c]`` (one per part with slots: Note [Gather by parts]); ``finish`` waits
     and returns ``dk (B, L, Hkv, D), dv (B, L, Hkv, Dv)``.
@@ -607,7 +613,7 @@ def _first_touch(tasks: tuple[Task, ...], rows: int
                  ) -> tuple[tuple[tuple[tuple[int, int, bool], ...], ...], tuple[tuple[int, int], ...]]:
     """Note [First touch]: per task, its key rows as ``(start, stop, add)`` pieces - ``add`` where an earlier task
     wrote them, a copy where none did - and the rows of ``[0, rows)`` no task writes (zeroed)."""
-    touched: list[tuple[int, int]] = []                # disjoint, sorted
+    touched: Spans = ()
     program = []
     for t in tasks:
         a, b, at, pieces = t.k_start, t.k_stop, t.k_start, []
@@ -621,13 +627,7 @@ def _first_touch(tasks: tuple[Task, ...], rows: int
         if at < b:
             pieces.append((at, b, False))
         program.append(tuple(pieces))
-        merged: list[tuple[int, int]] = []
-        for lo, hi in sorted([*touched, (a, b)]):
-            if merged and lo <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-            elif lo < hi:
-                merged.append((lo, hi))
-        touched = merged
+        touched = _union([*touched, (a, b)])
     bounds = [0, *(x for span in touched for x in span), rows]
     zero = tuple((bounds[i], bounds[i + 1]) for i in range(0, len(bounds), 2) if bounds[i] < bounds[i + 1])
     return tuple(program), zero
@@ -686,8 +686,12 @@ class _Engine:
         acc = acc_dtype(q.dtype)
         tasks = runner.prepare(self.gp.tasks, q[:, :, : stride * G], k[:, :, :stride])   # the same for every chunk
         direct = _disjoint(tasks)       # every row in at most one call: write results, no merge
-        out = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
-        lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
+        if direct:                      # rows no call writes stay (0, -inf)
+            out = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
+            lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
+        else:                           # each round's merge writes all rows of its heads
+            out = torch.empty(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
+            lse = torch.empty((B, H, L), dtype=acc, device=q.device)
         gathered = self._transport(k, v)
         with Loop() as loop:
             handles = [loop.post(gathered.post(0))]
