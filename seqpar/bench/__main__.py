@@ -60,6 +60,10 @@ STEADY_BUDGET_MS = 200.0
 well under a millisecond: only short calls can be host-bound)."""
 
 
+GRAPHS = {"auto": None, "on": True, "off": False}
+"""``--graphs``: the ``graphs=`` argument each seqpar configuration is called with (Note [Graphed calls])."""
+
+
 def _args(argv):
     ap = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m seqpar.bench", description=__doc__)
     ap.add_argument("--preset", action="append", default=[],
@@ -86,6 +90,8 @@ def _args(argv):
                          "path; Note [Modelled link] in seqpar.comm.link): records predict W GPUs' efficiency")
     ap.add_argument("--check-ranks", action="store_true",
                     help="emulation: keep seqpar's agreement round on (default off, as the issue's protocol)")
+    ap.add_argument("--graphs", choices=["auto", "on", "off"], default="auto",
+                    help="seqpar's graphs= for every configuration: auto (None, the default), on (True), off (False)")
     ap.add_argument("--cpu-gloo", action="store_true",
                     help="process group 'cpu:gloo,cuda:nccl' (seqpar's agreement round then needs no device sync)")
     return ap.parse_args(argv)
@@ -189,6 +195,7 @@ class Bench:
                 "torch": torch.__version__, "nccl": nccl, "cudnn": torch.backends.cudnn.version() if cuda else None,
                 "command": cmd, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "nccl_high_priority": bool(self.args.nccl_high_priority) if cuda and not self.args.cpu_gloo else None,
+                "graphs": self.args.graphs,
                 "backend": "fake" if self.emulated else (
                     "cpu:gloo,cuda:nccl" if self.args.cpu_gloo else ("nccl" if cuda else "gloo"))}
 
@@ -320,7 +327,8 @@ class Bench:
                 busiest = self.busiest(spec.layout, preset.seq_len, preset.causal, mask=preset.mask_mod())
                 self.emulate_as(0 if spec.method == "ulysses" else busiest)
             self.time_config(preset, spec.label,
-                             lambda s=spec: ours_runner(s, preset, self.device, check_ranks=self.check_ranks), limit,
+                             lambda s=spec: ours_runner(s, preset, self.device, check_ranks=self.check_ranks,
+                                                         graphs=GRAPHS[self.args.graphs]), limit,
                              profile=True)
         if self.args.peers and preset.mask is not None:
             self.log(f"peers: not run on {preset.name} (no peer takes a mask)")

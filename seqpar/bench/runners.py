@@ -96,8 +96,9 @@ def forget_meshes() -> None:
 
 
 def ours_runner(spec: MethodSpec, preset: Preset, device: torch.device, group: dist.ProcessGroup | None = None,
-                kernel: str = "auto", check_ranks: bool = True) -> Runner:
-    """seqpar.attention with ``spec`` on local shards (``check_ranks``: seqpar's agreement round)."""
+                kernel: str = "auto", check_ranks: bool = True, graphs: bool | None = None) -> Runner:
+    """seqpar.attention with ``spec`` on local shards (``check_ranks``: seqpar's agreement round; ``graphs``: its
+    ``graphs=`` argument)."""
     import seqpar
 
     world = dist.get_world_size(group)
@@ -116,7 +117,7 @@ def ours_runner(spec: MethodSpec, preset: Preset, device: torch.device, group: d
     do = torch.randn_like(q)
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     kw = {"mesh": mesh, "method": spec.method, "layout": spec.layout, "causal": preset.causal, "kernel": kernel,
-          "check_ranks": check_ranks, "mask_mod": preset.mask_mod(), **dict(spec.options)}
+          "check_ranks": check_ranks, "graphs": graphs, "mask_mod": preset.mask_mod(), **dict(spec.options)}
     if padded != preset.seq_len:
         kw["seq_len"] = preset.seq_len
 
