@@ -2,6 +2,7 @@
 named masks' compute-path efficiency at an emulated W = 8 (fake group, communication free).
 
     python3 benchmarks/gpu/masks_1gpu.py --out DIR [--sections w1,softcap,rl,emulated,profile] [--sizes 16384,131072]
+        [--profile-cases sink_window:131072:ulysses/contiguous:fb,...]
         [--large-masks sink_window,chunked,window]
 
 Every record is one JSON line in DIR/masks.jsonl, labelled "W = 1" or "emulated W = 8 (rank r of 8, fake
@@ -348,30 +349,48 @@ def emulated(args) -> None:
 
 
 def profile(args) -> None:
-    """Where seqpar's time goes (W = 1, forward) for the masks that trail flex: the sink window at 16K and
-    chunked at the largest size; torch.profiler's CUDA kernels, most time first, and the kernel count."""
+    """Where seqpar's time goes, per ``--profile-cases`` entry ``mask:S:where:mode``: ``where`` is ``w1`` (one
+    process, the whole sequence) or ``method/layout`` (the busiest of 8 ranks on a fake group, as in the emulated
+    section); ``mode`` is ``fwd`` (no grad) or ``fb`` (forward+backward). torch.profiler's CUDA kernels, most time
+    first, and the kernel count."""
+    for case in args.profile_cases:
+        name, size, where, mode = case.split(":")
+        S = int(size)
+        causal, m = (True, None) if name == "causal" else named(S)[name]
+        if where == "w1":
+            group(1)
+            kw, n = {"layout": "contiguous"}, S
+        else:
+            method, layout = where.split("/")
+            per = work(make_layout(layout, 8, None), S, Rule(causal, mask=m), None)
+            group(8, 0 if method == "ulysses" else max(range(8), key=lambda r: (per[r], -r)))
+            kw, n = {"method": method, "layout": layout, "check_ranks": False}, S // 8
+        _profile_one(case, ours_call(causal=causal, mask_mod=m, **kw), inputs(n), mode == "fwd")
+        torch.cuda.empty_cache()
+
+
+def _profile_one(case: str, ours, t, no_grad: bool) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    group(1)
-    for name, S in (("sink_window", 16384), ("chunked", max(args.sizes))):
-        causal, m = named(S)[name]
-        q, k, v, _ = inputs(S)
-        ours = ours_call(causal=causal, mask_mod=m, layout="contiguous")
-        with torch.no_grad():
-            for _ in range(3):
+    q, k, v, do = t
+
+    def call():
+        if no_grad:
+            with torch.no_grad():
                 ours(q, k, v)
-            torch.cuda.synchronize()
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                ours(q, k, v)
-                torch.cuda.synchronize()
-        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
-        print(f"== profile {name} {S}: {len(kernels)} kernels, "
-              f"{sum(e.device_time for e in kernels) / 1e3:.2f} ms of kernel time", flush=True)
-        print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=70),
-              flush=True)
-        del q, k, v
-        torch.cuda.empty_cache()
+        else:
+            ours(q, k, v).backward(do)
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    print(f"== profile {case}: {len(kernels)} kernels, "
+          f"{sum(e.device_time for e in kernels) / 1e3:.2f} ms of kernel time", flush=True)
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=14, max_name_column_width=90), flush=True)
 
 
 def main() -> None:
@@ -385,6 +404,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="16384,131072")
     ap.add_argument("--large-masks", default="sink_window,chunked,window", type=lambda t: t.split(","),
                     help="w1 cases (first word of the name) timed at sizes above 16K")
+    ap.add_argument("--profile-cases", default="sink_window:16384:w1:fwd,chunked:131072:w1:fwd",
+                    type=lambda t: t.split(","), help="the profile section's cases, mask:S:where:mode (see profile)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
     args = ap.parse_args()
