@@ -12,6 +12,7 @@ stack, so a hang shows where it sits. Cases:
   graphs-skew-destroy   graphs auto; rank 0 sleeps 5 s before destroy (the bench's rank 0 prints and plots)
   eager-skew-destroy    graphs=False with the same skew
   graphs-clear-destroy  graphs auto, seqpar.runtime.call.cache_clear() (drops plans and their graphs), then destroy
+  graphs-noreg-destroy  graphs-destroy with NCCL_GRAPH_REGISTER=0 (NCCL does not register the captured buffers)
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=4)
     args = ap.parse_args()
     faulthandler.dump_traceback_later(15, repeat=True, file=sys.stderr)
+    if "noreg" in args.case:
+        os.environ["NCCL_GRAPH_REGISTER"] = "0"
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
