@@ -409,6 +409,9 @@ def test_double_ring_offered_inside_one_node():
     assert sizes == {2: [], 4: [2], 8: [2, 4]}
     over = get_topology("nvswitch", H200)
     assert [c.option("node_size") for c in dr.candidates(_problem(16384, 16), over, ("zigzag",), None)] == [8]
-    # the real W = 4 rows (2026-11-26): the double ring's GQA forward was the best; Ulysses the best fwd+bwd
-    assert plan(seq_len=16384, heads=32, kv_heads=8, world=4, mode="fwd").best.label == "double_ring/n2/zigzag"
+    # the real W = 4 rows (2026-11-26, 4x H200 and 4x H100): the double ring's GQA forward was the best, the ring's
+    # within 2% of it (1.364 and 1.392 ms on the H100s); Ulysses the best fwd+bwd
+    fwd = plan(seq_len=16384, heads=32, kv_heads=8, world=4, mode="fwd")
+    assert fwd.best.label in ("double_ring/n2/zigzag", "ring/zigzag")
+    assert "double_ring/n2/zigzag" in {e.label for e in fwd.entries if e.ok}
     assert plan(seq_len=16384, heads=32, kv_heads=8, world=4, mode="fwd+bwd").best.label == "ulysses"

@@ -10,7 +10,8 @@ import pytest
 from seqpar.cost.profile import Profile
 from seqpar.planner import fit as fitmod
 from seqpar.planner import load_profile
-from seqpar.planner.measured import CALL_US, FIT_FILES, FIT_PRESETS, HOST_OVERLAP_LOSS, STEP_US, fit_sources
+from seqpar.planner.measured import (CALL_US, FIT_FILES, FIT_PRESETS, FIT_PROFILE, HOST_OVERLAP_LOSS, STEP_US,
+                                    fit_sources)
 from seqpar.planner.validate import main as validate_main
 from seqpar.planner.validate import predict_record
 
@@ -99,13 +100,15 @@ def test_builtin_fixed_costs_are_the_committed_fit():
     if not all(p.exists() for p in paths):
         pytest.skip("benchmark results not in this checkout")
     recs = fitmod.split(paths, [p for p in paths if p.name in FIT_FILES], FIT_PRESETS)
-    f = fitmod.fit(recs, "h200-nvswitch", kappas=(HOST_OVERLAP_LOSS,))
+    f = fitmod.fit(recs, FIT_PROFILE, kappas=(HOST_OVERLAP_LOSS,))
     want = {f"call/{k}": v for k, v in CALL_US.items()} | {f"step/{k}": v for k, v in STEP_US.items()}
     assert f.theta_us.keys() == want.keys()
     for k, v in want.items():
         assert f.theta_us[k] == pytest.approx(v, abs=max(2.0, 0.01 * v)), k
     assert dict(H200.call_us) == CALL_US and dict(H200.step_us) == STEP_US
     assert H200.host_overlap_loss == HOST_OVERLAP_LOSS
+    h100 = load_profile("h100-nvswitch")
+    assert dict(h100.step_us) == STEP_US and h100.host_overlap_loss == HOST_OVERLAP_LOSS
 
 
 def test_validate_labels_fit_and_check(tmp_path, capsys):

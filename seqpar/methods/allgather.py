@@ -34,8 +34,8 @@ Note [Gather by parts]
     chunk's two partials (Note [One merge per call]), where global order moved the whole gathered buffer through
     memory twice per forward and backward plus the fp32 dK/dV once (at 2K tokens per rank over 8, MHA: 0.17 ms
     forward, 0.5 ms backward, against a merge of 1K rows). The per-batch layouts, whose runs differ from rank to
-    rank, keep one gather and the permutation (Note [Gather into global order]). The cost model still prices the
-    permutation for every non-contiguous layout (its fixed costs were fitted on runs that paid it).
+    rank, keep one gather and the permutation (Note [Gather into global order]); the cost model prices the
+    permutation for them alone.
 
 Note [First touch]
     Backward accumulates every call's dK/dV into the fp32 buffer of the gathered keys (W L rows per head chunk).
@@ -55,9 +55,9 @@ Note [Chunk copies]
     rank order: a front and its back chunk per rank), so it is applied as one copy per run, each at memory
     bandwidth (a strided ``copy_``, or a DtoD memcpy for a run of one). A per-batch layout's order can hold one
     chunk per token; past ``COPY_RUNS`` runs it stays one ``index_select`` (many small rows: its large-index
-    kernel). The planner's ``permute_gelems`` is still the index_select rate its fixed costs were fitted with
-    (``seqpar.planner.measured``), so it prices the permutation above what the copies take until the next fit
-    on a real run.
+    kernel). The cost model charges the permutation to the per-batch layouts alone, at ``permute_gelems`` (the
+    profiled index_select rate, ``seqpar.planner.measured``): the rate of the many-run case, above what a few
+    strided copies take; its fixed costs were refitted on a real run of the code that gathers by parts.
 
 Note [All-gather pipeline]
     KV heads are processed in chunks of ``heads_k_stride`` (None = all heads in one round; GQA: query heads
@@ -784,8 +784,11 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
     sel = selected_rows(make_layout(c.layout, W, p.documents), S, p.rule, p.documents) if W > 1 else None
     rows, foreign = (S, (W - 1) * L) if sel is None else sel
     gather, scatter = ("allgather", "reduce_scatter") if sel is None else ("a2a", "a2a")
-    # Note [Gather into global order]: every layout but contiguous permutes the gathered rows
-    perm = m.permute_ms(p.batch * rows * 2 * stride * p.head_dim) if c.layout != "contiguous" and W > 1 else 0.0
+    # Note [Gather into global order]: only a per-batch layout's full gather permutes (contiguous arrives in order,
+    # a plain layout gathers by parts, the selective gather in the order it reads: Note [Gather by parts])
+    permutes = W > 1 and sel is None and c.layout != "contiguous" and \
+        _parts(make_layout(c.layout, W, p.documents), S) is None
+    perm = m.permute_ms(p.batch * rows * 2 * stride * p.head_dim) if permutes else 0.0
     cf = sum(m.kernel_ms(p, blk, heads) for blk in blocks) + perm
     cb = sum(m.kernel_ms(p, blk, heads, "bwd") for blk in blocks) + 2 * perm \
         + m.hbm_ms(sum(p.act(blk.cols, 2 * stride, 8) for blk in blocks))           # KV into order, dK/dV back
