@@ -76,6 +76,9 @@ Note [Graphs under compile]
 
 from __future__ import annotations
 
+import atexit
+import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,7 +89,7 @@ from ..kernels.combine import keep_tables
 from ..methods.base import BackwardInputs
 from ..numerics import GradRows
 
-__all__ = ["GRAPH_ROWS", "Graphed", "wanted"]
+__all__ = ["GRAPH_ROWS", "Graphed", "release_all", "wanted"]
 
 GRAPH_ROWS = 8192
 """Auto graphs a call with at most this many local rows (batch x sequence) per rank (Note [Graphed calls])."""
@@ -97,6 +100,42 @@ def wanted(graphs: bool | None, *, device: torch.device, world: int, rows: int, 
     if graphs is None:
         return device.type == "cuda" and world > 1 and rows <= GRAPH_ROWS and not direct
     return bool(graphs)
+
+
+_LIVE: weakref.WeakSet[Graphed] = weakref.WeakSet()      # every Graphed that may hold a captured graph
+_GUARD = threading.Lock()
+_GUARDED = False
+
+
+def release_all() -> int:
+    """Free every CUDA graph seqpar holds (Note [Graphs and shutdown]); later calls of those plans run eagerly.
+    Returns how many graphs were freed."""
+    live = [g for g in list(_LIVE) if g._graphs]
+    devices = {c.device for g in live for c in g._graphs.values()}
+    for d in devices:                   # nothing captured may still be running when its graph goes
+        torch.cuda.synchronize(d)
+    freed = sum(g.retire() for g in live)
+    for d in devices:                   # NCCL releases a graph's persistent work when the graph is destroyed
+        torch.cuda.synchronize(d)
+    return freed
+
+
+def _guard_shutdown() -> None:
+    """Release seqpar's graphs before any process group shuts down, and at exit (Note [Graphs and shutdown])."""
+    global _GUARDED
+    with _GUARD:
+        if _GUARDED:
+            return
+        _GUARDED = True
+        from torch.distributed import ProcessGroup
+
+        shutdown = ProcessGroup.shutdown
+
+        def shutdown_after_release(self, *args, **kwargs):
+            release_all()
+            return shutdown(self, *args, **kwargs)
+        ProcessGroup.shutdown = shutdown_after_release
+        atexit.register(release_all)
 
 
 class _Captured:
@@ -160,11 +199,17 @@ class Graphed:
         self._seen: set[Any] = set()
         self._graphs: dict[Any, _Captured] = {}
         self.retired = False
+        _LIVE.add(self)
 
-    def retire(self) -> None:
-        """Free the graphs; later calls run eagerly (a batch plan whose batch has passed: Note [Graphed batches])."""
+    def retire(self) -> int:
+        """Free the graphs; later calls run eagerly (a batch plan whose batch has passed: Note [Graphed batches];
+        shutdown: Note [Graphs and shutdown]). Returns how many were freed."""
         self.retired = True
+        n = len(self._graphs)
+        for c in self._graphs.values():
+            c.graph.reset()
         self._graphs.clear()
+        return n
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         return self._run("fwd", lambda q, k, v: self.engine.forward(q, k, v), [q, k, v])
@@ -188,6 +233,7 @@ class Graphed:
             if key not in self._seen:          # the first call runs eagerly: plans, compiles, connections
                 self._seen.add(key)
                 return fn(*inputs)
+            _guard_shutdown()
             try:
                 g = self._graphs[key] = _Captured(fn, inputs, self.pool)
             except Exception as err:
