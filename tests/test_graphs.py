@@ -111,3 +111,79 @@ def test_a_new_packed_batch_retires_the_graphs_of_the_ones_before(monkeypatch):
         assert second.engine.retired == 0
     finally:
         _call.cache_clear()
+
+
+def test_auto_declines_a_capture_that_could_deadlock_with_one_warning(monkeypatch):
+    """Note [Graphs and shutdown]: an NCCL group with expandable segments and NCCL graph registration runs eagerly."""
+    from seqpar.runtime import graphs as g
+
+    monkeypatch.setattr(g, "_WARNED", False)
+    kw = dict(device=CUDA, world=8, rows=2048, direct=False, hazard="a reason")
+    with pytest.warns(UserWarning, match="short calls run without CUDA graphs here: a reason .*NCCL_GRAPH_REGISTER=0"):
+        assert wanted(None, **kw) is False
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # once per process
+        assert wanted(None, **kw) is False
+    assert wanted(True, **kw) is True and wanted(False, **kw) is False
+
+
+@pytest.mark.parametrize("backend,conf,register,hazard", [
+    ("nccl", "expandable_segments:True", None, True),
+    ("cpu:gloo,cuda:nccl", "max_split_size_mb:64,expandable_segments:True", None, True),
+    ("nccl", "expandable_segments:True", "0", False),              # NCCL registers no captured buffers
+    ("nccl", "expandable_segments:True", "1", True),
+    ("nccl", "", None, False),                                     # plain cudaMalloc segments
+    ("fake", "expandable_segments:True", None, False),             # the emulated world moves nothing
+    ("gloo", "expandable_segments:True", None, False),
+])
+def test_capture_hazard(monkeypatch, backend, conf, register, hazard):
+    from types import SimpleNamespace
+
+    from seqpar.runtime.graphs import capture_hazard
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch._C, "_accelerator_getAllocatorSettings", lambda: "", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    if register is None:
+        monkeypatch.delenv("NCCL_GRAPH_REGISTER", raising=False)
+    else:
+        monkeypatch.setenv("NCCL_GRAPH_REGISTER", register)
+    why = capture_hazard(SimpleNamespace(group=object(), ulysses=None, ring=None))
+    assert (why is not None) is hazard
+    if hazard:
+        assert "expandable segments" in why and "NCCL_GRAPH_REGISTER" in why
+
+
+_SHUTDOWN_CHECK = """
+import tempfile, torch.distributed as dist
+from seqpar.runtime import graphs as g
+class Held:                                     # a Graphed's stand-in: holds one "graph"
+    def __init__(self): self._graphs = {"fwd": type("C", (), {"device": None})()}
+    def retire(self): n = len(self._graphs); self._graphs.clear(); order.append("released"); return n
+order, held = [], Held()
+g._LIVE.add(held)
+g.torch.cuda.synchronize = lambda device=None: None
+shutdown = dist.ProcessGroup.shutdown
+def traced(self, *a, **k):
+    order.append("shutdown")
+    return shutdown(self, *a, **k)
+dist.ProcessGroup.shutdown = traced             # torch's shutdown, logging its calls, beneath the guard
+g._guard_shutdown(); g._guard_shutdown()        # idempotent
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+dist.destroy_process_group()
+print(order)
+"""
+
+
+def test_destroying_a_group_releases_the_graphs_first():
+    """Note [Graphs and shutdown]: after the first capture, ``destroy_process_group`` releases every graph before
+    any group shuts down (NCCL waits for graphs holding its work), once; run in a process of its own, since the
+    guard patches ``ProcessGroup.shutdown`` for the process."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _SHUTDOWN_CHECK], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "['released', 'shutdown']"

@@ -323,8 +323,13 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
     engine = m.engine(call)
     direct = getattr(engine, "direct", None)
     direct = direct(call) if direct is not None and not (return_lse or verify or sinks is not None) else None
+    hazard = _graphs.capture_hazard(groups) if graphs is not False and q.device.type == "cuda" else None
+    if graphs is True and hazard is not None:
+        raise ValueError(f"graphs=True cannot run here: {hazard} (Note [Graphs and shutdown] in "
+                         f"seqpar.runtime.graphs); set NCCL_GRAPH_REGISTER=0, or pass graphs=None or False"
+                         f"{rank_suffix()}")
     if _graphs.wanted(graphs, device=q.device, world=groups.world, rows=q.shape[0] * q.shape[1],
-                      direct=direct is not None):
+                      direct=direct is not None, hazard=hazard):
         engine, direct = _graphs.Graphed(engine, required=graphs is True), None
     plan = Plan(m, cfg, groups, call, engine, items, return_lse, verify, direct)
     if key is not None:

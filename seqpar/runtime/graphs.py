@@ -27,8 +27,11 @@ Note [Graphed calls]
       as under ``graphs=True``, with the advice to pass ``graphs=False``: running on eagerly is not safe,
       since a failed capture can leave CUDA's RNG bookkeeping inconsistent for kernels that draw from it
       (measured: FA2 then fails with "Offset increment outside graph capture"). Engines are capturable by
-      construction (``tests/test_gpu_emulated.py`` captures every method); graphs on real NCCL groups of
-      several GPUs have not been run here (only one GPU was lent).
+      construction (``tests/test_gpu_emulated.py`` captures every method). On real NCCL groups (2 and 4 H100s,
+      2026-11-26) graphed calls ran the real tables; shutdown and one allocator setting need care (Note [Graphs
+      and shutdown]). On 2 H100s at 4K tokens per GPU (GQA 8K), graphs made ring, Ulysses and all-gather calls
+      1.19-1.40x faster than eager; at 8K per GPU (MHA 16K) only the ring's forward gained (1.39x), the rest
+      within 0.94-1.00 (``benchmarks/results/2026-11-26-h100x2-graphs-real/``).
     * One thread per plan: the static buffers are the plan's, so two threads replaying one plan at once would
       overwrite each other's inputs (calls on distinct signatures are independent).
 
@@ -39,6 +42,28 @@ Note [Graph copies]
     multi-tensor kernel). It cut 1-10 GPU operations per call, but its copies ran slower than the per-tensor
     ones - the calls' GPU busy time +2.5% (median of 80 configurations, emulated on an H100) - and efficiency
     did not move (median ratio 0.997; ``benchmarks/results/2026-11-26-h100-graph-copies/``).
+
+Note [Graphs and shutdown]
+    A graph that holds NCCL transfers holds NCCL's persistent work on the communicator, and ``ncclCommDestroy``
+    waits for that work to be released: ``dist.destroy_process_group()`` after capturing NCCL transfers hangs
+    until the graphs are destroyed (pytorch#115388; Megatron-Bridge deletes its graphs before it). Both real
+    W = 4 tables of 2026-11-26 (4x H200, 4x H100) hung in the benchmark's final ``destroy_process_group`` after
+    every record was written, until the call's limit killed them. So the first capture installs two guards:
+    ``ProcessGroup.shutdown`` - which ``destroy_process_group`` calls for every group it tears down, however the
+    user imported it - first runs ``release_all`` (synchronize the devices, destroy every graph seqpar holds,
+    synchronize again), and so does ``atexit`` for a process that never destroys its groups. A released plan runs
+    eagerly afterwards, with the same results. Measured on 2 H100s (``benchmarks/gpu/exit_check.py``,
+    ``benchmarks/results/2026-11-26-h100x2-graphs-real/``): graphed ring, Ulysses and all-gather calls, then
+    ``destroy_process_group`` - returns; no destroy - the process exits; the real 2-GPU bench exits on its own.
+
+    A second hazard, found in the same runs: with the CUDA allocator's expandable segments
+    (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which long-context training often sets) and NCCL's
+    graph buffer registration on (``NCCL_GRAPH_REGISTER`` unset, NCCL's default), the second graphed Ulysses
+    call's backward never got past the device synchronize that starts its capture, on both ranks (the
+    forward's captured all-to-all never completed); with ``NCCL_GRAPH_REGISTER=0`` the same case ran and exited,
+    as did every case without expandable segments. So auto (``capture_hazard``) runs such calls eagerly on a
+    group with an NCCL backend when both are on, with one warning that names the fix, and ``graphs=True`` there
+    raises. The fake group of the emulated world moves nothing and is never affected.
 
 Note [Graphed batches]
     A packed batch (``Call.packed``) is a plan of its own, used by every layer of one training step - forward,
@@ -68,7 +93,8 @@ Note [Graphs under compile]
 
     Auto (``graphs=None``): CUDA, more than one rank, at most ``GRAPH_ROWS`` local rows (packed documents
     included: Note [Graphed batches]), not the single-kernel direct path (W = 1 has no steps to save), and not
-    a call from a compiled model (Note [Graphs under compile]). A valid length short of the padded one is
+    a call from a compiled model (Note [Graphs under compile]), nor an NCCL group with expandable segments and
+    NCCL's graph registration on (Note [Graphs and shutdown]). A valid length short of the padded one is
     graphed: its plan is one per length, reused by every layer of a step, and a method that pads for its own
     layout (TASP's multiples of 2W(W-1)) meets the same length every call - counted as varying, TASP at 2K
     tokens per rank over 8 ran ungraphed at 0.18 / 0.19 of the kernel, against 0.50 / 0.43 graphed (emulated, H100).
@@ -78,6 +104,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -89,17 +116,48 @@ from ..kernels.combine import keep_tables
 from ..methods.base import BackwardInputs
 from ..numerics import GradRows
 
-__all__ = ["GRAPH_ROWS", "Graphed", "release_all", "wanted"]
+__all__ = ["GRAPH_ROWS", "Graphed", "capture_hazard", "release_all", "wanted"]
 
 GRAPH_ROWS = 8192
 """Auto graphs a call with at most this many local rows (batch x sequence) per rank (Note [Graphed calls])."""
 
 
-def wanted(graphs: bool | None, *, device: torch.device, world: int, rows: int, direct: bool) -> bool:
-    """Whether a planned call runs as graphs: ``graphs=True`` (then CUDA is required), False, or auto."""
-    if graphs is None:
-        return device.type == "cuda" and world > 1 and rows <= GRAPH_ROWS and not direct
-    return bool(graphs)
+def capture_hazard(groups: Any) -> str | None:
+    """Why capturing this call's NCCL transfers could deadlock, or None (Note [Graphs and shutdown])."""
+    import os
+
+    import torch.distributed as dist
+
+    pgs = [g for g in (groups.group, groups.ulysses, groups.ring) if g is not None] or [None]
+    if not any("nccl" in str(dist.get_backend(g)) for g in pgs):
+        return None
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    settings = " ".join([get() if get is not None else "", os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+                         os.environ.get("PYTORCH_ALLOC_CONF", "")]).replace(" ", "").lower()
+    if "expandable_segments:true" not in settings or os.environ.get("NCCL_GRAPH_REGISTER") == "0":
+        return None
+    return ("the CUDA allocator's expandable segments with NCCL's graph buffer registration (NCCL_GRAPH_REGISTER "
+            "unset or 1) deadlock a captured NCCL transfer")
+
+
+_WARNED = False
+
+
+def wanted(graphs: bool | None, *, device: torch.device, world: int, rows: int, direct: bool,
+           hazard: str | None = None) -> bool:
+    """Whether a planned call runs as graphs: ``graphs=True`` (then CUDA is required), False, or auto - which
+    declines a call whose capture could deadlock (``hazard``, from ``capture_hazard``), once with a warning."""
+    if graphs is not None:
+        return graphs
+    want = device.type == "cuda" and world > 1 and rows <= GRAPH_ROWS and not direct
+    if want and hazard is not None:
+        global _WARNED
+        if not _WARNED:
+            _WARNED = True
+            warnings.warn(f"seqpar: short calls run without CUDA graphs here: {hazard} (Note [Graphs and shutdown] "
+                          f"in seqpar.runtime.graphs). Set NCCL_GRAPH_REGISTER=0 to graph them.", stacklevel=4)
+        return False
+    return want
 
 
 _LIVE: weakref.WeakSet[Graphed] = weakref.WeakSet()      # every Graphed that may hold a captured graph
