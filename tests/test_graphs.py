@@ -187,3 +187,47 @@ def test_destroying_a_group_releases_the_graphs_first():
     out = subprocess.run([sys.executable, "-c", _SHUTDOWN_CHECK], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "['released', 'shutdown']"
+
+
+@pytest.mark.parametrize("host_ms,device_ms,captures", [(0.9, 1.0, True), (0.6, 1.0, True), (0.5, 1.0, False),
+                                                        (2.0, 1.8, True)])
+def test_auto_captures_only_a_call_the_host_holds_back(monkeypatch, host_ms, device_ms, captures):
+    """Note [Which calls graph]: under auto the first call is eager, the second eager and timed, and the third
+    captured only if the host took at least HOST_BOUND of the device's time - else that kind of call stays eager;
+    graphs=True captures the second call, untimed."""
+    from seqpar.runtime import graphs as g
+
+    class Event:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.ms - self.ms
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(g, "_guard_shutdown", lambda: None)
+    monkeypatch.setattr(g, "_Captured", lambda fn, inputs, pool: made.append(fn) or (lambda inputs: "replayed"))
+    engine = type("Engine", (), {"saves": False, "forward": lambda self, q, k, v: "eager"})()
+    for required in (False, True):
+        made.clear()
+        graphed = g.Graphed(engine, required=required)
+        timed = []
+
+        def fake_time(key, fn, inputs, graphed=graphed, timed=timed):
+            timed.append(key)
+            graphed._timed[key] = (host_ms, Event(0.0), Event(device_ms))
+            return fn(*inputs)
+        graphed._time = fake_time
+        x = torch.zeros(1)
+        got = [graphed.forward(x, x, x) for _ in range(4)]
+        if required:
+            assert got == ["eager", "replayed", "replayed", "replayed"] and timed == [] and len(made) == 1
+        elif captures:
+            assert got == ["eager", "eager", "replayed", "replayed"] and timed == ["fwd"] and len(made) == 1
+        else:
+            assert got == ["eager"] * 4 and timed == ["fwd"] and not made and "fwd" in graphed._eager

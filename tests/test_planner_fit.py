@@ -10,8 +10,15 @@ import pytest
 from seqpar.cost.profile import Profile
 from seqpar.planner import fit as fitmod
 from seqpar.planner import load_profile
-from seqpar.planner.measured import (CALL_US, FIT_FILES, FIT_PRESETS, FIT_PROFILE, HOST_OVERLAP_LOSS, STEP_US,
-                                    fit_sources)
+from seqpar.planner.measured import (
+    CALL_US,
+    FIT_FILES,
+    FIT_PRESETS,
+    FIT_PROFILE,
+    HOST_OVERLAP_LOSS,
+    STEP_US,
+    fit_sources,
+)
 from seqpar.planner.validate import main as validate_main
 from seqpar.planner.validate import predict_record
 

@@ -55,7 +55,7 @@ def rank_median_ms(fn: Callable[[], object], device: torch.device, *, warmup: in
     return statistics.median(times)
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, iters: int = 5,
+def time_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, iters: int = 5,
             group: dist.ProcessGroup | None = None) -> float:
     """Median milliseconds per call of ``fn``; across ranks, the slowest rank's median."""
     med = rank_median_ms(fn, device, warmup=warmup, iters=iters, group=group)

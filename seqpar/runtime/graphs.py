@@ -15,10 +15,11 @@ Note [Graphed calls]
       a few percent of the call at the sizes where graphs pay; above ``GRAPH_ROWS`` rows per rank a call is
       not host-bound and runs eagerly.
     * Capture: the first call of a plan runs eagerly (it builds cuDNN plans, compiles Triton kernels, opens
-      NCCL connections - none of which may happen inside a capture); the second is captured and replayed;
-      later calls replay. Forward and backward are separate graphs sharing one memory pool (they never run
-      concurrently and their outputs are copied out at once). A backward whose optional inputs differ (an
-      lse gradient present or not) gets its own graph.
+      NCCL connections - none of which may happen inside a capture); with ``graphs=True`` the second is
+      captured and replayed, under auto the second is timed eagerly and the third captured if the host holds
+      the call back (Note [Which calls graph]); later calls replay. Forward and backward are separate graphs
+      sharing one memory pool (they never run concurrently and their outputs are copied out at once). A
+      backward whose optional inputs differ (an lse gradient present or not) gets its own graph.
     * Transfers: P2P and collectives are captured with the kernels (NCCL supports capture; the fake group of
       the emulated world does nothing). The agreement round runs before the engine, outside the graph.
     * Never inside another capture: under ``torch.compile(mode="reduce-overhead")`` or a user's own graph,
@@ -65,6 +66,24 @@ Note [Graphs and shutdown]
     group with an NCCL backend when both are on, with one warning that names the fix, and ``graphs=True`` there
     raises. The fake group of the emulated world moves nothing and is never affected.
 
+Note [Which calls graph]
+    A graph saves host time and costs device time: the copies into its static buffers and the clones out (Note
+    [Graph copies]). Ulysses launches a few large operations per call, so its eager host time is often below its
+    device time, and then the copies are pure loss. Emulated on one H100 (rank 0 of W on a fake group,
+    ``benchmarks/results/2026-11-26-h100x2-exit-and-graphs/graphs``), graphs added 6-19% to Ulysses' device time
+    per call; at 4K tokens per rank (W = 4) eager ran the steady state faster - forward 0.81 / 0.80 / 0.92 against
+    0.75 / 0.68 / 0.86 graphed (GQA causal, MHA causal, MHA full), forward+backward 0.89 / 0.90 / 1.12 against
+    0.90 / 0.84 / 1.03 - where its host took 0.4-0.6 of the device's time; at 2K per rank (W = 8) the eager host
+    time passed the device's and graphs won (GQA forward 0.65 against 0.32).
+    So under auto (not ``graphs=True``) the call after the warm-up one also runs eagerly, timed: the host's time
+    to issue it, and CUDA events around it (the device's time from its first operation to its last - the busy
+    time when the host keeps ahead, about the host's own time when it does not). The next call reads the events
+    and captures only if the host took at least ``HOST_BOUND`` (0.6) of the device's time; otherwise that plan's
+    calls of that kind (forward, or backward with the same optional inputs) stay eager. The bar leans to graphs:
+    the host's time measured is the engine's alone (the call around it costs the same either way), and a graph's
+    downside (its copies, ~10%) is smaller than a host-bound call's (2x at 2K per rank). Ranks decide on their
+    own measurements; a captured and an eager rank issue the same transfers in the same order.
+
 Note [Graphed batches]
     A packed batch (``Call.packed``) is a plan of its own, used by every layer of one training step - forward,
     the recompute and backward - and then never again (Note [Bounded plan cache] in ``seqpar.runtime.call``).
@@ -104,6 +123,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -120,6 +140,10 @@ __all__ = ["GRAPH_ROWS", "Graphed", "capture_hazard", "release_all", "wanted"]
 
 GRAPH_ROWS = 8192
 """Auto graphs a call with at most this many local rows (batch x sequence) per rank (Note [Graphed calls])."""
+
+HOST_BOUND = 0.6
+"""Auto captures a call whose eager host time is at least this share of its eager time on the device (Note [Which
+calls graph])."""
 
 
 def capture_hazard(groups: Any) -> str | None:
@@ -255,6 +279,8 @@ class Graphed:
         self.saves = engine.saves
         self.pool = torch.cuda.graph_pool_handle()
         self._seen: set[Any] = set()
+        self._timed: dict[Any, tuple[float, torch.cuda.Event, torch.cuda.Event]] = {}
+        self._eager: set[Any] = set()                # auto measured these calls not host-bound
         self._graphs: dict[Any, _Captured] = {}
         self.retired = False
         _LIVE.add(self)
@@ -284,13 +310,22 @@ class Graphed:
         return self._run(("bwd", tuple(x is None for x in inputs)), bwd, inputs)
 
     def _run(self, key: Any, fn: Callable[..., Any], inputs: list[torch.Tensor | None]):
-        if self.retired or torch.cuda.is_current_stream_capturing():
+        if self.retired or key in self._eager or torch.cuda.is_current_stream_capturing():
             return fn(*inputs)
         g = self._graphs.get(key)
         if g is None:
             if key not in self._seen:          # the first call runs eagerly: plans, compiles, connections
                 self._seen.add(key)
                 return fn(*inputs)
+            if not self.required:              # auto: graph only a call the host holds back (Note [Which calls graph])
+                timed = self._timed.pop(key, None)
+                if timed is None:
+                    return self._time(key, fn, inputs)
+                host_ms, start, end = timed
+                end.synchronize()
+                if host_ms < HOST_BOUND * start.elapsed_time(end):
+                    self._eager.add(key)
+                    return fn(*inputs)
             _guard_shutdown()
             try:
                 g = self._graphs[key] = _Captured(fn, inputs, self.pool)
@@ -299,3 +334,15 @@ class Graphed:
                 raise RuntimeError(f"{how}: capturing this call as a CUDA graph failed ({err}); pass graphs=False "
                                    f"to run it eagerly{rank_suffix()}") from err
         return g(inputs)
+
+    def _time(self, key: Any, fn: Callable[..., Any], inputs: list[torch.Tensor | None]):
+        """Run eagerly, keeping the host's time and two events around the device's (read at the next call)."""
+        device = next(x.device for x in inputs if x is not None)
+        with torch.cuda.device(device):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            res = fn(*inputs)
+            end.record()
+        self._timed[key] = ((time.perf_counter() - t0) * 1e3, start, end)
+        return res
