@@ -323,7 +323,8 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
     engine = m.engine(call)
     direct = getattr(engine, "direct", None)
     direct = direct(call) if direct is not None and not (return_lse or verify or sinks is not None) else None
-    hazard = _graphs.capture_hazard(groups) if graphs is not False and q.device.type == "cuda" else None
+    hazard = _graphs.capture_hazard(groups) if graphs is not False and q.device.type == "cuda" and \
+        groups.world > 1 else None     # one rank: no transfer inside the call
     if graphs is True and hazard is not None:
         raise ValueError(f"graphs=True cannot run here: {hazard} (Note [Graphs and shutdown] in "
                          f"seqpar.runtime.graphs); set NCCL_GRAPH_REGISTER=0, or pass graphs=None or False"

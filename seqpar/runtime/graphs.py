@@ -147,7 +147,8 @@ calls graph])."""
 
 
 def capture_hazard(groups: Any) -> str | None:
-    """Why capturing this call's NCCL transfers could deadlock, or None (Note [Graphs and shutdown])."""
+    """Why capturing the NCCL transfers of a call over ``groups`` (of several ranks) could deadlock, or None
+    (Note [Graphs and shutdown])."""
     import os
 
     import torch.distributed as dist
