@@ -122,6 +122,7 @@ Note [Graphs under compile]
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 import warnings
@@ -184,6 +185,8 @@ def wanted(graphs: bool | None, *, device: torch.device, world: int, rows: int, 
         return False
     return want
 
+
+log = logging.getLogger("seqpar.runtime")
 
 _LIVE: weakref.WeakSet[Graphed] = weakref.WeakSet()      # every Graphed that may hold a captured graph
 _GUARD = threading.Lock()
@@ -324,7 +327,12 @@ class Graphed:
                     return self._time(key, fn, inputs)
                 host_ms, start, end = timed
                 end.synchronize()
-                if host_ms < HOST_BOUND * start.elapsed_time(end):
+                device_ms = start.elapsed_time(end)
+                held = host_ms >= HOST_BOUND * device_ms
+                log.info("graphs auto: %s of %s took %.3f ms of host for %.3f ms on the device: %s",
+                         key if isinstance(key, str) else key[0], type(self.engine).__name__, host_ms, device_ms,
+                         "captured" if held else "eager")
+                if not held:
                     self._eager.add(key)
                     return fn(*inputs)
             _guard_shutdown()
