@@ -165,9 +165,10 @@ def test_fake_group_collectives_copy_nothing(fake_world, monkeypatch, method, la
 
 def test_bench_emulated_world_smoke(tmp_path):
     """``python -m seqpar.bench --emulate-world 4`` on CPU: one process, records with the emulation fields for
-    the busiest rank of each configuration."""
+    the busiest rank of each configuration (and ``--graphs``, recorded)."""
     cmd = [sys.executable, "-m", "seqpar.bench", "--emulate-world", "4", "--preset", "tiny-causal", "--device",
-           "cpu", "--methods", "ring/contiguous,ulysses", "--warmup", "0", "--iters", "1", "--out", str(tmp_path)]
+           "cpu", "--methods", "ring/contiguous,ulysses", "--warmup", "0", "--iters", "1", "--graphs", "off", "--out",
+           str(tmp_path)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-2000:]
     recs = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
@@ -180,6 +181,7 @@ def test_bench_emulated_world_smoke(tmp_path):
             assert key in r, (key, r)
         assert r["steady_ms"] > 0 and r["steady_compute_efficiency"] == pytest.approx(r["limit_ms"] / r["steady_ms"])
         assert r["emulated_world"] == 4 and r["tokens_per_rank"] == 128 and r["backend"] == "fake"
+        assert r["graphs"] == "off"                            # --graphs: every configuration's graphs=False
     ranks = {r["method"]: r["emulated_rank"] for r in ours}
     assert ranks == {"ring/contiguous": 3, "ulysses": 0}      # the busiest rank of a causal contiguous ring
 
