@@ -4,6 +4,8 @@ W = 1 and ``tests/test_gpu_emulated.py`` captures every method as rank 0 of 8.""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -212,6 +214,7 @@ def test_auto_captures_only_a_call_the_host_holds_back(monkeypatch, host_ms, dev
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(g, "_guard_shutdown", lambda: None)
     monkeypatch.setattr(g, "_Captured", lambda fn, inputs, pool: made.append(fn) or (lambda inputs: "replayed"))
+    monkeypatch.setattr(g, "_LIVE", weakref.WeakSet())              # stand-ins that release_all must not meet
     engine = type("Engine", (), {"saves": False, "forward": lambda self, q, k, v: "eager"})()
     for required in (False, True):
         made.clear()
@@ -231,3 +234,33 @@ def test_auto_captures_only_a_call_the_host_holds_back(monkeypatch, host_ms, dev
             assert got == ["eager", "eager", "replayed", "replayed"] and timed == ["fwd"] and len(made) == 1
         else:
             assert got == ["eager"] * 4 and timed == ["fwd"] and not made and "fwd" in graphed._eager
+
+
+def test_release_all_destroys_the_graphs_and_later_calls_run_eagerly(monkeypatch):
+    """Note [Graphs and shutdown]: ``release_all`` synchronizes, resets every held graph, and the plan runs eagerly
+    after it with the same engine."""
+    from seqpar.runtime import graphs as g
+
+    resets, syncs = [], []
+
+    class Captured:
+        def __init__(self, fn, inputs, pool):
+            self.device = torch.device("cpu")
+            self.graph = type("Graph", (), {"reset": lambda _: resets.append(1)})()
+
+        def __call__(self, inputs):
+            return "replayed"
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    monkeypatch.setattr(g, "_guard_shutdown", lambda: None)
+    monkeypatch.setattr(g, "_Captured", Captured)
+    monkeypatch.setattr(g, "_LIVE", weakref.WeakSet())              # this test's graphs alone
+    engine = type("Engine", (), {"saves": False, "forward": lambda self, q, k, v: "eager"})()
+    graphed = g.Graphed(engine, required=True)
+    x = torch.zeros(1)
+    assert [graphed.forward(x, x, x) for _ in range(3)] == ["eager", "replayed", "replayed"]
+    assert g.release_all() == 1 and resets == [1] and len(syncs) == 2
+    assert graphed.retired and graphed.forward(x, x, x) == "eager"
+    assert g.release_all() == 0 and resets == [1]                    # nothing left to release
