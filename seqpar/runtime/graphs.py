@@ -82,7 +82,11 @@ Note [Which calls graph]
     calls of that kind (forward, or backward with the same optional inputs) stay eager. The bar leans to graphs:
     the host's time measured is the engine's alone (the call around it costs the same either way), and a graph's
     downside (its copies, ~10%) is smaller than a host-bound call's (2x at 2K per rank). Ranks decide on their
-    own measurements; a captured and an eager rank issue the same transfers in the same order.
+    own measurements; a captured and an eager rank issue the same transfers in the same order. Measured after it
+    (``benchmarks/results/2026-11-26-h100-auto-measured/``, decisions logged by ``seqpar.runtime`` at INFO): the
+    timed call still pays one-time host work (0.8-3.1 ms of host where a steady eager Ulysses forward takes ~0.6),
+    so most calls measure host-bound and are captured as before; Ulysses' backward at 4K tokens per rank measured
+    host-light and stays eager (MHA forward+backward 0.81 -> 0.87). Timing a later call would decide better.
 
 Note [Graphed batches]
     A packed batch (``Call.packed``) is a plan of its own, used by every layer of one training step - forward,
@@ -123,6 +127,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import warnings
@@ -150,8 +155,6 @@ calls graph])."""
 def capture_hazard(groups: Any) -> str | None:
     """Why capturing the NCCL transfers of a call over ``groups`` (of several ranks) could deadlock, or None
     (Note [Graphs and shutdown])."""
-    import os
-
     import torch.distributed as dist
 
     pgs = [g for g in (groups.group, groups.ulysses, groups.ring) if g is not None] or [None]
