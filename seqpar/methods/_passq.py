@@ -199,14 +199,10 @@ class PassQ:
             a, b = rows
             if len(tasks) == 1 and (tasks[0].q_start, tasks[0].q_stop) == rows:
                 o, lse = runner.forward(qv, k, v, tasks[0])
-                res_o[a:b].copy_(o.transpose(0, 1))
-                res_l[a:b].copy_(lse.permute(2, 0, 1))
-                return
-            parts = []                        # several tasks: their partials merged in one pass, cast once
-            for t in tasks:
-                o, lse = runner.forward(qv, k, v, t)
-                parts.append((slice(t.q_start - a, t.q_stop - a), o, lse, t.covered))
-            o, lse = combine.merge_parts(parts, (B, b - a, H, Dv), q.dtype)
+            else:                             # several tasks: their partials merged in one pass, cast once
+                parts = [(slice(t.q_start - a, t.q_stop - a), *runner.forward(qv, k, v, t), t.covered)
+                         for t in tasks]
+                o, lse = combine.merge_parts(parts, (B, b - a, H, Dv), q.dtype)
             res_o[a:b].copy_(o.transpose(0, 1))
             res_l[a:b].copy_(lse.permute(2, 0, 1))
 
