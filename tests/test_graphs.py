@@ -163,7 +163,7 @@ import tempfile, torch.distributed as dist
 from seqpar.runtime import graphs as g
 class Held:                                     # a Graphed's stand-in: holds one "graph"
     def __init__(self): self._graphs = {"fwd": type("C", (), {"device": None})()}
-    def retire(self): n = len(self._graphs); self._graphs.clear(); order.append("released"); return n
+    def release(self): n = len(self._graphs); self._graphs.clear(); order.append("released"); return n
 order, held = [], Held()
 g._LIVE.add(held)
 g.torch.cuda.synchronize = lambda device=None: None
@@ -236,9 +236,9 @@ def test_auto_captures_only_a_call_the_host_holds_back(monkeypatch, host_ms, dev
             assert got == ["eager"] * 4 and timed == ["fwd"] and not made and "fwd" in graphed._eager
 
 
-def test_release_all_destroys_the_graphs_and_later_calls_run_eagerly(monkeypatch):
-    """Note [Graphs and shutdown]: ``release_all`` synchronizes, resets every held graph, and the plan runs eagerly
-    after it with the same engine."""
+def test_release_all_destroys_the_graphs_and_a_plan_called_again_captures_anew(monkeypatch):
+    """Note [Graphs and shutdown]: ``release_all`` synchronizes, resets every held graph, and a plan called again
+    afterwards warms up and captures again (a destroyed subgroup leaves the other plans graphed)."""
     from seqpar.runtime import graphs as g
 
     resets, syncs = [], []
@@ -262,5 +262,8 @@ def test_release_all_destroys_the_graphs_and_later_calls_run_eagerly(monkeypatch
     x = torch.zeros(1)
     assert [graphed.forward(x, x, x) for _ in range(3)] == ["eager", "replayed", "replayed"]
     assert g.release_all() == 1 and resets == [1] and len(syncs) == 2
-    assert graphed.retired and graphed.forward(x, x, x) == "eager"
     assert g.release_all() == 0 and resets == [1]                    # nothing left to release
+    assert not graphed.retired
+    assert [graphed.forward(x, x, x) for _ in range(3)] == ["eager", "replayed", "replayed"]
+    graphed.retire()                                                 # a passed batch: eager for good
+    assert resets == [1, 1] and [graphed.forward(x, x, x) for _ in range(2)] == ["eager", "eager"]

@@ -52,10 +52,12 @@ Note [Graphs and shutdown]
     every record was written, until the call's limit killed them. So the first capture installs two guards:
     ``ProcessGroup.shutdown`` - which ``destroy_process_group`` calls for every group it tears down, however the
     user imported it - first runs ``release_all`` (synchronize the devices, destroy every graph seqpar holds,
-    synchronize again), and so does ``atexit`` for a process that never destroys its groups. A released plan runs
-    eagerly afterwards, with the same results. Measured on 2 H100s (``benchmarks/gpu/exit_check.py``,
-    ``benchmarks/results/2026-11-26-h100x2-graphs-real/``): graphed ring, Ulysses and all-gather calls, then
-    ``destroy_process_group`` - returns; no destroy - the process exits; the real 2-GPU bench exits on its own.
+    synchronize again), and so does ``atexit`` for a process that never destroys its groups. Every group's
+    shutdown releases every graph (a graph does not record which communicators it holds); a plan called again
+    afterwards - its group alive, another one destroyed - warms up and captures anew. Measured on 2 H100s
+    (``benchmarks/gpu/exit_check.py``, ``benchmarks/results/2026-11-26-h100x2-graphs-real/``): graphed ring,
+    Ulysses and all-gather calls, then ``destroy_process_group`` - returns; no destroy - the process exits; the
+    real 2-GPU bench exits on its own.
 
     A second hazard, found in the same runs: with the CUDA allocator's expandable segments
     (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``, which long-context training often sets) and NCCL's
@@ -197,13 +199,13 @@ _GUARDED = False
 
 
 def release_all() -> int:
-    """Free every CUDA graph seqpar holds (Note [Graphs and shutdown]); later calls of those plans run eagerly.
-    Returns how many graphs were freed."""
+    """Destroy every CUDA graph seqpar holds (Note [Graphs and shutdown]); a plan still called afterwards captures
+    again. Returns how many graphs were destroyed."""
     live = [g for g in list(_LIVE) if g._graphs]
     devices = {c.device for g in live for c in g._graphs.values()}
     for d in devices:                   # nothing captured may still be running when its graph goes
         torch.cuda.synchronize(d)
-    freed = sum(g.retire() for g in live)
+    freed = sum(g.release() for g in live)
     for d in devices:                   # NCCL releases a graph's persistent work when the graph is destroyed
         torch.cuda.synchronize(d)
     return freed
@@ -292,14 +294,20 @@ class Graphed:
         self.retired = False
         _LIVE.add(self)
 
-    def retire(self) -> int:
-        """Free the graphs; later calls run eagerly (a batch plan whose batch has passed: Note [Graphed batches];
-        shutdown: Note [Graphs and shutdown]). Returns how many were freed."""
+    def retire(self) -> None:
+        """Free the graphs; later calls run eagerly (a batch plan whose batch has passed: Note [Graphed batches])."""
         self.retired = True
+        self.release()
+
+    def release(self) -> int:
+        """Destroy the graphs; the plan's next calls warm up and capture again (Note [Graphs and shutdown]).
+        Returns how many were destroyed."""
         n = len(self._graphs)
         for c in self._graphs.values():
             c.graph.reset()
         self._graphs.clear()
+        self._seen.clear()
+        self._timed.clear()
         return n
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
