@@ -316,6 +316,15 @@ def rl(args) -> None:
     torch.cuda.empty_cache()
 
 
+def emulated_rank(method: str, layout: str, S: int, causal: bool, m, W: int):
+    """``(cu_seqlens, rank, per-rank work)`` of a configuration emulated as its busiest rank of W: balanced places
+    the mask's work over one document ``(0, S)``; Ulysses gives every rank the same work (rank 0)."""
+    docs = (0, S) if layout == "balanced" else None
+    lay = make_layout(layout, W, docs, Rule(causal, mask=m) if docs and m is not None else None)
+    per = work(lay, S, Rule(causal, mask=m), docs)
+    return docs, 0 if method == "ulysses" else max(range(W), key=lambda r: (per[r], -r)), per
+
+
 def emulated(args) -> None:
     """Compute-path efficiency of the busiest of 8 ranks per named mask (and causal), against seqpar W = 1 on
     the whole sequence: efficiency = T(W = 1) / 8 / T(busiest rank)."""
@@ -330,10 +339,7 @@ def emulated(args) -> None:
                         W1[(S, name)] = timed(ours_call(causal=causal, mask_mod=m, layout="contiguous"), inputs(S),
                                               args)
                     base = W1[(S, name)]
-                    docs = (0, S) if layout == "balanced" else None       # balanced places the mask's work
-                    lay = make_layout(layout, W, docs, Rule(causal, mask=m) if docs and m is not None else None)
-                    per = work(lay, S, Rule(causal, mask=m), docs)
-                    rank = 0 if method == "ulysses" else max(range(W), key=lambda r: (per[r], -r))
+                    docs, rank, per = emulated_rank(method, layout, S, causal, m, W)
                     group(W, rank)
                     ours = timed(ours_call(causal=causal, mask_mod=m, method=method, layout=layout, cu_seqlens=docs,
                                            check_ranks=False), inputs(S // W), args)
@@ -362,9 +368,9 @@ def profile(args) -> None:
             kw, n = {"layout": "contiguous"}, S
         else:
             method, layout = where.split("/")
-            per = work(make_layout(layout, 8, None), S, Rule(causal, mask=m), None)
-            group(8, 0 if method == "ulysses" else max(range(8), key=lambda r: (per[r], -r)))
-            kw, n = {"method": method, "layout": layout, "check_ranks": False}, S // 8
+            docs, rank, _ = emulated_rank(method, layout, S, causal, m, 8)
+            group(8, rank)
+            kw, n = {"method": method, "layout": layout, "check_ranks": False, "cu_seqlens": docs}, S // 8
         _profile_one(case, ours_call(causal=causal, mask_mod=m, **kw), inputs(n), mode == "fwd")
         torch.cuda.empty_cache()
 
