@@ -89,19 +89,23 @@ Note [Which calls graph]
     timed call still pays one-time host work (0.8-3.1 ms of host where a steady eager Ulysses forward takes ~0.6),
     so most calls measure host-bound and are captured as before; Ulysses' backward at 4K tokens per rank measured
     host-light and stays eager (MHA forward+backward 0.81 -> 0.87). Timing a later call would decide better.
+    So since the eleventh session auto times ``TIMED_CALLS`` (2) eager calls after the warm-up one and decides on
+    the least host share among them: one-time host work lands in one of them (the first call after the warm-up
+    still resolves what the warm-up planned), and a call's own host work recurs in every one. A plan's fifth call
+    of a kind is the first replay (warm-up, two timed, capture); the bench warms up four calls.
 
 Note [Graphed batches]
-    A packed batch (``Call.packed``) is a plan of its own, used by every layer of one training step - forward,
-    the recompute and backward - and then never again (Note [Bounded plan cache] in ``seqpar.runtime.call``).
-    Its second call is captured and the rest replay, as for any plan: a step of L layers runs 2 calls eagerly or
-    capturing and about 3L - 2 as replays. When a plan for another packed batch (other ``cu_seqlens``) is made,
-    the graphs of the packed plans of every other batch are retired (``Graphed.retire``): their memory goes
-    back, and a call that still comes for such a plan (a pipeline's earlier micro-batch) runs eagerly, with the
-    same result. Plans of the same batch (layers of other shapes: sliding and global, say) keep theirs. So one
-    packed batch's graphs are held at a time, where the cache keeps ``BATCH_CACHE_SIZE`` batch plans. (A padded
-    batch without documents - one plan per valid length, the same lengths coming back - keeps its graphs while
-    cached.) Until 2026-11-26 auto left packed calls eager, and at 4K tokens per rank they were host-bound
-    (Ulysses at 0.36 / 0.52 of the kernel over 8 ranks, emulated); before and after:
+    A packed batch (``Call.packed``) is a plan of its own, used by every layer of one training step - forward, the
+    recompute and backward - and then never again (Note [Bounded plan cache] in ``seqpar.runtime.call``). Its calls of a
+    kind warm up, are timed, captured and replayed as for any plan (Note [Which calls graph]): a step of L layers runs a
+    few calls of each kind eagerly or capturing and the rest, about 3L of them, as replays. When a plan for another
+    packed batch (other ``cu_seqlens``) is made, the graphs of the packed plans of every other batch are retired
+    (``Graphed.retire``): their memory goes back, and a call that still comes for such a plan (a pipeline's earlier
+    micro-batch) runs eagerly, with the same result. Plans of the same batch (layers of other shapes: sliding and
+    global, say) keep theirs. So one packed batch's graphs are held at a time, where the cache keeps
+    ``BATCH_CACHE_SIZE`` batch plans. (A padded batch without documents - one plan per valid length, the same lengths
+    coming back - keeps its graphs while cached.) Until 2026-11-26 auto left packed calls eager, and at 4K tokens per
+    rank they were host-bound (Ulysses at 0.36 / 0.52 of the kernel over 8 ranks, emulated); before and after:
     ``benchmarks/results/2026-11-26-h100-graphed-batches/``.
 
 Note [Graphs under compile]
@@ -152,6 +156,10 @@ GRAPH_ROWS = 8192
 HOST_BOUND = 0.6
 """Auto captures a call whose eager host time is at least this share of its eager time on the device (Note [Which
 calls graph])."""
+
+TIMED_CALLS = 2
+"""Eager calls auto times after the warm-up one before it decides; the least host share of them decides (Note
+[Which calls graph])."""
 
 
 def capture_hazard(groups: Any) -> str | None:
@@ -288,7 +296,7 @@ class Graphed:
         self.saves = engine.saves
         self.pool = torch.cuda.graph_pool_handle()
         self._seen: set[Any] = set()
-        self._timed: dict[Any, tuple[float, torch.cuda.Event, torch.cuda.Event]] = {}
+        self._timed: dict[Any, list[tuple[float, torch.cuda.Event, torch.cuda.Event]]] = {}
         self._eager: set[Any] = set()                # auto measured these calls not host-bound
         self._graphs: dict[Any, _Captured] = {}
         self.retired = False
@@ -333,16 +341,18 @@ class Graphed:
                 self._seen.add(key)
                 return fn(*inputs)
             if not self.required:              # auto: graph only a call the host holds back (Note [Which calls graph])
-                timed = self._timed.pop(key, None)
-                if timed is None:
+                timed = self._timed.setdefault(key, [])
+                if len(timed) < TIMED_CALLS:
                     return self._time(key, fn, inputs)
-                host_ms, start, end = timed
-                end.synchronize()
-                device_ms = start.elapsed_time(end)
+                del self._timed[key]
+                for _, _, end in timed:
+                    end.synchronize()
+                host_ms, device_ms = min(((h, s.elapsed_time(e)) for h, s, e in timed),
+                                         key=lambda t: t[0] / max(t[1], 1e-6))
                 held = host_ms >= HOST_BOUND * device_ms
-                log.info("graphs auto: %s of %s took %.3f ms of host for %.3f ms on the device: %s",
-                         key if isinstance(key, str) else key[0], type(self.engine).__name__, host_ms, device_ms,
-                         "captured" if held else "eager")
+                log.info("graphs auto: %s of %s took %.3f ms of host for %.3f ms on the device (the least host share "
+                         "of %d timed calls): %s", key if isinstance(key, str) else key[0], type(self.engine).__name__,
+                         host_ms, device_ms, len(timed), "captured" if held else "eager")
                 if not held:
                     self._eager.add(key)
                     return fn(*inputs)
@@ -356,7 +366,7 @@ class Graphed:
         return g(inputs)
 
     def _time(self, key: Any, fn: Callable[..., Any], inputs: list[torch.Tensor | None]):
-        """Run eagerly, keeping the host's time and two events around the device's (read at the next call)."""
+        """Run eagerly, keeping the host's time and two events around the device's (read when auto decides)."""
         device = next(x.device for x in inputs if x is not None)
         with torch.cuda.device(device):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -364,5 +374,5 @@ class Graphed:
             start.record()
             res = fn(*inputs)
             end.record()
-        self._timed[key] = ((time.perf_counter() - t0) * 1e3, start, end)
+        self._timed[key].append(((time.perf_counter() - t0) * 1e3, start, end))
         return res
