@@ -686,17 +686,19 @@ class _Engine:
         acc = acc_dtype(q.dtype)
         tasks = runner.prepare(self.gp.tasks, q[:, :, : stride * G], k[:, :, :stride])   # the same for every chunk
         direct = _disjoint(tasks)       # every row in at most one call: write results, no merge
+        gathered = self._transport(k, v)
+        whole = not direct and gathered.rounds == 1      # one round's merge is the result itself, not copied
         if direct:                      # rows no call writes stay (0, -inf)
             out = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
             lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
-        else:                           # each round's merge writes all rows of its heads
+        elif not whole:                 # each round's merge writes all rows of its heads
             out = torch.empty(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
             lse = torch.empty((B, H, L), dtype=acc, device=q.device)
-        gathered = self._transport(k, v)
         with Loop() as loop:
             handles = [loop.post(gathered.post(0))]
 
             def compute(c: int) -> None:
+                nonlocal out, lse
                 kc, vc = gathered.kv(c)
                 qh = self._heads(c)
                 qc = q[:, :, qh]
@@ -708,7 +710,9 @@ class _Engine:
                         lse[:, qh, t.q] = l
                     else:
                         parts.add(t.q, o, l, t.covered)
-                if not direct:
+                if whole:
+                    out, lse = parts.result(q.dtype)
+                elif not direct:
                     out[:, :, qh], lse[:, qh] = parts.result(q.dtype)
 
             def post(c: int):
