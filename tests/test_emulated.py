@@ -121,6 +121,38 @@ def test_allgather_zigzag_step_program(fake_world, counts, world):
     assert (counts["kernel_fwd"], counts["merge_once"]) == (6, 2), counts
 
 
+def test_allgather_by_parts_posts_one_coalesced_collective_per_round(fake_world, monkeypatch):
+    """Note [Coalesced parts]: zigzag's two parts (fronts, backs) go out as one coalesced all-gather per round
+    forward and in backward, and their dK/dV as one coalesced reduce-scatter - never a collective per part."""
+    import contextlib
+
+    from seqpar.comm import all_gather as ag
+
+    posted, managers = Counter(), []
+    real = ag.dist._coalescing_manager
+
+    @contextlib.contextmanager
+    def counting(*args, **kwargs):
+        managers.append(1)
+        with real(*args, **kwargs) as cm:
+            yield cm
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            posted[name, len(managers)] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(ag.dist, "_coalescing_manager", counting)
+    monkeypatch.setattr(ag, "_GATHER", spy("gather", ag._GATHER))
+    monkeypatch.setattr(ag, "_REDUCE_SCATTER", spy("reduce_scatter", ag._REDUCE_SCATTER))
+    fake_world(4)
+    out, leaves = _call_once("allgather", "zigzag", 4)
+    assert len(managers) == 1 and posted == {("gather", 1): 2}, (managers, posted)
+    torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert len(managers) == 3 and posted[("gather", 2)] == 2 and posted[("reduce_scatter", 3)] == 2, posted
+
+
 @pytest.mark.parametrize("method", ["tokenring", "tasp"])
 def test_pass_q_and_tasp_backward_sum_their_partials_in_one_pass(fake_world, counts, method):
     """Note [Pass-Q sums] / Note [TASP sums]: the backward's gradient partials go through the one-pass sums (dQ, dK

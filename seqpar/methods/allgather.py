@@ -396,7 +396,7 @@ class _Gathered:
         hs = slice(c * self.stride, (c + 1) * self.stride)
         self.send[..., : self.d].copy_(self.k[:, :, hs].transpose(0, 1))
         self.send[..., self.d:].copy_(self.v[:, :, hs].transpose(0, 1))
-        return _by_slots(self.ag.gather, self.send, self.recv[c % len(self.recv)], self.slots, self.ag.world)
+        return _by_slots(self.ag.gather_parts, self.send, self.recv[c % len(self.recv)], self.slots, self.ag.world)
 
     def grads(self, grad_dtype: torch.dtype, loop: Loop) -> _DKV:
         """The matching dK/dV return: fp32 accumulators reduce-scattered to the owners."""
@@ -413,10 +413,11 @@ class _Gathered:
 
 def _by_slots(op, local: torch.Tensor, full: torch.Tensor, slots: tuple[tuple[int, int, int], ...] | None,
               world: int) -> list[Handle]:
-    """``op(local rows, their W-rank buffer)``: over all rows, or part by part (Note [Gather by parts])."""
+    """``op(pairs of local rows and their W-rank buffer)``: all rows, or one pair per part, posted as one coalesced
+    collective (Note [Gather by parts], Note [Coalesced parts] in ``seqpar.comm.all_gather``)."""
     if slots is None:
-        return [op(local, full)]
-    return [op(local[a:a + n], full[o:o + world * n]) for a, n, o in slots]
+        return [op([(local, full)])]
+    return [op([(local[a:a + n], full[o:o + world * n]) for a, n, o in slots])]
 
 
 class _DKV:
@@ -475,8 +476,8 @@ class _DKV:
                 self.stage.copy_(buf)
                 self.chunks.to_rank.apply(self.stage, send)
             buf = send
-        self.pending[slot] = _by_slots(lambda part, whole: self.ag.reduce_scatter(whole, part), self.out[c], buf,
-                                       self.slots, self.ag.world)
+        self.pending[slot] = _by_slots(lambda pairs: self.ag.reduce_scatter_parts([(w, p) for p, w in pairs]),
+                                       self.out[c], buf, self.slots, self.ag.world)
         return self.pending[slot]
 
     def finish(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
