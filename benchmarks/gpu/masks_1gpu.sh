@@ -3,6 +3,7 @@
 #   TESTS=1: first tests/test_gpu_masks.py (named masks, generic mask_mod, softcap and windowed bands on CUDA
 #   kernels against the fp64 oracle; the sm90 plan of the sink window), log in $OUT/masks/gpu_masks_tests.log.
 #   SECTIONS=w1: seqpar against flex at W = 1, every named mask at 16K, --large-masks at 128K, and a table.
+#   SECTIONS=emulated EMU_METHODS=ring/contiguous,...: the busiest of 8 ranks per named mask, those methods.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/seqpar-out}; mkdir -p "$OUT/masks"
@@ -16,7 +17,8 @@ if [ -n "${TESTS:-}" ]; then
     > "$OUT/masks/gpu_masks_tests.log" 2>&1; echo "== tests rc=$?"; tail -n 15 "$OUT/masks/gpu_masks_tests.log" | cut -c1-300
 fi
 timeout "${TIMEOUT:-560}" python3 benchmarks/gpu/masks_1gpu.py --out "$OUT/masks" --sections "${SECTIONS:-w1,softcap,rl,emulated}" \
-  --sizes "${SIZES:-16384,131072}" --large-masks "${LARGE_MASKS:-sink_window,chunked,window}" > "$OUT/masks/log.txt" 2>&1
+  --sizes "${SIZES:-16384,131072}" --large-masks "${LARGE_MASKS:-sink_window,chunked,window}" \
+  ${EMU_METHODS:+--emulated-methods "$EMU_METHODS"} > "$OUT/masks/log.txt" 2>&1
 echo "== rc=$?"
 grep -v '^\s' "$OUT/masks/log.txt" | grep -v Warning | tail -n 60 | cut -c1-400
 if [ -n "${BENCH:-}" ]; then    # the bench's mask presets, emulated W = 8 (limit: flex on one GPU, same mask)

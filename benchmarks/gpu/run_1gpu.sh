@@ -11,6 +11,7 @@
 #                                              a line per configuration: tree, preset, W, method, mode, efficiency of
 #                                              one call and back to back, GPU operations and busy ms per call
 #   bash benchmarks/gpu/run_1gpu.sh masks      the named masks against flex at W = 1, side by side (masks_1gpu.sh)
+#   bash benchmarks/gpu/run_1gpu.sh masks-emulated   the busiest of 8 ranks per named mask at 128K (EMU_METHODS)
 # Device machine, repo root, with .peers carried (../shared/peers). Logs and JSON lines go to $OUT/results.tgz.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -54,9 +55,12 @@ for r in map(json.loads, sys.stdin):
         print('$tree', r['preset'], r['emulated_world'], r['method'], r['mode'], round(r['compute_efficiency'], 3),
               round(r.get('steady_compute_efficiency', 0), 3), r['gpu_ops_per_call'], round(r['gpu_busy_ms'], 3))"
       done ;;
+    masks-emulated)
+      OUT=$OUT SECTIONS=emulated SIZES="${SIZES:-131072}" EMU_METHODS="${EMU_METHODS:-ring/contiguous,allgather/contiguous}" \
+        TIMEOUT="${MASKS_S:-300}" bash benchmarks/gpu/masks_1gpu.sh | tail -n 30 ;;
     masks)
       OUT=$OUT SECTIONS=w1 SIZES="${SIZES:-16384,131072}" LARGE_MASKS="${LARGE_MASKS:-sink_window,window,generic}" \
         TIMEOUT=330 bash benchmarks/gpu/masks_1gpu.sh | tail -n 16 ;;
-    *) echo "unknown part $part (tests, overhead, packed, inference, emulated, masks)" ;;
+    *) echo "unknown part $part (tests, overhead, packed, inference, emulated, masks, masks-emulated)" ;;
   esac
 done
