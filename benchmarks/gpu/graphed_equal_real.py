@@ -4,7 +4,11 @@ coalesced all-gathers and reduce-scatters by parts (Note [Coalesced parts] in ``
 
     torchrun --nproc-per-node 4 benchmarks/gpu/graphed_equal_real.py
 
-Prints one line per method and exits 1 if any differs. GQA 32/8, D 128, bf16, 2K tokens per rank, causal, zigzag.
+The forward has no atomics, so ``out`` must be equal bit for bit. The fused kernels' backward accumulates dQ with
+atomics, so two eager calls on the same inputs differ in the last bits (the first run of 2026-11-26, which asked for
+equal gradients, saw 2.4e-4 to 9.8e-4 on every method, the ring and Ulysses included); gradients must be within
+bf16 rounding (rtol 2e-2, atol 2e-3), and each line prints the eager-vs-eager spread beside graphed-vs-eager.
+Exits 1 if any check fails. GQA 32/8, D 128, bf16, 2K tokens per rank, causal, zigzag.
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ def step(method: str, graphs: bool, seed: int, rank: int, dev: torch.device) -> 
     return (out, *torch.autograd.grad(out, leaves, do))
 
 
+def most(xs, ys) -> float:
+    """The largest absolute difference between paired tensors."""
+    return max((a.float() - b.float()).abs().max().item() for a, b in zip(xs, ys))
+
+
 def main() -> None:
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -36,13 +45,18 @@ def main() -> None:
     rank, W = dist.get_rank(), dist.get_world_size()
     bad = 0
     for method in ("allgather", "ring", "ulysses"):
-        worst = 0.0
-        for seed in range(6):                   # eager, captured, then replays with new inputs
-            got, want = step(method, True, seed, rank, dev), step(method, False, seed, rank, dev)
-            worst = max(worst, max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want)))
-        bad += worst != 0.0
-        print(f"[rank {rank}] {method}: graphed vs eager over 6 calls (W = {W}): max |diff| {worst:.3g} "
-              f"{'EQUAL' if worst == 0.0 else 'DIFFERS'}", flush=True)
+        out_diff = grad_diff = spread = 0.0
+        grads_close = True
+        for seed in range(6):                   # graphs=True: eager, captured, then replays with new inputs
+            got, want, again = (step(method, graphs, seed, rank, dev) for graphs in (True, False, False))
+            out_diff = max(out_diff, most(got[:1], want[:1]))
+            grad_diff, spread = max(grad_diff, most(got[1:], want[1:])), max(spread, most(again, want))
+            grads_close &= all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-3)
+                               for a, b in zip(got[1:], want[1:]))
+        ok = out_diff == 0.0 and grads_close
+        bad += not ok
+        print(f"[rank {rank}] {method} (W = {W}, 6 calls): out graphed vs eager max |diff| {out_diff:.3g}; gradients "
+              f"{grad_diff:.3g} (eager vs eager {spread:.3g}) {'OK' if ok else 'FAILED'}", flush=True)
     dist.destroy_process_group()
     sys.exit(1 if bad else 0)
 
