@@ -23,9 +23,10 @@ __all__ = ["AttentionConfig", "balance_rule"]
 def balance_rule(layout: str | None, causal: bool, mask: Any) -> Rule | None:
     """The rule ``balanced`` places tokens by: causal and a named mask's pieces (the same in ``seqpar.shard`` and
     ``seqpar.attention``); None (causal work) for other layouts, no mask, or a generic ``mask_mod``."""
+    from .layouts import BALANCED_LAYOUTS
     from .masks.named import PieceMask
 
-    return Rule(causal, mask=mask) if layout == "balanced" and isinstance(mask, PieceMask) else None
+    return Rule(causal, mask=mask) if layout in BALANCED_LAYOUTS and isinstance(mask, PieceMask) else None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,6 +19,7 @@ from seqpar.layouts import (
     DOCUMENT_LAYOUTS,
     LAYOUTS,
     Balanced,
+    BalancedWhole,
     DocContiguous,
     DocZigzag,
     Rule,
@@ -132,6 +133,31 @@ def test_balanced_equal_tokens_and_work_within_5_percent_at_w8(long_tail):
         assert {lay.segments(r, S).length for r in range(8)} == {S // 8}
         work = _work(lay, S)
         assert max(work) <= 1.05 * sum(work) / 8, work
+
+
+@pytest.mark.parametrize("long_tail", [False, True])
+def test_balanced_whole_keeps_documents_that_fit_whole_with_equal_tokens_and_work(long_tail):
+    """Note [Whole documents]: the same balance as ``balanced``; only documents longer than a rank's tokens are
+    split over every rank, and each rank cuts at most two more - so far fewer runs per rank."""
+    rng = random.Random(7 + long_tail)
+    C = S // 8
+    for _ in range(3):
+        bounds = _packed(rng, long_tail)
+        whole, zig = BalancedWhole(8, bounds), Balanced(8, bounds)
+        assert {whole.segments(r, S).length for r in range(8)} == {C}
+        work = _work(whole, S)
+        assert max(work) <= 1.05 * sum(work) / 8, work
+        held = [set() for _ in range(len(bounds) - 1)]          # the ranks holding part of each document
+        for r in range(8):
+            for run in whole.segments(r, S).cut(bounds).runs:
+                held[run.doc].add(r)
+        long_docs = sum(b - a > C for a, b in itertools.pairwise(bounds))
+        cut = [d for d, ranks in enumerate(held) if len(ranks) > 1]
+        assert len(cut) <= long_docs + 2 * 8, (len(cut), long_docs)
+        assert all(len(held[d]) == 8 for d, (a, b) in enumerate(itertools.pairwise(bounds)) if b - a > C)
+        runs = [len(whole.segments(r, S).runs) for r in range(8)]
+        assert sum(runs) < sum(len(zig.segments(r, S).runs) for r in range(8)), runs
+    assert make_layout("balanced_whole", 4, (0, 3, 8)) == BalancedWhole(4, (0, 3, 8)) != Balanced(4, (0, 3, 8))
 
 
 def test_balanced_edge_cases():

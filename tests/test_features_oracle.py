@@ -40,17 +40,20 @@ def _cases(method: str, world: int) -> list[Case]:
                               dtype="float64"))
     if "balanced" in module.layouts and (world < 8 or method == "ring"):
         out += _balanced(base, method, world)
+    if "balanced_whole" in module.layouts:
+        out += _balanced(base, method, world, "balanced_whole")[:1]
     return out
 
 
-def _balanced(base: Case, method: str, world: int) -> list[Case]:
-    """Packed documents on the balanced layout: tiny documents (shorter than a block), a long one split over
-    every rank, end padding, a window, the lse gradient, causal and full."""
-    setup = softmax_setup(method, world, "balanced")
-    S = _round(10 * world, length_divisor(method, "balanced", world, setup.ulysses))
+def _balanced(base: Case, method: str, world: int, layout: str = "balanced") -> list[Case]:
+    """Packed documents on a balanced layout: tiny documents (shorter than a block), a long one split over
+    every rank, end padding, a window, the lse gradient, causal and full (``balanced_whole``: the documents
+    shorter than a rank's 10 tokens stay whole, the long ones are split)."""
+    setup = softmax_setup(method, world, layout)
+    S = _round(10 * world, length_divisor(method, layout, world, setup.ulysses))
     valid = S - 2
     cu = (0, 1, 3, 4, valid - 3 * world, valid)
-    where = {"layout": "balanced", "ulysses": setup.ulysses, "cu_seqlens": cu, "seq_len": S}
+    where = {"layout": layout, "ulysses": setup.ulysses, "cu_seqlens": cu, "seq_len": S}
     return [base.with_(**where, causal=True, valid_len=valid, window=(5, 0), lse_grad=True, sinks=True),
             base.with_(**where, causal=False, valid_len=valid, value_dim=4, kv_heads=1)]
 

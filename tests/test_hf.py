@@ -299,6 +299,7 @@ def test_packed_batches_default_to_the_balanced_layout():
     one without keeps the method's default; an explicit layout is honoured."""
     assert sp_hf.batch_layout("ring", None, (0, 5, 32)) == "balanced"
     assert sp_hf.batch_layout("usp", None, (0, 5, 32)) == "balanced"
+    assert sp_hf.batch_layout("allgather", None, (0, 5, 32)) == "balanced_whole"   # no lockstep: Note [Whole documents]
     assert sp_hf.batch_layout("ulysses", None, (0, 5, 32)) is None          # contiguous only
     assert sp_hf.batch_layout("ring", None, None) is None
     assert sp_hf.batch_layout("ring", "zigzag", (0, 5, 32)) == "zigzag"

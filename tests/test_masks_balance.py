@@ -46,12 +46,13 @@ def test_affine_pieces_count_every_query_exactly(name):
     assert got == truth
 
 
+@pytest.mark.parametrize("layout", ["balanced", "balanced_whole"])
 @pytest.mark.parametrize("name", sorted(NAMED))
-def test_balanced_spreads_the_visible_pairs_of_every_named_mask(name):
+def test_balanced_spreads_the_visible_pairs_of_every_named_mask(name, layout):
     causal, m = NAMED[name]
     W, cu = 8, (0, S)
     rule = Rule(causal, mask=m)
-    lay = make_layout("balanced", W, cu, rule)
+    lay = make_layout(layout, W, cu, rule)
     segs = [lay.segments(r, S).cut(cu) for r in range(W)]
     work = [sum(block_work(segs[r], segs[j], rule) for j in range(W)) for r in range(W)]
     ratio = max(work) / (sum(work) / W)

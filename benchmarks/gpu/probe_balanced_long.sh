@@ -13,6 +13,6 @@ for W in ${WORLDS:-8 4}; do
 runpy.run_module('seqpar.bench', run_name='__main__', alter_sys=True)" "$long" --emulate-world "$W" --preset packed \
       --methods "${METHODS:-allgather/balanced,ring/balanced}" --warmup 4 --iters 7 --out "$R" --tag "w$W-long$long" \
       > "$R/w$W-long$long.log" 2>&1
-    echo "== W=$W _LONG=$long rc=$?"; grep -E "^\[ *[0-9]+s\] #" "$R/w$W-long$long.log" | cut -c1-120
+    echo "== W=$W _LONG=$long rc=$?"; grep -E "^\[ *[0-9]+s\] " "$R/w$W-long$long.log" | cut -c1-120 || true
   done
 done

@@ -245,8 +245,9 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
     preset = f"packed-{total // 1024}k-{dist_name}"
     limit = _varlen_limit(bench, total, cu, H, Hkv, D)
     keep = _wanted(bench.args.methods)
-    for method, layout in (("ring", "zigzag"), ("ring", "balanced"), ("allgather", "zigzag"),
-                           ("allgather", "balanced"), ("ulysses", "contiguous")):
+    for method, layout in (("ring", "zigzag"), ("ring", "balanced"), ("ring", "balanced_whole"),
+                           ("allgather", "zigzag"), ("allgather", "balanced"), ("allgather", "balanced_whole"),
+                           ("ulysses", "contiguous")):
         if keep and method not in keep and f"{method}/{layout}" not in keep:
             continue
         where = {"method": method, "layout": layout, "cu_seqlens": cu}

@@ -16,19 +16,21 @@ import torch
 from .base import Layout, Nested
 from .blocks import Rule, Run, Segments, Task, group_varlen, plan
 from .contiguous import Contiguous
-from .documents import Balanced, DocContiguous, DocumentLayout, DocZigzag
+from .documents import Balanced, BalancedWhole, DocContiguous, DocumentLayout, DocZigzag
 from .stripe import Stripe
 from .zigzag import Zigzag
 
-__all__ = ["ALL_LAYOUT_NAMES", "DOCUMENT_LAYOUTS", "LAYOUTS", "Balanced", "Contiguous", "DocContiguous",
-           "DocZigzag", "DocumentLayout", "Layout", "Nested", "Rule", "Run", "Segments", "Stripe", "Task",
-           "Zigzag", "group_varlen", "make_layout", "plan"]
+__all__ = ["ALL_LAYOUT_NAMES", "BALANCED_LAYOUTS", "DOCUMENT_LAYOUTS", "LAYOUTS", "Balanced", "BalancedWhole",
+           "Contiguous", "DocContiguous", "DocZigzag", "DocumentLayout", "Layout", "Nested", "Rule", "Run",
+           "Segments", "Stripe", "Task", "Zigzag", "group_varlen", "make_layout", "plan"]
 
 #: plain layouts: the placement is a function of the global length alone
 LAYOUTS: dict[str, type[Layout]] = {"contiguous": Contiguous, "zigzag": Zigzag, "stripe": Stripe}
 #: document layouts: the placement is a function of the batch's global ``cu_seqlens`` too
-DOCUMENT_LAYOUTS: dict[str, type[DocumentLayout]] = {"balanced": Balanced, "doc_contiguous": DocContiguous,
-                                                      "doc_zigzag": DocZigzag}
+DOCUMENT_LAYOUTS: dict[str, type[DocumentLayout]] = {"balanced": Balanced, "balanced_whole": BalancedWhole,
+                                                      "doc_contiguous": DocContiguous, "doc_zigzag": DocZigzag}
+#: layouts that balance work (and, with a named mask, the mask's work): ``rule`` is theirs
+BALANCED_LAYOUTS: tuple[str, ...] = ("balanced", "balanced_whole")
 ALL_LAYOUT_NAMES: tuple[str, ...] = (*LAYOUTS, *DOCUMENT_LAYOUTS)
 
 
@@ -37,11 +39,12 @@ def make_layout(name: str, world: int, cu_seqlens: Sequence[int] | torch.Tensor 
     """The layout called ``name`` over ``world`` ranks; ValueError listing the valid names otherwise.
 
     A document layout needs the batch's global ``cu_seqlens`` (a sequence or 1-D tensor of ints); a plain
-    layout ignores it. ``rule``: a rule with a named mask, whose visible pairs ``balanced`` balances (None:
-    causal work); only "balanced" takes it.
+    layout ignores it. ``rule``: a rule with a named mask, whose visible pairs ``balanced`` (and
+    ``balanced_whole``) balances (None: causal work); only those take it.
     """
-    if rule is not None and name != "balanced":
-        raise ValueError(f"only the balanced layout balances a mask's work, got a mask with layout={name!r}")
+    if rule is not None and name not in BALANCED_LAYOUTS:
+        raise ValueError(f"only the balanced layouts {list(BALANCED_LAYOUTS)} balance a mask's work, got a mask with "
+                         f"layout={name!r}")
     if name in LAYOUTS:
         return LAYOUTS[name](world)
     if name not in DOCUMENT_LAYOUTS:

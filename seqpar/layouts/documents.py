@@ -69,6 +69,21 @@ Note [Balanced layout]
     sort and W bisections, deterministically (integer keys and integer targets, no float ties); an ILP
     or bin-packing search would add a dependency and run time per batch to gain nothing on balance. A
     greedy by work under the exact token capacity (tried first) left the busiest rank up to 11% over.
+
+Note [Whole documents]
+    ``balanced_whole`` is ``balanced`` with step 1's threshold at C: only a document longer than a rank's
+    tokens is split over every rank; every other one goes to the pool whole, and each rank cuts at most two
+    pool items (step 3), so almost every document is attended on one rank with no cross-rank block. The work
+    per rank is as even (steps 2-3 are the same); what changes is the work per ring step, which concentrates
+    on the steps where the cut items' keys arrive - the lockstep bound above goes from 1.17 to 2.29. So the
+    layout is for methods with no lockstep: all-gather computes once every key has arrived, and its rank's
+    queries then make a few long varlen calls instead of a piece of every long document. At short chunks the
+    zigzag-split documents' pieces are what costs: packed rows of lognormal documents (mean ~2K tokens) over 8
+    ranks, emulated on an H100 (the busiest rank, ``benchmarks/results/2026-11-26-h100-balanced-long``), GPU
+    time per call fell from 4.56 to 3.05 ms (all-gather, 32K row, forward+backward) and
+    from 15.9 to 11.4 ms (128K row), and the ring's from 18.1 to 10.7 ms at 128K: a document of 8K tokens over
+    8 ranks was 16 pieces of 512 tokens, each a call at every step. The ring takes the layout too, for short
+    chunks where its per-piece calls cost more than the steps it waits for; ``balanced`` stays its default.
 """
 
 from __future__ import annotations
@@ -84,7 +99,7 @@ from .base import Layout
 from .blocks import Rule, Run, Segments
 from .profile import affine_pieces
 
-__all__ = ["Balanced", "DocContiguous", "DocZigzag", "DocumentLayout"]
+__all__ = ["Balanced", "BalancedWhole", "DocContiguous", "DocZigzag", "DocumentLayout"]
 
 #: Note [Balanced layout] step 1: a document longer than 1/_LONG of a rank's tokens is split over all ranks
 _LONG = 4
@@ -194,16 +209,28 @@ class Balanced(DocumentLayout):
     rule: Rule | None = None
     name: ClassVar[str] = "balanced"
     pieces: ClassVar[int] = 1
+    #: step 1 splits a document longer than C / ``long`` tokens over every rank
+    long: ClassVar[int] = _LONG
 
     def segments(self, rank: int, seq_len: int) -> Segments:
         self.check_len(seq_len)
-        return _segments(_balanced(self.world, self.bounds, seq_len, self.rule)[rank])
+        return _segments(_balanced(self.world, self.bounds, seq_len, self.rule, self.long)[rank])
+
+
+@dataclass(frozen=True)
+class BalancedWhole(Balanced):
+    """``balanced`` keeping every document that fits on a rank whole (Note [Whole documents]): for methods
+    without lockstep steps (all-gather), and rings at short chunks."""
+
+    name: ClassVar[str] = "balanced_whole"
+    long: ClassVar[int] = 1
 
 
 @functools.lru_cache(maxsize=16)
-def _balanced(world: int, bounds: tuple[int, ...], seq_len: int, rule: Rule | None = None
+def _balanced(world: int, bounds: tuple[int, ...], seq_len: int, rule: Rule | None = None, long: int = _LONG
               ) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Every rank's ``(global start, length)`` pieces in global order (Note [Balanced layout])."""
+    """Every rank's ``(global start, length)`` pieces in global order (Note [Balanced layout]); a unit longer than
+    C / ``long`` tokens is split over every rank."""
     W, C = world, seq_len // world
     ranks: list[list[tuple[int, int]]] = [[] for _ in range(W)]
     items = []
@@ -212,7 +239,7 @@ def _balanced(world: int, bounds: tuple[int, ...], seq_len: int, rule: Rule | No
         else affine_pieces(bounds, rule)
     for a, n, c, slope in units:
         h = n // (2 * W)
-        if h and _LONG * n > C:                                      # step 1: zigzag over every rank
+        if h and long * n > C:                                       # step 1: zigzag over every rank
             rem = n - 2 * W * h
             for r in range(W):
                 ranks[r] += [(a + r * h, h), (a + (2 * W - 1 - r) * h + rem, h)]

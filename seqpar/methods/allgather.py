@@ -849,13 +849,15 @@ def _bench_specs(preset, world: int) -> list:
 
 
 def _demo_cases(world: int, seq_len: int, documents: tuple[int, ...]) -> list:
-    return [dict(layout="contiguous"), dict(layout="zigzag"), dict(layout="zigzag", cu_seqlens=documents)]
+    return [dict(layout="contiguous"), dict(layout="zigzag"), dict(layout="zigzag", cu_seqlens=documents),
+            dict(layout="balanced_whole", cu_seqlens=documents)]
 
 
 METHOD = Method(
     name="allgather",
     summary="all-gather K, V per head chunk; reduce-scatter dK/dV (fp32)",
-    layouts=("contiguous", "zigzag", "balanced", "doc_zigzag", "doc_contiguous"),
+    layouts=("contiguous", "zigzag", "balanced", "balanced_whole", "doc_zigzag", "doc_contiguous"),
+    packed_layout="balanced_whole",
     options={"heads_k_stride": None},
     features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "mask",
                         "document_layouts"}),

@@ -184,6 +184,9 @@ class Method:
     """Layouts it accepts; ``layout=None`` means zigzag where listed, else the first."""
     causal_layouts: tuple[str, ...] | None = None
     """The layouts that serve causal masks, when not all of ``layouts`` do."""
+    packed_layout: str | None = None
+    """The layout of a packed batch whose caller names none (``document_layout``); None: ``balanced`` where
+    accepted."""
     mesh_dims: int = 1
     """1 (a group or 1D mesh) or 2 (a ("ulysses", "ring") mesh)."""
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -227,6 +230,9 @@ class Method:
             raise ValueError(f"features must be a subset of {list(FEATURES)}, got {unknown}")
         if self.mesh_dims not in (1, 2):
             raise ValueError(f"mesh_dims must be 1 or 2, got {self.mesh_dims!r}")
+        if self.packed_layout is not None and self.packed_layout not in self.layouts:
+            raise ValueError(f"packed_layout must be one of the layouts {list(self.layouts)}, got "
+                             f"{self.packed_layout!r}")
 
     @property
     def serves_causal(self) -> tuple[str, ...]:
@@ -235,6 +241,13 @@ class Method:
     def default_layout(self) -> str:
         """``layout=None``: zigzag (causally balanced) where accepted, else the first layout."""
         return "zigzag" if "zigzag" in self.layouts else self.layouts[0]
+
+    def document_layout(self) -> str | None:
+        """The layout for a packed batch when none is named: ``packed_layout``, else ``balanced`` where accepted,
+        else None (the method's default)."""
+        if self.packed_layout is not None:
+            return self.packed_layout
+        return "balanced" if "balanced" in self.layouts else None
 
 
 _REGISTRY: dict[str, Method] = {}

@@ -57,7 +57,7 @@ def _demo_cases(world: int, seq_len: int, documents: tuple[int, ...]) -> list:
 METHOD = Method(
     name="ring",
     summary="K, V around a ring (pass-KV), dK/dV one step behind",
-    layouts=("contiguous", "zigzag", "stripe", "balanced", "doc_zigzag", "doc_contiguous"),
+    layouts=("contiguous", "zigzag", "stripe", "balanced", "balanced_whole", "doc_zigzag", "doc_contiguous"),
     options={"head_chunks": 1},
     features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "mask",
                         "document_layouts"}),

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..layouts import BALANCED_LAYOUTS
 from ..tolerances import FIELDS, Verdict, judge
 from .oracle import dense_attention
 
@@ -153,7 +154,7 @@ def run_case(case: Case) -> dict[str, Any]:
         sinks = sinks.to(dev).requires_grad_()
     where = {"mesh": mesh, "method": case.method, "layout": case.layout}
     docs = {"cu_seqlens": case.cu_seqlens}         # document layouts place tokens from them (others ignore them)
-    if case.mask is not None and case.layout == "balanced" and case.balance is None:   # balanced by the mask's work
+    if case.mask is not None and case.layout in BALANCED_LAYOUTS and case.balance is None:   # by the mask's work
         docs.update(causal=case.causal, mask_mod=case.mask)
     ql, kl, vl = (seqpar.shard(t, **where, **docs).requires_grad_() for t in (q, k, v))
     dol = seqpar.shard(do, **where, **docs)

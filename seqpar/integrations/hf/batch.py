@@ -150,11 +150,12 @@ def shard_batch(batch: Mapping[str, Any], mesh: Any = None, method: str = "usp",
 
 
 def batch_layout(method: str, layout: str | None, cu: tuple[int, ...] | None) -> str | None:
-    """The layout of one batch: ``layout`` when given; else ``balanced`` for a batch with documents where
-    ``method`` accepts it (packed rows keep equal work per rank), else None (the method's default)."""
+    """The layout of one batch: ``layout`` when given; else, for a batch with documents, the method's
+    ``document_layout`` (``balanced`` - packed rows keep equal work per rank - or all-gather's
+    ``balanced_whole``), else None (the method's default)."""
     if layout is not None or cu is None or method == "auto":
         return layout
-    return "balanced" if "balanced" in methods.get(method).layouts else None
+    return methods.get(method).document_layout()
 
 
 def _divisor(mesh: Any, method: str, layout: str | None, cu: tuple[int, ...] | None) -> int:
