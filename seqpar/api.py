@@ -50,7 +50,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
             logged on "seqpar.planner"); with "auto" the only option is ``profile=`` (a
             ``seqpar.planner.Profile``, built-in name or JSON path; default: the device's built-in one).
         layout: a plain layout ("contiguous", "zigzag", "stripe") or a per-batch document layout ("balanced",
-            "doc_contiguous", "doc_zigzag": tokens placed from ``cu_seqlens``); each method accepts a subset.
+            "balanced_whole", "doc_contiguous", "doc_zigzag": tokens placed from ``cu_seqlens``); each method
+            accepts a subset.
             None means the method's default (zigzag where it has it), the same rule in every function.
         causal: causal masking in global token positions.
         softmax_scale: default ``D ** -0.5``.
@@ -226,7 +227,7 @@ def placement(mesh: Any = None, method: str = "ring", layout: str | None = None,
 
     Every name ``attention`` or ``linear_attention`` accepts works ("auto" places tokens as the ring does on a
     1D mesh and as USP on a 2D one: auto never re-shards). ``layout=None`` is the method's default.
-    Document layouts ("balanced", "doc_contiguous", "doc_zigzag") need the batch's ``cu_seqlens``.
+    Document layouts ("balanced", "balanced_whole", "doc_contiguous", "doc_zigzag") need the batch's ``cu_seqlens``.
     ``causal`` and ``mask_mod`` matter only to "balanced" with a named mask, which balances the keys each query
     sees under them: pass the attention call's values (Note [Balanced layout]).
     """
