@@ -688,11 +688,16 @@ class _Engine:
         tasks = runner.prepare(self.gp.tasks, q[:, :, : stride * G], k[:, :, :stride])   # the same for every chunk
         direct = _disjoint(tasks)       # every row in at most one call: write results, no merge
         gathered = self._transport(k, v)
-        whole = not direct and gathered.rounds == 1      # one round's merge is the result itself, not copied
-        if direct:                      # rows no call writes stay (0, -inf)
+        # with one head round, one call over every row (a joined mask, full attention) or the round's merge is
+        # the result itself: nothing is zero-filled or copied
+        one_round = gathered.rounds == 1
+        alone = one_round and len(tasks) == 1 and (tasks[0].q_start, tasks[0].q_stop) == (0, L)
+        whole = not direct and one_round
+        out = lse = None
+        if direct and not alone:        # rows no call writes stay (0, -inf)
             out = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
             lse = torch.full((B, H, L), float("-inf"), dtype=acc, device=q.device)
-        elif not whole:                 # each round's merge writes all rows of its heads
+        elif not (direct or whole):     # each round's merge writes all rows of its heads
             out = torch.empty(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
             lse = torch.empty((B, H, L), dtype=acc, device=q.device)
         with Loop() as loop:
@@ -706,7 +711,9 @@ class _Engine:
                 parts = Accumulator(qc, v.shape[-1], defer=True)     # rows in two calls: one merge per round
                 for t in tasks:
                     o, l = runner.forward(qc, kc, vc, t)
-                    if direct:
+                    if alone:
+                        out, lse = o.to(q.dtype), l.to(acc)
+                    elif direct:
                         out[:, t.q, qh] = o
                         lse[:, qh, t.q] = l
                     else:
