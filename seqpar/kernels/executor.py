@@ -80,7 +80,11 @@ Note [Bands on flex]
        under packed documents); their wide bands in training calls still keep FA2 (unmeasured there).
     ``benchmarks/gpu/masks_1gpu.py`` measures it (the w1 section: every named mask, and ``window_size=`` on auto
     against the same call on FA2, against flex called directly); ``BAND_ARCHS`` and ``WIDE_ROWS`` are the places
-    to change if a GPU says otherwise.
+    to change if a GPU says otherwise. Measured since at the threshold (``benchmarks/gpu/probe_wide_rows.py``,
+    ``benchmarks/results/2026-11-26-h100-wide-rows``, H100): the sink window's rank at 16K tokens per rank holds a
+    4095-row band against its neighbour's keys; with ``WIDE_ROWS`` at 2048 that band ran on flex and the rank's
+    forward went 3.84 -> 3.64 ms but its forward+backward 18.2 -> 22.6 ms (a band apart from its step's other
+    blocks is a flex call of its own, whose backward recomputes its forward), so 4096 stays.
 """
 
 from __future__ import annotations
