@@ -191,18 +191,17 @@ def test_destroying_a_group_releases_the_graphs_first():
     assert out.stdout.strip().splitlines()[-1] == "['released', 'shutdown']"
 
 
-@pytest.mark.parametrize("samples,captures", [([(0.9, 1.0), (0.9, 1.0)], True), ([(0.6, 1.0), (0.7, 1.0)], True),
-                                              ([(0.5, 1.0), (0.5, 1.0)], False), ([(2.0, 1.8), (2.0, 1.8)], True),
-                                              ([(3.0, 1.0), (0.5, 1.0)], False), ([(0.5, 1.0), (3.0, 1.0)], False)])
-def test_auto_captures_only_a_call_the_host_holds_back(monkeypatch, samples, captures):
-    """Note [Which calls graph]: under auto the first call is eager, the next TIMED_CALLS eager and timed, and the
-    one after captured only if the host took at least HOST_BOUND of the device's time in the lightest of them (a
-    timed call that pays one-time host work does not decide) - else that kind of call stays eager; graphs=True
-    captures the second call, untimed."""
+@pytest.mark.parametrize("eager_ms,graph_ms,keeps", [((1.0, 0.9), (0.5, 0.6), True), ((1.0, 1.0), (1.1, 1.2), False),
+                                                     ((3.0, 1.0), (1.05, 0.95), True), ((1.0, 1.0), (1.0, 1.0), False)])
+def test_auto_times_both_ways_and_keeps_the_faster(monkeypatch, eager_ms, graph_ms, keeps):
+    """Note [Which calls graph]: under auto the first call is eager, the next TIMED_CALLS eager and timed, then the
+    capture and TIMED_CALLS timed replays; the next call compares the least span of each and keeps replaying, or
+    destroys the graph and runs that kind of call eagerly for good (a tie stays eager). graphs=True captures the
+    second call and replays from then on, untimed."""
     from seqpar.runtime import graphs as g
 
     class Event:
-        def __init__(self, ms):
+        def __init__(self, ms=0.0):
             self.ms = ms
 
         def synchronize(self):
@@ -211,33 +210,45 @@ def test_auto_captures_only_a_call_the_host_holds_back(monkeypatch, samples, cap
         def elapsed_time(self, end):
             return end.ms - self.ms
 
-    assert g.TIMED_CALLS == len(samples)
-    made = []
+    made, resets = [], []
+
+    class Captured:
+        def __init__(self, fn, inputs, pool):
+            made.append(fn)
+            self.graph = type("Graph", (), {"reset": lambda _: resets.append(1)})()
+
+        def __call__(self, inputs):
+            return "replayed"
+
+    spans = iter([])
+
+    def spanned(store, inputs, run):
+        store.append((Event(), Event(next(spans))))
+        return run()
+
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(g, "_guard_shutdown", lambda: None)
-    monkeypatch.setattr(g, "_Captured", lambda fn, inputs, pool: made.append(fn) or (lambda inputs: "replayed"))
+    monkeypatch.setattr(g, "_Captured", Captured)
+    monkeypatch.setattr(g, "_spanned", spanned)
     monkeypatch.setattr(g, "_LIVE", weakref.WeakSet())              # stand-ins that release_all must not meet
+    assert g.TIMED_CALLS == 2
     engine = type("Engine", (), {"saves": False, "forward": lambda self, q, k, v: "eager"})()
+    x = torch.zeros(1)
     for required in (False, True):
         made.clear()
+        resets.clear()
+        spans = iter([*eager_ms, *graph_ms])
         graphed = g.Graphed(engine, required=required)
-        timed = []
-
-        def fake_time(key, fn, inputs, graphed=graphed, timed=timed):
-            host_ms, device_ms = samples[len(timed)]
-            timed.append(key)
-            graphed._timed[key].append((host_ms, Event(0.0), Event(device_ms)))
-            return fn(*inputs)
-        graphed._time = fake_time
-        x = torch.zeros(1)
-        got = [graphed.forward(x, x, x) for _ in range(5)]
+        got = [graphed.forward(x, x, x) for _ in range(8)]
         if required:
-            assert got == ["eager"] + ["replayed"] * 4 and timed == [] and len(made) == 1
-        elif captures:
-            assert got == ["eager"] * 3 + ["replayed"] * 2 and timed == ["fwd"] * 2 and len(made) == 1
+            assert got == ["eager"] + ["replayed"] * 7 and len(made) == 1 and not resets
+        elif keeps:
+            assert got == ["eager"] * 3 + ["replayed"] * 5 and len(made) == 1 and not resets
+            assert "fwd" in graphed._kept and not graphed._timed and not graphed._replays
         else:
-            assert got == ["eager"] * 5 and timed == ["fwd"] * 2 and not made and "fwd" in graphed._eager
+            assert got == ["eager"] * 3 + ["replayed"] * 2 + ["eager"] * 3 and len(made) == 1 and resets == [1]
+            assert "fwd" in graphed._eager and "fwd" not in graphed._graphs
 
 
 def test_release_all_destroys_the_graphs_and_a_plan_called_again_captures_anew(monkeypatch):

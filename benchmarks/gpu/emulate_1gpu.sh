@@ -19,7 +19,7 @@ args=(); for p in $PRESETS; do args+=(--preset "$p"); done
 for W in $WORLDS; do
   # from SRC: `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH
   (cd "$SRC" && timeout "${TIMEOUT:-900}" python3 -m seqpar.bench --emulate-world "$W" "${args[@]}" ${PEER_ARG:-} \
-    ${EXTRA:-} --warmup 4 --iters 7 --out "$DIR" --tag "w$W-$TAG") > "$DIR/w$W.log" 2>&1
+    ${EXTRA:-} --warmup 6 --iters 7 --out "$DIR" --tag "w$W-$TAG") > "$DIR/w$W.log" 2>&1
   echo "== W=$W rc=$?"; grep -E "eff|FAILED|Error" "$DIR/w$W.log" | grep -v "^W11" | tail -n 80 | cut -c1-160
 done
 tar czf "$OUT/emulated-$TAG.tgz" -C "$(dirname "$DIR")" "emulated-$TAG"

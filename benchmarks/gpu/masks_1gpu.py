@@ -412,7 +412,7 @@ def main() -> None:
                     help="w1 cases (first word of the name) timed at sizes above 16K")
     ap.add_argument("--profile-cases", default="sink_window:16384:w1:fwd,chunked:131072:w1:fwd",
                     type=lambda t: t.split(","), help="the profile section's cases, mask:S:where:mode (see profile)")
-    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--iters", type=int, default=5)
     args = ap.parse_args()
     args.sizes = [int(s) for s in args.sizes.split(",")]

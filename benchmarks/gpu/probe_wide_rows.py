@@ -33,7 +33,7 @@ def main() -> None:
                     type=lambda t: [tuple(x.split("/")) for x in t.split(",")])
     ap.add_argument("--size", type=int, default=131072)
     ap.add_argument("--world", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--iters", type=int, default=5)
     args = ap.parse_args()
     M.OUT = Path(args.out)

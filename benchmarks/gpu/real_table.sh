@@ -39,7 +39,7 @@ if [ "$DRY" = 1 ]; then
   SHORT="tiny-causal tiny-full"; LONG="tiny-causal"; DEV="--device cpu"; PEERS=""; PROFILE=""; ITERS="--warmup 1 --iters 2"
   TRAIN="--preset cpu-tiny --steps 1"; TRAIN_SEQ=2K; LAUNCH="python3 examples/train_long_context.py --spawn $W"
 else
-  DEV=""; PEERS="--peers"; PROFILE=${PROFILE:---profile}; ITERS="--warmup 4 --iters 5"
+  DEV=""; PEERS="--peers"; PROFILE=${PROFILE:---profile}; ITERS="--warmup 6 --iters 5"
   TRAIN="--preset gpu-1m --model llama3-8b --tile-mlp --tile-norms --offload --no-keep-attention --warmup --steps 1"
   LAUNCH="torchrun --nproc-per-node $W examples/train_long_context.py"
 fi

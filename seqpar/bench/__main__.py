@@ -74,8 +74,8 @@ def _args(argv):
     ap.add_argument("--modes", default="", help="restrict modes, e.g. fwd+bwd")
     ap.add_argument("--scaling", action="store_true", help="strong (128K) and weak (32K/GPU) scaling on 1, 2, N GPUs")
     ap.add_argument("--profile", action="store_true", help="measure exposed communication of seqpar methods")
-    ap.add_argument("--warmup", type=int, default=4,
-                    help="untimed calls first (auto graphs: the first eager, two timed, the fourth captured)")
+    ap.add_argument("--warmup", type=int, default=6,
+                    help="untimed calls first (auto graphs: warm-up, two timed eager, capture, two timed replays)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=0.0, help="stop starting new configurations after this")
     ap.add_argument("--out", default="benchmarks/results", help="directory for the JSONL, table and plot")

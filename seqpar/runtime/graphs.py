@@ -16,8 +16,8 @@ Note [Graphed calls]
       not host-bound and runs eagerly.
     * Capture: the first call of a plan runs eagerly (it builds cuDNN plans, compiles Triton kernels, opens
       NCCL connections - none of which may happen inside a capture); with ``graphs=True`` the second is
-      captured and replayed, under auto the second is timed eagerly and the third captured if the host holds
-      the call back (Note [Which calls graph]); later calls replay. Forward and backward are separate graphs
+      captured and replayed, under auto two eager calls and two replays are timed and the faster way kept
+      (Note [Which calls graph]); later calls replay or run eagerly. Forward and backward are separate graphs
       sharing one memory pool (they never run concurrently and their outputs are copied out at once). A
       backward whose optional inputs differ (an lse gradient present or not) gets its own graph.
     * Transfers: P2P and collectives are captured with the kernels (NCCL supports capture; the fake group of
@@ -77,22 +77,22 @@ Note [Which calls graph]
     0.75 / 0.68 / 0.86 graphed (GQA causal, MHA causal, MHA full), forward+backward 0.89 / 0.90 / 1.12 against
     0.90 / 0.84 / 1.03 - where its host took 0.4-0.6 of the device's time; at 2K per rank (W = 8) the eager host
     time passed the device's and graphs won (GQA forward 0.65 against 0.32).
-    So under auto (not ``graphs=True``) the call after the warm-up one also runs eagerly, timed: the host's time
-    to issue it, and CUDA events around it (the device's time from its first operation to its last - the busy
-    time when the host keeps ahead, about the host's own time when it does not). The next call reads the events
-    and captures only if the host took at least ``HOST_BOUND`` (0.6) of the device's time; otherwise that plan's
-    calls of that kind (forward, or backward with the same optional inputs) stay eager. The bar leans to graphs:
-    the host's time measured is the engine's alone (the call around it costs the same either way), and a graph's
-    downside (its copies, ~10%) is smaller than a host-bound call's (2x at 2K per rank). Ranks decide on their
-    own measurements; a captured and an eager rank issue the same transfers in the same order. Measured after it
-    (``benchmarks/results/2026-11-26-h100-auto-measured/``, decisions logged by ``seqpar.runtime`` at INFO): the
-    timed call still pays one-time host work (0.8-3.1 ms of host where a steady eager Ulysses forward takes ~0.6),
-    so most calls measure host-bound and are captured as before; Ulysses' backward at 4K tokens per rank measured
-    host-light and stays eager (MHA forward+backward 0.81 -> 0.87). Timing a later call would decide better.
-    So since the eleventh session auto times ``TIMED_CALLS`` (2) eager calls after the warm-up one and decides on
-    the least host share among them: one-time host work lands in one of them (the first call after the warm-up
-    still resolves what the warm-up planned), and a call's own host work recurs in every one. A plan's fifth call
-    of a kind is the first replay (warm-up, two timed, capture); the bench warms up four calls.
+    So under auto (not ``graphs=True``) each kind of call of a plan (forward, or backward with the same optional
+    inputs) is timed both ways and keeps the faster: after the warm-up call, ``TIMED_CALLS`` (2) eager calls, each
+    bracketed by CUDA events; then the capture and ``TIMED_CALLS`` replays bracketed the same way (the copies in
+    and the clones out inside the brackets); the next call compares the least span of each and either keeps
+    replaying or destroys the graph (its memory goes back) and runs that kind of call eagerly from then on. A
+    bracket gives the call's span on the device: its busy time when the host keeps ahead, about the host's own
+    time when it does not - so an eager call that waits on its host measures its host time, and a graph wins
+    exactly when its replay, copies and all, beats that. A plan's seventh call of a kind runs as decided
+    (warm-up, two timed eager, the capture, two timed replays); the bench warms up six. Each decision is logged
+    by ``seqpar.runtime`` at INFO. Ranks decide on their own measurements; a captured and an eager rank issue the
+    same transfers in the same order.
+    Before: the tenth session captured when the host took at least 0.6 of the device's time in the second call
+    (``benchmarks/results/2026-11-26-h100-auto-measured/``), which still paid one-time host work, and the
+    eleventh first decided on the lighter of two calls' host shares (``2026-11-26-h100-graph-decision/``): within
+    noise, calls near the bar flipping either way between runs (Ulysses' MHA backward at 2K tokens per rank
+    captured, 0.81 -> 0.77 back to back). A host share is a proxy; the spans measure the choice itself.
 
 Note [Graphed batches]
     A packed batch (``Call.packed``) is a plan of its own, used by every layer of one training step - forward, the
@@ -135,7 +135,6 @@ import atexit
 import logging
 import os
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -153,13 +152,8 @@ __all__ = ["GRAPH_ROWS", "Graphed", "capture_hazard", "release_all", "wanted"]
 GRAPH_ROWS = 8192
 """Auto graphs a call with at most this many local rows (batch x sequence) per rank (Note [Graphed calls])."""
 
-HOST_BOUND = 0.6
-"""Auto captures a call whose eager host time is at least this share of its eager time on the device (Note [Which
-calls graph])."""
-
 TIMED_CALLS = 2
-"""Eager calls auto times after the warm-up one before it decides; the least host share of them decides (Note
-[Which calls graph])."""
+"""Eager calls, then replays, auto times before it keeps the faster of the two (Note [Which calls graph])."""
 
 
 def capture_hazard(groups: Any) -> str | None:
@@ -262,6 +256,25 @@ class _Captured:
         return _unflatten([t.clone() for t in self.flat], self.spec)
 
 
+def _spanned(spans: list, inputs: Sequence[torch.Tensor | None], run: Callable[[], Any]) -> Any:
+    """``run()`` bracketed by two CUDA events on the inputs' device, appended to ``spans`` (read when auto decides:
+    the call's span on the device, Note [Which calls graph])."""
+    device = next(x.device for x in inputs if x is not None)
+    with torch.cuda.device(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        res = run()
+        end.record()
+    spans.append((start, end))
+    return res
+
+
+def _least_ms(spans: list) -> float:
+    """The shortest of ``_spanned``'s spans, in ms (waits for the last one's end)."""
+    spans[-1][1].synchronize()
+    return min(start.elapsed_time(end) for start, end in spans)
+
+
 def _flatten(res: Any) -> tuple[list[torch.Tensor], list[int]]:
     """Tensors of an engine's result (a tuple of tensors and tuples/lists of tensors) and its shape."""
     flat, spec = [], []
@@ -296,8 +309,10 @@ class Graphed:
         self.saves = engine.saves
         self.pool = torch.cuda.graph_pool_handle()
         self._seen: set[Any] = set()
-        self._timed: dict[Any, list[tuple[float, torch.cuda.Event, torch.cuda.Event]]] = {}
-        self._eager: set[Any] = set()                # auto measured these calls not host-bound
+        self._timed: dict[Any, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}      # eager spans, by kind
+        self._replays: dict[Any, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}    # replay spans
+        self._eager: set[Any] = set()                # auto measured these calls faster eager
+        self._kept: set[Any] = set()                 # auto measured these calls faster as graphs
         self._graphs: dict[Any, _Captured] = {}
         self.retired = False
         _LIVE.add(self)
@@ -314,8 +329,8 @@ class Graphed:
         for c in self._graphs.values():
             c.graph.reset()
         self._graphs.clear()
-        self._seen.clear()
-        self._timed.clear()
+        for memo in (self._seen, self._timed, self._replays, self._kept):
+            memo.clear()
         return n
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -340,22 +355,9 @@ class Graphed:
             if key not in self._seen:          # the first call runs eagerly: plans, compiles, connections
                 self._seen.add(key)
                 return fn(*inputs)
-            if not self.required:              # auto: graph only a call the host holds back (Note [Which calls graph])
-                timed = self._timed.setdefault(key, [])
-                if len(timed) < TIMED_CALLS:
-                    return self._time(key, fn, inputs)
-                del self._timed[key]
-                for _, _, end in timed:
-                    end.synchronize()
-                host_ms, device_ms = min(((h, s.elapsed_time(e)) for h, s, e in timed),
-                                         key=lambda t: t[0] / max(t[1], 1e-6))
-                held = host_ms >= HOST_BOUND * device_ms
-                log.info("graphs auto: %s of %s took %.3f ms of host for %.3f ms on the device (the least host share "
-                         "of %d timed calls): %s", key if isinstance(key, str) else key[0], type(self.engine).__name__,
-                         host_ms, device_ms, len(timed), "captured" if held else "eager")
-                if not held:
-                    self._eager.add(key)
-                    return fn(*inputs)
+            timed = self._timed.setdefault(key, [])
+            if not self.required and len(timed) < TIMED_CALLS:     # auto: time eager calls (Note [Which calls graph])
+                return _spanned(timed, inputs, lambda: fn(*inputs))
             _guard_shutdown()
             try:
                 g = self._graphs[key] = _Captured(fn, inputs, self.pool)
@@ -363,16 +365,19 @@ class Graphed:
                 how = "graphs=True" if self.required else "graphs=None (auto: CUDA, several ranks, short chunks)"
                 raise RuntimeError(f"{how}: capturing this call as a CUDA graph failed ({err}); pass graphs=False "
                                    f"to run it eagerly{rank_suffix()}") from err
-        return g(inputs)
-
-    def _time(self, key: Any, fn: Callable[..., Any], inputs: list[torch.Tensor | None]):
-        """Run eagerly, keeping the host's time and two events around the device's (read when auto decides)."""
-        device = next(x.device for x in inputs if x is not None)
-        with torch.cuda.device(device):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            start.record()
-            res = fn(*inputs)
-            end.record()
-        self._timed[key].append(((time.perf_counter() - t0) * 1e3, start, end))
-        return res
+        if self.required or key in self._kept:
+            return g(inputs)
+        replays = self._replays.setdefault(key, [])
+        if len(replays) < TIMED_CALLS:                              # auto: time replays, then keep the faster
+            return _spanned(replays, inputs, lambda: g(inputs))
+        eager_ms, graph_ms = _least_ms(self._timed.pop(key)), _least_ms(self._replays.pop(key))
+        faster = graph_ms < eager_ms
+        log.info("graphs auto: %s of %s took %.3f ms on the device eagerly, %.3f ms replayed (the least of %d each): "
+                 "%s", key if isinstance(key, str) else key[0], type(self.engine).__name__, eager_ms, graph_ms,
+                 TIMED_CALLS, "graphed" if faster else "eager")
+        if faster:
+            self._kept.add(key)
+            return g(inputs)
+        self._graphs.pop(key).graph.reset()
+        self._eager.add(key)
+        return fn(*inputs)
