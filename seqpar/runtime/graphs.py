@@ -355,9 +355,10 @@ class Graphed:
             if key not in self._seen:          # the first call runs eagerly: plans, compiles, connections
                 self._seen.add(key)
                 return fn(*inputs)
-            timed = self._timed.setdefault(key, [])
-            if not self.required and len(timed) < TIMED_CALLS:     # auto: time eager calls (Note [Which calls graph])
-                return _spanned(timed, inputs, lambda: fn(*inputs))
+            if not self.required:              # auto: time eager calls first (Note [Which calls graph])
+                timed = self._timed.setdefault(key, [])
+                if len(timed) < TIMED_CALLS:
+                    return _spanned(timed, inputs, lambda: fn(*inputs))
             _guard_shutdown()
             try:
                 g = self._graphs[key] = _Captured(fn, inputs, self.pool)
