@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..layouts import Rule, make_layout
 from ..layouts.work import work
+from ..runtime import call as _call
 from .packing import DISTRIBUTIONS, packed_row
 from .timing import burst_ms, kernel_ms, peak_mem_gib, reset_peak, time_ms
 
@@ -284,6 +285,10 @@ def _varlen_limit(bench: Any, total: int, cu: tuple[int, ...], H: int, Hkv: int,
     dev = bench.device
     res: dict[str, float] = {}
     if bench.measures_limit:
+        # the earlier rows' plans hold graph pools: FA2's varlen backward at 1M tokens needs most of an 80 GB GPU
+        # (it ran out of memory after the 128K rows on 4 H100s, 2026-11-26)
+        _call.cache_clear()
+        _empty_cache()
         q, k, v, do = (_randn((total, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv, H)))
         cu_d = torch.tensor(cu, dtype=torch.int32, device=dev)
         mx = max(b - a for a, b in itertools.pairwise(cu))
@@ -407,7 +412,7 @@ def _time_rows(bench: Any, preset: str, label: str, build: Callable[[str], Calla
         emulation: dict = {}
         if bench._agree(err is None):           # every rank built it: time it (collectives inside)
             try:
-                t = time_ms(fn, bench.device, warmup=2, iters=5)
+                t = time_ms(fn, bench.device, warmup=bench.args.warmup, iters=5)
                 emulation = bench.emulation(extra.get("seq_len", 0), t, limit[mode] / W, fn)
             except Exception as e:
                 err = f"{type(e).__name__}: {str(e)[:300]}"
