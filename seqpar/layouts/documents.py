@@ -82,8 +82,12 @@ Note [Whole documents]
     ranks, emulated on an H100 (the busiest rank, ``benchmarks/results/2026-11-26-h100-balanced-long``), GPU
     time per call fell from 4.56 to 3.05 ms (all-gather, 32K row, forward+backward) and
     from 15.9 to 11.4 ms (128K row), and the ring's from 18.1 to 10.7 ms at 128K: a document of 8K tokens over
-    8 ranks was 16 pieces of 512 tokens, each a call at every step. The ring takes the layout too, for short
-    chunks where its per-piece calls cost more than the steps it waits for; ``balanced`` stays its default.
+    8 ranks was 16 pieces of 512 tokens, each a call at every step. On 4 real H100s (128K rows, 32K tokens per
+    GPU, ``benchmarks/results/2026-11-26-h100x4-packed-real``) all-gather gained on every row (forward+backward
+    0.61 -> 0.65 lognormal, 0.69 -> 0.83 long tail; its selective gather also moves fewer rows when documents stay
+    on one rank) and the ring lost forward (0.66 -> 0.55, 0.83 -> 0.77): the lockstep, which the emulation cannot
+    see. So ``balanced_whole`` is all-gather's layout for packed batches (``Method.packed_layout``), and the ring,
+    which accepts it for short chunks, keeps ``balanced``.
 """
 
 from __future__ import annotations
