@@ -50,7 +50,7 @@ def case_fn(method: str, layout: str, mode: str, total: int, cu: tuple[int, ...]
 
 
 def probe(name: str, fn, out: Path) -> str:
-    for _ in range(3):
+    for _ in range(7):                  # auto graphs decide at the seventh call (Note [Which calls graph])
         fn()
     torch.cuda.synchronize()
     host, total = [], []
