@@ -23,6 +23,15 @@ None of them caps scores (softcap: flex, flash_attn, flash_attn3). The probe tha
 
 Rows that see no key come back from FA2 with lse = +inf; adapters turn that into -inf (our contract) and
 turn -inf back into +inf before a backward call (exp(s - (+inf)) = 0 where exp(s - (-inf)) would be inf).
+
+Note [Split bands in one pass]
+    A bottom-right causal block whose keys outnumber its rows (pass-Q's own back chunk against the whole own
+    block, a document's piece against its earlier keys) runs on cuDNN as a full call and a top-left causal call
+    (``causal_parts``). Their merge was six element-wise passes in fp32 (a widening copy, logaddexp, two exps, a
+    multiply, an addcmul): 55 us beside two 30 us cuDNN calls at TokenRing's first step, 2K tokens per rank over 8
+    (H100, ``benchmarks/gpu/probe_host.py``, 2026-11-26). ``merge_parts`` now merges them in one pass
+    (``combine.merge_parts``: each part read once, the block's fp32 output written once), and the backward's dQ
+    sums its parts the same way (``combine.sum_parts``); the values are the fp32 merge and sum they were.
 """
 
 from __future__ import annotations
@@ -37,9 +46,9 @@ import torch
 from ..masks import Band, Mask, Varlen, bottom_right_window
 from ..numerics import acc_dtype
 from ..types import AttnOutput
+from . import combine
 from .base import Kernel, KernelCall, band_of, register
 from .combine import host_table
-from .merge import merge_
 
 __all__ = ["CudnnKernel", "EfficientKernel", "FlashKernel", "causal_parts", "cudnn_max_head_dim", "merge_parts",
            "pad_dim", "split_backward"]
@@ -93,21 +102,25 @@ def causal_parts(band: Band, n: int) -> list[tuple[slice, bool]]:
 
 
 def merge_parts(parts: list[AttnOutput]) -> AttnOutput:
+    """The calls of a split band (``causal_parts``: the same query rows against disjoint keys) as one block's
+    result, merged in one pass in fp32 (Note [Split bands in one pass])."""
     if len(parts) == 1:
         return parts[0]
-    out, lse = parts[0].out.to(acc_dtype(parts[0].out.dtype)), parts[0].lse.clone()
-    for p in parts[1:]:
-        merge_(out, lse, p.out, p.lse)
+    B, S, H, Dv = parts[0].out.shape
+    whole = slice(0, S)
+    out, lse = combine.merge_parts([(whole, p.out, p.lse) for p in parts], (B, S, H, Dv), acc_dtype(parts[0].out.dtype))
     return AttnOutput(out, lse)
 
 
 def split_backward(fn, do, q, k, v, out, lse, band: Band):
-    """Backward of a split band: dq sums over parts, dk/dv concatenate along keys."""
+    """Backward of a split band: dq sums over parts (one pass, Note [Split bands in one pass]), dk/dv concatenate
+    along keys."""
     grads = [fn(do, q, k[:, ks], v[:, ks], out, lse, causal) for ks, causal in causal_parts(band, k.shape[1])]
     if len(grads) == 1:
         return grads[0]
-    acc = acc_dtype(q.dtype)
-    return (sum(g[0].to(acc) for g in grads), torch.cat([g[1] for g in grads], 1), torch.cat([g[2] for g in grads], 1))
+    whole = slice(0, q.shape[1])
+    dq = combine.sum_parts([(whole, g[0]) for g in grads], tuple(q.shape), acc_dtype(q.dtype))
+    return dq, torch.cat([g[1] for g in grads], 1), torch.cat([g[2] for g in grads], 1)
 
 
 @contextlib.contextmanager

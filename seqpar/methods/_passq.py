@@ -123,12 +123,13 @@ class PassQ:
                 ex.recv(b.nxt[in_rows[0]:in_rows[1]], ring.peer(1))
 
     def _return(self, ex: Exchange, t: int, res: list[torch.Tensor], got: list[torch.Tensor]) -> Rows:
-        """Queue the return of step t's partial to its owner r+t and the receipt of mine from r-t."""
+        """Queue the return of step t's partial to its owner r+t (``res``: exactly the rows that go home,
+        ``res_rows``) and the receipt of mine from r-t."""
         r, W, ring = self.ring.rank, self.sp.world, self.ring
         out_rows, in_rows = self.sp.res_rows[(r + t) % W][t], self.sp.res_rows[r][t]
         if out_rows is not None:
             for x in res:
-                ex.send(x[out_rows[0]:out_rows[1]], ring.peer(t))
+                ex.send(x, ring.peer(t))
         if in_rows is not None:
             for x in got:
                 ex.recv(x[in_rows[0]:in_rows[1]], ring.peer(-t))
@@ -179,11 +180,12 @@ class PassQ:
         lse_dt = acc.acc_dtype
         cur = Double(seq_major(q)) if n > 1 else None
         res = [(q.new_empty(L, B, H, Dv), torch.empty(L, B, H, dtype=lse_dt, device=q.device)) for _ in range(2)]
+        sent: list[list[torch.Tensor]] = [[], []]   # per step parity: the rows a guest step sends home
         landing: list[list[torch.Tensor]] = []      # the receive buffers of the return in flight
 
         def post_return(ex: Exchange, t: int) -> Rows:
             landing[:] = [q.new_empty(L, B, H, Dv), torch.empty(L, B, H, dtype=lse_dt, device=q.device)]
-            return self._return(ex, t, list(res[t % 2]), landing)
+            return self._return(ex, t, sent[t % 2], landing)
 
         def own(tasks) -> None:
             for t in runner.prepare(tasks, q, k):
@@ -203,8 +205,12 @@ class PassQ:
                 parts = [(slice(t.q_start - a, t.q_stop - a), *runner.forward(qv, k, v, t), t.covered)
                          for t in tasks]
                 o, lse = combine.merge_parts(parts, (B, b - a, H, Dv), q.dtype)
-            res_o[a:b].copy_(o.transpose(0, 1))
             res_l[a:b].copy_(lse.permute(2, 0, 1))
+            if B == 1 and o.dtype == q.dtype and o.is_contiguous():   # (1, n, H, Dv) is (n, 1, H, Dv): sent as it is
+                sent[s % 2] = [o.view(b - a, 1, H, Dv), res_l[a:b]]
+            else:
+                res_o[a:b].copy_(o.transpose(0, 1))
+                sent[s % 2] = [res_o[a:b], res_l[a:b]]
 
         def land_return(m: Rows) -> None:
             acc.add(slice(*m), bshd(landing[0])[:, m[0]:m[1]], bhs(landing[1])[:, :, m[0]:m[1]])
@@ -268,7 +274,8 @@ class PassQ:
 
         def post_return(ex: Exchange, t: int) -> Rows:
             landing[:] = [torch.empty_like(res[0])]
-            return self._return(ex, t, [res[t % 2]], landing)
+            rr = sp.res_rows[(r + t) % sp.world][t]
+            return self._return(ex, t, [res[t % 2][rr[0]:rr[1]]] if rr is not None else [], landing)
 
         def land_return(m: Rows) -> None:
             dq.add(slice(*m), bshd(landing[0])[:, m[0]:m[1]])
