@@ -93,21 +93,22 @@ class AllGather:
                                async_op=True)
         return Handle(_link.delay(work, "reduce_scatter", send.nbytes - recv.nbytes, self.world, send.device))
 
-
     def gather_parts(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Handle:
         """Post ``gather(send, recv)`` for every pair as one coalesced collective (Note [Coalesced parts])."""
-        return self._coalesced(self.gather, _GATHER, parts, "all-gather", "allgather")
+        return self._coalesced(self.gather, _GATHER, parts, "all-gather", "allgather", small_first=True)
 
     def reduce_scatter_parts(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Handle:
         """Post ``reduce_scatter(send, recv)`` for every pair as one coalesced collective (Note [Coalesced parts])."""
         return self._coalesced(self.reduce_scatter, _REDUCE_SCATTER, parts, "reduce-scatter", "reduce_scatter",
-                               op=dist.ReduceOp.SUM)
+                               small_first=False, op=dist.ReduceOp.SUM)
 
-    def _coalesced(self, one, collective, parts, what: str, pattern: str, **kwargs) -> Handle:
+    def _coalesced(self, one, collective, parts, what: str, pattern: str, *, small_first: bool, **kwargs) -> Handle:
+        """``parts`` posted inside the coalescing manager; ``small_first``: each pair's send is the one-rank buffer
+        (a gather), else its receive (a reduce-scatter)."""
         if len(parts) == 1 or self.world == 1:
             handles = [one(send, recv) for send, recv in parts]
             return handles[0] if len(handles) == 1 else Handle()      # several only at W = 1: copied already
-        smalls = [(send, recv) if what == "all-gather" else (recv, send) for send, recv in parts]
+        smalls = [(send, recv) if small_first else (recv, send) for send, recv in parts]
         for small, big in smalls:
             self._check(small, big, what)
         with dist._coalescing_manager(group=self.group, async_ops=True) as cm:
