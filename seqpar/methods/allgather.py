@@ -390,9 +390,9 @@ class _Gathered:
         self.recv = [k.new_empty(ag.world * L, B, stride, D + v.shape[-1]) for _ in range(min(2, self.rounds))]
         self.glob = None if chunks is None else torch.empty_like(self.recv[0])
 
-    def post(self, c: int) -> list[Handle]:
-        """Pack KV heads of chunk c and post their gather, one per part with slots (Note [All-gather pipeline],
-        Note [Gather by parts])."""
+    def post(self, c: int) -> Handle:
+        """Pack KV heads of chunk c and post their gather, its parts coalesced with slots (Note [All-gather
+        pipeline], Note [Gather by parts])."""
         hs = slice(c * self.stride, (c + 1) * self.stride)
         self.send[..., : self.d].copy_(self.k[:, :, hs].transpose(0, 1))
         self.send[..., self.d:].copy_(self.v[:, :, hs].transpose(0, 1))
@@ -412,12 +412,12 @@ class _Gathered:
 
 
 def _by_slots(op, local: torch.Tensor, full: torch.Tensor, slots: tuple[tuple[int, int, int], ...] | None,
-              world: int) -> list[Handle]:
+              world: int) -> Handle:
     """``op(pairs of local rows and their W-rank buffer)``: all rows, or one pair per part, posted as one coalesced
     collective (Note [Gather by parts], Note [Coalesced parts] in ``seqpar.comm.all_gather``)."""
     if slots is None:
-        return [op([(local, full)])]
-    return [op([(local[a:a + n], full[o:o + world * n]) for a, n, o in slots])]
+        return op([(local, full)])
+    return op([(local[a:a + n], full[o:o + world * n]) for a, n, o in slots])
 
 
 class _DKV:
@@ -426,7 +426,7 @@ class _DKV:
     ``start(c)`` gives chunk c's accumulator ``(S, B, stride, D + Dv)`` in the gathered buffer's order, not
     zeroed (the caller writes or zeroes every row: Note [First touch]);
     ``post(c)`` brings it to rank order in the wire dtype (a copy only when the order or the dtype differs) and
-    posts the reduce-scatter into ``out[c]`` (one per part with slots: Note [Gather by parts]); ``finish`` waits
+    posts the reduce-scatter into ``out[c]`` (its parts coalesced with slots: Note [Gather by parts]); ``finish`` waits
     and returns ``dk (B, L, Hkv, D), dv (B, L, Hkv, Dv)``.
     """
 
@@ -447,12 +447,12 @@ class _DKV:
         self.stage = (torch.empty_like(self.acc[0], dtype=self.wire)
                       if chunks is not None and self.wire != self.acc_dtype else None)
         self.out = k.new_empty(rounds, L, B, stride, F, dtype=self.wire)
-        self.pending: list[list[Handle] | None] = [None] * nbuf
+        self.pending: list[Handle | None] = [None] * nbuf
 
     def _wait(self, slot: int) -> None:
         h = self.pending[slot]
         if h is not None:
-            self.loop.wait(h)
+            self.loop.wait([h])
             self.pending[slot] = None
 
     def start(self, c: int) -> torch.Tensor:
@@ -462,7 +462,7 @@ class _DKV:
             self._wait(slot)                   # its reduce-scatter still reads this accumulator
         return self.acc[c % len(self.acc)]
 
-    def post(self, c: int) -> list[Handle]:
+    def post(self, c: int) -> Handle:
         slot = c % len(self.pending)
         buf = self.acc[c % len(self.acc)]
         if not self.direct:
