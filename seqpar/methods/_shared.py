@@ -65,13 +65,7 @@ def hull(a: Rows, b: Rows) -> Rows:
 def split_own(seg: Segments, rule: Rule, back_first: bool) -> tuple[tuple[Task, ...], tuple[Task, ...]]:
     """The own block (``seg`` against itself) as (early, late) tasks split at local row L // 2.
 
-    ``back_first``: rows ``L//2 : L`` run early (Note [One KV message]
-    K and V travel together. With one head dim they are stacked, ``kv (2, B, L, Hkv, D)``, so each is a
-    contiguous tensor for the kernels; with a value head dim Dv != D (MLA) they are concatenated on the last
-    dim, ``kv (..., Hkv, D + Dv)``, and read back as last-dim slices (row stride D + Dv). Sequence-major
-    buffers (``seq_dim=0``) always concatenate. ``unpack_kv`` tells the two apart by rank.
-
-Note [Hiding the tail]); otherwise rows ``0 : L//2``.
+    ``back_first``: rows ``L//2 : L`` run early (Note [Hiding the tail]); otherwise rows ``0 : L//2``.
     For zigzag these are the back and front chunks: the back chunk holds 3/4 of a causal own block.
     """
     L = seg.length
