@@ -119,6 +119,10 @@ class Kernel(ABC):
     #: a step's blocks it serves are worth one call over their bounding box (a ``Joined`` mask): Note [Bands on
     #: flex] in ``seqpar.kernels.executor``
     joins: ClassVar[bool] = False
+    #: serves a band of full keys and a top-left causal rest (``lo`` None, ``hi`` > 0) as two calls
+    #: (``sdpa.causal_parts``): the runner hands it the two blocks as tasks of their own (Note [Split bands as
+    #: tasks] in ``seqpar.kernels.executor``)
+    splits_bands: ClassVar[bool] = False
 
     def rank(self, call: KernelCall) -> int | None:
         """``auto``'s preference for ``call`` (higher first; None: never chosen by auto). ``auto_rank`` for the

@@ -32,6 +32,7 @@ class CpuFlashKernel(Kernel):
     """``_scaled_dot_product_flash_attention_for_cpu``: full and causal blocks on CPU, GQA native."""
 
     name = "cpu_flash"
+    splits_bands = True
     auto_rank = {"cpu": 110}
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:

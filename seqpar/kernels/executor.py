@@ -25,6 +25,17 @@ Note [Runner memos]
     ``seqpar.runtime.call``) - a module-level cache keyed by task tuples kept hundreds of dead batches' tasks.
     A runner meets a handful of task tuples (its schedule's steps); ``MEMO_SIZE`` bounds the memo anyway.
 
+Note [Split bands as tasks]
+    A block of full keys and a top-left causal rest (a band with ``lo`` unbounded and ``hi`` > 0: a query chunk
+    against every earlier key in all-gather's buffer, pass-Q's back chunk against the whole own block) runs on
+    cuDNN, the efficient kernel and CPU flash as two calls (``Kernel.splits_bands``, ``sdpa.causal_parts``).
+    Inside the kernel the two partials became one fp32 block result (Note [Split bands in one pass] in
+    ``seqpar.kernels.sdpa``) that the schedule's merge read again, and the backward concatenated the two calls'
+    dK/dV (a copy) before the schedule added them. ``prepare`` now hands such a kernel the two blocks as tasks of
+    their own, so their partials go straight to the call's one merge (Note [One merge per call] in
+    ``seqpar.kernels.combine``) and their gradients straight to its sums. The kernel's own split stays for callers
+    that run a kernel on a band directly.
+
 Note [Bands on flex]
     PyTorch's FA2 is an Ampere kernel. On an H100 its sliding-window (band) forward took 3.34 ms of seqpar's
     3.62 ms sink window (16K tokens, window 4095 + 4 sinks, GQA 32/8, D 128, bf16), where compiled flex ran the
@@ -134,6 +145,13 @@ def _sig(q: torch.Tensor, k: torch.Tensor) -> Sig:
 def _is_band(t: Task) -> bool:
     """A windowed band (mask kind "band"), the block a joining kernel may be preferred for."""
     return isinstance(t.mask, Band) and t.mask.lo is not None
+
+
+def split_band(t: Task) -> bool:
+    """Whether ``t`` is full keys and a top-left causal rest, which some kernels serve as two calls (Note [Split
+    bands as tasks])."""
+    m = t.mask
+    return type(m) is Band and m.lo is None and m.hi is not None and 0 < m.hi < t.cols
 
 
 def row_groups(task: Task, most: int) -> tuple[Task, ...]:
@@ -248,7 +266,8 @@ class TaskRunner:
         [Bands on flex]); many small per-document tasks packed into varlen calls where a kernel serves varlen
         (tasks of ``GROUP_ROWS`` rows or more keep their own call, unless their shapes vary batch to batch: Note
         [Plans per shape]). Decided once per task tuple and kind of tensors."""
-        if len(tasks) < GROUP_AT and (len(tasks) < 2 or not any(_is_band(t) for t in tasks)):
+        if (len(tasks) < GROUP_AT and (len(tasks) < 2 or not any(_is_band(t) for t in tasks))
+                and not any(split_band(t) for t in tasks)):
             return tasks
         return self._prepare(tasks, _sig(q, k))
 
@@ -258,8 +277,25 @@ class TaskRunner:
     def _prepared(self, tasks: tuple[Task, ...], sig: Sig) -> tuple[Task, ...]:
         joined = self._join(tasks, sig)
         if joined is tasks:
-            return self._packed(tasks, sig)
-        return joined[:1] + self._packed(joined[1:], sig)
+            return self._split(self._packed(tasks, sig), sig)
+        return joined[:1] + self._split(self._packed(joined[1:], sig), sig)
+
+    def _split(self, tasks: tuple[Task, ...], sig: Sig) -> tuple[Task, ...]:
+        """``tasks`` with each band its kernel serves as two calls replaced by those two blocks (Note [Split bands
+        as tasks])."""
+        out: list[Task] = []
+        for t in tasks:
+            try:
+                two = split_band(t) and self._kernel(t, sig).splits_bands
+            except UnsupportedInputError:
+                two = False                     # the task's own call raises, by name
+            if not two:
+                out.append(t)
+                continue
+            cut = t.k_start + t.mask.hi
+            out += [Task(t.q_start, t.q_stop, t.k_start, cut, Band()), Task(t.q_start, t.q_stop, cut, t.k_stop,
+                                                                            Band(None, 0))]
+        return tuple(out) if len(out) > len(tasks) else tasks
 
     def _join(self, tasks: tuple[Task, ...], sig: Sig) -> tuple[Task, ...]:
         """``tasks`` with the bands a joining kernel serves and the thin blocks (full, causal or a narrow band) as

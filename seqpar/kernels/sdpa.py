@@ -140,6 +140,7 @@ class CudnnKernel(Kernel):
     """cuDNN attention (``aten._scaled_dot_product_cudnn_attention``): full and causal blocks, GQA native."""
 
     name = "cudnn"
+    splits_bands = True
     auto_rank = {"cuda": 90}
     plans_per_shape = True              # Note [Plans per shape]
 
@@ -314,6 +315,7 @@ class EfficientKernel(Kernel):
     """
 
     name = "efficient"
+    splits_bands = True
     auto_rank = {"cuda": 20}
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:

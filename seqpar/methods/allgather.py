@@ -29,7 +29,7 @@ Note [Gather by parts]
     holds (c0, c1, ..., c_{W-1}); the backs part runs backwards (c_{2W-1}, ..., c_W). The planner takes the
     buffer's runs as they lie (a fully visible key run merges with its fully visible neighbours whatever their
     global order), so causal zigzag is three calls per rank, the order of the two parts chosen per rank for the
-    fewest: the front chunk bottom-right against the fronts it sees, the back chunk's diagonal block, and the rest
+    fewest (a band that cuDNN splits counting as two: Note [Split bands as tasks]): the front chunk bottom-right against the fronts it sees, the back chunk's diagonal block, and the rest
     of what the back chunk sees in one full call - one more call than in global order, and one merge of the back
     chunk's two partials (Note [One merge per call]), where global order moved the whole gathered buffer through
     memory twice per forward and backward plus the fp32 dK/dV once (at 2K tokens per rank over 8, MHA: 0.17 ms
@@ -107,7 +107,7 @@ from ..comm.all_gather import AllGather, AllToAllV, Handle
 from ..comm.loop import Loop, run_steps
 from ..cost import model
 from ..errors import rank_suffix
-from ..kernels.executor import TaskRunner
+from ..kernels.executor import TaskRunner, split_band
 from ..kernels.merge import Accumulator
 from ..layouts import Layout, make_layout
 from ..layouts.blocks import Rule, Run, Segments, Task, plan
@@ -278,7 +278,8 @@ def gather_plan(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds:
     parts = _parts(layout, seq_len)
     if parts is not None:
         return min((_by_parts(layout, seq_len, q, rule, doc_bounds, valid_len, parts, buffer)
-                    for buffer in itertools.permutations(range(len(parts)))), key=lambda gp: len(gp.tasks))
+                    for buffer in itertools.permutations(range(len(parts)))),
+                   key=lambda gp: len(gp.tasks) + sum(map(split_band, gp.tasks)))
     k = Segments((Run(0, 0, seq_len),)).cut(doc_bounds, valid_len)
     chunk, order = _chunk_order(layout, seq_len)
     return GatherPlan(plan(q, k, rule), chunk, order, ((0, seq_len),))
