@@ -29,13 +29,27 @@ Note [Gather by parts]
     holds (c0, c1, ..., c_{W-1}); the backs part runs backwards (c_{2W-1}, ..., c_W). The planner takes the
     buffer's runs as they lie (a fully visible key run merges with its fully visible neighbours whatever their
     global order), so causal zigzag is three calls per rank, the order of the two parts chosen per rank for the
-    fewest (a band that cuDNN splits counting as two: Note [Split bands as tasks]): the front chunk bottom-right against the fronts it sees, the back chunk's diagonal block, and the rest
-    of what the back chunk sees in one full call - one more call than in global order, and one merge of the back
-    chunk's two partials (Note [One merge per call]), where global order moved the whole gathered buffer through
-    memory twice per forward and backward plus the fp32 dK/dV once (at 2K tokens per rank over 8, MHA: 0.17 ms
-    forward, 0.5 ms backward, against a merge of 1K rows). The per-batch layouts, whose runs differ from rank to
+    fewest (a band cuDNN splits counting as two: Note [Split bands as tasks]): the front chunk bottom-right
+    against the fronts it sees, the back chunk's diagonal block, and the rest of what the back chunk sees in one
+    full call - one more call than in global order, and one merge of the back chunk's two partials (Note [One
+    merge per call]), where global order moved the whole gathered buffer through memory twice per forward and
+    backward plus the fp32 dK/dV once (at 2K tokens per rank over 8, MHA: 0.17 ms forward, 0.5 ms backward,
+    against a merge of 1K rows). On rank 0 the parts' order decides between three calls and four (its front
+    chunk sees only its own keys: the backs part first leaves the back chunk's diagonal at the buffer's start
+    and everything after it fully visible). The per-batch layouts, whose runs differ from rank to
     rank, keep one gather and the permutation (Note [Gather into global order]); the cost model prices the
     permutation for them alone.
+
+Note [K and V apart]
+    The gather's buffers hold K and V side by side (Note [One KV message] in ``_shared``), so one collective moves
+    both - at the price of packing the local K and V into the send buffer in every forward and every backward
+    re-gather: at 2K tokens per rank over 8 on an H100, 11 us (GQA 32/8) and 47 us (MHA) of a 0.59 ms forward
+    (``benchmarks/gpu/probe_host.py``). With one head round and a batch of one, the local K and V already are the
+    sequence-major rows the gather wants (``(L, 1, Hkv, D)`` views of contiguous tensors), so they are gathered
+    as they lie: two messages of one coalesced collective (Note [Coalesced parts] in ``seqpar.comm.all_gather``)
+    into a receive buffer each, which the kernels read as contiguous K and V. Head rounds (``heads_k_stride``)
+    and batches of several rows still pack: their local rows are not contiguous. The fp32 dK/dV return keeps one
+    buffer (its reduce-scatter sends what the backward accumulated, a copy either way).
 
 Note [First touch]
     Backward accumulates every call's dK/dV into the fp32 buffer of the gathered keys (W L rows per head chunk).
@@ -379,25 +393,38 @@ class _Gathered:
 
     Buffers are sequence-major, ``(rows, B, stride, D + Dv)`` with K and V side by side on the last dim (Note
     [One KV message] in ``_shared``), so the rank-major gather concatenates along the sequence and the
-    gathered K is the view ``(B, S, stride, D)``.
+    gathered K is the view ``(B, S, stride, D)``; with one head round and a batch of one, K and V travel apart
+    in buffers of their own (Note [K and V apart]). ``recv[slot]`` is the slot's tuple of receive buffers.
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, stride: int, ag: AllGather, chunks: _ChunkIndex | None,
                  slots: tuple[tuple[int, int, int], ...] | None = None):
-        B, L, _, D = k.shape
+        B, L, Hkv, D = k.shape
         self.k, self.v, self.stride, self.ag, self.chunks, self.slots, self.d = k, v, stride, ag, chunks, slots, D
-        self.rounds = k.shape[2] // stride
-        self.send = k.new_empty(L, B, stride, D + v.shape[-1])
-        self.recv = [k.new_empty(ag.world * L, B, stride, D + v.shape[-1]) for _ in range(min(2, self.rounds))]
-        self.glob = None if chunks is None else torch.empty_like(self.recv[0])
+        self.rounds = Hkv // stride
+        self.rows = ag.world * L
+        self.apart = self.rounds == 1 and B == 1 and k.is_contiguous() and v.is_contiguous()
+        if self.apart:
+            self.send = None
+            self.recv = [(k.new_empty(self.rows, 1, Hkv, D), v.new_empty(self.rows, 1, Hkv, v.shape[-1]))]
+        else:
+            self.send = k.new_empty(L, B, stride, D + v.shape[-1])
+            self.recv = [(k.new_empty(self.rows, B, stride, D + v.shape[-1]),) for _ in range(min(2, self.rounds))]
+        self.glob = None if chunks is None else tuple(torch.empty_like(b) for b in self.recv[0])
 
     def post(self, c: int) -> Handle:
-        """Pack KV heads of chunk c and post their gather, its parts coalesced with slots (Note [All-gather
-        pipeline], Note [Gather by parts])."""
-        hs = slice(c * self.stride, (c + 1) * self.stride)
-        self.send[..., : self.d].copy_(self.k[:, :, hs].transpose(0, 1))
-        self.send[..., self.d:].copy_(self.v[:, :, hs].transpose(0, 1))
-        return _by_slots(self.ag.gather_parts, self.send, self.recv[c % len(self.recv)], self.slots, self.ag.world)
+        """Post chunk c's gather, its parts coalesced with slots (Note [All-gather pipeline], Note [Gather by
+        parts]): K and V as they lie (Note [K and V apart]), or packed into one send buffer."""
+        recv = self.recv[c % len(self.recv)]
+        if self.apart:
+            sends = (self.k.transpose(0, 1), self.v.transpose(0, 1))
+        else:
+            hs = slice(c * self.stride, (c + 1) * self.stride)
+            self.send[..., : self.d].copy_(self.k[:, :, hs].transpose(0, 1))
+            self.send[..., self.d:].copy_(self.v[:, :, hs].transpose(0, 1))
+            sends = (self.send,)
+        return self.ag.gather_parts([p for s, r in zip(sends, recv) for p in _slot_pairs(s, r, self.slots,
+                                                                                          self.ag.world)])
 
     def grads(self, grad_dtype: torch.dtype, loop: Loop) -> _DKV:
         """The matching dK/dV return: fp32 accumulators reduce-scattered to the owners."""
@@ -405,20 +432,23 @@ class _Gathered:
 
     def kv(self, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Chunk c's gathered ``k (B, S, stride, D), v (B, S, stride, Dv)`` in global order (after its wait)."""
-        buf = self.recv[c % len(self.recv)]
-        if self.chunks is not None:
-            self.chunks.to_global.apply(buf, self.glob)
-            buf = self.glob
-        return buf[..., : self.d].transpose(0, 1), buf[..., self.d:].transpose(0, 1)
+        bufs = self.recv[c % len(self.recv)]
+        if self.glob is not None:
+            for b, g in zip(bufs, self.glob):
+                self.chunks.to_global.apply(b, g)
+            bufs = self.glob
+        if self.apart:
+            return bufs[0].transpose(0, 1), bufs[1].transpose(0, 1)
+        return bufs[0][..., : self.d].transpose(0, 1), bufs[0][..., self.d:].transpose(0, 1)
 
 
-def _by_slots(op, local: torch.Tensor, full: torch.Tensor, slots: tuple[tuple[int, int, int], ...] | None,
-              world: int) -> Handle:
-    """``op(pairs of local rows and their W-rank buffer)``: all rows, or one pair per part, posted as one coalesced
-    collective (Note [Gather by parts], Note [Coalesced parts] in ``seqpar.comm.all_gather``)."""
+def _slot_pairs(local: torch.Tensor, full: torch.Tensor, slots: tuple[tuple[int, int, int], ...] | None,
+                world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Local rows and their W-rank buffer: all rows, or one pair per part (Note [Gather by parts]), to be posted as
+    one coalesced collective (Note [Coalesced parts] in ``seqpar.comm.all_gather``)."""
     if slots is None:
-        return op([(local, full)])
-    return op([(local[a:a + n], full[o:o + world * n]) for a, n, o in slots])
+        return [(local, full)]
+    return [(local[a:a + n], full[o:o + world * n]) for a, n, o in slots]
 
 
 class _DKV:
@@ -477,8 +507,8 @@ class _DKV:
                 self.stage.copy_(buf)
                 self.chunks.to_rank.apply(self.stage, send)
             buf = send
-        self.pending[slot] = _by_slots(lambda pairs: self.ag.reduce_scatter_parts([(w, p) for p, w in pairs]),
-                                       self.out[c], buf, self.slots, self.ag.world)
+        self.pending[slot] = self.ag.reduce_scatter_parts(
+            [(w, p) for p, w in _slot_pairs(self.out[c], buf, self.slots, self.ag.world)])
         return self.pending[slot]
 
     def finish(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -536,6 +566,7 @@ class _Selected:
         F = D + v.shape[-1]
         self.k, self.v, self.stride, self.a2a, self.idx, self.d = k, v, stride, a2a, idx, D
         self.rounds = k.shape[2] // stride
+        self.rows = idx.rows
         self.send = k.new_empty(len(idx.send_rows), B, stride, F)
         self.recv = [k.new_empty(idx.rows, B, stride, F) for _ in range(min(2, self.rounds))]
         self.glob = None if idx.order is None else torch.empty_like(self.recv[0])
@@ -740,7 +771,7 @@ class _Engine:
         gathered = self._transport(k, v)
         dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         tasks = runner.prepare(self.gp.tasks, q[:, :, : stride * G], k[:, :, :stride])
-        touch, zero = _first_touch(tasks, gathered.recv[0].shape[0])
+        touch, zero = _first_touch(tasks, gathered.rows)
         with Loop() as loop:
             grads = gathered.grads(self.grad_dtype, loop)
             handles = [loop.post(gathered.post(0))]
