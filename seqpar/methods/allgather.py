@@ -121,6 +121,7 @@ from ..comm.all_gather import AllGather, AllToAllV, Handle
 from ..comm.loop import Loop, run_steps
 from ..cost import model
 from ..errors import rank_suffix
+from ..kernels import combine
 from ..kernels.executor import TaskRunner, split_band
 from ..kernels.merge import Accumulator
 from ..layouts import Layout, make_layout
@@ -769,7 +770,7 @@ class _Engine:
         q, k, v, rows = b.q, b.k, b.v, b.rows
         runner, G, stride = self.runner, self.G, self.stride
         gathered = self._transport(k, v)
-        dq = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+        dq = torch.empty_like(q)       # each round's dQ partials summed into its heads in one pass
         tasks = runner.prepare(self.gp.tasks, q[:, :, : stride * G], k[:, :, :stride])
         touch, zero = _first_touch(tasks, gathered.rows)
         with Loop() as loop:
@@ -785,9 +786,10 @@ class _Engine:
                 dkv = grads.start(c)
                 for a, z in zero:
                     dkv[a:z].zero_()
+                dqs = []
                 for t, pieces in zip(tasks, touch):
                     gq, gk, gv = runner.backward(hrows, q[:, :, qh], kc, vc, b.lse[:, qh], t)
-                    dq[:, t.q, qh] += gq
+                    dqs.append((t.q, gq))
                     for a, z, add in pieces:
                         for part, g in ((dkv[a:z, ..., :d], gk), (dkv[a:z, ..., d:], gv)):
                             g = g[:, a - t.k_start:z - t.k_start].transpose(0, 1)
@@ -795,6 +797,8 @@ class _Engine:
                                 part.add_(g)
                             else:
                                 part.copy_(g)
+                dq_c = dq[:, :, qh]
+                combine.sum_parts(dqs, tuple(dq_c.shape), q.dtype, out=dq_c)
 
             def post(c: int):
                 loop.wait(handles[c])
@@ -807,7 +811,7 @@ class _Engine:
 
             run_steps(gathered.rounds, post=post, compute=compute, post_after=post_after, loop=loop)
             dk, dv = grads.finish(k.dtype)
-        return dq.to(q.dtype), dk, dv
+        return dq, dk, dv
 
 
 def _engine(call: Call):
