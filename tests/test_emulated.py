@@ -123,7 +123,8 @@ def test_allgather_zigzag_step_program(fake_world, counts, world):
 
 def test_allgather_by_parts_posts_one_coalesced_collective_per_round(fake_world, monkeypatch):
     """Note [Coalesced parts]: zigzag's two parts (fronts, backs) go out as one coalesced all-gather per round
-    forward and in backward, and their dK/dV as one coalesced reduce-scatter - never a collective per part."""
+    forward and in backward - K and V of a batch of one as messages of their own (Note [K and V apart]), four
+    gathers in one - and their dK/dV as one coalesced reduce-scatter: never a collective per part."""
     import contextlib
 
     from seqpar.comm import all_gather as ag
@@ -148,9 +149,9 @@ def test_allgather_by_parts_posts_one_coalesced_collective_per_round(fake_world,
     monkeypatch.setattr(ag, "_REDUCE_SCATTER", spy("reduce_scatter", ag._REDUCE_SCATTER))
     fake_world(4)
     out, leaves = _call_once("allgather", "zigzag", 4)
-    assert len(managers) == 1 and posted == {("gather", 1): 2}, (managers, posted)
+    assert len(managers) == 1 and posted == {("gather", 1): 4}, (managers, posted)
     torch.autograd.grad(out, leaves, torch.ones_like(out))
-    assert len(managers) == 3 and posted[("gather", 2)] == 2 and posted[("reduce_scatter", 3)] == 2, posted
+    assert len(managers) == 3 and posted[("gather", 2)] == 4 and posted[("reduce_scatter", 3)] == 2, posted
 
 
 @pytest.mark.parametrize("method", ["tokenring", "tasp"])
