@@ -39,14 +39,14 @@ def test_all_to_all_placement_and_adjoint(pools, kv_heads):
 def test_wide_copies_move_the_same_bits():
     """Note [Wide copies]: a permutation copy on 16-byte views equals the plain one, broadcasts included; a head
     whose bytes are not a multiple of 16, or an unaligned view, takes the plain copy."""
-    from seqpar.comm.all_to_all import _contiguous, _copy, _wide
+    from seqpar.comm.all_to_all import _copy, _wide, contiguous
 
     x = torch.randn(2, 6, 4, 16).to(torch.bfloat16)
     assert _wide(x.movedim(1, 0)) is not None
-    assert torch.equal(_contiguous(x.movedim(1, 0)), x.movedim(1, 0).contiguous())
+    assert torch.equal(contiguous(x.movedim(1, 0)), x.movedim(1, 0).contiguous())
     dst = torch.empty(3, 2, 6, 4, 16, dtype=torch.bfloat16)
     assert torch.equal(_copy(dst, x.unsqueeze(0)), x.unsqueeze(0).expand_as(dst))
     odd = torch.randn(2, 6, 4, 6)                                   # 24-byte heads
     assert _wide(odd) is None
-    assert torch.equal(_contiguous(odd.movedim(1, 0)), odd.movedim(1, 0).contiguous())
+    assert torch.equal(contiguous(odd.movedim(1, 0)), odd.movedim(1, 0).contiguous())
     assert _wide(x[..., 1:9]) is None                               # an address off 16 bytes

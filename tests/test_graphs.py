@@ -282,3 +282,43 @@ def test_release_all_destroys_the_graphs_and_a_plan_called_again_captures_anew(m
     assert [graphed.forward(x, x, x) for _ in range(3)] == ["eager", "replayed", "replayed"]
     graphed.retire()                                                 # a passed batch: eager for good
     assert resets == [1, 1] and [graphed.forward(x, x, x) for _ in range(2)] == ["eager", "eager"]
+
+
+def test_a_saving_engine_clones_no_saved_tensors_without_a_backward_and_copies_no_out_into_it(monkeypatch):
+    """Note [Graph copies]: a plan no backward follows captures a saving engine's forward without its saved
+    tensors (nothing to clone out), and a saving engine's graphed backward takes no ``out`` (Note [Engines]: it
+    reads dO and dlse of the final rows only)."""
+    from seqpar.methods.base import BackwardInputs
+    from seqpar.numerics import GradRows
+    from seqpar.runtime import graphs as g
+
+    seen = []
+
+    class Captured:
+        def __init__(self, fn, inputs, pool):
+            seen.append((fn(*inputs), list(inputs)))
+            self.graph = type("Graph", (), {"reset": lambda _: None})()
+
+        def __call__(self, inputs):
+            return "replayed"
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(g, "_guard_shutdown", lambda: None)
+    monkeypatch.setattr(g, "_Captured", Captured)
+    monkeypatch.setattr(g, "_LIVE", weakref.WeakSet())
+    engine = type("Engine", (), {"saves": True, "forward": lambda self, q, k, v: (q, k, ("saved",)),
+                                 "backward": lambda self, b: (b.rows.do, b.rows.out, b.saved)})()
+    x = torch.zeros(1)
+    for training in (False, True):
+        seen.clear()
+        graphed = g.Graphed(engine, required=True, training=training)
+        assert [graphed.forward(x, x, x)[2] if i == 0 else graphed.forward(x, x, x) for i in range(2)] \
+            == [(() if not training else ("saved",)), "replayed"]
+        assert seen[0][0][2] == (("saved",) if training else ())
+    b = BackwardInputs(GradRows(x, x + 1, None), x, None, None, None, (x,), None, False)
+    graphed.backward(b)
+    assert graphed.backward(b) == "replayed"
+    (do, out, saved), inputs = seen[-1]
+    assert do is b.rows.do or torch.equal(do, x)
+    assert inputs[1] is None and out is None and len(saved) == 1

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from ..errors import rank_suffix
 from . import link as _link
 
-__all__ = ["HeadSlots", "Pending", "heads_to_seq", "post_grads_heads_to_seq", "post_heads_to_seq",
+__all__ = ["HeadSlots", "Pending", "contiguous", "heads_to_seq", "post_grads_heads_to_seq", "post_heads_to_seq",
            "post_qkv_seq_to_heads", "post_seq_to_heads", "qkv_seq_to_heads", "seq_to_heads"]
 
 T = TypeVar("T")
@@ -151,8 +151,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-def _contiguous(x: torch.Tensor) -> torch.Tensor:
-    """``x.contiguous()`` through ``_copy``."""
+def contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x.contiguous()`` through ``_copy`` (Note [Wide copies]): ``x`` itself when already contiguous."""
     return x if x.is_contiguous() else _copy(torch.empty(x.shape, dtype=x.dtype, device=x.device), x)
 
 
@@ -249,12 +249,12 @@ def post_grads_heads_to_seq(dq_BSHD: torch.Tensor, dk_BSKD: torch.Tensor, dv_BSK
     acc = torch.float64 if wire_dtype == torch.float64 else torch.float32
 
     def finish() -> tuple[torch.Tensor, ...]:
-        dq = _contiguous(recv_UBLF[..., : hq * D].unflatten(-1, (hq, D)).movedim(0, 2)).reshape(B, L, U * hq, D)
+        dq = contiguous(recv_UBLF[..., : hq * D].unflatten(-1, (hq, D)).movedim(0, 2)).reshape(B, L, U * hq, D)
         out = [dq]
         for lo, d in ((hq * D, D), (hq * D + hk * D, Dv)):
             part = recv_UBLF[..., lo:lo + hk * d].unflatten(-1, (hk, d)).unflatten(0, (kv_heads // hk, rep))
             part = part.sum(1, dtype=acc) if rep > 1 else part.squeeze(1)         # adjoint of replication
-            out.append(_contiguous(part.movedim(0, 2)).reshape(B, L, kv_heads, d))
+            out.append(contiguous(part.movedim(0, 2)).reshape(B, L, kv_heads, d))
         return tuple(out)
 
     return Pending(work, finish, (send_UBLF, recv_UBLF))
@@ -271,11 +271,11 @@ def post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None, *, seq_d
     if U == 1:
         return Pending.done(x)
     _check_split(x, head_dim, U, "heads")
-    send = _contiguous(x.unflatten(head_dim, (U, x.shape[head_dim] // U)).movedim(head_dim, 0))
+    send = contiguous(x.unflatten(head_dim, (U, x.shape[head_dim] // U)).movedim(head_dim, 0))
     work, recv = _post(send, group)             # recv[u'] = source u''s rows; seq dim sits at seq_dim + 1
 
     def finish() -> torch.Tensor:
-        return _contiguous(recv.movedim(0, seq_dim)).flatten(seq_dim, seq_dim + 1)
+        return contiguous(recv.movedim(0, seq_dim)).flatten(seq_dim, seq_dim + 1)
 
     return Pending(work, finish, (send, recv))
 
@@ -287,11 +287,11 @@ def post_heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None, *, seq_d
     if U == 1:
         return Pending.done(x)
     _check_split(x, seq_dim, U, "sequence length")
-    send = _contiguous(x.unflatten(seq_dim, (U, x.shape[seq_dim] // U)).movedim(seq_dim, 0))
+    send = contiguous(x.unflatten(seq_dim, (U, x.shape[seq_dim] // U)).movedim(seq_dim, 0))
     work, recv = _post(send, group)             # recv[u'] = my rows of source u''s heads
 
     def finish() -> torch.Tensor:
-        return _contiguous(recv.movedim(0, head_dim)).flatten(head_dim, head_dim + 1)
+        return contiguous(recv.movedim(0, head_dim)).flatten(head_dim, head_dim + 1)
 
     return Pending(work, finish, (send, recv))
 

@@ -20,7 +20,9 @@ Note [Engines]
 
     ``out``/``lse`` are the merged rows before attention sinks (the runtime applies sinks, Note [Attention
     sinks] in ``seqpar.numerics``). ``saved`` (engines with ``saves = True``) replaces the default saved
-    ``(q, k, v)``. Backward gets the FINAL rows (sinks included) as ``seqpar.numerics.GradRows``; whether a gradient
+    ``(q, k, v)``; such an engine's backward reads only dO and the lse gradient of the final rows (its saved
+    tensors hold the rest: a graphed backward copies no ``out`` in for it). Backward gets the FINAL rows (sinks
+    included) as ``seqpar.numerics.GradRows``; whether a gradient
     reaches lse is the agreed fact ``b.lse_grad`` (``return_lse``), never this rank's local observation, so
     every rank exchanges the same messages (a rank whose lse got no gradient sends zeros).
 """

@@ -43,6 +43,12 @@ Note [Graph copies]
     multi-tensor kernel). It cut 1-10 GPU operations per call, but its copies ran slower than the per-tensor
     ones - the calls' GPU busy time +2.5% (median of 80 configurations, emulated on an H100) - and efficiency
     did not move (median ratio 0.997; ``benchmarks/results/2026-11-26-h100-graph-copies/``).
+    What is copied is kept to what is read (twelfth session): a strided output (Ulysses' saved ``q, k, v`` are
+    views into its receive buffer) is cloned with 16-byte elements (Note [Wide copies] in
+    ``seqpar.comm.all_to_all``: half the time of the generic strided copy, 24 -> 12 us for 16 MiB on an H100); a
+    plan no backward follows (``training=False``) captures a saving engine's forward without its saved tensors,
+    so none is cloned out; and a saving engine's backward takes no ``out`` (it reads dO and dlse of the final
+    rows only, Note [Engines] in ``seqpar.methods.base``).
 
 Note [Graphs and shutdown]
     A graph that holds NCCL transfers holds NCCL's persistent work on the communicator, and ``ncclCommDestroy``
@@ -142,6 +148,7 @@ from typing import Any
 
 import torch
 
+from ..comm.all_to_all import contiguous
 from ..errors import rank_suffix
 from ..kernels.combine import keep_tables
 from ..methods.base import BackwardInputs
@@ -253,7 +260,7 @@ class _Captured:
                 s.copy_(x)
         with torch.cuda.device(self.device):
             self.graph.replay()
-        return _unflatten([t.clone() for t in self.flat], self.spec)
+        return _unflatten([t.clone() if t.is_contiguous() else contiguous(t) for t in self.flat], self.spec)
 
 
 def _spanned(spans: list, inputs: Sequence[torch.Tensor | None], run: Callable[[], Any]) -> Any:
@@ -304,8 +311,8 @@ def _unflatten(flat: list[torch.Tensor], spec: list[int]) -> tuple:
 class Graphed:
     """``engine`` run as CUDA graphs (Note [Graphed calls]); ``required``: a failed capture raises."""
 
-    def __init__(self, engine: Any, *, required: bool):
-        self.engine, self.required = engine, required
+    def __init__(self, engine: Any, *, required: bool, training: bool = True):
+        self.engine, self.required, self.training = engine, required, training
         self.saves = engine.saves
         self.pool = torch.cuda.graph_pool_handle()
         self._seen: set[Any] = set()
@@ -334,11 +341,14 @@ class Graphed:
         return n
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if self.saves and not self.training:          # no backward follows: nothing saved is cloned out
+            return self._run("fwd", lambda q, k, v: (*self.engine.forward(q, k, v)[:2], ()), [q, k, v])
         return self._run("fwd", lambda q, k, v: self.engine.forward(q, k, v), [q, k, v])
 
     def backward(self, b: BackwardInputs):
         r = b.rows
-        inputs = [r.do, r.out, r.dlse, b.lse, b.q, b.k, b.v, b.sinks, *b.saved]
+        out = None if self.saves else r.out           # an engine that saves reads dO and dlse of the rows only
+        inputs = [r.do, out, r.dlse, b.lse, b.q, b.k, b.v, b.sinks, *b.saved]
         n_saved, lse_grad = len(b.saved), b.lse_grad
 
         def bwd(do, out, dlse, lse, q, k, v, sinks, *saved):
