@@ -1,6 +1,6 @@
 """The kernels alone at the shapes each method runs at short chunks: the bound a method's per-rank path can reach.
 
-    python3 benchmarks/gpu/probe_shapes.py --out DIR         (one GPU; about a minute)
+    python3 benchmarks/gpu/probe_shapes.py --out DIR [--packed]   (one GPU; about a minute)
 
 For 16K tokens, causal, bf16, D 128, GQA 32/8 and MHA 32/32, rank 0 of W = 8 (2K tokens per rank) and W = 4: each
 line times one kernel call (or a method's whole set of calls) back to back, 30 calls between two CUDA events, as
@@ -10,12 +10,16 @@ the fraction of the one-GPU cuDNN call on the full sequence divided by W (the be
 - ``ring-zigzag``: one causal 2L x 2L-chunk call and W - 1 full calls of half the rows or half the keys;
 - ``allgather-zigzag``: the front chunk's causal call, and the back chunk against every key (full keys + causal
   square on cuDNN, or one bottom-right causal call on FA2).
+With ``--packed``: the bench's packed rows (``seqpar.bench.packing``, seed 7, documents rounded to 2W; 32K and 128K
+lognormal, W = 8 and 4) on FA2 varlen, the one-GPU kernel of the packed presets: the whole row with all heads / W
+against Ulysses' call, the whole row with H/W query and Hkv/W KV heads (``ulysses-varlen``).
 Forward and backward are timed apart; DIR/shapes.jsonl has one record per line printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
@@ -60,6 +64,35 @@ def flash_bwd(q, k, v, causal):
         aten._flash_attention_backward(do, q, k, v, o, lse, None, None, q.shape[1], k.shape[1], 0.0, causal, rng,
                                        rng)
     return run
+
+
+def varlen(cu: tuple[int, ...], hq: int, hkv: int, bwd: bool):
+    """One FA2 varlen call (causal) over a packed row with offsets ``cu``: a no-argument closure."""
+    n = cu[-1]
+    q, k, v = rand(n, hq)[0], rand(n, hkv)[0], rand(n, hkv)[0]
+    c = torch.tensor(cu, dtype=torch.int32, device=dev)
+    m = max(b - a for a, b in itertools.pairwise(cu))
+    o, lse = aten._flash_attention_forward(q, k, v, c, c, m, m, 0.0, True, False)[:2]
+    if not bwd:
+        return lambda: aten._flash_attention_forward(q, k, v, c, c, m, m, 0.0, True, False)
+    do, rng = torch.randn_like(o), torch.zeros(2, dtype=torch.int64, device=dev)
+    return lambda: aten._flash_attention_backward(do, q, k, v, o, lse, c, c, m, m, 0.0, True, rng, rng)
+
+
+def packed(out: Path) -> None:
+    from seqpar.bench.packing import packed_row
+    for total in (32768, 131072):
+        for W in (8, 4):
+            cu = packed_row(total, "lognormal", seed=7, multiple=2 * W)
+            for bwd in (False, True):
+                limit = timed([varlen(cu, H, 8, bwd)]) / W
+                ms = timed([varlen(cu, H // W, max(1, 8 // W), bwd)])
+                rec = {"row": f"packed-{total // 1024}k-lognormal", "documents": len(cu) - 1, "W": W,
+                       "tokens_per_rank": total // W, "pass": "bwd" if bwd else "fwd", "kind": "ulysses-varlen",
+                       "ms": round(ms, 4), "limit_ms": round(limit, 4), "kernel_efficiency": round(limit / ms, 3)}
+                print(json.dumps(rec), flush=True)
+                with (out / "shapes.jsonl").open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
 
 
 def rand(m, h):
@@ -110,9 +143,13 @@ def calls(kind: str, hq: int, hkv: int, W: int, bwd: bool):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--packed", action="store_true", help="the packed rows on FA2 varlen only")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.packed:
+        packed(out)
+        return
     kinds = ("ulysses", "ulysses-flash", "ring-zigzag", "allgather-zigzag", "allgather-zigzag-flash")
     for hkv in (8, 32):
         for W in (8, 4):
