@@ -111,6 +111,31 @@ def test_zigzag_gathers_by_parts_in_three_calls(world):
         assert cgp.order is None and cgp.slots is None and len(cgp.tasks) == 1
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_zigzag_rank_zero_runs_three_kernel_calls_on_a_kernel_that_splits_bands(world):
+    """Note [Split bands as tasks]: a band of full keys and a causal rest reaches cuDNN (here CPU flash, which splits
+    the same way) as two tasks of the call, never a split inside the kernel; rank 0's parts order leaves it none to
+    split (three calls), every other rank one (its front chunk against the fronts it sees: four)."""
+    from seqpar.kernels.executor import TaskRunner, split_band
+
+    h = 64
+    lay = Zigzag(world)
+    seq = 2 * world * h
+    for r in range(world):
+        gp = gather_plan(lay, r, seq, Rule(True), None, None)
+        assert sum(map(split_band, gp.tasks)) == (0 if r == 0 else 1)
+        runner = TaskRunner("auto", 1.0)
+        calls = runner.kernels(gp.tasks, (1, 2 * h, 4, 8), (1, 2 * h, 2, 8), torch.float32, "cpu")
+        assert {name for _, name in calls} == {"cpu_flash"} and not any(split_band(t) for t, _ in calls)
+        assert len(calls) == (3 if r == 0 else 4), (r, calls)
+    band = (Task(0, h, 0, 3 * h, Band(None, 2 * h)),)
+    split = TaskRunner("auto", 1.0).kernels(band, (1, h, 4, 8), (1, 3 * h, 2, 8), torch.float32, "cpu")
+    assert [t.mask for t, _ in split] == [Band(None, None), Band(None, 0)]
+    assert [(t.k_start, t.k_stop) for t, _ in split] == [(0, 2 * h), (2 * h, 3 * h)]
+    whole = TaskRunner("reference", 1.0).kernels(band, (1, h, 4, 8), (1, 3 * h, 2, 8), torch.float32, "cpu")
+    assert [t for t, _ in whole] == list(band)        # a kernel that serves the band in one call keeps it whole
+
+
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_chunk_permutations_are_a_few_copies(world):
     """Note [Chunk copies]: zigzag's rank-order -> global-order map is one strided copy of the fronts and one

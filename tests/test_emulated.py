@@ -154,6 +154,25 @@ def test_allgather_by_parts_posts_one_coalesced_collective_per_round(fake_world,
     assert len(managers) == 3 and posted[("gather", 2)] == 4 and posted[("reduce_scatter", 3)] == 2, posted
 
 
+def test_allgather_packs_k_and_v_only_where_they_do_not_lie_as_rows(fake_world, monkeypatch):
+    """Note [K and V apart]: one head round of a batch of one gathers K and V as they lie, with no send buffer;
+    head rounds (``heads_k_stride``) pack each round's K and V into one."""
+    from seqpar.methods import allgather as agm
+
+    posted = []
+    real = agm._Gathered.post
+
+    def spy(self, c):
+        posted.append((self.apart, self.send is None))
+        return real(self, c)
+
+    monkeypatch.setattr(agm._Gathered, "post", spy)
+    fake_world(4)
+    _call_once("allgather", "zigzag", 4)
+    _call_once("allgather", "zigzag", 4, heads_k_stride=1)
+    assert posted == [(True, True), (False, False), (False, False)], posted
+
+
 @pytest.mark.parametrize("method", ["tokenring", "tasp"])
 def test_pass_q_and_tasp_backward_sum_their_partials_in_one_pass(fake_world, counts, method):
     """Note [Pass-Q sums] / Note [TASP sums]: the backward's gradient partials go through the one-pass sums (dQ, dK
