@@ -1,7 +1,9 @@
 """The pass-KV ring engine shared by ``ring`` and ``usp`` (ALGORITHMS.md §3).
 
 Private: methods never import each other, so what two methods share lives here. Q, O and lse stay on
-their rank; K and V travel one hop per step in one packed message (Note [One KV message] in ``_shared``);
+their rank; K and V travel one hop per step as two messages of one exchange, the first hop sending the caller's
+tensors as they lie (``_Rotating``; Note [K and V apart] in ``seqpar.methods.allgather``), their dK/dV in one packed
+message (Note [One KV message] in ``_shared``);
 at step s rank r holds the KV that started on rank ``(r - s) mod W``. Which part of that block rank r
 computes is the block planner's answer (Note [Block planning] in ``seqpar.layouts.blocks``), so every
 layout, causal or not, windows, documents and padding run through one loop - the runtime's
@@ -28,7 +30,7 @@ from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, any_visible, plan
 from ..memo import BATCH_ENTRIES, batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
-from ._shared import head_groups, pack_kv, unpack_kv
+from ._shared import head_groups, unpack_kv
 
 __all__ = ["BATCH_SCHEDULES", "HeadChunks", "OneRank", "PassKV", "Schedule", "build", "schedule"]
 
@@ -116,6 +118,35 @@ class OneRank(HeadChunks):
         super().__init__(call, call.k_shape[2] // (kv_heads_per_chunk or call.k_shape[2]))
 
 
+class _Rotating:
+    """K and V rotating around the ring as two messages of one exchange: ``cur`` computed on while ``nxt``
+    receives. The first hop sends the caller's tensors as they lie, with no pack (Note [K and V apart] in
+    ``seqpar.methods.allgather``); the buffers that hop frees are the caller's, so the first swap receives into
+    buffers of its own from then on."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.cur = (k.contiguous(), v.contiguous())
+        self.nxt = tuple(torch.empty_like(x) for x in self.cur)
+        self.borrowed = True
+
+    def post(self, ring: Ring):
+        """Queue the hop: ``cur`` downstream, ``nxt`` from upstream, one exchange."""
+        return ring.send_recv(self.cur[1], self.nxt[1], exchange=ring.send_recv(self.cur[0], self.nxt[0]))
+
+    def swap(self) -> None:
+        if self.borrowed:
+            self.cur, self.nxt, self.borrowed = self.nxt, tuple(torch.empty_like(x) for x in self.nxt), False
+        else:
+            self.cur, self.nxt = self.nxt, self.cur
+
+
+def _packed_shape(k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """The shape of ``pack_kv(k, v)`` (the travelling dK/dV: Note [One KV message] in ``_shared``)."""
+    if k.shape[-1] == v.shape[-1]:
+        return (2, *k.shape)
+    return (*k.shape[:-1], k.shape[-1] + v.shape[-1])
+
+
 class PassKV:
     """The ring over ``ring`` with ``sched``'s tasks, run by ``runner`` (one planned call's engine part).
 
@@ -136,20 +167,20 @@ class PassKV:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out (B, L, H, Dv) in q.dtype, lse (B, H, L) fp32)``."""
         acc = Accumulator(q, v.shape[-1], defer=True)          # fresh kernel outputs: one merge (Note [One merge
-        runner, steps, d = self.runner, self.sched.steps, q.shape[-1]   # per call] in seqpar.kernels.combine)
+        runner, steps = self.runner, self.sched.steps                    # per call] in seqpar.kernels.combine)
         n = self.sched.n_steps
         if n == 1:                     # one rank, or a window that needs no other rank's keys
             for t in runner.prepare(steps[0], q, k):
                 acc.add(t.q, *runner.forward(q, k, v, t), t.covered)
             return acc.result(q.dtype)
-        kv = Double(pack_kv(k, v))
+        kv = _Rotating(k, v)
 
         def compute(s: int) -> None:
-            kc, vc = unpack_kv(kv.cur, d)
+            kc, vc = kv.cur
             for t in runner.prepare(steps[s], q, kc):
                 acc.add(t.q, *runner.forward(q, kc, vc, t), t.covered)
 
-        run_steps(n, post=lambda s: self.ring.send_recv(kv.cur, kv.nxt) if s + 1 < n else None,
+        run_steps(n, post=lambda s: kv.post(self.ring) if s + 1 < n else None,
                   compute=compute, land=lambda s: kv.swap())
         return acc.result(q.dtype)
 
@@ -168,15 +199,16 @@ class PassKV:
         acc = acc_dtype(q.dtype)
         wire = wire_dtype(self.grad_dtype, q.dtype)
         dq = RowSum(q.shape, acc, q.device)                     # the steps' dQ partials, summed once
-        kv = Double(pack_kv(k, v))
-        dkv = Double(torch.empty(kv.cur.shape, dtype=wire, device=q.device))  # send (cur) / receive (nxt)
+        kv = _Rotating(k, v)
+        shape = _packed_shape(k, v)
+        dkv = Double(torch.empty(shape, dtype=wire, device=q.device))  # send (cur) / receive (nxt)
         # the running sum of the block held: the wire buffer itself when the wire is fp32, else an fp32 one
         # whose sum is cast into the wire buffer once per hop
-        dkv_acc = None if wire == acc else torch.empty(kv.cur.shape, dtype=acc, device=q.device)
+        dkv_acc = None if wire == acc else torch.empty(shape, dtype=acc, device=q.device)
         grads: list = []
 
         def compute(s: int) -> None:
-            kc, vc = unpack_kv(kv.cur, d)
+            kc, vc = kv.cur
             tasks = runner.prepare(steps[s], q, kc)
             grads[:] = [(t, runner.backward(rows, q, kc, vc, lse, t)) for t in tasks]
             for t, (gq, _, _) in grads:
@@ -203,7 +235,7 @@ class PassKV:
             return self.ring.send_recv(dkv.cur, dkv.nxt) if s + 1 < n else None
 
         with Loop() as loop:
-            run_steps(n, post=lambda s: self.ring.send_recv(kv.cur, kv.nxt) if s + 1 < n else None,
+            run_steps(n, post=lambda s: kv.post(self.ring) if s + 1 < n else None,
                       compute=compute, accumulate=accumulate, post_after=post_after, land=lambda s: kv.swap(),
                       loop=loop)
             home = loop.post(self.ring.send_recv(dkv.cur, dkv.nxt, hops=1 - n))   # block (r - n + 1)'s total

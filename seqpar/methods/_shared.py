@@ -11,10 +11,12 @@ Note [Sequence-major wire buffers]
     lse-like ``(S, B, H)`` buffers through ``bhs``.
 
 Note [One KV message]
-    K and V travel together. With one head dim they are stacked, ``kv (2, B, L, Hkv, D)``, so each is a
-    contiguous tensor for the kernels; with a value head dim Dv != D (MLA) they are concatenated on the last
-    dim, ``kv (..., Hkv, D + Dv)``, and read back as last-dim slices (row stride D + Dv). Sequence-major
-    buffers (``seq_dim=0``) always concatenate. ``unpack_kv`` tells the two apart by rank.
+    K and V travel together (the pass-KV ring and the all-gather now send the forward's K and V as two messages of
+    one exchange instead, with no pack: Note [K and V apart] in ``seqpar.methods.allgather``; their dK/dV still
+    travel packed, as do TASP's and the double ring's K and V). With one head dim they are stacked, ``kv (2, B, L,
+    Hkv, D)``, so each is a contiguous tensor for the kernels; with a value head dim Dv != D (MLA) they are
+    concatenated on the last dim, ``kv (..., Hkv, D + Dv)``, and read back as last-dim slices (row stride D + Dv).
+    Sequence-major buffers (``seq_dim=0``) always concatenate. ``unpack_kv`` tells the two apart by rank.
 
 Note [Hiding the tail]
     A schedule whose last transfer returns results (a partial output, a dQ or dK/dV partial) to their
