@@ -159,6 +159,7 @@ def run_case(case: Case) -> dict[str, Any]:
     ql, kl, vl = (seqpar.shard(t, **where, **docs).requires_grad_() for t in (q, k, v))
     dol = seqpar.shard(do, **where, **docs)
     dlsel = seqpar.shard(dlse, dim=2, **where, **docs)
+    given = {name: t.detach().clone() for name, t in (("q", ql), ("k", kl), ("v", vl), ("dO", dol))}
     t0 = time.perf_counter()
     res = seqpar.attention(ql, kl, vl, causal=case.causal, window_size=case.window, cu_seqlens=case.cu_seqlens,
                            seq_len=case.valid_len, kernel=case.kernel, softmax_scale=case.scale, return_lse=True,
@@ -170,6 +171,9 @@ def run_case(case: Case) -> dict[str, Any]:
         loss = loss + (torch.where(torch.isfinite(res.lse), res.lse, 0.0) * dlsel).sum()
     loss.backward()
     t2 = time.perf_counter()
+    for name, t in (("q", ql), ("k", kl), ("v", vl), ("dO", dol)):   # a method sends, never receives into, them
+        if not torch.equal(t.detach(), given[name]):
+            raise AssertionError(f"method={case.method!r} wrote into the caller's {name}")
     out = {"out": res.out, "lse": res.lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
     local = {k_: t.detach().cpu() for k_, t in out.items()}
     local["positions"] = seqpar.positions(case.seq_len, **where, **docs).cpu()
