@@ -107,11 +107,20 @@ def run_steps(n: int, *, compute: Step, post: Step | None = None, accumulate: St
 
 
 class Double:
-    """A double buffer: ``cur`` is computed on while ``nxt`` receives; ``swap()`` after the wait."""
+    """A double buffer: ``cur`` is computed on while ``nxt`` receives; ``swap()`` after the wait.
 
-    def __init__(self, first: torch.Tensor, spare: torch.Tensor | None = None):
+    ``borrowed``: ``first`` is the caller's tensor, sent as it lies and never received into - the first swap gives
+    ``nxt`` a buffer of its own (a travelling tensor needs no copy to start: Note [K and V apart] in
+    ``seqpar.methods.allgather``).
+    """
+
+    def __init__(self, first: torch.Tensor, spare: torch.Tensor | None = None, *, borrowed: bool = False):
         self.cur = first
         self.nxt = torch.empty_like(first) if spare is None else spare
+        self.borrowed = borrowed
 
     def swap(self) -> None:
-        self.cur, self.nxt = self.nxt, self.cur
+        if self.borrowed:
+            self.cur, self.nxt, self.borrowed = self.nxt, torch.empty_like(self.nxt), False
+        else:
+            self.cur, self.nxt = self.nxt, self.cur

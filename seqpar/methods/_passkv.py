@@ -119,25 +119,24 @@ class OneRank(HeadChunks):
 
 
 class _Rotating:
-    """K and V rotating around the ring as two messages of one exchange: ``cur`` computed on while ``nxt``
-    receives. The first hop sends the caller's tensors as they lie, with no pack (Note [K and V apart] in
-    ``seqpar.methods.allgather``); the buffers that hop frees are the caller's, so the first swap receives into
-    buffers of its own from then on."""
+    """K and V rotating around the ring as two messages of one exchange, ``cur`` computed on while ``nxt``
+    receives; the first hop sends the caller's tensors as they lie, with no pack (Note [K and V apart] in
+    ``seqpar.methods.allgather``)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.cur = (k.contiguous(), v.contiguous())
-        self.nxt = tuple(torch.empty_like(x) for x in self.cur)
-        self.borrowed = True
+        self.k, self.v = (Double(x.contiguous(), borrowed=True) for x in (k, v))
+
+    @property
+    def cur(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k.cur, self.v.cur
 
     def post(self, ring: Ring):
         """Queue the hop: ``cur`` downstream, ``nxt`` from upstream, one exchange."""
-        return ring.send_recv(self.cur[1], self.nxt[1], exchange=ring.send_recv(self.cur[0], self.nxt[0]))
+        return ring.send_recv(self.v.cur, self.v.nxt, exchange=ring.send_recv(self.k.cur, self.k.nxt))
 
     def swap(self) -> None:
-        if self.borrowed:
-            self.cur, self.nxt, self.borrowed = self.nxt, tuple(torch.empty_like(x) for x in self.nxt), False
-        else:
-            self.cur, self.nxt = self.nxt, self.cur
+        self.k.swap()
+        self.v.swap()
 
 
 def _packed_shape(k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:

@@ -106,6 +106,16 @@ def schedule(layout: Layout, seq_len: int, rule: Rule, doc_bounds: tuple[int, ..
     return PassQPlan(W, n, tuple(o[0] for o in own), tuple(o[1] for o in own), steps, res, tuple(q_rows), kinds)
 
 
+def _travelling(x_BSHD: torch.Tensor) -> Double:
+    """The double buffer of a travelling tensor, sequence-major ``(L, B, ...)``: with one row of a batch the caller's
+    tensor itself is that (its transpose is contiguous), sent as it lies and never received into (Note [K and V
+    apart] in ``seqpar.methods.allgather``); otherwise a sequence-major copy."""
+    x_SB = x_BSHD.transpose(0, 1)
+    if x_SB.is_contiguous():
+        return Double(x_SB, borrowed=True)
+    return Double(seq_major(x_BSHD))
+
+
 class PassQ:
     """One planned call's pass-Q engine part: queries travel over ``ring``, results come home."""
 
@@ -178,7 +188,7 @@ class PassQ:
         # accumulator holds them and merges once (Note [One merge per call] in seqpar.kernels.combine)
         acc = Accumulator(q, Dv, defer=True)
         lse_dt = acc.acc_dtype
-        cur = Double(seq_major(q)) if n > 1 else None
+        cur = _travelling(q) if n > 1 else None
         res = [(q.new_empty(L, B, H, Dv), torch.empty(L, B, H, dtype=lse_dt, device=q.device)) for _ in range(2)]
         sent: list[list[torch.Tensor]] = [[], []]   # per step parity: the rows a guest step sends home
         landing: list[list[torch.Tensor]] = []      # the receive buffers of the return in flight
@@ -227,7 +237,7 @@ class PassQ:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pass-Q backward (ALGORITHMS.md §7.4): the bundle travels, dK/dV stay, dQ partials return."""
         r, n, sp, runner = self.ring.rank, self.sp.n_steps, self.sp, self.runner
-        D, Dv = q.shape[-1], v.shape[-1]
+        Dv = v.shape[-1]
         acc = acc_dtype(q.dtype)
         delta = runner.takes_delta(q, k, sp.kinds, Dv)   # the plan's kernels decide the bundle: same on every rank
         # Note [Pass-Q sums]: every gradient partial is a fresh tensor, held and summed once
@@ -252,7 +262,7 @@ class PassQ:
             parts, stats = [q, rows.do], [lse, rows.delta.to(lse.dtype)]
         else:                                  # (Q, dO', O' | lse)
             parts, stats = [q, *rows.folded], [lse]
-        bundle = Double(torch.cat([seq_major(x) for x in parts], -1))
+        bundle = [_travelling(x) for x in parts]      # each part a message of the hop's exchange: no pack
         st = Double(torch.stack([x.permute(2, 0, 1) for x in stats], -1))
         wire = wire_dtype(self.grad_dtype, q.dtype)
         res = [torch.empty(q.shape[1], q.shape[0], *q.shape[2:], dtype=wire, device=q.device) for _ in range(2)]
@@ -262,10 +272,9 @@ class PassQ:
             rr = sp.res_rows[(r + s) % sp.world][s]
             if rr is None:
                 return
-            b_, s_ = bundle.cur, st.cur
-            qv, dov = bshd(b_[..., :D]), bshd(b_[..., D:D + Dv])
-            g = GradRows.given(dov, delta=bhs(s_[..., 1])) if delta else \
-                GradRows.given(dov, folded=(dov, bshd(b_[..., D + Dv:])))
+            b_, s_ = [bshd(b.cur) for b in bundle], st.cur
+            qv, dov = b_[0], b_[1]
+            g = GradRows.given(dov, delta=bhs(s_[..., 1])) if delta else GradRows.given(dov, folded=(dov, b_[2]))
             a, b = rr
             part = [(slice(t.q_start - a, t.q_stop - a), gq, t.covered)
                     for t, gq in grads(sp.steps[r][s], qv, g, bhs(s_[..., 0]))]
@@ -280,6 +289,6 @@ class PassQ:
         def land_return(m: Rows) -> None:
             dq.add(slice(*m), bshd(landing[0])[:, m[0]:m[1]])
 
-        self._run(n, [bundle, st], lambda s: own(sp.early[r]) if s == 0 else guest(s), post_return, land_return,
+        self._run(n, [*bundle, st], lambda s: own(sp.early[r]) if s == 0 else guest(s), post_return, land_return,
                   lambda: own(sp.late[r]))
         return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
