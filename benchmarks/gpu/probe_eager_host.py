@@ -1,0 +1,65 @@
+"""Where an eager call's host time goes: torch.profiler over steady calls (rank 0 of W on a fake group, one GPU).
+
+    python3 benchmarks/gpu/probe_eager_host.py [--method ulysses] [--kv-heads 32] [--world 8] [--graphs off]
+
+Runs forward+backward calls back to back with ``graphs=`` as given; profiles three of them after four untimed ones
+(the profiler's own start-up outside the window) and prints the host time per call and torch.profiler's table
+by self CPU time, CUDA runtime calls included (a synchronising call or an allocation shows there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, schedule
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import seqpar
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--method", default="ulysses")
+    ap.add_argument("--layout", default=None)
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=32)
+    ap.add_argument("--graphs", choices=["auto", "on", "off"], default="off")
+    args = ap.parse_args()
+    W, dev = args.world, torch.device("cuda")
+    dist.init_process_group("fake", rank=0, world_size=W, store=FakeStore())
+    L = 16384 // W
+    q, do = (torch.randn(1, L, 32, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, L, args.kv_heads, 128, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    leaves = tuple(t.requires_grad_() for t in (q, k, v))
+    graphs = {"auto": None, "on": True, "off": False}[args.graphs]
+
+    def call():
+        out = seqpar.attention(*leaves, method=args.method, layout=args.layout, causal=True, check_ranks=False,
+                               graphs=graphs)
+        torch.autograd.grad(out, leaves, do)
+
+    for _ in range(8):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        call()
+    host = (time.perf_counter() - t0) / 20 * 1e3
+    torch.cuda.synchronize()
+    gpu = (time.perf_counter() - t0) / 20 * 1e3
+    print(f"{args.method} kv{args.kv_heads} graphs={args.graphs}: host {host:.3f} ms per call back to back, "
+          f"{gpu:.3f} ms per call with the GPU", flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=1, warmup=3, active=3)) as prof:
+        for _ in range(7):
+            call()
+            prof.step()
+    torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70), flush=True)
+
+
+if __name__ == "__main__":
+    main()
