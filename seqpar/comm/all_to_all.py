@@ -46,6 +46,7 @@ Note [Wide copies]
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -130,12 +131,18 @@ class Pending(Generic[T]):
         return Pending(None, lambda: value)
 
 
+@functools.lru_cache(maxsize=512)
+def _wide_layout(strides: tuple[int, ...], last: int, n: int) -> bool:
+    """Whether a tensor of these strides, last dim and element size can be viewed with 16-byte elements (a call's
+    views recur call after call: decided once per layout)."""
+    return strides[-1] == 1 and (last * n) % 16 == 0 and all((st * n) % 16 == 0 for st in strides[:-1])
+
+
 def _wide(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` viewed with 16-byte elements (its last dim contiguous, every stride and address 16-byte aligned), or
     None. Note [Wide copies]."""
-    n = x.element_size()
-    if (x.dim() == 0 or x.is_complex() or x.stride(-1) != 1 or (x.shape[-1] * n) % 16 or x.data_ptr() % 16
-            or any((st * n) % 16 for st in x.stride()[:-1]) or torch.compiler.is_compiling()):
+    if (x.dim() == 0 or x.is_complex() or x.data_ptr() % 16 or torch.compiler.is_compiling()
+            or not _wide_layout(x.stride(), x.shape[-1], x.element_size())):
         return None
     return x.view(torch.complex128)
 
