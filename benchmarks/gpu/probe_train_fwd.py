@@ -1,0 +1,76 @@
+"""A training step's forward (inputs that require grad, no backward yet), seqpar at W = 1 against flex called directly
+with the same mask: the GPU kernels of each, to see where the masks issue's 1.07-1.12x comes from.
+
+    python3 benchmarks/gpu/probe_train_fwd.py [--seq 16384]      (one GPU, under a minute)
+
+A causal window of 4095 keys (``window_size=(4095, 0)``), GQA 32/8, D 128, bf16. Prints, per side, the time of a
+training forward and of a no-grad forward (CUDA events, median of 20 after warm-up) and torch.profiler's CUDA kernels
+of one training forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import torch.distributed as dist
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.profiler import ProfilerActivity, profile
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import seqpar
+
+FLEX = torch.compile(flex_attention, dynamic=False)
+
+
+def ms(fn, n: int = 20) -> float:
+    for _ in range(5):
+        fn()
+    out = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def kernels(fn) -> str:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA"]
+    return "\n".join(f"    {us:9.1f} us  {name[:110]}" for name, us in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq", type=int, default=16384)
+    args = ap.parse_args()
+    S, dev = args.seq, torch.device("cuda")
+    dist.init_process_group("fake", rank=0, world_size=1, store=FakeStore())
+    q = torch.randn(1, S, 32, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, S, 8, 128, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    bm = create_block_mask(lambda b, h, qi, ki: (ki <= qi) & (qi - ki <= 4095), None, None, S, S, device=dev)
+
+    def flex():
+        return FLEX(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, enable_gqa=True)
+
+    def ours():
+        return seqpar.attention(q, k, v, causal=True, window_size=(4095, 0), layout="contiguous")
+
+    for name, fn in (("flex", flex), ("seqpar", ours)):
+        def no_grad(fn=fn):
+            with torch.no_grad():
+                fn()
+        print(f"{name}: training forward {ms(fn):.3f} ms, no-grad forward {ms(no_grad):.3f} ms", flush=True)
+        print(kernels(fn), flush=True)
+
+
+if __name__ == "__main__":
+    main()
