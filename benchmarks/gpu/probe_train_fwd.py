@@ -70,6 +70,25 @@ def main() -> None:
                 fn()
         print(f"{name}: training forward {ms(fn):.3f} ms, no-grad forward {ms(no_grad):.3f} ms", flush=True)
         print(kernels(fn), flush=True)
+    # which half differs: seqpar's block mask (its tiles) or its mask_mod (bounds read from a tensor)
+    from seqpar.kernels import flex as sp_flex
+    from seqpar.masks import Band
+
+    band = Band(-4095, 0)
+    ours_bm = sp_flex._block_mask(band, S, S, dev)
+    ours_mod = sp_flex._mask_mod(band, S, S, dev)
+    for bm_name, block in (("flex's block mask", bm), ("seqpar's block mask", ours_bm)):
+        for mod_name, mod in (("its own mask_mod", block.mask_mod), ("seqpar's band mask_mod", ours_mod)):
+            mixed = type(block)(*[getattr(block, f) for f in ("seq_lengths", "kv_num_blocks", "kv_indices",
+                                                             "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                                                             "q_indices", "full_q_num_blocks", "full_q_indices",
+                                                             "BLOCK_SIZE")], mod)
+
+            def run(mixed=mixed):
+                with torch.no_grad():
+                    FLEX(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mixed, enable_gqa=True)
+            print(f"no-grad forward, {bm_name}, {mod_name}: {ms(run):.3f} ms; full tiles "
+                  f"{int(block.full_kv_num_blocks.sum())}, partial {int(block.kv_num_blocks.sum())}", flush=True)
 
 
 if __name__ == "__main__":
