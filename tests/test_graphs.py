@@ -285,9 +285,9 @@ def test_release_all_destroys_the_graphs_and_a_plan_called_again_captures_anew(m
 
 
 def test_a_saving_engine_clones_no_saved_tensors_without_a_backward_and_copies_no_out_into_it(monkeypatch):
-    """Note [Graph copies]: a plan no backward follows captures a saving engine's forward without its saved
-    tensors (nothing to clone out), and a saving engine's graphed backward takes no ``out`` (Note [Engines]: it
-    reads dO and dlse of the final rows only)."""
+    """Note [Graph copies]: a call no backward follows replays a saving engine's forward captured without its saved
+    tensors (nothing to clone out; a graph of its own beside the one that keeps them), and a saving engine's graphed
+    backward takes no ``out`` (Note [Engines]: it reads dO and dlse of the final rows only)."""
     from seqpar.methods.base import BackwardInputs
     from seqpar.numerics import GradRows
     from seqpar.runtime import graphs as g
@@ -310,12 +310,13 @@ def test_a_saving_engine_clones_no_saved_tensors_without_a_backward_and_copies_n
     engine = type("Engine", (), {"saves": True, "forward": lambda self, q, k, v: (q, k, ("saved",)),
                                  "backward": lambda self, b: (b.rows.do, b.rows.out, b.saved)})()
     x = torch.zeros(1)
-    for training in (False, True):
+    graphed = g.Graphed(engine, required=True)
+    for keep in (False, True):                    # one plan, both kinds of forward: a graph each
         seen.clear()
-        graphed = g.Graphed(engine, required=True, training=training)
-        assert [graphed.forward(x, x, x)[2] if i == 0 else graphed.forward(x, x, x) for i in range(2)] \
-            == [(() if not training else ("saved",)), "replayed"]
-        assert seen[0][0][2] == (("saved",) if training else ())
+        assert [graphed.forward(x, x, x, keep_saved=keep)[2] if i == 0 else graphed.forward(x, x, x, keep_saved=keep)
+                for i in range(2)] == [(("saved",) if keep else ()), "replayed"]
+        assert seen[0][0][2] == (("saved",) if keep else ())
+    assert set(graphed._graphs) >= {"fwd", "fwd-nosave"}
     b = BackwardInputs(GradRows(x, x + 1, None), x, None, None, None, (x,), None, False)
     graphed.backward(b)
     assert graphed.backward(b) == "replayed"

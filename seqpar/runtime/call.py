@@ -331,7 +331,7 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
                          f"{rank_suffix()}")
     if _graphs.wanted(graphs, device=q.device, world=groups.world, rows=q.shape[0] * q.shape[1],
                       direct=direct is not None, hazard=hazard):
-        engine, direct = _graphs.Graphed(engine, required=graphs is True, training=grad), None
+        engine, direct = _graphs.Graphed(engine, required=graphs is True), None
     plan = Plan(m, cfg, groups, call, engine, items, return_lse, verify, direct)
     if key is not None:
         _tracker(mesh)                  # registers the mesh's finalizer (drops these plans with it)

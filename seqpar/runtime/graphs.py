@@ -46,9 +46,10 @@ Note [Graph copies]
     What is copied is kept to what is read (twelfth session): a strided output (Ulysses' saved ``q, k, v`` are
     views into its receive buffer) is cloned with 16-byte elements (Note [Wide copies] in
     ``seqpar.comm.all_to_all``: half the time of the generic strided copy, 24 -> 12 us for 16 MiB on an H100); a
-    plan no backward follows (``training=False``) captures a saving engine's forward without its saved tensors,
-    so none is cloned out; and a saving engine's backward takes no ``out`` (it reads dO and dlse of the final
-    rows only, Note [Engines] in ``seqpar.methods.base``).
+    call no backward follows (``run``'s no-grad path: ``keep_saved=False``) replays a saving engine's forward
+    captured without its saved tensors, so none is cloned out (a graph of its own: the same plan may serve a
+    compiled model's op, which returns them); and a saving engine's backward takes no ``out`` (it reads dO and
+    dlse of the final rows only, Note [Engines] in ``seqpar.methods.base``).
 
 Note [Graphs and shutdown]
     A graph that holds NCCL transfers holds NCCL's persistent work on the communicator, and ``ncclCommDestroy``
@@ -311,8 +312,8 @@ def _unflatten(flat: list[torch.Tensor], spec: list[int]) -> tuple:
 class Graphed:
     """``engine`` run as CUDA graphs (Note [Graphed calls]); ``required``: a failed capture raises."""
 
-    def __init__(self, engine: Any, *, required: bool, training: bool = True):
-        self.engine, self.required, self.training = engine, required, training
+    def __init__(self, engine: Any, *, required: bool):
+        self.engine, self.required = engine, required
         self.saves = engine.saves
         self.pool = torch.cuda.graph_pool_handle()
         self._seen: set[Any] = set()
@@ -340,9 +341,11 @@ class Graphed:
             memo.clear()
         return n
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        if self.saves and not self.training:          # no backward follows: nothing saved is cloned out
-            return self._run("fwd", lambda q, k, v: (*self.engine.forward(q, k, v)[:2], ()), [q, k, v])
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, keep_saved: bool = True):
+        """The engine's forward; ``keep_saved=False`` (a call no backward follows) captures a saving engine's
+        forward without its saved tensors, a graph of its own: nothing saved is cloned out (Note [Graph copies])."""
+        if self.saves and not keep_saved:
+            return self._run("fwd-nosave", lambda q, k, v: (*self.engine.forward(q, k, v)[:2], ()), [q, k, v])
         return self._run("fwd", lambda q, k, v: self.engine.forward(q, k, v), [q, k, v])
 
     def backward(self, b: BackwardInputs):

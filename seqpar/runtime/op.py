@@ -29,6 +29,7 @@ import torch
 from ..methods.base import BackwardInputs
 from ..numerics import GradRows, acc_dtype, apply_sinks, sink_grad
 from .call import Plan, traced_plan, traced_saved_meta
+from .graphs import Graphed
 
 __all__ = ["Attention", "attention_op", "backward", "backward_op", "forward", "run"]
 
@@ -40,13 +41,17 @@ def run(plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: to
         return plan.direct(q, k, v), None
     if plan.call.grad:
         return Attention.apply(q, k, v, sinks, plan)
-    out, lse, _ = forward(plan, q, k, v, sinks)
+    out, lse, _ = forward(plan, q, k, v, sinks, keep_saved=False)
     return out, lse
 
 
-def forward(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None):
-    """``(out, lse, saved)``: the engine's rows with sinks applied; ``saved`` what backward needs besides."""
-    res = plan.engine.forward(q, k, v)
+def forward(plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, *,
+            keep_saved: bool = True):
+    """``(out, lse, saved)``: the engine's rows with sinks applied; ``saved`` what backward needs besides (empty
+    where ``keep_saved`` is False and a graphed engine can leave it out: Note [Graph copies])."""
+    engine = plan.engine
+    res = engine.forward(q, k, v) if keep_saved or not isinstance(engine, Graphed) else \
+        engine.forward(q, k, v, keep_saved=False)
     out, lse = res[0], res[1]
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks)
