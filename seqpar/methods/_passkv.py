@@ -124,7 +124,7 @@ class _Rotating:
     ``seqpar.methods.allgather``)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = (Double(x.contiguous(), borrowed=True) for x in (k, v))
+        self.k, self.v = (Double(c, borrowed=c is x) for x in (k, v) for c in (x.contiguous(),))
 
     @property
     def cur(self) -> tuple[torch.Tensor, torch.Tensor]:
