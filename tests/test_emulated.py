@@ -154,6 +154,32 @@ def test_allgather_by_parts_posts_one_coalesced_collective_per_round(fake_world,
     assert len(managers) == 3 and posted[("gather", 2)] == 4 and posted[("reduce_scatter", 3)] == 2, posted
 
 
+@pytest.mark.parametrize("method", ["ring", "tokenring"])
+def test_travelling_tensors_start_as_the_callers(fake_world, monkeypatch, method):
+    """Note [K and V apart]: the pass-KV ring's forward hop is two messages, K then V, the first hop sending the
+    caller's tensors themselves (no pack); pass-Q's first hop sends the caller's queries (no copy), its rows
+    sliced from them."""
+    from seqpar.comm import ring as ring_mod
+
+    sent = []
+    real = ring_mod.Exchange.send
+
+    def spy(self, tensor, peer):
+        sent.append(tensor)
+        return real(self, tensor, peer)
+
+    monkeypatch.setattr(ring_mod.Exchange, "send", spy)
+    world = 4
+    fake_world(world)
+    _, (q, k, v) = _call_once(method, "zigzag", world)
+    if method == "ring":
+        assert len(sent) == 2 * (world - 1), len(sent)
+        assert (sent[0].data_ptr(), sent[1].data_ptr()) == (k.data_ptr(), v.data_ptr())
+    else:
+        first = sent[0]
+        assert first.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+
+
 def test_allgather_packs_k_and_v_only_where_they_do_not_lie_as_rows(fake_world, monkeypatch):
     """Note [K and V apart]: one head round of a batch of one gathers K and V as they lie, with no send buffer;
     head rounds (``heads_k_stride``) pack each round's K and V into one."""
