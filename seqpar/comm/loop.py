@@ -119,6 +119,13 @@ class Double:
         self.nxt = torch.empty_like(first) if spare is None else spare
         self.borrowed = borrowed
 
+    @staticmethod
+    def starting(first: torch.Tensor) -> Double:
+        """A double buffer whose first send is ``first`` itself when it is contiguous (borrowed: never received
+        into), else a contiguous copy of its own."""
+        own = first.contiguous()
+        return Double(own, borrowed=own is first)
+
     def swap(self) -> None:
         if self.borrowed:
             self.cur, self.nxt, self.borrowed = self.nxt, torch.empty_like(self.nxt), False

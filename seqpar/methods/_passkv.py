@@ -124,7 +124,7 @@ class _Rotating:
     ``seqpar.methods.allgather``)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = (Double(c, borrowed=c is x) for x in (k, v) for c in (x.contiguous(),))
+        self.k, self.v = Double.starting(k), Double.starting(v)
 
     @property
     def cur(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -53,7 +53,7 @@ from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, plan
 from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
-from ._shared import Rows, bhs, bshd, hull, row_hull, seq_major, split_own
+from ._shared import Rows, bhs, bshd, hull, row_hull, split_own
 
 __all__ = ["PassQ", "PassQPlan", "schedule"]
 
@@ -104,16 +104,6 @@ def schedule(layout: Layout, seq_len: int, rule: Rule, doc_bounds: tuple[int, ..
     kinds = frozenset(mask_kind(t.mask) for ts in lists for t in ts) \
         | ({"varlen"} if any(len(ts) >= GROUP_AT for ts in lists) else set())   # packed by TaskRunner.prepare
     return PassQPlan(W, n, tuple(o[0] for o in own), tuple(o[1] for o in own), steps, res, tuple(q_rows), kinds)
-
-
-def _travelling(x_BSHD: torch.Tensor) -> Double:
-    """The double buffer of a travelling tensor, sequence-major ``(L, B, ...)``: with one row of a batch the caller's
-    tensor itself is that (its transpose is contiguous), sent as it lies and never received into (Note [K and V
-    apart] in ``seqpar.methods.allgather``); otherwise a sequence-major copy."""
-    x_SB = x_BSHD.transpose(0, 1)
-    if x_SB.is_contiguous():
-        return Double(x_SB, borrowed=True)
-    return Double(seq_major(x_BSHD))
 
 
 class PassQ:
@@ -188,7 +178,7 @@ class PassQ:
         # accumulator holds them and merges once (Note [One merge per call] in seqpar.kernels.combine)
         acc = Accumulator(q, Dv, defer=True)
         lse_dt = acc.acc_dtype
-        cur = _travelling(q) if n > 1 else None
+        cur = Double.starting(q.transpose(0, 1)) if n > 1 else None   # sequence-major, borrowed where it lies
         res = [(q.new_empty(L, B, H, Dv), torch.empty(L, B, H, dtype=lse_dt, device=q.device)) for _ in range(2)]
         sent: list[list[torch.Tensor]] = [[], []]   # per step parity: the rows a guest step sends home
         landing: list[list[torch.Tensor]] = []      # the receive buffers of the return in flight
@@ -262,7 +252,7 @@ class PassQ:
             parts, stats = [q, rows.do], [lse, rows.delta.to(lse.dtype)]
         else:                                  # (Q, dO', O' | lse)
             parts, stats = [q, *rows.folded], [lse]
-        bundle = [_travelling(x) for x in parts]      # each part a message of the hop's exchange: no pack
+        bundle = [Double.starting(x.transpose(0, 1)) for x in parts]   # each part a message of the hop
         st = Double(torch.stack([x.permute(2, 0, 1) for x in stats], -1))
         wire = wire_dtype(self.grad_dtype, q.dtype)
         res = [torch.empty(q.shape[1], q.shape[0], *q.shape[2:], dtype=wire, device=q.device) for _ in range(2)]

@@ -10,7 +10,7 @@ Note [Sequence-major wire buffers]
     see them through ``bshd(x_SBHD)``, a ``(B, S, H, D)`` view (last dim contiguous, as kernels require);
     lse-like ``(S, B, H)`` buffers through ``bhs``. With a batch of one the caller's tensor already is
     sequence-major: pass-Q's queries and backward bundle then start as the caller's tensors, sent as they lie and
-    never received into (``Double(borrowed=True)``), each bundle part a message of the hop's exchange.
+    never received into (``Double.starting``), each bundle part a message of the hop's exchange.
 
 Note [One KV message]
     K and V travel together (the pass-KV ring and the all-gather now send the forward's K and V as two messages of
