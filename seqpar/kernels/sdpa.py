@@ -31,7 +31,10 @@ Note [Split bands in one pass]
     multiply, an addcmul): 55 us beside two 30 us cuDNN calls at TokenRing's first step, 2K tokens per rank over 8
     (H100, ``benchmarks/gpu/probe_host.py``, 2026-11-26). ``merge_parts`` now merges them in one pass
     (``combine.merge_parts``: each part read once, the block's fp32 output written once), and the backward's dQ
-    sums its parts the same way (``combine.sum_parts``); the values are the fp32 merge and sum they were.
+    sums its parts the same way (``combine.sum_parts``); the values are the fp32 merge and sum they were. Since
+    then the runner hands the kernel such a block as two tasks (Note [Split bands as tasks] in
+    ``seqpar.kernels.executor``), so this merge serves only callers that run the kernel on a band directly
+    (inference, calibration).
 """
 
 from __future__ import annotations
