@@ -11,7 +11,6 @@ of one training forward.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -20,22 +19,14 @@ from torch.profiler import ProfilerActivity, profile
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import seqpar
+from seqpar.bench.timing import rank_median_ms
 
 FLEX = torch.compile(flex_attention, dynamic=False)
 
 
-def ms(fn, n: int = 20) -> float:
-    for _ in range(5):
-        fn()
-    out = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+def ms(fn) -> float:
+    """Median ms of ``fn`` over 20 calls after 5 (``seqpar.bench.timing``'s CUDA-event timing)."""
+    return rank_median_ms(fn, torch.device("cuda"), warmup=5, iters=20)
 
 
 def kernels(fn) -> str:
