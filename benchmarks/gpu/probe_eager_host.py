@@ -4,12 +4,16 @@
 
 Runs forward+backward calls back to back with ``graphs=`` as given; profiles three of them after four untimed ones
 (the profiler's own start-up outside the window) and prints the host time per call and torch.profiler's table
-by self CPU time, CUDA runtime calls included (a synchronising call or an allocation shows there).
+by self CPU time, CUDA runtime calls included (a synchronising call or an allocation shows there); then the host
+time of the forward and the backward apart, one call under CUDA's sync debug mode (a warning per synchronising
+call) and a cProfile of 20 calls by own time (the Python functions the host spends its time in).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import torch
@@ -59,6 +63,31 @@ def main() -> None:
             prof.step()
     torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70), flush=True)
+
+    fwd_ms, bwd_ms = [], []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = seqpar.attention(*leaves, method=args.method, layout=args.layout, causal=True, check_ranks=False,
+                               graphs=graphs)
+        t1 = time.perf_counter()
+        torch.autograd.grad(out, leaves, do)
+        fwd_ms.append((t1 - t0) * 1e3)
+        bwd_ms.append((time.perf_counter() - t1) * 1e3)
+    print(f"host from an idle GPU, median of 20: forward {sorted(fwd_ms)[10]:.3f} ms, backward "
+          f"{sorted(bwd_ms)[10]:.3f} ms", flush=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    call()
+    torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(20):
+        call()
+    pr.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":
