@@ -191,13 +191,19 @@ def test_destroying_a_group_releases_the_graphs_first():
     assert out.stdout.strip().splitlines()[-1] == "['released', 'shutdown']"
 
 
-@pytest.mark.parametrize("eager_ms,graph_ms,keeps", [((1.0, 0.9), (0.5, 0.6), True), ((1.0, 1.0), (1.1, 1.2), False),
-                                                     ((3.0, 1.0), (1.05, 0.95), True), ((1.0, 1.0), (1.0, 1.0), False)])
-def test_auto_times_both_ways_and_keeps_the_faster(monkeypatch, eager_ms, graph_ms, keeps):
-    """Note [Which calls graph]: under auto the first call is eager, the next TIMED_CALLS eager and timed, then the
-    capture and TIMED_CALLS timed replays; the next call compares the least span of each and keeps replaying, or
-    destroys the graph and runs that kind of call eagerly for good (a tie stays eager). graphs=True captures the
-    second call and replays from then on, untimed."""
+@pytest.mark.parametrize("eager,graph,keeps", [
+    (((0.2, 1.0), (0.2, 0.9)), ((0.1, 0.5), (0.1, 0.6)), True),       # the device faster replayed
+    (((0.2, 1.0), (0.2, 1.0)), ((0.1, 1.1), (0.1, 1.2)), False),      # the copies cost more than the host saves
+    (((2.4, 1.0), (2.6, 1.0)), ((0.1, 1.1), (0.1, 1.2)), True),       # eager: host-bound (1.25 x 2.4 ms)
+    (((0.9, 1.2), (0.9, 1.2)), ((0.1, 1.15), (0.1, 1.3)), True),      # host 1.125 ms with its margin, < 1.2
+    (((0.2, 1.0), (0.2, 1.0)), ((0.1, 1.0), (0.1, 1.0)), False),      # a tie stays eager
+])
+def test_auto_times_both_ways_and_keeps_the_cheaper(monkeypatch, eager, graph, keeps):
+    """Note [Which calls graph]: under auto the first call is eager, the next TIMED_CALLS eager and timed (host ms,
+    device ms after a spin), then the capture and TIMED_CALLS timed replays; the next call compares the costs (the
+    larger of the least device time and HOST_MARGIN x the least host time) and keeps replaying, or destroys the
+    graph and runs that kind of call eagerly for good (a tie stays eager). graphs=True captures the second call and
+    replays from then on, untimed. Each timed call holds the device a quarter longer than the last host time."""
     from seqpar.runtime import graphs as g
 
     class Event:
@@ -210,7 +216,7 @@ def test_auto_times_both_ways_and_keeps_the_faster(monkeypatch, eager_ms, graph_
         def elapsed_time(self, end):
             return end.ms - self.ms
 
-    made, resets = [], []
+    made, resets, holds = [], [], []
 
     class Captured:
         def __init__(self, fn, inputs, pool):
@@ -220,30 +226,36 @@ def test_auto_times_both_ways_and_keeps_the_faster(monkeypatch, eager_ms, graph_
         def __call__(self, inputs):
             return "replayed"
 
-    spans = iter([])
+    times = iter([])
 
-    def spanned(store, inputs, run):
-        store.append((Event(), Event(next(spans))))
+    def timed(store, inputs, run, hold_ms):
+        host, device = next(times)
+        holds.append(hold_ms)
+        store.append((host, Event(), Event(device)))
         return run()
 
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(g, "_guard_shutdown", lambda: None)
     monkeypatch.setattr(g, "_Captured", Captured)
-    monkeypatch.setattr(g, "_spanned", spanned)
+    monkeypatch.setattr(g, "_timed", timed)
     monkeypatch.setattr(g, "_LIVE", weakref.WeakSet())              # stand-ins that release_all must not meet
-    assert g.TIMED_CALLS == 2
+    assert g.TIMED_CALLS == 2 and g.HOST_MARGIN == 1.25
     engine = type("Engine", (), {"saves": False, "forward": lambda self, q, k, v: "eager"})()
     x = torch.zeros(1)
     for required in (False, True):
         made.clear()
         resets.clear()
-        spans = iter([*eager_ms, *graph_ms])
+        holds.clear()
+        times = iter([*eager, *graph])
         graphed = g.Graphed(engine, required=required)
         got = [graphed.forward(x, x, x) for _ in range(8)]
         if required:
-            assert got == ["eager"] + ["replayed"] * 7 and len(made) == 1 and not resets
-        elif keeps:
+            assert got == ["eager"] + ["replayed"] * 7 and len(made) == 1 and not resets and not holds
+            continue
+        assert holds[1:] == [g._hold_ms(eager[0][0]), g._hold_ms(0.0), g._hold_ms(graph[0][0])]
+        assert g.HOLD_MS[0] <= holds[0] <= g.HOLD_MS[1]            # from the warm-up call's host time
+        if keeps:
             assert got == ["eager"] * 3 + ["replayed"] * 5 and len(made) == 1 and not resets
             assert "fwd" in graphed._kept and not graphed._timed and not graphed._replays
         else:

@@ -43,9 +43,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Link", "delay", "installed", "modelled", "wire"]
+__all__ = ["Link", "cycles_per_ms", "delay", "installed", "modelled", "wire"]
 
 _LINK: Link | None = None
+_CYCLES_PER_MS: dict[torch.device, float] = {}
+
+
+def cycles_per_ms(device: torch.device) -> float:
+    """Spin-kernel (``torch.cuda._sleep``) cycles per millisecond on ``device``, measured once, outside any capture."""
+    if device not in _CYCLES_PER_MS:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"the spin kernel has not been timed on {device} yet, and a CUDA graph is being "
+                               f"captured: time it (seqpar.comm.link.cycles_per_ms) while {device} is current")
+        n = 20_000_000
+        with torch.cuda.device(device):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(n)                      # warm-up
+            a.record()
+            torch.cuda._sleep(n)
+            b.record()
+            b.synchronize()
+            _CYCLES_PER_MS[device] = n / a.elapsed_time(b)
+    return _CYCLES_PER_MS[device]
 
 
 class Link:
@@ -59,9 +78,8 @@ class Link:
         self.name = prof.name
         self.network = Network(get_topology(None, prof), prof)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._cycles_per_ms: dict[torch.device, float] = {}
         if torch.cuda.is_available():       # calibrate now: the first transfer may come inside a graph capture
-            self._cycles(torch.device("cuda", torch.cuda.current_device()))
+            cycles_per_ms(torch.device("cuda", torch.cuda.current_device()))
 
     def ms(self, pattern: str, nbytes: float, size: int) -> float:
         """The modelled time of one ``pattern`` moving ``nbytes`` per rank in a group of ``size``."""
@@ -69,26 +87,9 @@ class Link:
 
         return self.network.ms(pattern, nbytes, Group(size))
 
-    def _cycles(self, device: torch.device) -> float:
-        """Spin-kernel cycles per millisecond on ``device``, measured once (outside any capture)."""
-        if device not in self._cycles_per_ms:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"the modelled link has not timed its spin kernel on {device} yet, and a CUDA "
-                                   f"graph is being captured: make the Link while {device} is the current device")
-            n = 20_000_000
-            with torch.cuda.device(device):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda._sleep(n)                      # warm-up
-                a.record()
-                torch.cuda._sleep(n)
-                b.record()
-                b.synchronize()
-                self._cycles_per_ms[device] = n / a.elapsed_time(b)
-        return self._cycles_per_ms[device]
-
     def occupy(self, pattern: str, nbytes: float, size: int, device: torch.device) -> torch.cuda.Event:
         """Hold the link's stream for the transfer's time after the current stream's work so far; the event."""
-        cycles = int(self.ms(pattern, nbytes, size) * self._cycles(device))
+        cycles = int(self.ms(pattern, nbytes, size) * cycles_per_ms(device))
         stream = self._streams.get(device)
         if stream is None:
             stream = self._streams[device] = torch.cuda.Stream(device)

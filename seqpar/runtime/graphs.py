@@ -85,21 +85,26 @@ Note [Which calls graph]
     0.90 / 0.84 / 1.03 - where its host took 0.4-0.6 of the device's time; at 2K per rank (W = 8) the eager host
     time passed the device's and graphs won (GQA forward 0.65 against 0.32).
     So under auto (not ``graphs=True``) each kind of call of a plan (forward, or backward with the same optional
-    inputs) is timed both ways and keeps the faster: after the warm-up call, ``TIMED_CALLS`` (2) eager calls, each
-    bracketed by CUDA events; then the capture and ``TIMED_CALLS`` replays bracketed the same way (the copies in
-    and the clones out inside the brackets); the next call compares the least span of each and either keeps
-    replaying or destroys the graph (its memory goes back) and runs that kind of call eagerly from then on. A
-    bracket gives the call's span on the device: its busy time when the host keeps ahead, about the host's own
-    time when it does not - so an eager call that waits on its host measures its host time, and a graph wins
-    exactly when its replay, copies and all, beats that. A plan's seventh call of a kind runs as decided
-    (warm-up, two timed eager, the capture, two timed replays); the bench warms up six. Each decision is logged
-    by ``seqpar.runtime`` at INFO. Ranks decide on their own measurements; a captured and an eager rank issue the
-    same transfers in the same order.
+    inputs) is timed both ways and keeps the cheaper: after the warm-up call, ``TIMED_CALLS`` (2) eager calls, then
+    the capture and ``TIMED_CALLS`` replays (the copies in and the clones out included), each timed twice over: on
+    the host (the engine's own time, ``time.perf_counter``) and on the device, between two CUDA events that follow
+    a spin kernel holding the device a quarter longer than the kind's last host time (``HOLD_MS`` bounds it). The
+    host queues the call while the device still spins, so the events bracket the device's own time, never the
+    host's lag. A call's cost is the larger of its least device time and ``HOST_MARGIN`` (1.25) times its least host
+    time - what a run of such calls takes, the host's work around the engine (autograd, the op's plumbing) counted
+    by the margin. The next call compares the two costs and either keeps replaying or destroys the graph (its
+    memory goes back) and runs that kind of call eagerly from then on. A plan's seventh call of a kind runs as
+    decided (warm-up, two timed eager, the capture, two timed replays); the bench warms up six. Each decision is
+    logged by ``seqpar.runtime`` at INFO. Ranks decide on their own measurements; a captured and an eager rank issue
+    the same transfers in the same order. The spins cost the device a few milliseconds once per plan.
     Before: the tenth session captured when the host took at least 0.6 of the device's time in the second call
-    (``benchmarks/results/2026-11-26-h100-auto-measured/``), which still paid one-time host work, and the
-    eleventh first decided on the lighter of two calls' host shares (``2026-11-26-h100-graph-decision/``): within
-    noise, calls near the bar flipping either way between runs (Ulysses' MHA backward at 2K tokens per rank
-    captured, 0.81 -> 0.77 back to back). A host share is a proxy; the spans measure the choice itself.
+    (``benchmarks/results/2026-11-26-h100-auto-measured/``), which still paid one-time host work; the eleventh first
+    decided on the lighter of two calls' host shares (``2026-11-26-h100-graph-decision/``): within noise, calls near
+    the bar flipping either way between runs. The twelfth compared the spans of the two ways from the call's start,
+    with nothing ahead of it on the device: an eager call's span then held the host's lag before its first long
+    kernel, which a run of calls hides behind the previous call's kernels, and auto graphed Ulysses' backward at 2K
+    tokens per rank (MHA over 8, emulated on an H100) that ran faster eagerly back to back (2.01 ms a call against
+    1.86, ``2026-11-26-h100-host-probe/``).
 
 Note [Graphed batches]
     A packed batch (``Call.packed``) is a plan of its own, used by every layer of one training step - forward, the
@@ -142,6 +147,7 @@ import atexit
 import logging
 import os
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -150,6 +156,7 @@ from typing import Any
 import torch
 
 from ..comm.all_to_all import contiguous
+from ..comm.link import cycles_per_ms
 from ..errors import rank_suffix
 from ..kernels.combine import keep_tables
 from ..methods.base import BackwardInputs
@@ -162,6 +169,13 @@ GRAPH_ROWS = 8192
 
 TIMED_CALLS = 2
 """Eager calls, then replays, auto times before it keeps the faster of the two (Note [Which calls graph])."""
+
+HOST_MARGIN = 1.25
+"""Auto weighs an engine call's host time by this: the call's host work around the engine (autograd, the op's
+plumbing) is not in the bracket (Note [Which calls graph])."""
+
+HOLD_MS = (0.2, 5.0)
+"""The least and the most milliseconds auto holds the device before a timed call (Note [Which calls graph])."""
 
 
 def capture_hazard(groups: Any) -> str | None:
@@ -264,23 +278,34 @@ class _Captured:
         return _unflatten([t.clone() if t.is_contiguous() else contiguous(t) for t in self.flat], self.spec)
 
 
-def _spanned(spans: list, inputs: Sequence[torch.Tensor | None], run: Callable[[], Any]) -> Any:
-    """``run()`` bracketed by two CUDA events on the inputs' device, appended to ``spans`` (read when auto decides:
-    the call's span on the device, Note [Which calls graph])."""
+def _timed(store: list, inputs: Sequence[torch.Tensor | None], run: Callable[[], Any], hold_ms: float) -> Any:
+    """``run()`` with the device held busy first (a spin kernel of ``hold_ms``), so that the host queues the call's
+    work while the device still spins and the two CUDA events around it bracket the device's own time; appends
+    ``(host ms, start, end)`` to ``store`` (read when auto decides, Note [Which calls graph])."""
     device = next(x.device for x in inputs if x is not None)
     with torch.cuda.device(device):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(int(hold_ms * cycles_per_ms(device)))
         start.record()
+        t0 = time.perf_counter()
         res = run()
+        host = (time.perf_counter() - t0) * 1e3
         end.record()
-    spans.append((start, end))
+    store.append((host, start, end))
     return res
 
 
-def _least_ms(spans: list) -> float:
-    """The shortest of ``_spanned``'s spans, in ms (waits for the last one's end)."""
-    spans[-1][1].synchronize()
-    return min(start.elapsed_time(end) for start, end in spans)
+def _cost_ms(store: list) -> float:
+    """What ``_timed``'s calls cost a run of such calls, in ms: the least device time, or the least host time
+    (scaled by ``HOST_MARGIN`` for the host work around the engine) where the host is the slower."""
+    store[-1][2].synchronize()
+    device = min(start.elapsed_time(end) for _, start, end in store)
+    return max(device, HOST_MARGIN * min(host for host, _, _ in store))
+
+
+def _hold_ms(host_ms: float) -> float:
+    """How long ``_timed`` holds the device: a quarter more than the last such call's host time, within bounds."""
+    return min(max(1.25 * host_ms, HOLD_MS[0]), HOLD_MS[1])
 
 
 def _flatten(res: Any) -> tuple[list[torch.Tensor], list[int]]:
@@ -316,9 +341,9 @@ class Graphed:
         self.engine, self.required = engine, required
         self.saves = engine.saves
         self.pool = torch.cuda.graph_pool_handle()
-        self._seen: set[Any] = set()
-        self._timed: dict[Any, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}      # eager spans, by kind
-        self._replays: dict[Any, list[tuple[torch.cuda.Event, torch.cuda.Event]]] = {}    # replay spans
+        self._seen: dict[Any, float] = {}           # kinds of call run once: the host ms of the last one
+        self._timed: dict[Any, list] = {}           # eager calls timed by kind: (host ms, start, end)
+        self._replays: dict[Any, list] = {}         # replays timed
         self._eager: set[Any] = set()                # auto measured these calls faster eager
         self._kept: set[Any] = set()                 # auto measured these calls faster as graphs
         self._graphs: dict[Any, _Captured] = {}
@@ -366,12 +391,15 @@ class Graphed:
         g = self._graphs.get(key)
         if g is None:
             if key not in self._seen:          # the first call runs eagerly: plans, compiles, connections
-                self._seen.add(key)
-                return fn(*inputs)
+                t0 = time.perf_counter()
+                res = fn(*inputs)
+                self._seen[key] = (time.perf_counter() - t0) * 1e3
+                return res
             if not self.required:              # auto: time eager calls first (Note [Which calls graph])
                 timed = self._timed.setdefault(key, [])
                 if len(timed) < TIMED_CALLS:
-                    return _spanned(timed, inputs, lambda: fn(*inputs))
+                    last = timed[-1][0] if timed else self._seen[key]
+                    return _timed(timed, inputs, lambda: fn(*inputs), _hold_ms(last))
             _guard_shutdown()
             try:
                 g = self._graphs[key] = _Captured(fn, inputs, self.pool)
@@ -383,12 +411,13 @@ class Graphed:
             return g(inputs)
         replays = self._replays.setdefault(key, [])
         if len(replays) < TIMED_CALLS:                              # auto: time replays, then keep the faster
-            return _spanned(replays, inputs, lambda: g(inputs))
-        eager_ms, graph_ms = _least_ms(self._timed.pop(key)), _least_ms(self._replays.pop(key))
+            return _timed(replays, inputs, lambda: g(inputs), _hold_ms(replays[-1][0] if replays else 0.0))
+        eager_ms, graph_ms = _cost_ms(self._timed.pop(key)), _cost_ms(self._replays.pop(key))
         faster = graph_ms < eager_ms
-        log.info("graphs auto: %s of %s took %.3f ms on the device eagerly, %.3f ms replayed (the least of %d each): "
-                 "%s", key if isinstance(key, str) else key[0], type(self.engine).__name__, eager_ms, graph_ms,
-                 TIMED_CALLS, "graphed" if faster else "eager")
+        log.info("graphs auto: %s of %s costs %.3f ms eagerly, %.3f ms replayed (the larger of the device's and "
+                 "%.2fx the host's time, the least of %d calls each): %s", key if isinstance(key, str) else key[0],
+                 type(self.engine).__name__, eager_ms, graph_ms, HOST_MARGIN, TIMED_CALLS,
+                 "graphed" if faster else "eager")
         if faster:
             self._kept.add(key)
             return g(inputs)
