@@ -171,6 +171,45 @@ def test_graphed_calls_equal_eager(method, options):
                 assert err <= 2 ** -8 * float(b.float().abs().max()), (method, step, name, err)
 
 
+def test_graphed_saving_engine_keeps_every_layer_in_a_slot_of_its_own():
+    """Note [Saved slots]: three layers' forwards in flight (one plan), then their backwards, over three steps: a
+    saving engine (Ulysses with two head groups: not the direct path at W = 1) replays each forward into a slot of
+    its own and each backward reads its slot's saved tensors in place - out and gradients equal eager bitwise, and
+    the slots are free again after each step and reused."""
+    from seqpar.runtime import call as _call
+    from seqpar.runtime.graphs import Graphed
+
+    _call.cache_clear()
+    kw = dict(method="ulysses", head_chunks=2, deterministic=True)
+
+    def layers(seed):
+        torch.manual_seed(seed)
+        return [[torch.randn(1, 512, h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2, 8)]
+                for _ in range(3)]
+
+    try:
+        for step in range(3):
+            res = {}
+            for graphs in (False, True):
+                held = []
+                for q, k, v, _ in layers(step):
+                    leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
+                    held.append((leaves, seqpar.attention(*leaves, graphs=graphs, **kw)))
+                res[graphs] = [(out, *torch.autograd.grad(out, leaves, do))
+                               for (leaves, out), (*_, do) in reversed(list(zip(held, layers(step))))]
+                del held
+            for a, b in zip(res[False], res[True]):
+                for name, x, y in zip(("out", "dq", "dk", "dv"), a, b):
+                    assert torch.equal(x, y), (step, name)
+            engines = [p.engine for p, _ in _call._PLANS.values() if isinstance(p.engine, Graphed)]
+            assert len(engines) == 1
+            slots = engines[0]._slots
+            assert len(slots) == (2 if step == 0 else 3) and all(s.free() for s in slots), step
+            assert "fwd" not in engines[0]._graphs and (step == 0 or all(len(s.bwd) == 1 for s in slots))
+    finally:
+        _call.cache_clear()
+
+
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
 def test_graphed_packed_batches_equal_eager_and_retire(method):
     """Note [Graphed batches]: a packed batch's calls - eager, captured, replayed - give the eager result bitwise;

@@ -162,7 +162,7 @@ _SHUTDOWN_CHECK = """
 import tempfile, torch.distributed as dist
 from seqpar.runtime import graphs as g
 class Held:                                     # a Graphed's stand-in: holds one "graph"
-    def __init__(self): self._graphs = {"fwd": type("C", (), {"device": None})()}
+    def __init__(self): self._graphs, self._slots, self.devices = {"fwd": object()}, [], {None}
     def release(self): n = len(self._graphs); self._graphs.clear(); order.append("released"); return n
 order, held = [], Held()
 g._LIVE.add(held)
@@ -296,42 +296,139 @@ def test_release_all_destroys_the_graphs_and_a_plan_called_again_captures_anew(m
     assert resets == [1, 1] and [graphed.forward(x, x, x) for _ in range(2)] == ["eager", "eager"]
 
 
-def test_a_saving_engine_clones_no_saved_tensors_without_a_backward_and_copies_no_out_into_it(monkeypatch):
-    """Note [Graph copies]: a call no backward follows replays a saving engine's forward captured without its saved
-    tensors (nothing to clone out; a graph of its own beside the one that keeps them), and a saving engine's graphed
-    backward takes no ``out`` (Note [Engines]: it reads dO and dlse of the final rows only)."""
-    from seqpar.methods.base import BackwardInputs
-    from seqpar.numerics import GradRows
+class _SavingEngine:
+    """A saving engine on CPU (Ulysses' shape of one): the saved tensors are views into one buffer, as Ulysses'
+    q, k and v are into its receive buffer, beside an output of their own."""
+
+    saves = True
+
+    def forward(self, q, k, v):
+        recv = torch.cat([q + 1, k * 3])
+        return q * 2, q.sum(-1), (recv[: len(q)], recv[len(q):], q - v)
+
+    def backward(self, b):
+        a, c, d = b.saved
+        return b.rows.do * a, b.rows.do * c, b.rows.do * d
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """``seqpar.runtime.graphs`` with graphs emulated on CPU: a "capture" runs the function once on the static
+    inputs, a "replay" runs it again and writes its results into the captured outputs - what a CUDA graph's replay
+    does to the same buffers."""
+    import contextlib
+
     from seqpar.runtime import graphs as g
 
-    seen = []
+    class CpuCaptured(g._Captured):
+        made: list = []
 
-    class Captured:
-        def __init__(self, fn, inputs, pool):
-            seen.append((fn(*inputs), list(inputs)))
-            self.graph = type("Graph", (), {"reset": lambda _: None})()
+        def __init__(self, fn, inputs, pool, *, shared=None, in_place=frozenset()):
+            self.device, self.in_place = None, in_place
+            self.static = g._statics(inputs, shared, in_place)
+            self.flat, self.spec = g._flatten(fn(*self.static))
+            me = self
 
-        def __call__(self, inputs):
-            return "replayed"
+            class Graph:
+                def replay(_):
+                    for dst, src in zip(me.flat, g._flatten(fn(*me.static))[0]):
+                        dst.copy_(src)
 
+                def reset(_):
+                    pass
+            self.graph = Graph()
+            CpuCaptured.made.append(self)
+
+    CpuCaptured.made = []
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(g, "_guard_shutdown", lambda: None)
-    monkeypatch.setattr(g, "_Captured", Captured)
+    monkeypatch.setattr(g, "_Captured", CpuCaptured)
     monkeypatch.setattr(g, "_LIVE", weakref.WeakSet())
-    engine = type("Engine", (), {"saves": True, "forward": lambda self, q, k, v: (q, k, ("saved",)),
-                                 "backward": lambda self, b: (b.rows.do, b.rows.out, b.saved)})()
-    x = torch.zeros(1)
+    return g, CpuCaptured
+
+
+def _backward_inputs(do, saved):
+    from seqpar.methods.base import BackwardInputs
+    from seqpar.numerics import GradRows
+
+    return BackwardInputs(GradRows(do, do + 1, None), do.sum(-1), None, None, None, tuple(saved), None, False)
+
+
+def test_saved_slots_keep_every_forward_in_flight_and_are_reused_once_free(cpu_graphs):
+    """Note [Saved slots]: a graphed saving engine's forward replays into a free slot, its saved tensors left where
+    the graph wrote them (no clone out) and handed out as views; while a forward's views are held (a layer awaiting
+    its backward) the next forward takes another slot, captured when none is free; a slot whose views are all gone
+    is free again. A backward given a slot's saved tensors replays that slot's backward graph, which reads them
+    in place (no copy in). Values: those of the eager engine, every layer."""
+    g, _ = cpu_graphs
+    engine = _SavingEngine()
     graphed = g.Graphed(engine, required=True)
-    for keep in (False, True):                    # one plan, both kinds of forward: a graph each
-        seen.clear()
-        assert [graphed.forward(x, x, x, keep_saved=keep)[2] if i == 0 else graphed.forward(x, x, x, keep_saved=keep)
-                for i in range(2)] == [(("saved",) if keep else ()), "replayed"]
-        assert seen[0][0][2] == (("saved",) if keep else ())
-    assert set(graphed._graphs) >= {"fwd", "fwd-nosave"}
-    b = BackwardInputs(GradRows(x, x + 1, None), x, None, None, None, (x,), None, False)
-    graphed.backward(b)
-    assert graphed.backward(b) == "replayed"
-    (do, out, saved), inputs = seen[-1]
-    assert do is b.rows.do or torch.equal(do, x)
-    assert inputs[1] is None and out is None and len(saved) == 1
+    layers = [[torch.randn(4, 3) for _ in range(4)] for _ in range(3)]          # q, k, v, dO per layer
+    for step in range(3):
+        held = []
+        for q, k, v, _ in layers:                                               # forward: every layer in flight
+            got, want = graphed.forward(q, k, v), engine.forward(q, k, v)
+            for x, y in zip((*got[:2], *got[2]), (*want[:2], *want[2])):
+                assert torch.equal(x, y)
+            held.append(got[2])
+        assert len(graphed._slots) == (2 if step == 0 else 3)     # the first call eager; a slot per forward in flight
+        for (q, k, v, do), saved in reversed(list(zip(layers, held))):         # backward, last layer first
+            want = engine.backward(_backward_inputs(do, engine.forward(q, k, v)[2]))
+            got = graphed.backward(_backward_inputs(do, saved))
+            assert all(torch.equal(x, y) for x, y in zip(got, want))
+        del held, saved, got, x, y                             # (x: a view of the last forward's)
+        assert all(s.free() for s in graphed._slots)
+    slots = graphed._slots
+    assert len(slots) == 3 and "fwd" not in graphed._graphs                    # slots, not the cloning graph
+    for s in slots:                                                             # its saved tensors read in place
+        (c,) = s.bwd.values()
+        assert all(c.static[-3 + i] is s.saved[i] for i in range(3)) and c.in_place == frozenset({8, 9, 10})
+    assert slots[0].fwd.static[0] is slots[1].fwd.static[0]                    # static inputs shared by slots
+    (c0,), (c1,) = (slots[i].bwd.values() for i in (0, 1))
+    assert c0.static[0] is c1.static[0]
+
+
+def test_saved_slots_fall_back_to_clones_when_full_or_unusable(cpu_graphs, monkeypatch):
+    """Note [Saved slots]: past ``MAX_SLOTS`` forwards in flight, or for an engine that saves a tensor it was given
+    (a saved tensor aliasing a static input, which the next copy-in would overwrite), a forward replays the kind's
+    one graph and clones its saved tensors out, as before slots; its backward copies them into its own graph."""
+    g, _ = cpu_graphs
+    monkeypatch.setattr(g, "MAX_SLOTS", 1)
+    engine = _SavingEngine()
+    graphed = g.Graphed(engine, required=True)
+    q, k, v, do = (torch.randn(4, 3) for _ in range(4))
+    graphed.forward(q, k, v)                                                    # warm-up
+    first, second = graphed.forward(q, k, v), graphed.forward(q, k, v)
+    assert len(graphed._slots) == 1 and "fwd" in graphed._graphs              # the second one: cloned
+    assert graphed._slots[0].owns(first[2]) and not graphed._slots[0].owns(second[2])
+    want = engine.backward(_backward_inputs(do, engine.forward(q, k, v)[2]))
+    for saved in (second[2], first[2], second[2]):
+        got = graphed.backward(_backward_inputs(do, saved))
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+    class Aliasing(_SavingEngine):
+        def forward(self, q, k, v):
+            return q * 2, q.sum(-1), (q, k * 3, v)
+    graphed = g.Graphed(Aliasing(), required=True)
+    graphed.forward(q, k, v)
+    graphed.forward(q, k, v)
+    assert not graphed._slots and not graphed._slotted and "fwd" in graphed._graphs
+
+
+def test_a_saving_engine_clones_no_saved_tensors_without_a_backward_and_copies_no_out_into_it(cpu_graphs):
+    """Note [Graph copies]: a call no backward follows replays a saving engine's forward captured without its saved
+    tensors (nothing to clone out; a graph of its own beside the slots that keep them), and a saving engine's
+    graphed backward takes no ``out`` (Note [Engines]: it reads dO and dlse of the final rows only)."""
+    g, cap = cpu_graphs
+    graphed = g.Graphed(_SavingEngine(), required=True)
+    q, k, v, do = (torch.randn(4, 3) for _ in range(4))
+    for _ in range(2):
+        saved = graphed.forward(q, k, v, keep_saved=False)[2]
+    assert saved == () and cap.made[-1].spec[-1] == 0 and set(graphed._graphs) == {"fwd-nosave"}
+    graphed.forward(q, k, v)
+    saved = graphed.forward(q, k, v)[2]
+    graphed.backward(_backward_inputs(do, saved))
+    graphed.backward(_backward_inputs(do, saved))
+    assert cap.made[-1].static[1] is None                                           # no out copied in

@@ -49,7 +49,28 @@ Note [Graph copies]
     call no backward follows (``run``'s no-grad path: ``keep_saved=False``) replays a saving engine's forward
     captured without its saved tensors, so none is cloned out (a graph of its own: the same plan may serve a
     compiled model's op, which returns them); and a saving engine's backward takes no ``out`` (it reads dO and
-    dlse of the final rows only, Note [Engines] in ``seqpar.methods.base``).
+    dlse of the final rows only, Note [Engines] in ``seqpar.methods.base``). Since the thirteenth session a saving
+    engine's saved tensors are neither cloned out nor copied back in (Note [Saved slots]).
+
+Note [Saved slots]
+    A saving engine (Ulysses, USP: ``saves = True``) hands its backward tensors of its own - the head-sharded q, k,
+    v, out and lse - which a graph writes into its pool. Cloned out after every replay and copied into the
+    backward's graph before its replay, they were most of a graphed Ulysses call's copies: 4 x 16 MiB each way per
+    layer at 2K tokens per rank (MHA over 8), a tenth of the call's GPU time. Slots take both copies out. A slot is
+    the forward captured once more, its saved tensors left where its graph wrote them and handed to autograd as
+    fresh views; the slot's backward graph reads them there. Autograd holds the views until the layer's backward
+    (or drops them with its graph), so a slot is free exactly when no tensor but the slot's own views its saved
+    tensors' storages: PyTorch counts a storage's users (``torch._C._storage_Use_Count``, which cudagraph trees
+    use for the same question), and the slot knows its own (its outputs and the bases its views keep alive). A
+    forward replays into a free slot and captures a new one when none is free, so a model's L layers in flight
+    hold L slots - the memory eager calls hold for the same tensors between forward and backward, kept here
+    between steps too - and the next step reuses them. The slots of a plan share their static inputs, and their
+    backward graphs theirs (dO, lse), so only the saved tensors are per slot. Past ``MAX_SLOTS`` forwards in
+    flight, for a saved tensor that is a static input (an engine that saves what it was given: the next copy-in
+    would overwrite it), and for a backward whose saved tensors are no slot's (a forward that ran eagerly, or
+    tensors moved by a saved-tensor hook), the kind's one graph serves as before, copying. A replay overwrites
+    a slot only after every view of it is gone, and on the stream its backward ran on (autograd runs a backward on
+    its forward's stream).
 
 Note [Graphs and shutdown]
     A graph that holds NCCL transfers holds NCCL's persistent work on the communicator, and ``ncclCommDestroy``
@@ -174,6 +195,9 @@ HOST_MARGIN = 1.25
 """Auto weighs an engine call's host time by this: the call's host work around the engine (autograd, the op's
 plumbing) is not in the bracket (Note [Which calls graph])."""
 
+MAX_SLOTS = 64
+"""The most forwards of a saving engine a plan keeps in flight in slots of their own (Note [Saved slots])."""
+
 HOLD_MS = (0.2, 5.0)
 """The least and the most milliseconds auto holds the device before a timed call (Note [Which calls graph])."""
 
@@ -225,8 +249,8 @@ _GUARDED = False
 def release_all() -> int:
     """Destroy every CUDA graph seqpar holds (Note [Graphs and shutdown]); a plan still called afterwards captures
     again. Returns how many graphs were destroyed."""
-    live = [g for g in list(_LIVE) if g._graphs]
-    devices = {c.device for g in live for c in g._graphs.values()}
+    live = [g for g in list(_LIVE) if g._graphs or g._slots]
+    devices = {d for g in live for d in g.devices}
     for d in devices:                   # nothing captured may still be running when its graph goes
         torch.cuda.synchronize(d)
     freed = sum(g.release() for g in live)
@@ -254,14 +278,17 @@ def _guard_shutdown() -> None:
 
 
 class _Captured:
-    """One captured function: static inputs (None where absent), flat static outputs, the graph."""
+    """One captured function: static inputs (None where absent), flat static outputs, the graph.
 
-    def __init__(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor | None], pool: Any):
+    ``shared``: static input buffers to read instead of allocating (one per input, None to allocate), so that the
+    captures of one kind of call (the slots of Note [Saved slots]) read the same ones; ``in_place``: positions of
+    inputs the graph reads where they lie, never copied (a slot's own saved tensors)."""
+
+    def __init__(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor | None], pool: Any, *,
+                 shared: Sequence[torch.Tensor | None] | None = None, in_place: frozenset[int] = frozenset()):
         self.device = next(x.device for x in inputs if x is not None)
-        self.static = [None if x is None else torch.empty_like(x) for x in inputs]
-        for s, x in zip(self.static, inputs):
-            if s is not None:
-                s.copy_(x)
+        self.in_place = in_place
+        self.static = _statics(inputs, shared, in_place)
         self.graph = torch.cuda.CUDAGraph()
         self.tables: list[torch.Tensor] = []          # Note [Tables under capture] in seqpar.kernels.combine
         with torch.cuda.device(self.device), keep_tables(self.tables), \
@@ -269,13 +296,84 @@ class _Captured:
             res = fn(*self.static)
         self.flat, self.spec = _flatten(res)
 
-    def __call__(self, inputs: Sequence[torch.Tensor | None]) -> Any:
-        for s, x in zip(self.static, inputs):
-            if s is not None:
+    def replay(self, inputs: Sequence[torch.Tensor | None]) -> None:
+        """Copy ``inputs`` into the static buffers (those read in place are the very tensors) and replay."""
+        for i, (s, x) in enumerate(zip(self.static, inputs)):
+            if s is not None and i not in self.in_place:
                 s.copy_(x)
         with torch.cuda.device(self.device):
             self.graph.replay()
-        return _unflatten([t.clone() if t.is_contiguous() else contiguous(t) for t in self.flat], self.spec)
+
+    def __call__(self, inputs: Sequence[torch.Tensor | None]) -> Any:
+        self.replay(inputs)
+        return _unflatten([_clone(t) for t in self.flat], self.spec)
+
+
+def _statics(inputs: Sequence[torch.Tensor | None], shared: Sequence[torch.Tensor | None] | None,
+             in_place: frozenset[int]) -> list[torch.Tensor | None]:
+    """A capture's static inputs, filled with ``inputs``: ``shared`` ones where given, the input itself at the
+    positions read in place, new buffers elsewhere (``_Captured``)."""
+    static: list[torch.Tensor | None] = []
+    for i, x in enumerate(inputs):
+        if x is None or i in in_place:
+            static.append(x)
+        else:
+            s = shared[i] if shared is not None and shared[i] is not None else torch.empty_like(x)
+            static.append(s.copy_(x))
+    return static
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t.is_contiguous() else contiguous(t)
+
+
+def _storage_uses(t: torch.Tensor) -> int:
+    """References to ``t``'s storage: one per tensor that views it, and one for the storage object asked here."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _Slot:
+    """A saving engine's forward captured with its saved tensors left where the graph wrote them, and the backward
+    graphs that read them there (Note [Saved slots]). The slot is free when no tensor but its own views its
+    saved tensors' storages."""
+
+    def __init__(self, fwd: _Captured):
+        self.fwd = fwd
+        self.saved = fwd.flat[len(fwd.flat) - fwd.spec[-1]:]      # (out, lse, saved): the last part
+        self.bwd: dict[Any, _Captured] = {}
+        held = {id(t): t for t in fwd.flat}         # the slot's own tensors, and the bases its views keep alive
+        held.update({id(t._base): t._base for t in fwd.flat if t._base is not None})
+        mine: dict[int, int] = {}                   # their references, by storage
+        for t in held.values():
+            key = t.untyped_storage().data_ptr()
+            mine[key] = mine.get(key, 0) + 1
+        self._own = [mine[t.untyped_storage().data_ptr()] + 1 for t in self.saved]
+        inputs = {x.untyped_storage().data_ptr() for x in fwd.static if x is not None}
+        self.usable = not any(t.untyped_storage().data_ptr() in inputs for t in self.saved)
+        """False when a saved tensor is a static input (an engine that saves its input as it came): the next
+        replay's copy-in would overwrite it, so such a kind of call clones its saved tensors (Note [Saved slots])."""
+
+    def free(self) -> bool:
+        return all(_storage_uses(t) == n for t, n in zip(self.saved, self._own))
+
+    def owns(self, saved: Sequence[torch.Tensor]) -> bool:
+        return len(saved) == len(self.saved) and all(
+            x.data_ptr() == t.data_ptr() and x.shape == t.shape and x.stride() == t.stride()
+            for x, t in zip(saved, self.saved))
+
+    def forward(self, inputs: Sequence[torch.Tensor | None]) -> tuple:
+        """Replay into this slot: clones of out and lse, fresh views of the saved tensors (each one held counts
+        against the slot)."""
+        self.fwd.replay(inputs)
+        out, lse = (_clone(t) for t in self.fwd.flat[:2])
+        return out, lse, tuple(t.view(t.shape) for t in self.saved)
+
+    def reset(self) -> int:
+        graphs = [self.fwd, *self.bwd.values()]
+        for c in graphs:
+            c.graph.reset()
+        self.bwd.clear()
+        return len(graphs)
 
 
 def _timed(store: list, inputs: Sequence[torch.Tensor | None], run: Callable[[], Any], hold_ms: float) -> Any:
@@ -347,8 +445,15 @@ class Graphed:
         self._eager: set[Any] = set()                # auto measured these calls faster eager
         self._kept: set[Any] = set()                 # auto measured these calls faster as graphs
         self._graphs: dict[Any, _Captured] = {}
+        self._slots: list[_Slot] = []                # a saving engine's forwards (Note [Saved slots])
+        self._slotted = True                         # False once a slot turned out unusable for this engine
         self.retired = False
         _LIVE.add(self)
+
+    @property
+    def devices(self) -> set[torch.device]:
+        """The devices of the graphs held."""
+        return {c.device for c in self._graphs.values()} | {s.fwd.device for s in self._slots}
 
     def retire(self) -> None:
         """Free the graphs; later calls run eagerly (a batch plan whose batch has passed: Note [Graphed batches])."""
@@ -358,20 +463,25 @@ class Graphed:
     def release(self) -> int:
         """Destroy the graphs; the plan's next calls warm up and capture again (Note [Graphs and shutdown]).
         Returns how many were destroyed."""
-        n = len(self._graphs)
+        n = len(self._graphs) + sum(s.reset() for s in self._slots)
         for c in self._graphs.values():
             c.graph.reset()
         self._graphs.clear()
+        self._slots.clear()
         for memo in (self._seen, self._timed, self._replays, self._kept):
             memo.clear()
         return n
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, keep_saved: bool = True):
         """The engine's forward; ``keep_saved=False`` (a call no backward follows) captures a saving engine's
-        forward without its saved tensors, a graph of its own: nothing saved is cloned out (Note [Graph copies])."""
+        forward without its saved tensors, a graph of its own: nothing saved is cloned out (Note [Graph copies]);
+        with them, a saving engine's forward replays into a free slot (Note [Saved slots])."""
         if self.saves and not keep_saved:
             return self._run("fwd-nosave", lambda q, k, v: (*self.engine.forward(q, k, v)[:2], ()), [q, k, v])
-        return self._run("fwd", lambda q, k, v: self.engine.forward(q, k, v), [q, k, v])
+
+        def fwd(q, k, v):
+            return self.engine.forward(q, k, v)
+        return self._run("fwd", fwd, [q, k, v], self._into_slot(fwd) if self.saves else None)
 
     def backward(self, b: BackwardInputs):
         r = b.rows
@@ -383,35 +493,95 @@ class Graphed:
             assert len(saved) == n_saved
             return self.engine.backward(BackwardInputs(GradRows(do, out, dlse), lse, q, k, v, tuple(saved), sinks,
                                                        lse_grad))
-        return self._run(("bwd", tuple(x is None for x in inputs)), bwd, inputs)
+        key = ("bwd", tuple(x is None for x in inputs))
+        slot = next((s for s in self._slots if s.owns(b.saved)), None) if b.saved else None
+        return self._run(key, bwd, inputs, None if slot is None else self._from_slot(slot, key, bwd))
 
-    def _run(self, key: Any, fn: Callable[..., Any], inputs: list[torch.Tensor | None]):
+    def _capture(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor | None], **kw: Any) -> _Captured:
+        _guard_shutdown()
+        try:
+            return _Captured(fn, inputs, self.pool, **kw)
+        except Exception as err:
+            how = "graphs=True" if self.required else "graphs=None (auto: CUDA, several ranks, short chunks)"
+            raise RuntimeError(f"{how}: capturing this call as a CUDA graph failed ({err}); pass graphs=False "
+                               f"to run it eagerly{rank_suffix()}") from err
+
+    def _one_graph(self, key: Any, fn: Callable[..., Any]) -> Callable[[list], Callable[[], Any]]:
+        """The kind's one graph (captured at its first use): copies in, replay, clones out."""
+        def prepare(inputs: list) -> Callable[[], Any]:
+            g = self._graphs.get(key)
+            if g is None:
+                g = self._graphs[key] = self._capture(fn, inputs)
+            return lambda: g(inputs)
+        return prepare
+
+    def _into_slot(self, fwd: Callable[..., Any]) -> Callable[[list], Callable[[], Any]]:
+        """A saving engine's forward replayed into a free slot, one captured when none is free (up to
+        ``MAX_SLOTS``; past that, or where slots cannot serve, the kind's one graph, its saved tensors cloned)."""
+        def prepare(inputs: list) -> Callable[[], Any]:
+            slot = next((s for s in self._slots if s.free()), None)
+            if slot is None and self._slotted and len(self._slots) < MAX_SLOTS:
+                shared = self._slots[0].fwd.static if self._slots else None
+                slot = _Slot(self._capture(fwd, inputs, shared=shared))
+                if slot.usable:
+                    self._slots.append(slot)
+                else:
+                    slot.reset()
+                    self._slotted, slot = False, None
+            if slot is None:
+                return self._one_graph("fwd", fwd)(inputs)
+            return lambda: slot.forward(inputs)
+        return prepare
+
+    def _from_slot(self, slot: _Slot, key: Any, bwd: Callable[..., Any]) -> Callable[[list], Callable[[], Any]]:
+        """The backward of a forward replayed into ``slot``: a graph of the slot's that reads its saved tensors
+        where they lie (its other static inputs shared by every slot's graph of this kind)."""
+        def prepare(inputs: list) -> Callable[[], Any]:
+            g = slot.bwd.get(key)
+            if g is None:
+                n = len(inputs) - len(slot.saved)
+                shared = next((s.bwd[key].static for s in self._slots if key in s.bwd), None)
+                g = slot.bwd[key] = self._capture(bwd, [*inputs[:n], *slot.saved], shared=shared,
+                                                  in_place=frozenset(range(n, len(inputs))))
+            return lambda: g(inputs)
+        return prepare
+
+    def _drop(self, key: Any) -> None:
+        """Destroy the graphs of one kind of call (auto found it faster eager)."""
+        g = self._graphs.pop(key, None)
+        if g is not None:
+            g.graph.reset()
+        if key == "fwd":
+            for s in self._slots:
+                s.reset()
+            self._slots.clear()
+        for s in self._slots:
+            c = s.bwd.pop(key, None)
+            if c is not None:
+                c.graph.reset()
+
+    def _run(self, key: Any, fn: Callable[..., Any], inputs: list[torch.Tensor | None],
+             prepare: Callable[[list], Callable[[], Any]] | None = None):
+        """One call of a kind: eager, timed, or replayed (``prepare(inputs)`` gives the replay, capturing first
+        where needed; by default the kind's one graph)."""
         if self.retired or key in self._eager or torch.cuda.is_current_stream_capturing():
             return fn(*inputs)
-        g = self._graphs.get(key)
-        if g is None:
-            if key not in self._seen:          # the first call runs eagerly: plans, compiles, connections
-                t0 = time.perf_counter()
-                res = fn(*inputs)
-                self._seen[key] = (time.perf_counter() - t0) * 1e3
-                return res
-            if not self.required:              # auto: time eager calls first (Note [Which calls graph])
-                timed = self._timed.setdefault(key, [])
-                if len(timed) < TIMED_CALLS:
-                    last = timed[-1][0] if timed else self._seen[key]
-                    return _timed(timed, inputs, lambda: fn(*inputs), _hold_ms(last))
-            _guard_shutdown()
-            try:
-                g = self._graphs[key] = _Captured(fn, inputs, self.pool)
-            except Exception as err:
-                how = "graphs=True" if self.required else "graphs=None (auto: CUDA, several ranks, short chunks)"
-                raise RuntimeError(f"{how}: capturing this call as a CUDA graph failed ({err}); pass graphs=False "
-                                   f"to run it eagerly{rank_suffix()}") from err
-        if self.required or key in self._kept:
-            return g(inputs)
+        if key not in self._seen:              # the first call runs eagerly: plans, compiles, connections
+            t0 = time.perf_counter()
+            res = fn(*inputs)
+            self._seen[key] = (time.perf_counter() - t0) * 1e3
+            return res
+        auto = not self.required and key not in self._kept
+        timed = self._timed.setdefault(key, []) if auto else []
+        if auto and len(timed) < TIMED_CALLS:  # auto: time eager calls first (Note [Which calls graph])
+            last = timed[-1][0] if timed else self._seen[key]
+            return _timed(timed, inputs, lambda: fn(*inputs), _hold_ms(last))
+        replay = (prepare or self._one_graph(key, fn))(inputs)
+        if not auto:
+            return replay()
         replays = self._replays.setdefault(key, [])
         if len(replays) < TIMED_CALLS:                              # auto: time replays, then keep the faster
-            return _timed(replays, inputs, lambda: g(inputs), _hold_ms(replays[-1][0] if replays else 0.0))
+            return _timed(replays, inputs, replay, _hold_ms(replays[-1][0] if replays else 0.0))
         eager_ms, graph_ms = _cost_ms(self._timed.pop(key)), _cost_ms(self._replays.pop(key))
         faster = graph_ms < eager_ms
         log.info("graphs auto: %s of %s costs %.3f ms eagerly, %.3f ms replayed (the larger of the device's and "
@@ -420,7 +590,7 @@ class Graphed:
                  "graphed" if faster else "eager")
         if faster:
             self._kept.add(key)
-            return g(inputs)
-        self._graphs.pop(key).graph.reset()
+            return replay()
+        self._drop(key)
         self._eager.add(key)
         return fn(*inputs)
