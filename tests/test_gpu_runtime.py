@@ -171,41 +171,78 @@ def test_graphed_calls_equal_eager(method, options):
                 assert err <= 2 ** -8 * float(b.float().abs().max()), (method, step, name, err)
 
 
+class _SavingEngine:
+    """A saving engine of Ulysses' shape on the GPU: its saved tensors are views into one buffer (Ulysses' q, k, v
+    into its receive buffer) beside an output of their own."""
+
+    saves = True
+
+    def forward(self, q, k, v):
+        recv = torch.cat([q + 1, k * 3])
+        return q * 2, q.sum(-1), (recv[: len(q)], recv[len(q):], torch.sin(q - v))
+
+    def backward(self, b):
+        a, c, d = b.saved
+        return b.rows.do * a, b.rows.do * c, b.rows.do * d
+
+
 def test_graphed_saving_engine_keeps_every_layer_in_a_slot_of_its_own():
-    """Note [Saved slots]: three layers' forwards in flight (one plan), then their backwards, over three steps: a
-    saving engine (Ulysses with two head groups: not the direct path at W = 1) replays each forward into a slot of
-    its own and each backward reads its slot's saved tensors in place - out and gradients equal eager bitwise, and
-    the slots are free again after each step and reused."""
+    """Note [Saved slots], captured for real: three layers' forwards in flight, then their backwards, over three
+    steps - each forward replays into a slot of its own, each backward reads its slot's saved tensors in place; the
+    results equal the eager engine's bitwise, the slots are free after each step and reused."""
+    from seqpar.methods.base import BackwardInputs
+    from seqpar.numerics import GradRows
+    from seqpar.runtime.graphs import Graphed
+
+    engine = _SavingEngine()
+    graphed = Graphed(engine, required=True)
+    for step in range(3):
+        torch.manual_seed(step)
+        layers = [[torch.randn(64, 32, device="cuda") for _ in range(4)] for _ in range(3)]
+        held = [graphed.forward(q, k, v) for q, k, v, _ in layers]
+        for (q, k, v, _), got in zip(layers, held):
+            want = engine.forward(q, k, v)
+            assert all(torch.equal(x, y) for x, y in zip((*got[:2], *got[2]), (*want[:2], *want[2])))
+        for (q, k, v, do), (*_, saved) in reversed(list(zip(layers, held))):
+            rows = GradRows(do, None, None)
+            got = graphed.backward(BackwardInputs(rows, do.sum(-1), None, None, None, saved, None, False))
+            want = engine.backward(BackwardInputs(rows, None, None, None, None, engine.forward(q, k, v)[2], None,
+                                                  False))
+            assert all(torch.equal(x, y) for x, y in zip(got, want)), step
+        del held, saved
+        assert len(graphed._slots) == (2 if step == 0 else 3) and all(s.free() for s in graphed._slots), step
+    assert "fwd" not in graphed._graphs and all(len(s.bwd) == 1 for s in graphed._slots)
+    assert graphed.release() == 7 and not graphed._slots      # + the backward graph of the eager first forward
+
+
+def test_ulysses_saving_its_inputs_falls_back_to_clones():
+    """Note [Saved slots]: Ulysses at degree 1 with two head groups (not the direct path) saves views of the inputs
+    it was given (no all-to-all), so its graphed forward cannot keep them in slots - it clones them, and out and
+    gradients equal eager bitwise with three layers in flight."""
     from seqpar.runtime import call as _call
     from seqpar.runtime.graphs import Graphed
 
     _call.cache_clear()
     kw = dict(method="ulysses", head_chunks=2, deterministic=True)
-
-    def layers(seed):
-        torch.manual_seed(seed)
-        return [[torch.randn(1, 512, h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2, 8)]
-                for _ in range(3)]
-
     try:
         for step in range(3):
+            torch.manual_seed(step)
+            layers = [[torch.randn(1, 512, h, 64, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2, 8)]
+                      for _ in range(3)]
             res = {}
             for graphs in (False, True):
                 held = []
-                for q, k, v, _ in layers(step):
+                for q, k, v, _ in layers:
                     leaves = tuple(t.clone().requires_grad_() for t in (q, k, v))
                     held.append((leaves, seqpar.attention(*leaves, graphs=graphs, **kw)))
                 res[graphs] = [(out, *torch.autograd.grad(out, leaves, do))
-                               for (leaves, out), (*_, do) in reversed(list(zip(held, layers(step))))]
+                               for (leaves, out), (*_, do) in reversed(list(zip(held, layers)))]
                 del held
             for a, b in zip(res[False], res[True]):
                 for name, x, y in zip(("out", "dq", "dk", "dv"), a, b):
                     assert torch.equal(x, y), (step, name)
-            engines = [p.engine for p, _ in _call._PLANS.values() if isinstance(p.engine, Graphed)]
-            assert len(engines) == 1
-            slots = engines[0]._slots
-            assert len(slots) == (2 if step == 0 else 3) and all(s.free() for s in slots), step
-            assert "fwd" not in engines[0]._graphs and (step == 0 or all(len(s.bwd) == 1 for s in slots))
+        (engine,) = [p.engine for p, _ in _call._PLANS.values() if isinstance(p.engine, Graphed)]
+        assert not engine._slotted and not engine._slots and "fwd" in engine._graphs
     finally:
         _call.cache_clear()
 

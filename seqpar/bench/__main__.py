@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import shlex
@@ -410,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
         if set(args.preset) == {"inference"}:
             return 0
     bench = Bench(args)
+    runtime_log = logging.getLogger("seqpar.runtime")      # auto's graph decisions, one line each, in the bench's log
+    runtime_log.setLevel(logging.INFO)
+    runtime_log.addHandler(logging.StreamHandler(sys.stderr))
     from ..comm.link import modelled
     with modelled(bench.link):
         for preset in presets:
