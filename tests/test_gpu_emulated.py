@@ -66,6 +66,34 @@ def test_every_method_captures_and_replays(method, layout, packed):
     assert graphed["host_ms_per_call"] < plain["host_ms_per_call"], (graphed, plain)
 
 
+@pytest.mark.parametrize("method", ["ulysses", "usp"])
+def test_saving_engines_reuse_their_slots(method):
+    """Note [Saved slots] with the real all-to-alls: a graphed Ulysses or USP call keeps its saved tensors in a slot
+    (views into its receive buffer), which is free again once the call's backward has run - so calls one after
+    another use one slot, and three layers in flight three - and the backward reads them in place."""
+    from seqpar.runtime.graphs import Graphed
+
+    _call.cache_clear()
+    L = 256
+    full = [torch.randn(1, L, h, 128, device="cuda", dtype=torch.bfloat16) for h in (16, 8, 8, 16)]
+    q, k, v = (t.requires_grad_() for t in full[:3])
+    kw = dict(method=method, check_ranks=False, graphs=True, layout="zigzag" if method == "usp" else None)
+    if method == "usp":
+        kw["mesh"] = seqpar.make_mesh(ulysses=4, device_type="cuda")
+    for _ in range(5):
+        torch.autograd.grad(seqpar.attention(q, k, v, **kw), (q, k, v), full[3])
+    (engine,) = [p.engine for p, _ in _call._PLANS.values() if isinstance(p.engine, Graphed)]
+    assert engine._slotted and len(engine._slots) == 1 and engine._slots[0].free()
+    for _ in range(2):
+        outs = [seqpar.attention(q, k, v, **kw) for _ in range(3)]
+        for out in reversed(outs):
+            torch.autograd.grad(out, (q, k, v), full[3])
+        del outs, out
+        assert len(engine._slots) == 3 and all(s.free() for s in engine._slots)
+    assert all(len(s.bwd) == 1 for s in engine._slots) and "fwd" not in engine._graphs
+    _call.cache_clear()
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_modelled_link_holds_the_ring_for_its_transfers(graphs):
     """Note [Modelled link]: with the H200 profile's link, a ring forward at 2K tokens per rank (MHA: 32 MiB of K
