@@ -203,7 +203,7 @@ def test_auto_times_both_ways_and_keeps_the_cheaper(monkeypatch, eager, graph, k
     device ms after a spin), then the capture and TIMED_CALLS timed replays; the next call compares the costs (the
     larger of the least device time and HOST_MARGIN x the least host time) and keeps replaying, or destroys the
     graph and runs that kind of call eagerly for good (a tie stays eager). graphs=True captures the second call and
-    replays from then on, untimed. Each timed call holds the device a quarter longer than the last host time."""
+    replays from then on, untimed."""
     from seqpar.runtime import graphs as g
 
     class Event:
@@ -216,7 +216,7 @@ def test_auto_times_both_ways_and_keeps_the_cheaper(monkeypatch, eager, graph, k
         def elapsed_time(self, end):
             return end.ms - self.ms
 
-    made, resets, holds = [], [], []
+    made, resets, timings = [], [], []
 
     class Captured:
         def __init__(self, fn, inputs, pool):
@@ -228,9 +228,9 @@ def test_auto_times_both_ways_and_keeps_the_cheaper(monkeypatch, eager, graph, k
 
     times = iter([])
 
-    def timed(store, inputs, run, hold_ms):
+    def timed(store, inputs, run):
         host, device = next(times)
-        holds.append(hold_ms)
+        timings.append(host)
         store.append((host, Event(), Event(device)))
         return run()
 
@@ -246,21 +246,50 @@ def test_auto_times_both_ways_and_keeps_the_cheaper(monkeypatch, eager, graph, k
     for required in (False, True):
         made.clear()
         resets.clear()
-        holds.clear()
+        timings.clear()
         times = iter([*eager, *graph])
         graphed = g.Graphed(engine, required=required)
         got = [graphed.forward(x, x, x) for _ in range(8)]
         if required:
-            assert got == ["eager"] + ["replayed"] * 7 and len(made) == 1 and not resets and not holds
+            assert got == ["eager"] + ["replayed"] * 7 and len(made) == 1 and not resets and not timings
             continue
-        assert holds[1:] == [g._hold_ms(eager[0][0]), g._hold_ms(0.0), g._hold_ms(graph[0][0])]
-        assert g.HOLD_MS[0] <= holds[0] <= g.HOLD_MS[1]            # from the warm-up call's host time
+        assert len(timings) == 2 * g.TIMED_CALLS
         if keeps:
             assert got == ["eager"] * 3 + ["replayed"] * 5 and len(made) == 1 and not resets
             assert "fwd" in graphed._kept and not graphed._timed and not graphed._replays
         else:
             assert got == ["eager"] * 3 + ["replayed"] * 2 + ["eager"] * 3 and len(made) == 1 and resets == [1]
             assert "fwd" in graphed._eager and "fwd" not in graphed._graphs
+
+
+def test_a_packed_batch_plan_takes_the_last_batch_decisions(monkeypatch):
+    """Note [Graphed batches]: the plan of the next packed batch, the same in all but its documents, takes the graph
+    decisions of the one it retires (no timed calls after the first batch); a plan of other shapes does not."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from seqpar.config import AttentionConfig
+    from seqpar.runtime import graphs as g
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(g, "_LIVE", weakref.WeakSet())
+    engine = type("Engine", (), {"saves": False})()
+    method, groups = object(), object()
+
+    def plan(cu, q_shape=(1, 64, 8, 16)):
+        call = SimpleNamespace(q_shape=q_shape, k_shape=(1, 64, 2, 16), v_shape=(1, 64, 2, 16), dtype=torch.bfloat16,
+                               device=CUDA, grad=True, lse_grad=False, groups=groups)
+        cfg = replace(AttentionConfig(layout="balanced"), cu_seqlens=cu)
+        return SimpleNamespace(method=method, call=call, cfg=cfg, engine=g.Graphed(engine, required=False))
+
+    old = plan((0, 100, 512))
+    old.engine._kept.add("fwd")
+    old.engine._eager.add(("bwd", (False,)))
+    same, other = plan((0, 300, 512)), plan((0, 300, 512), q_shape=(1, 64, 4, 16))
+    assert _call._same_but_batch(old, same) and not _call._same_but_batch(old, other)
+    same.engine.inherit(old.engine)
+    assert same.engine._kept == {"fwd"} and same.engine._eager == {("bwd", (False,))}
+    assert not same.engine._seen                              # its first call still runs eagerly (kernel plans)
 
 
 def test_release_all_destroys_the_graphs_and_a_plan_called_again_captures_anew(monkeypatch):

@@ -46,7 +46,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -195,8 +195,21 @@ def _insert(key: Any, batch: bool, plan: Plan) -> None:
     for p in passed:                                    # Note [Graphed batches]: one batch's graphs at a time
         retire = getattr(p.engine, "retire", None)
         if retire is not None:
+            if _same_but_batch(p, plan):
+                plan.engine.inherit(p.engine)           # and the last batch's graph decisions
             retire()
     del dropped
+
+
+def _same_but_batch(old: Plan, new: Plan) -> bool:
+    """Whether two graphed plans differ only in their batch's documents (Note [Graphed batches])."""
+    if not hasattr(new.engine, "inherit"):
+        return False
+    a, b = old.call, new.call
+    return (old.method is new.method and a.q_shape == b.q_shape
+            and a.k_shape == b.k_shape and a.v_shape == b.v_shape and a.dtype == b.dtype and a.device == b.device
+            and a.grad == b.grad and a.lse_grad == b.lse_grad and a.groups is b.groups
+            and replace(old.cfg, cu_seqlens=None) == replace(new.cfg, cu_seqlens=None))
 
 
 def _tracker(mesh: Any) -> agreement.Tracker:

@@ -109,15 +109,21 @@ Note [Which calls graph]
     inputs) is timed both ways and keeps the cheaper: after the warm-up call, ``TIMED_CALLS`` (2) eager calls, then
     the capture and ``TIMED_CALLS`` replays (the copies in and the clones out included), each timed twice over: on
     the host (the engine's own time, ``time.perf_counter``) and on the device, between two CUDA events that follow
-    a spin kernel holding the device a quarter longer than the kind's last host time (``HOLD_MS`` bounds it). The
-    host queues the call while the device still spins, so the events bracket the device's own time, never the
-    host's lag. A call's cost is the larger of its least device time and ``HOST_MARGIN`` (1.25) times its least host
-    time - what a run of such calls takes, the host's work around the engine (autograd, the op's plumbing) counted
-    by the margin. The next call compares the two costs and either keeps replaying or destroys the graph (its
-    memory goes back) and runs that kind of call eagerly from then on. A plan's seventh call of a kind runs as
-    decided (warm-up, two timed eager, the capture, two timed replays); the bench warms up six. Each decision is
-    logged by ``seqpar.runtime`` at INFO. Ranks decide on their own measurements; a captured and an eager rank issue
-    the same transfers in the same order. The spins cost the device a few milliseconds once per plan.
+    a spin kernel holding the device for ``HOLD_MS`` (3 ms). The host queues the call while the device still spins,
+    so the events bracket the device's own time, not the host's lag (a call whose host takes longer than the spin
+    is host-bound, and its host time sets its cost anyway). The spin is the same on every rank: a first version
+    held each rank a quarter longer than its own last host time, and on four real H100s a rank with a shorter spin
+    waited inside its eager call's transfers for the others' longer ones, which made eager calls look slow (auto
+    graphed Ulysses' forward at 4K tokens per GPU, MHA, and it fell 0.53 -> 0.45;
+    ``benchmarks/results/2026-11-26-h100x4-real-thirteenth/``). A call's cost is the larger of its least device
+    time and ``HOST_MARGIN`` (1.25) times its least host time - what a run of such calls takes, the host's work
+    around the engine (autograd, the op's plumbing) counted by the margin. The next call compares the two costs and
+    either keeps replaying or destroys the graph (its memory goes back) and runs that kind of call eagerly from then
+    on. A plan's seventh call of a kind runs as decided (warm-up, two timed eager, the capture, two timed replays);
+    the bench warms up six. Each decision is logged by ``seqpar.runtime`` at INFO. Ranks decide on their own
+    measurements; a captured and an eager rank issue the same transfers in the same order. The spins cost the
+    device 24 ms once per plan (four timed calls of each of two kinds); a packed batch's plan takes the decisions
+    of the batch before it instead (Note [Graphed batches]).
     Before: the tenth session captured when the host took at least 0.6 of the device's time in the second call
     (``benchmarks/results/2026-11-26-h100-auto-measured/``), which still paid one-time host work; the eleventh first
     decided on the lighter of two calls' host shares (``2026-11-26-h100-graph-decision/``): within noise, calls near
@@ -136,10 +142,13 @@ Note [Graphed batches]
     (``Graphed.retire``): their memory goes back, and a call that still comes for such a plan (a pipeline's earlier
     micro-batch) runs eagerly, with the same result. Plans of the same batch (layers of other shapes: sliding and
     global, say) keep theirs. So one packed batch's graphs are held at a time, where the cache keeps
-    ``BATCH_CACHE_SIZE`` batch plans. (A padded batch without documents - one plan per valid length, the same lengths
-    coming back - keeps its graphs while cached.) Until 2026-11-26 auto left packed calls eager, and at 4K tokens per
-    rank they were host-bound (Ulysses at 0.36 / 0.52 of the kernel over 8 ranks, emulated); before and after:
-    ``benchmarks/results/2026-11-26-h100-graphed-batches/``.
+    ``BATCH_CACHE_SIZE`` batch plans. A plan that differs from the retired one only in its documents also takes
+    its graph decisions (``Graphed.inherit``: the kinds of call kept graphed or eager), so after the first batch
+    no call is timed - its first call of a kind still runs eagerly, for the new block shapes' kernel plans, and
+    the second captures or runs eagerly as decided. (A padded batch without documents - one plan per valid
+    length, the same lengths coming back - keeps its graphs while cached.) Until 2026-11-26 auto left packed calls
+    eager, and at 4K tokens per rank they were host-bound (Ulysses at 0.36 / 0.52 of the kernel over 8 ranks,
+    emulated); before and after: ``benchmarks/results/2026-11-26-h100-graphed-batches/``.
 
 Note [Graphs under compile]
     A call from a compiled model (the ``seqpar::attention`` op, Note [Tracing seqpar.attention] in
@@ -198,8 +207,9 @@ plumbing) is not in the bracket (Note [Which calls graph])."""
 MAX_SLOTS = 64
 """The most forwards of a saving engine a plan keeps in flight in slots of their own (Note [Saved slots])."""
 
-HOLD_MS = (0.2, 5.0)
-"""The least and the most milliseconds auto holds the device before a timed call (Note [Which calls graph])."""
+HOLD_MS = 3.0
+"""How long auto holds the device before a timed call, in ms: one value on every rank, so that no rank's transfers
+wait on another rank's longer spin (Note [Which calls graph])."""
 
 
 def capture_hazard(groups: Any) -> str | None:
@@ -376,14 +386,14 @@ class _Slot:
         return len(graphs)
 
 
-def _timed(store: list, inputs: Sequence[torch.Tensor | None], run: Callable[[], Any], hold_ms: float) -> Any:
-    """``run()`` with the device held busy first (a spin kernel of ``hold_ms``), so that the host queues the call's
+def _timed(store: list, inputs: Sequence[torch.Tensor | None], run: Callable[[], Any]) -> Any:
+    """``run()`` with the device held busy first (a spin kernel of ``HOLD_MS``), so that the host queues the call's
     work while the device still spins and the two CUDA events around it bracket the device's own time; appends
     ``(host ms, start, end)`` to ``store`` (read when auto decides, Note [Which calls graph])."""
     device = next(x.device for x in inputs if x is not None)
     with torch.cuda.device(device):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(int(hold_ms * cycles_per_ms(device)))
+        torch.cuda._sleep(int(HOLD_MS * cycles_per_ms(device)))
         start.record()
         t0 = time.perf_counter()
         res = run()
@@ -399,11 +409,6 @@ def _cost_ms(store: list) -> float:
     store[-1][2].synchronize()
     device = min(start.elapsed_time(end) for _, start, end in store)
     return max(device, HOST_MARGIN * min(host for host, _, _ in store))
-
-
-def _hold_ms(host_ms: float) -> float:
-    """How long ``_timed`` holds the device: a quarter more than the last such call's host time, within bounds."""
-    return min(max(1.25 * host_ms, HOLD_MS[0]), HOLD_MS[1])
 
 
 def _flatten(res: Any) -> tuple[list[torch.Tensor], list[int]]:
@@ -439,7 +444,7 @@ class Graphed:
         self.engine, self.required = engine, required
         self.saves = engine.saves
         self.pool = torch.cuda.graph_pool_handle()
-        self._seen: dict[Any, float] = {}           # kinds of call run once: the host ms of the last one
+        self._seen: set[Any] = set()                 # kinds of call run once
         self._timed: dict[Any, list] = {}           # eager calls timed by kind: (host ms, start, end)
         self._replays: dict[Any, list] = {}         # replays timed
         self._eager: set[Any] = set()                # auto measured these calls faster eager
@@ -454,6 +459,12 @@ class Graphed:
     def devices(self) -> set[torch.device]:
         """The devices of the graphs held."""
         return {c.device for c in self._graphs.values()} | {s.fwd.device for s in self._slots}
+
+    def inherit(self, other: Graphed) -> None:
+        """Decide as ``other`` decided, untimed: the plan of the batch before this one, of the same shapes (Note
+        [Graphed batches])."""
+        self._kept |= other._kept
+        self._eager |= other._eager
 
     def retire(self) -> None:
         """Free the graphs; later calls run eagerly (a batch plan whose batch has passed: Note [Graphed batches])."""
@@ -567,21 +578,18 @@ class Graphed:
         if self.retired or key in self._eager or torch.cuda.is_current_stream_capturing():
             return fn(*inputs)
         if key not in self._seen:              # the first call runs eagerly: plans, compiles, connections
-            t0 = time.perf_counter()
-            res = fn(*inputs)
-            self._seen[key] = (time.perf_counter() - t0) * 1e3
-            return res
+            self._seen.add(key)
+            return fn(*inputs)
         auto = not self.required and key not in self._kept
         timed = self._timed.setdefault(key, []) if auto else []
         if auto and len(timed) < TIMED_CALLS:  # auto: time eager calls first (Note [Which calls graph])
-            last = timed[-1][0] if timed else self._seen[key]
-            return _timed(timed, inputs, lambda: fn(*inputs), _hold_ms(last))
+            return _timed(timed, inputs, lambda: fn(*inputs))
         replay = (prepare or self._one_graph(key, fn))(inputs)
         if not auto:
             return replay()
         replays = self._replays.setdefault(key, [])
         if len(replays) < TIMED_CALLS:                              # auto: time replays, then keep the faster
-            return _timed(replays, inputs, replay, _hold_ms(replays[-1][0] if replays else 0.0))
+            return _timed(replays, inputs, replay)
         eager_ms, graph_ms = _cost_ms(self._timed.pop(key)), _cost_ms(self._replays.pop(key))
         faster = graph_ms < eager_ms
         log.info("graphs auto: %s of %s costs %.3f ms eagerly, %.3f ms replayed (the larger of the device's and "
