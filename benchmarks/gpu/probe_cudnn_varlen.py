@@ -13,27 +13,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 
 from seqpar.bench.packing import packed_row
+from seqpar.bench.timing import rank_median_ms
 
 aten = torch.ops.aten
 
 
-def ms(fn, n=20):
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def ms(fn) -> float:
+    return rank_median_ms(fn, torch.device("cuda"), warmup=5, iters=20)
 
 
 def probe(T: int, H: int, Hkv: int) -> None:

@@ -12,8 +12,6 @@ call) and a cProfile of 20 calls by own time (the Python functions the host spen
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 import time
 
 import torch
@@ -22,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import seqpar
+from seqpar.bench.timing import host_profile
 
 
 def main() -> None:
@@ -80,14 +79,7 @@ def main() -> None:
     torch.cuda.set_sync_debug_mode("warn")
     call()
     torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(20):
-        call()
-    pr.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+    host_profile(call, torch.device("cuda")).sort_stats("tottime").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ stdout. The packed rows are the bench's (``seqpar.bench.packing``, seed 7, docum
 from __future__ import annotations
 
 import argparse
-import cProfile
 import io
-import pstats
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import seqpar
 from seqpar.bench.packing import packed_row
+from seqpar.bench.timing import host_profile
 
 H, D = 32, 128
 
@@ -67,14 +66,9 @@ def probe(name: str, fn, out: Path) -> str:
         torch.cuda.synchronize()
     ops = [(ev.name, ev.time_range.elapsed_us()) for ev in prof.events()
            if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.elapsed_us() > 0]
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(20):
-        fn()
-    pr.disable()
-    torch.cuda.synchronize()
     buf = io.StringIO()
-    st = pstats.Stats(pr, stream=buf)
+    st = host_profile(fn, torch.device("cuda"))
+    st.stream = buf
     st.sort_stats("tottime").print_stats(35)
     st.sort_stats("cumtime").print_stats(45)
     line = (f"{name}: host {statistics.median(host):.3f} ms, call {statistics.median(total):.3f} ms, "

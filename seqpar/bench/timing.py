@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["burst_ms", "call_profile", "exposed_comm_ms", "kernel_ms", "peak_mem_gib", "rank_median_ms", "reset_peak",
-           "time_ms"]
+__all__ = ["burst_ms", "call_profile", "exposed_comm_ms", "host_profile", "kernel_ms", "peak_mem_gib",
+           "rank_median_ms", "reset_peak", "time_ms"]
 
 
 def _sync(device: torch.device) -> None:
@@ -232,3 +232,19 @@ def _kernel_class(name: str) -> str:
     if "elementwise" in n or "reduce" in n or "triton_poi" in n or "triton_red" in n:
         return "elementwise"
     return "other"
+
+
+def host_profile(fn: Callable[[], object], device: torch.device, *, calls: int = 20):
+    """cProfile of ``calls`` calls of ``fn`` (the device synchronised around them): a ``pstats.Stats``, where the
+    host's time goes by Python function."""
+    import cProfile
+    import pstats
+
+    _sync(device)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    _sync(device)
+    return pstats.Stats(pr)
