@@ -419,6 +419,34 @@ def test_saved_slots_keep_every_forward_in_flight_and_are_reused_once_free(cpu_g
     assert c0.static[0] is c1.static[0]
 
 
+def test_no_graph_replays_over_a_slot_captured_after_it(cpu_graphs):
+    """Note [Slots and scratch]: a graph may have used, as scratch, memory a later slot's saved tensors took; so a
+    forward skips a free slot captured before a slot in use (and captures a new one), and any other graph captured
+    before a slot in use is captured anew at its call - a pipeline's interleaved micro-batches, a reference model's
+    no-grad forward between a policy's forward and backward."""
+    g, _ = cpu_graphs
+    engine = _SavingEngine()
+    graphed = g.Graphed(engine, required=True)
+    q, k, v, do = (torch.randn(4, 3) for _ in range(4))
+    for keep in (True, False, False):                      # warm-ups, then the no-grad kind's graph
+        graphed.forward(q, k, v, keep_saved=keep)
+    nosave = graphed._graphs["fwd-nosave"]
+    a, b = graphed.forward(q, k, v)[2], graphed.forward(q, k, v)[2]
+    first, second = graphed._slots
+    assert nosave.seq < first.fwd.seq < second.fwd.seq
+    del a                                                  # the first slot is free, but captured before the second
+    c = graphed.forward(q, k, v)[2]
+    assert len(graphed._slots) == 3 and graphed._slots[2].owns(c) and first.free()
+    graphed.forward(q, k, v, keep_saved=False)             # no-grad, while slots captured after its graph are in use
+    again = graphed._graphs["fwd-nosave"]
+    assert again is not nosave and again.seq > graphed._slots[2].fwd.seq
+    graphed.forward(q, k, v, keep_saved=False)
+    assert graphed._graphs["fwd-nosave"] is again          # captured after every slot in use: replayed
+    want = engine.backward(_backward_inputs(do, engine.forward(q, k, v)[2]))
+    for saved in (c, b):
+        assert all(torch.equal(x, y) for x, y in zip(graphed.backward(_backward_inputs(do, saved)), want))
+
+
 def test_saved_slots_fall_back_to_clones_when_full_or_unusable(cpu_graphs, monkeypatch):
     """Note [Saved slots]: past ``MAX_SLOTS`` forwards in flight, or for an engine that saves a tensor it was given
     (a saved tensor aliasing a static input, which the next copy-in would overwrite), a forward replays the kind's

@@ -72,6 +72,18 @@ Note [Saved slots]
     a slot only after every view of it is gone, and on the stream its backward ran on (autograd runs a backward on
     its forward's stream).
 
+Note [Slots and scratch]
+    A plan's graphs share one memory pool: memory a capture frees at its end (its scratch: send buffers, kernel
+    workspaces) is the pool's to hand out again, to the next capture's scratch or to a later slot's saved tensors.
+    A graph replayed while a slot captured after it is in use may then write its scratch over that slot's saved
+    tensors. A plain training step never does (slots are taken in the order they were captured, and a layer's
+    backward runs after the later layers' have freed theirs), but a pipeline's interleaved micro-batches, or a
+    reference model's no-grad forward between a policy's forward and backward on the same plan, would. So every
+    graph carries the order of its capture (``seq``), and a graph is replayed only if no slot in use was captured
+    after it: a forward takes a free slot captured after every slot in use, else captures a new one; any other
+    graph captured too early is captured anew, once, at that call. Eager calls allocate outside the pool and never
+    meet a slot's memory.
+
 Note [Graphs and shutdown]
     A graph that holds NCCL transfers holds NCCL's persistent work on the communicator, and ``ncclCommDestroy``
     waits for that work to be released: ``dist.destroy_process_group()`` after capturing NCCL transfers hangs
@@ -337,11 +349,6 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.is_contiguous() else contiguous(t)
 
 
-def _storage_uses(t: torch.Tensor) -> int:
-    """References to ``t``'s storage: one per tensor that views it, and one for the storage object asked here."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-
-
 class _Slot:
     """A saving engine's forward captured with its saved tensors left where the graph wrote them, and the backward
     graphs that read them there (Note [Saved slots]). The slot is free when no tensor but its own views its
@@ -353,18 +360,22 @@ class _Slot:
         self.bwd: dict[Any, _Captured] = {}
         held = {id(t): t for t in fwd.flat}         # the slot's own tensors, and the bases its views keep alive
         held.update({id(t._base): t._base for t in fwd.flat if t._base is not None})
-        mine: dict[int, int] = {}                   # their references, by storage
+        mine: dict[int, int] = {}                   # their references, by storage (its StorageImpl's address)
         for t in held.values():
-            key = t.untyped_storage().data_ptr()
+            key = t.untyped_storage()._cdata
             mine[key] = mine.get(key, 0) + 1
-        self._own = [mine[t.untyped_storage().data_ptr()] + 1 for t in self.saved]
-        inputs = {x.untyped_storage().data_ptr() for x in fwd.static if x is not None}
-        self.usable = not any(t.untyped_storage().data_ptr() in inputs for t in self.saved)
+        # PyTorch's count includes the reference its own query takes: one more than the users
+        self._own = tuple((key, mine[key] + 1) for key in dict.fromkeys(t.untyped_storage()._cdata
+                                                                          for t in self.saved))
+        inputs = {x.untyped_storage()._cdata for x in fwd.static if x is not None}
+        self.usable = not any(key in inputs for key, _ in self._own)
         """False when a saved tensor is a static input (an engine that saves its input as it came): the next
         replay's copy-in would overwrite it, so such a kind of call clones its saved tensors (Note [Saved slots])."""
 
     def free(self) -> bool:
-        return all(_storage_uses(t) == n for t, n in zip(self.saved, self._own))
+        """No tensor but the slot's own uses its saved tensors' storages (PyTorch's count of a storage's users;
+        the slot's tensors keep the storages, and so their addresses, alive)."""
+        return all(torch._C._storage_Use_Count(key) == n for key, n in self._own)
 
     def owns(self, saved: Sequence[torch.Tensor]) -> bool:
         return len(saved) == len(self.saved) and all(
@@ -451,6 +462,7 @@ class Graphed:
         self._kept: set[Any] = set()                 # auto measured these calls faster as graphs
         self._graphs: dict[Any, _Captured] = {}
         self._slots: list[_Slot] = []                # a saving engine's forwards (Note [Saved slots])
+        self._seq = 0                                # captures so far: each graph's ``seq`` (Note [Slots and scratch])
         self._slotted = True                         # False once a slot turned out unusable for this engine
         self.retired = False
         _LIVE.add(self)
@@ -511,16 +523,27 @@ class Graphed:
     def _capture(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor | None], **kw: Any) -> _Captured:
         _guard_shutdown()
         try:
-            return _Captured(fn, inputs, self.pool, **kw)
+            c = _Captured(fn, inputs, self.pool, **kw)
         except Exception as err:
             how = "graphs=True" if self.required else "graphs=None (auto: CUDA, several ranks, short chunks)"
             raise RuntimeError(f"{how}: capturing this call as a CUDA graph failed ({err}); pass graphs=False "
                                f"to run it eagerly{rank_suffix()}") from err
+        self._seq += 1
+        c.seq = self._seq
+        return c
+
+    def _newest_live(self) -> int:
+        """The latest capture among the slots in use (0 if none): a graph captured before it may have taken that
+        slot's saved tensors' memory as scratch (Note [Slots and scratch])."""
+        return max((s.fwd.seq for s in self._slots if not s.free()), default=0)
 
     def _one_graph(self, key: Any, fn: Callable[..., Any]) -> Callable[[list], Callable[[], Any]]:
         """The kind's one graph (captured at its first use): copies in, replay, clones out."""
         def prepare(inputs: list) -> Callable[[], Any]:
             g = self._graphs.get(key)
+            if g is not None and g.seq < self._newest_live():       # Note [Slots and scratch]: capture anew
+                g.graph.reset()
+                g = None
             if g is None:
                 g = self._graphs[key] = self._capture(fn, inputs)
             return lambda: g(inputs)
@@ -530,7 +553,10 @@ class Graphed:
         """A saving engine's forward replayed into a free slot, one captured when none is free (up to
         ``MAX_SLOTS``; past that, or where slots cannot serve, the kind's one graph, its saved tensors cloned)."""
         def prepare(inputs: list) -> Callable[[], Any]:
-            slot = next((s for s in self._slots if s.free()), None)
+            free = [s.free() for s in self._slots]
+            newest = max((s.fwd.seq for s, f in zip(self._slots, free) if not f), default=0)
+            # a free slot captured after every slot in use (Note [Slots and scratch])
+            slot = next((s for s, f in zip(self._slots, free) if f and s.fwd.seq > newest), None)
             if slot is None and self._slotted and len(self._slots) < MAX_SLOTS:
                 shared = self._slots[0].fwd.static if self._slots else None
                 slot = _Slot(self._capture(fwd, inputs, shared=shared))
@@ -549,6 +575,9 @@ class Graphed:
         where they lie (its other static inputs shared by every slot's graph of this kind)."""
         def prepare(inputs: list) -> Callable[[], Any]:
             g = slot.bwd.get(key)
+            if g is not None and g.seq < self._newest_live():       # Note [Slots and scratch]: capture anew
+                g.graph.reset()
+                g = None
             if g is None:
                 n = len(inputs) - len(slot.saved)
                 shared = next((s.bwd[key].static for s in self._slots if key in s.bwd), None)
