@@ -390,6 +390,16 @@ def _select(names: list[str]) -> list[Preset]:
     return [PRESETS[n] for n in out]
 
 
+def _log_graph_decisions() -> None:
+    """Auto's graph decisions (``seqpar.runtime`` at INFO), one line each, in the bench's log - once per process."""
+    runtime_log = logging.getLogger("seqpar.runtime")
+    runtime_log.setLevel(logging.INFO)
+    if not any(getattr(h, "seqpar_bench", False) for h in runtime_log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.seqpar_bench = True
+        runtime_log.addHandler(handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     presets = _select(args.preset)
@@ -411,9 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         if set(args.preset) == {"inference"}:
             return 0
     bench = Bench(args)
-    runtime_log = logging.getLogger("seqpar.runtime")      # auto's graph decisions, one line each, in the bench's log
-    runtime_log.setLevel(logging.INFO)
-    runtime_log.addHandler(logging.StreamHandler(sys.stderr))
+    _log_graph_decisions()
     from ..comm.link import modelled
     with modelled(bench.link):
         for preset in presets:
