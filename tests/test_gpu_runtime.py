@@ -251,6 +251,39 @@ def test_graphed_saving_engine_in_interleaved_order_equals_eager():
     assert seqs == sorted(seqs)
 
 
+def test_graphed_plan_captures_again_after_its_graphs_are_gone():
+    """PyTorch drops a graph pool with its last graph, and capturing into a dropped pool fails an internal assert;
+    so after ``release`` (Note [Graphs and shutdown]) or once a kind's graphs are destroyed (found faster eager), the
+    next capture takes a new pool: calls keep giving the eager engine's results."""
+    from seqpar.methods.base import BackwardInputs
+    from seqpar.numerics import GradRows
+    from seqpar.runtime.graphs import Graphed
+
+    engine = _SavingEngine()
+    graphed = Graphed(engine, required=True)
+    q, k, v, do = (torch.randn(64, 32, device="cuda") for _ in range(4))
+    want = engine.backward(BackwardInputs(GradRows(do, None, None), None, None, None, None, engine.forward(q, k, v)[2],
+                                          None, False))
+
+    def step():
+        saved = graphed.forward(q, k, v)[2]
+        got = graphed.backward(BackwardInputs(GradRows(do, None, None), do.sum(-1), None, None, None, saved, None,
+                                              False))
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+
+    for _ in range(3):
+        step()
+    assert graphed.release() > 0
+    for _ in range(3):
+        step()
+    graphed._drop("fwd")                        # every graph of the pool gone: the slots held them all
+    graphed._eager.add("fwd")
+    assert not graphed._slots and not graphed._graphs
+    for _ in range(2):                          # eager forwards; the backward's own graph, in a new pool
+        step()
+    assert graphed._graphs
+
+
 def test_ulysses_saving_its_inputs_falls_back_to_clones():
     """Note [Saved slots]: Ulysses at degree 1 with two head groups (not the direct path) saves views of the inputs
     it was given (no all-to-all), so its graphed forward cannot keep them in slots - it clones them, and out and

@@ -94,7 +94,9 @@ Note [Graphs and shutdown]
     user imported it - first runs ``release_all`` (synchronize the devices, destroy every graph seqpar holds,
     synchronize again), and so does ``atexit`` for a process that never destroys its groups. Every group's
     shutdown releases every graph (a graph does not record which communicators it holds); a plan called again
-    afterwards - its group alive, another one destroyed - warms up and captures anew. Measured on 2 H100s
+    afterwards - its group alive, another one destroyed - warms up and captures anew, into a new pool (PyTorch drops a
+    pool with its last graph, and a capture into a dropped pool fails an internal assert; found 2026-11-26 when auto
+    destroyed every graph of USP's plan - its slots - and then captured its backward). Measured on 2 H100s
     (``benchmarks/gpu/exit_check.py``, ``benchmarks/results/2026-11-26-h100x2-graphs-real/``): graphed ring,
     Ulysses and all-gather calls, then ``destroy_process_group`` - returns; no destroy - the process exits; the
     real 2-GPU bench exits on its own.
@@ -522,6 +524,10 @@ class Graphed:
 
     def _capture(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor | None], **kw: Any) -> _Captured:
         _guard_shutdown()
+        if not self._graphs and not self._slots:
+            # PyTorch drops a pool when the last graph in it is destroyed, and a capture into a dropped pool fails
+            # an internal assert (use_count > 0): after a release or a kind found faster eager, a new pool
+            self.pool = torch.cuda.graph_pool_handle()
         try:
             c = _Captured(fn, inputs, self.pool, **kw)
         except Exception as err:
@@ -542,7 +548,7 @@ class Graphed:
         def prepare(inputs: list) -> Callable[[], Any]:
             g = self._graphs.get(key)
             if g is not None and g.seq < self._newest_live():       # Note [Slots and scratch]: capture anew
-                g.graph.reset()
+                self._graphs.pop(key).graph.reset()
                 g = None
             if g is None:
                 g = self._graphs[key] = self._capture(fn, inputs)
@@ -576,7 +582,7 @@ class Graphed:
         def prepare(inputs: list) -> Callable[[], Any]:
             g = slot.bwd.get(key)
             if g is not None and g.seq < self._newest_live():       # Note [Slots and scratch]: capture anew
-                g.graph.reset()
+                slot.bwd.pop(key).graph.reset()
                 g = None
             if g is None:
                 n = len(inputs) - len(slot.saved)
