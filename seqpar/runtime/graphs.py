@@ -543,13 +543,19 @@ class Graphed:
         slot's saved tensors' memory as scratch (Note [Slots and scratch])."""
         return max((s.fwd.seq for s in self._slots if not s.free()), default=0)
 
+    def _fresh(self, graphs: dict[Any, _Captured], key: Any) -> _Captured | None:
+        """``graphs[key]``, or None where there is none or it was captured before a slot in use (then destroyed, to be
+        captured anew: Note [Slots and scratch])."""
+        g = graphs.get(key)
+        if g is not None and g.seq < self._newest_live():
+            graphs.pop(key).graph.reset()
+            return None
+        return g
+
     def _one_graph(self, key: Any, fn: Callable[..., Any]) -> Callable[[list], Callable[[], Any]]:
         """The kind's one graph (captured at its first use): copies in, replay, clones out."""
         def prepare(inputs: list) -> Callable[[], Any]:
-            g = self._graphs.get(key)
-            if g is not None and g.seq < self._newest_live():       # Note [Slots and scratch]: capture anew
-                self._graphs.pop(key).graph.reset()
-                g = None
+            g = self._fresh(self._graphs, key)
             if g is None:
                 g = self._graphs[key] = self._capture(fn, inputs)
             return lambda: g(inputs)
@@ -580,10 +586,7 @@ class Graphed:
         """The backward of a forward replayed into ``slot``: a graph of the slot's that reads its saved tensors
         where they lie (its other static inputs shared by every slot's graph of this kind)."""
         def prepare(inputs: list) -> Callable[[], Any]:
-            g = slot.bwd.get(key)
-            if g is not None and g.seq < self._newest_live():       # Note [Slots and scratch]: capture anew
-                slot.bwd.pop(key).graph.reset()
-                g = None
+            g = self._fresh(slot.bwd, key)
             if g is None:
                 n = len(inputs) - len(slot.saved)
                 shared = next((s.bwd[key].static for s in self._slots if key in s.bwd), None)
