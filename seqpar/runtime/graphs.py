@@ -11,12 +11,13 @@ Note [Graphed calls]
 
     * Static buffers: the graph reads its inputs from buffers it owns; a call copies ``q, k, v`` (backward:
       ``dO, O, lse, q, k, v`` and what the engine saved) into them, replays, and returns clones of the graph's
-      outputs, since the next replay (the next layer, which shares the plan) overwrites them. The copies cost
+      outputs, since the next replay (the next layer, which shares the plan) overwrites them - except a saving
+      engine's saved tensors, which stay in a slot per forward in flight (Note [Saved slots]). The copies cost
       a few percent of the call at the sizes where graphs pay; above ``GRAPH_ROWS`` rows per rank a call is
       not host-bound and runs eagerly.
     * Capture: the first call of a plan runs eagerly (it builds cuDNN plans, compiles Triton kernels, opens
       NCCL connections - none of which may happen inside a capture); with ``graphs=True`` the second is
-      captured and replayed, under auto two eager calls and two replays are timed and the faster way kept
+      captured and replayed, under auto two eager calls and two replays are timed and the cheaper way kept
       (Note [Which calls graph]); later calls replay or run eagerly. Forward and backward are separate graphs
       sharing one memory pool (they never run concurrently and their outputs are copied out at once). A
       backward whose optional inputs differ (an lse gradient present or not) gets its own graph.
