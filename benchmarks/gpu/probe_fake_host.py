@@ -3,32 +3,17 @@
     python3 benchmarks/gpu/probe_fake_host.py      (one GPU, a few seconds)
 
 rank 0 of 8 on the fake group (``FakeStore``), CUDA buffers of a Ulysses all-to-all at 2K tokens per rank (16 MiB);
-each line: microseconds of host time per posted collective (median of 5 bursts of 200), with the buffers as they are
-and as the empty views ``seqpar.comm.link.wire`` hands a fake group.
+each line: microseconds of host time per posted collective (``seqpar.bench.suites.host_us``: the median of 7 bursts
+of 200), with the buffers as they are and as the empty views ``seqpar.comm.link.wire`` hands a fake group.
 """
 
 from __future__ import annotations
-
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-
-def per_call_us(fn, n: int = 200) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        runs.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(runs)
+from seqpar.bench.suites import host_us
 
 
 def main() -> None:
@@ -44,8 +29,8 @@ def main() -> None:
         "empty copy_ (a kernel launch, for scale)": lambda a, b, c: b.copy_(a),
     }
     for name, fn in cases.items():
-        full = per_call_us(lambda fn=fn: fn(x, y, big))
-        empty = per_call_us(lambda fn=fn: fn(x[:0], y[:0], big[:0]))
+        full = host_us(lambda fn=fn: fn(x, y, big), 200)
+        empty = host_us(lambda fn=fn: fn(x[:0], y[:0], big[:0]), 200)
         print(f"{name}: {full:.1f} us as they are, {empty:.1f} us as empty views", flush=True)
 
 
