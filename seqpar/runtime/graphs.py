@@ -83,7 +83,9 @@ Note [Slots and scratch]
     graph carries the order of its capture (``seq``), and a graph is replayed only if no slot in use was captured
     after it: a forward takes a free slot captured after every slot in use, else captures a new one; any other
     graph captured too early is captured anew, once, at that call. Eager calls allocate outside the pool and never
-    meet a slot's memory.
+    meet a slot's memory. The slots are kept in capture order, so the check scans back from the newest only to the
+    first slot captured before the graph (none for a plain step's backward graphs), and a backward finds its slot
+    by the address of its first saved tensor: a few C calls per call, not a pass over every slot.
 
 Note [Graphs and shutdown]
     A graph that holds NCCL transfers holds NCCL's persistent work on the communicator, and ``ncclCommDestroy``
@@ -371,9 +373,10 @@ class _Slot:
         self._own = tuple((key, mine[key] + 1) for key in dict.fromkeys(t.untyped_storage()._cdata
                                                                           for t in self.saved))
         inputs = {x.untyped_storage()._cdata for x in fwd.static if x is not None}
-        self.usable = not any(key in inputs for key, _ in self._own)
+        self.usable = bool(self._own) and not any(key in inputs for key, _ in self._own)
         """False when a saved tensor is a static input (an engine that saves its input as it came): the next
-        replay's copy-in would overwrite it, so such a kind of call clones its saved tensors (Note [Saved slots])."""
+        replay's copy-in would overwrite it, so such a kind of call clones its saved tensors (Note [Saved slots]);
+        and when there are none to keep."""
 
     def free(self) -> bool:
         """No tensor but the slot's own uses its saved tensors' storages (PyTorch's count of a storage's users;
@@ -464,7 +467,8 @@ class Graphed:
         self._eager: set[Any] = set()                # auto measured these calls faster eager
         self._kept: set[Any] = set()                 # auto measured these calls faster as graphs
         self._graphs: dict[Any, _Captured] = {}
-        self._slots: list[_Slot] = []                # a saving engine's forwards (Note [Saved slots])
+        self._slots: list[_Slot] = []                # a saving engine's forwards, in capture order (Note [Saved slots])
+        self._by_saved: dict[int, _Slot] = {}        # the slots by the address of their first saved tensor
         self._seq = 0                                # captures so far: each graph's ``seq`` (Note [Slots and scratch])
         self._slotted = True                         # False once a slot turned out unusable for this engine
         self.retired = False
@@ -494,6 +498,7 @@ class Graphed:
             c.graph.reset()
         self._graphs.clear()
         self._slots.clear()
+        self._by_saved.clear()
         for memo in (self._seen, self._timed, self._replays, self._kept):
             memo.clear()
         return n
@@ -520,7 +525,9 @@ class Graphed:
             return self.engine.backward(BackwardInputs(GradRows(do, out, dlse), lse, q, k, v, tuple(saved), sinks,
                                                        lse_grad))
         key = ("bwd", tuple(x is None for x in inputs))
-        slot = next((s for s in self._slots if s.owns(b.saved)), None) if b.saved else None
+        slot = self._by_saved.get(b.saved[0].data_ptr()) if b.saved else None
+        if slot is not None and not slot.owns(b.saved):
+            slot = None
         return self._run(key, bwd, inputs, None if slot is None else self._from_slot(slot, key, bwd))
 
     def _capture(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor | None], **kw: Any) -> _Captured:
@@ -539,16 +546,23 @@ class Graphed:
         c.seq = self._seq
         return c
 
-    def _newest_live(self) -> int:
-        """The latest capture among the slots in use (0 if none): a graph captured before it may have taken that
-        slot's saved tensors' memory as scratch (Note [Slots and scratch])."""
-        return max((s.fwd.seq for s in self._slots if not s.free()), default=0)
+    def _in_use_after(self, seq: int) -> int | None:
+        """The index of the latest slot in use captured after ``seq``, or None: a graph captured at ``seq`` may
+        have taken that slot's saved tensors' memory as scratch (Note [Slots and scratch]). Slots are kept in the
+        order of their captures, so the scan stops at the first one captured before."""
+        for i in range(len(self._slots) - 1, -1, -1):
+            s = self._slots[i]
+            if s.fwd.seq < seq:
+                return None
+            if not s.free():
+                return i
+        return None
 
     def _fresh(self, graphs: dict[Any, _Captured], key: Any) -> _Captured | None:
         """``graphs[key]``, or None where there is none or it was captured before a slot in use (then destroyed, to be
         captured anew: Note [Slots and scratch])."""
         g = graphs.get(key)
-        if g is not None and g.seq < self._newest_live():
+        if g is not None and self._in_use_after(g.seq) is not None:
             graphs.pop(key).graph.reset()
             return None
         return g
@@ -566,15 +580,15 @@ class Graphed:
         """A saving engine's forward replayed into a free slot, one captured when none is free (up to
         ``MAX_SLOTS``; past that, or where slots cannot serve, the kind's one graph, its saved tensors cloned)."""
         def prepare(inputs: list) -> Callable[[], Any]:
-            free = [s.free() for s in self._slots]
-            newest = max((s.fwd.seq for s, f in zip(self._slots, free) if not f), default=0)
             # a free slot captured after every slot in use (Note [Slots and scratch])
-            slot = next((s for s, f in zip(self._slots, free) if f and s.fwd.seq > newest), None)
+            last = self._in_use_after(0)
+            slot = next((s for s in self._slots[0 if last is None else last + 1:] if s.free()), None)
             if slot is None and self._slotted and len(self._slots) < MAX_SLOTS:
                 shared = self._slots[0].fwd.static if self._slots else None
                 slot = _Slot(self._capture(fwd, inputs, shared=shared))
                 if slot.usable:
                     self._slots.append(slot)
+                    self._by_saved[slot.saved[0].data_ptr()] = slot
                 else:
                     slot.reset()
                     self._slotted, slot = False, None
@@ -605,6 +619,7 @@ class Graphed:
             for s in self._slots:
                 s.reset()
             self._slots.clear()
+        self._by_saved.clear()
         for s in self._slots:
             c = s.bwd.pop(key, None)
             if c is not None:
