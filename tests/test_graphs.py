@@ -285,11 +285,22 @@ def test_a_packed_batch_plan_takes_the_last_batch_decisions(monkeypatch):
     old = plan((0, 100, 512))
     old.engine._kept.add("fwd")
     old.engine._eager.add(("bwd", (False,)))
-    same, other = plan((0, 300, 512)), plan((0, 300, 512), q_shape=(1, 64, 4, 16))
+    same, other = plan((0, 300, 512)), plan((0, 200, 512), q_shape=(1, 64, 4, 16))
     assert _call._same_but_batch(old, same) and not _call._same_but_batch(old, other)
-    same.engine.inherit(old.engine)
-    assert same.engine._kept == {"fwd"} and same.engine._eager == {("bwd", (False,))}
-    assert not same.engine._seen                              # its first call still runs eagerly (kernel plans)
+    monkeypatch.setattr(_call, "footprint", lambda plan: 0)
+    for p in (old, same, other):
+        p.call.packed = True
+    _call.cache_clear()
+    try:                                                      # inserting the next batch's plans: inherit, retire
+        _call._insert("old", True, old)
+        _call._insert("same", True, same)
+        assert old.engine.retired and not same.engine.retired
+        assert same.engine._kept == {"fwd"} and same.engine._eager == {("bwd", (False,))}
+        assert not same.engine._seen                          # its first call still runs eagerly (kernel plans)
+        _call._insert("other", True, other)
+    finally:
+        _call.cache_clear()
+    assert same.engine.retired and not other.engine._kept and not other.engine._eager    # other shapes: its own
 
 
 def test_release_all_destroys_the_graphs_and_a_plan_called_again_captures_anew(monkeypatch):
