@@ -215,7 +215,7 @@ GRAPH_ROWS = 8192
 """Auto graphs a call with at most this many local rows (batch x sequence) per rank (Note [Graphed calls])."""
 
 TIMED_CALLS = 2
-"""Eager calls, then replays, auto times before it keeps the faster of the two (Note [Which calls graph])."""
+"""Eager calls, then replays, auto times before it keeps the cheaper of the two (Note [Which calls graph])."""
 
 HOST_MARGIN = 1.25
 """Auto weighs an engine call's host time by this: the call's host work around the engine (autograd, the op's
@@ -642,7 +642,7 @@ class Graphed:
         if not auto:
             return replay()
         replays = self._replays.setdefault(key, [])
-        if len(replays) < TIMED_CALLS:                              # auto: time replays, then keep the faster
+        if len(replays) < TIMED_CALLS:                              # auto: time replays, then keep the cheaper
             return _timed(replays, inputs, replay)
         eager_ms, graph_ms = _cost_ms(self._timed.pop(key)), _cost_ms(self._replays.pop(key))
         faster = graph_ms < eager_ms
