@@ -12,15 +12,20 @@ from seqpar.planner import fit as fitmod
 from seqpar.planner import load_profile
 from seqpar.planner.measured import (
     CALL_US,
+    EMULATED_CALL_US,
+    EMULATED_FIT_PRESETS,
+    EMULATED_HOST_OVERLAP_LOSS,
+    EMULATED_STEP_US,
     FIT_FILES,
     FIT_PRESETS,
     FIT_PROFILE,
     HOST_OVERLAP_LOSS,
     STEP_US,
+    emulated_sources,
     fit_sources,
 )
+from seqpar.planner.validate import check, predict_record, results
 from seqpar.planner.validate import main as validate_main
-from seqpar.planner.validate import predict_record
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = load_profile("h200-nvswitch")
@@ -116,6 +121,36 @@ def test_builtin_fixed_costs_are_the_committed_fit():
     assert H200.host_overlap_loss == HOST_OVERLAP_LOSS
     h100 = load_profile("h100-nvswitch")
     assert dict(h100.step_us) == STEP_US and h100.host_overlap_loss == HOST_OVERLAP_LOSS
+
+
+def test_emulated_fixed_costs_are_the_committed_fit():
+    """EMULATED_FIT_COMMAND (back-to-back times, at the profile's κ) reproduces the emulated profile's fixed costs;
+    its links are free."""
+    paths = emulated_sources(ROOT)
+    if not all(p.exists() for p in paths):
+        pytest.skip("benchmark results not in this checkout")
+    recs = fitmod.split(paths, [], EMULATED_FIT_PRESETS, steady=True)
+    f = fitmod.fit(recs, "h100-emulated", kappas=(EMULATED_HOST_OVERLAP_LOSS,))
+    want = {f"call/{k}": v for k, v in EMULATED_CALL_US.items()} | {f"step/{k}": v for k, v in EMULATED_STEP_US.items()}
+    assert f.theta_us.keys() == want.keys()
+    for k, v in want.items():
+        assert f.theta_us[k] == pytest.approx(v, abs=max(2.0, 0.01 * v)), k
+    emu = load_profile("h100-emulated")
+    assert dict(emu.step_us) == EMULATED_STEP_US and emu.host_overlap_loss == EMULATED_HOST_OVERLAP_LOSS
+    assert emu.link_ms("p2p", 1 << 30) < 1e-3 and emu.latency("a2a") == 0.0
+    assert emu.kernels == load_profile("h100-nvswitch").kernels
+
+
+def test_emulated_profile_picks_the_emulated_best():
+    """On every row of the committed emulated table (fit and check presets, W = 4 and 8, forward and
+    forward+backward), the emulated profile's pick runs within 5% of the fastest measured configuration."""
+    paths = emulated_sources(ROOT)
+    if not all(p.exists() for p in paths):
+        pytest.skip("benchmark results not in this checkout")
+    recs = [r for p in paths for r in results(p, steady=True)]
+    _, autos, _ = check(recs, load_profile("h100-emulated"), sources=[p.name for p in paths for _ in results(p)])
+    assert len(autos) == 12
+    assert all(a["ratio"] <= 1.05 for a in autos), autos
 
 
 def test_validate_labels_fit_and_check(tmp_path, capsys):

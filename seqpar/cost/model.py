@@ -94,7 +94,7 @@ from ..layouts import Layout, Rule, make_layout
 from ..layouts.work import work
 from .profile import Profile
 from .topology import Group, Network
-from .work import Block, gather_blocks, ring_steps, self_block
+from .work import Block, causal_corner, gather_blocks, ring_steps, self_block
 
 __all__ = ["BWD_FLOPS", "PASSKV_EXPOSED_DKV", "PASSQ_PARTIAL_BYTES", "Candidate", "Cost", "Group", "Machine",
            "Prediction", "Problem", "Tally", "a2a_in", "auto_head_chunks", "balance", "base_mem", "block_matrix", "ccr",
@@ -248,13 +248,18 @@ class Machine:
         return self.profile.call_cost_us(direction) * 1e-3
 
     def kernel_ms(self, p: Problem, blk: Block | None, heads: float, direction: str = "fwd") -> float:
-        """One call's time: FLOPs over the profile's rate at the call's size and mask, plus a launch."""
+        """One call's time: FLOPs over the profile's rate at the call's size and mask, plus a launch; a block of
+        full keys and a causal corner at the rates of its parts (Note [Causal corners])."""
         if blk is None or blk.pairs == 0:
             return 0.0
+        parts = causal_corner(blk) or (blk,)
+        return sum(self._flops_ms(p, b, heads, direction) for b in parts) + self.profile.launch_us * 1e-3
+
+    def _flops_ms(self, p: Problem, blk: Block, heads: float, direction: str) -> float:
         mask = "causal" if blk.masked else "full"
         rate = self.profile.rate_tflops(self.kernel, mask, direction, blk.tokens)
         flops = 4.0 * p.batch * blk.pairs * heads * p.head_dim * (BWD_FLOPS if direction == "bwd" else 1.0)
-        return flops / (rate * 1e12) * 1e3 + self.profile.launch_us * 1e-3
+        return flops / (rate * 1e12) * 1e3
 
     def hbm_ms(self, nbytes: float) -> float:
         return nbytes / (self.profile.hbm_gbps * 1e9) * 1e3

@@ -53,6 +53,25 @@ class Block:
         return (self.rows * self.cols) ** 0.5
 
 
+def causal_corner(blk: Block) -> tuple[Block, Block] | None:
+    """``blk`` as its full keys and its causal corner when it is exactly that (Note [Causal corners]), else None.
+
+    Note [Causal corners]
+        A call of ``r`` query rows against ``c > r`` keys whose last ``r`` keys end on the rows' diagonal
+        (bottom-right causal: ``r (c - r)`` full pairs and ``r (r + 1) / 2`` in the corner) is what all-gather's
+        back chunks and pass-Q's back chunk run. The runtime runs it as two kernel calls on cuDNN (Note [Split
+        bands as tasks] in ``seqpar.kernels.executor``), and any kernel skips the corner's hidden tiles, so its
+        pairs go at the full rate save the corner's. Charged whole at the causal rate of its size, all-gather's
+        forward at 2K tokens per rank over 8 was predicted 15-18% slower than it ran (emulated, H100,
+        ``benchmarks/results/2026-11-26-h100-emulated-final-thirteenth``), more than the fitted fixed costs can
+        take back.
+    """
+    r, c = blk.rows, blk.cols
+    if not r < c or blk.pairs != r * (c - r) + r * (r + 1) // 2:
+        return None
+    return Block(r, c - r, r * (c - r)), Block(r, r, r * (r + 1) // 2)
+
+
 def band(causal: bool, window: tuple[int, int]) -> tuple[int | None, int | None]:
     """``(lo, hi)`` bounds on ``key_pos - query_pos`` (None = unbounded)."""
     left, right = window

@@ -38,7 +38,7 @@ from typing import Any
 
 from ..cost.profile import DIRECTIONS, Profile, load_profile
 from .search import modelled_methods
-from .validate import in_fit_set, modelled, predict_record, results, write_report
+from .validate import STEADY_HELP, in_fit_set, modelled, predict_record, results, write_report
 
 __all__ = ["Fit", "FitRow", "fit", "main", "params", "profile_with", "render", "split"]
 
@@ -103,11 +103,12 @@ def _row(rec: dict[str, Any], source: str, profile: Profile, names: Sequence[str
                   float(rec["time_ms"]), device, counts, in_fit)
 
 
-def split(paths: Sequence[str | Path], fit_files: Sequence[str | Path], fit_presets: Sequence[str]
-          ) -> list[tuple[str, dict[str, Any], bool]]:
-    """``(file name, record, in the fit set)`` for every modelled record of ``paths``."""
+def split(paths: Sequence[str | Path], fit_files: Sequence[str | Path], fit_presets: Sequence[str],
+          steady: bool = False) -> list[tuple[str, dict[str, Any], bool]]:
+    """``(file name, record, in the fit set)`` for every modelled record of ``paths`` (``steady``: back-to-back
+    times, ``validate.results``)."""
     return [(Path(path).name, rec, in_fit_set(path, rec, fit_files, fit_presets))
-            for path in paths for rec in results(path) if modelled(rec)]
+            for path in paths for rec in results(path, steady) if modelled(rec)]
 
 
 def _tensors(rows: Sequence[FitRow]):
@@ -232,11 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--fit-file", action="append", default=[], help="a file whose rows all go into the fit")
     ap.add_argument("--fit-presets", default="", help="comma-separated presets whose rows go into the fit")
     ap.add_argument("--profile", default="h200-nvswitch", help="the profile whose measured curves stay fixed")
+    ap.add_argument("--steady", action="store_true", help=STEADY_HELP)
     ap.add_argument("--out", default=None, help="write the markdown report here (the command line first)")
     ap.add_argument("--json", default=None, help="write the fitted costs (µs) and κ as JSON here")
     args = ap.parse_args(list(argv) if argv is not None else None)
     presets = [p for p in args.fit_presets.split(",") if p]
-    f = fit(split(args.results, args.fit_file, presets), args.profile)
+    f = fit(split(args.results, args.fit_file, presets, args.steady), args.profile)
     text = render(f)
     print(text)
     if args.out:

@@ -47,10 +47,11 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from ..comm.link import EMULATED_PROFILE
 from ..cost.profile import Curve, KernelRate, LinkRate, Profile
 
-__all__ = ["FIT_COMMAND", "FIT_FILES", "FIT_PRESETS", "FIT_PROFILE", "H200_KERNEL_MS", "fit_sources", "h100_profile",
-           "h200_profile"]
+__all__ = ["EMULATED_FIT_COMMAND", "EMULATED_FIT_PRESETS", "FIT_COMMAND", "FIT_FILES", "FIT_PRESETS", "FIT_PROFILE",
+           "H200_KERNEL_MS", "emulated_sources", "fit_sources", "h100_emulated_profile", "h100_profile", "h200_profile"]
 
 MiB = 1 << 20
 
@@ -123,14 +124,42 @@ FIT_COMMAND = ("python -m seqpar.planner.fit " + " ".join(f"benchmarks/results/{
                + f" --fit-presets {','.join(FIT_PRESETS)} --profile {FIT_PROFILE}")
 #: fitted by FIT_COMMAND (µs; κ dimensionless)
 CALL_US: dict[str, float] = {
-    "fwd": 0.0, "bwd": 0.0,
+    "fwd": 0.0, "bwd": 0.2,
 }
 STEP_US: dict[str, float] = {
-    "ring/fwd": 84.9, "ring/bwd": 0.0, "allgather/fwd": 453.5, "allgather/bwd": 795.0, "ulysses/fwd": 851.9,
-    "ulysses/bwd": 253.2, "usp/fwd": 384.5, "usp/bwd": 0.0, "tokenring/fwd": 0.0, "tokenring/bwd": 68.1,
-    "tasp/fwd": 285.6, "tasp/bwd": 744.0, "double_ring/fwd": 118.5, "double_ring/bwd": 0.0,
+    "ring/fwd": 83.8, "ring/bwd": 0.0, "allgather/fwd": 475.7, "allgather/bwd": 940.5, "ulysses/fwd": 859.9,
+    "ulysses/bwd": 229.9, "usp/fwd": 384.1, "usp/bwd": 0.7, "tokenring/fwd": 0.0, "tokenring/bwd": 68.4,
+    "tasp/fwd": 285.6, "tasp/bwd": 746.4, "double_ring/fwd": 118.3, "double_ring/bwd": 1.1,
 }
 HOST_OVERLAP_LOSS = 0.55
+
+
+# The emulated profile (Note [Auto on an emulated world] in seqpar.comm.link): the H100 profile with free transfers,
+# its fixed costs fitted to the back-to-back times of an emulated table (rank r of W = 4 and 8 on one H100).
+_EMULATED_DIR = "2026-11-26-h100-emulated-final-thirteenth/emulated-new"
+_EMULATED_RESULTS = (f"{_EMULATED_DIR}/vm-4xNVIDIA_H100_80GB_HBM3-20261126-1555-w4-new.jsonl",
+                     f"{_EMULATED_DIR}/vm-8xNVIDIA_H100_80GB_HBM3-20261126-1555-w8-new.jsonl")
+#: the emulated fit's presets; the table's mha-full-16k rows check it
+EMULATED_FIT_PRESETS = ("gqa-causal-16k", "mha-causal-16k")
+EMULATED_FIT_COMMAND = ("python -m seqpar.planner.fit " + " ".join(f"benchmarks/results/{r}" for r in _EMULATED_RESULTS)
+                        + f" --steady --fit-presets {','.join(EMULATED_FIT_PRESETS)} --profile {EMULATED_PROFILE}")
+#: fitted by EMULATED_FIT_COMMAND (µs; κ dimensionless)
+EMULATED_CALL_US: dict[str, float] = {"fwd": 0.0, "bwd": 0.0}
+EMULATED_STEP_US: dict[str, float] = {
+    "ring/fwd": 1.9, "ring/bwd": 126.4, "allgather/fwd": 217.5, "allgather/bwd": 451.4, "ulysses/fwd": 335.4,
+    "ulysses/bwd": 0.0, "usp/fwd": 45.8, "usp/bwd": 44.1, "tokenring/fwd": 24.5, "tokenring/bwd": 129.8,
+    "tasp/fwd": 32.7, "tasp/bwd": 300.2, "double_ring/fwd": 8.4, "double_ring/bwd": 244.0,
+}
+EMULATED_HOST_OVERLAP_LOSS = 0.35
+#: GB/s of every pattern on a fake group: a GB a nanosecond, so a transfer's time is nil
+FREE_GBPS = 1e9
+#: GPUs on the emulated profile's one node: any emulated world is one node of free links
+EMULATED_GPUS = 1 << 16
+
+
+def emulated_sources(root: str | Path = ".") -> list[Path]:
+    """The emulated table the emulated profile's fixed costs are fitted to, under the repository ``root``."""
+    return [Path(root) / "benchmarks" / "results" / r for r in _EMULATED_RESULTS]
 
 
 def _flops(S: int, causal: bool) -> float:
@@ -212,12 +241,31 @@ def h100_profile() -> Profile:
                "host_overlap_loss fitted on a 4x H100 host (below; the H200 profile shares them); " + _SOURCE)
 
 
+def h100_emulated_profile() -> Profile:
+    """An emulated world on one H100 (torch's fake group): the H100 profile with transfers that take no time, one
+    node of any size, and fixed costs fitted to an emulated table (Note [Auto on an emulated world] in
+    ``seqpar.comm.link``)."""
+    from ..cost.profile import PATTERNS
+
+    free = Curve.of([(1.0, FREE_GBPS)])
+    return h100_profile().replace(
+        name=EMULATED_PROFILE, gpus_per_node=EMULATED_GPUS, interconnect="none: torch's fake process group",
+        links=tuple(LinkRate(p, free) for p in PATTERNS), latency_us=tuple((p, 0.0) for p in PATTERNS),
+        overlap_loss=tuple((k, 0.0) for k in sorted(OVERLAP)), call_us=tuple(sorted(EMULATED_CALL_US.items())),
+        step_us=tuple(sorted(EMULATED_STEP_US.items())), host_overlap_loss=EMULATED_HOST_OVERLAP_LOSS,
+        derived_from="h100-nvswitch",
+        source="derived from h100-nvswitch: kernel rates, HBM and merge passes kept; every transfer free (torch's "
+               f"fake process group; {FREE_GBPS:g} GB/s, no latency, no overlap loss); call_us, step_us and "
+               f"host_overlap_loss fitted by {EMULATED_FIT_COMMAND} (fit: {', '.join(EMULATED_FIT_PRESETS)} at "
+               "W = 4 and 8, back to back; check: mha-full-16k)")
+
+
 def write_builtin(root: Path | None = None) -> list[Path]:
     """Write the built-in GPU profiles as JSON (the files shipped in ``seqpar/cost/profiles``)."""
     root = root or Path(__file__).parents[1] / "cost" / "profiles"
     root.mkdir(parents=True, exist_ok=True)
     paths = []
-    for prof in (h200_profile(), h100_profile()):
+    for prof in (h200_profile(), h100_profile(), h100_emulated_profile()):
         path = root / f"{prof.name}.json"
         prof.save(path)
         paths.append(path)
