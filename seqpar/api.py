@@ -358,9 +358,11 @@ def _choose(groups: SeqParallelGroups, dims: int, q: torch.Tensor, k: torch.Tens
     """``method="auto"``: the planner's choice (the planner is imported only when asked for; the runtime reaches
     it through ``runtime.call.CHOOSE``, so it imports no planner)."""
     from . import planner
+    from .comm.link import auto_profile
 
+    profile = options.get("profile") or auto_profile(groups, q.device)
     name, chosen, _ = planner.choose(
-        tuple(q.shape), k.shape[2], causal, window, groups.world, dims, layout, options.get("profile"),
+        tuple(q.shape), k.shape[2], causal, window, groups.world, dims, layout, profile,
         ulysses=groups.ulysses_size if dims == 2 else None, dtype=q.dtype, device=q.device.type,
         mode="fwd+bwd" if grad else "fwd", features=features, kernel=kernel, grad_dtype=grad_dtype,
         cu_seqlens=cu_seqlens)

@@ -243,15 +243,20 @@ def test_fake_group_collectives_copy_nothing(fake_world, monkeypatch, method, la
 
 def test_bench_emulated_world_smoke(tmp_path):
     """``python -m seqpar.bench --emulate-world 4`` on CPU: one process, records with the emulation fields for
-    the busiest rank of each configuration (and ``--graphs``, recorded)."""
+    the busiest rank of each configuration (and ``--graphs``, recorded); the auto row names what auto ran in each
+    mode (Note [Auto rows] in ``seqpar.bench``)."""
     cmd = [sys.executable, "-m", "seqpar.bench", "--emulate-world", "4", "--preset", "tiny-causal", "--device",
-           "cpu", "--methods", "ring/contiguous,ulysses", "--warmup", "0", "--iters", "1", "--graphs", "off", "--out",
-           str(tmp_path)]
+           "cpu", "--methods", "ring/contiguous,ulysses,auto", "--warmup", "0", "--iters", "1", "--graphs", "off",
+           "--out", str(tmp_path)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-2000:]
     recs = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
     ours = [r for r in recs if not r["method"].startswith("limit")]
-    assert {r["method"] for r in ours} == {"ring/contiguous", "ulysses"}
+    assert {r["method"] for r in ours} == {"ring/contiguous", "ulysses", "auto"}
+    autos = [r for r in ours if r["method"] == "auto"]
+    assert sorted(r["mode"] for r in autos) == ["fwd", "fwd+bwd"], autos
+    assert all(r["auto_pick"].split()[0] in seqpar.methods.available() for r in autos), autos
+    assert all(r["emulated_rank"] == 0 for r in autos)         # zigzag: every rank the same work
     for r in ours:
         for key in ("emulated_world", "tokens_per_rank", "method", "mode", "causal", "heads", "kv_heads",
                     "compute_efficiency", "host_ms_per_call", "emulated_rank", "steady_ms",
@@ -261,7 +266,7 @@ def test_bench_emulated_world_smoke(tmp_path):
         assert r["emulated_world"] == 4 and r["tokens_per_rank"] == 128 and r["backend"] == "fake"
         assert r["graphs"] == "off"                            # --graphs: every configuration's graphs=False
     ranks = {r["method"]: r["emulated_rank"] for r in ours}
-    assert ranks == {"ring/contiguous": 3, "ulysses": 0}      # the busiest rank of a causal contiguous ring
+    assert ranks == {"ring/contiguous": 3, "ulysses": 0, "auto": 0}   # the busiest rank of a causal contiguous ring
 
 
 def test_bench_emulated_packed_smoke(tmp_path):

@@ -80,3 +80,31 @@ def test_report_steady_table_reads_back_to_back_calls():
            "steady_compute_efficiency": 0.8}
     assert "| p | 4 | 2K | fwd | 0.50 |" in emulated_table([rec])
     assert "| p | 4 | 2K | fwd | 0.80 |" in emulated_table([rec], steady=True)
+
+
+def test_auto_plans_a_fake_group_on_cuda_with_free_links():
+    """Note [Auto on an emulated world]: a fake group on CUDA plans with the emulated profile, or with the installed
+    link's; a CPU fake group and a real group keep the device's built-in profile (None)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from seqpar.comm.link import EMULATED_PROFILE, auto_profile
+    from seqpar.groups import SeqParallelGroups
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    try:
+        groups = SeqParallelGroups.resolve(None, 1)
+        assert auto_profile(groups, cuda) == EMULATED_PROFILE
+        assert load_profile(EMULATED_PROFILE).link_ms("p2p", 1e9) < 1e-3
+        assert auto_profile(groups, cpu) is None
+        with modelled(Link("h200-nvswitch")):
+            assert auto_profile(groups, cuda).name == "h200-nvswitch"
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        assert auto_profile(SeqParallelGroups.resolve(None, 1), cuda) is None
+    finally:
+        dist.destroy_process_group()

@@ -332,6 +332,8 @@ class Bench:
                              lambda s=spec: ours_runner(s, preset, self.device, check_ranks=self.check_ranks,
                                                          graphs=GRAPHS[self.args.graphs]), limit,
                              profile=True)
+        if not keep or "auto" in keep:
+            self.time_auto(preset, limit)
         if self.args.peers and preset.mask is not None:
             self.log(f"peers: not run on {preset.name} (no peer takes a mask)")
         elif self.args.peers and self.device.type == "cuda":
@@ -341,6 +343,35 @@ class Bench:
                 if self.emulated:
                     self.emulate_as(self.busiest(_peer_layout(label), preset.seq_len, preset.causal))
                 self.time_config(preset, label, factory, limit, profile=False)
+
+    def time_auto(self, preset: Preset, limit: dict[str, float]) -> None:
+        """``method="auto"`` on the layout a caller would shard by (zigzag when causal, else contiguous), each
+        record naming what auto ran (``auto_pick``, from the planner's log): Note [Auto rows]."""
+        if self.over_budget():
+            return
+        layout = "zigzag" if preset.causal else "contiguous"
+        if self.emulated:           # both layouts give every rank the same work, whichever method auto picks
+            self.emulate_as(self.busiest(layout, preset.seq_len, preset.causal, mask=preset.mask_mod()))
+        picks = _AutoPicks()
+        extra: dict = {}
+
+        def build():
+            runner = ours_runner(MethodSpec("auto", layout), preset, self.device, check_ranks=self.check_ranks,
+                                 graphs=GRAPHS[self.args.graphs])
+
+            def picked(fn):
+                mine: dict = {}
+
+                def call():                 # the mode's first call plans (and logs); later ones run as they are
+                    if mine:
+                        return fn()
+                    with picks:
+                        got = fn()
+                    mine["pick"] = extra["auto_pick"] = picks.last
+                    return got
+                return call
+            return {mode: picked(fn) for mode, fn in runner.items()}
+        self.time_config(preset, "auto", build, limit, profile=False, extra=extra)
 
     def run_scaling(self) -> None:
         """Strong: global 128K on 1, 2, N GPUs; weak: 32K per GPU. ring/zigzag and allgather/zigzag."""
@@ -388,6 +419,43 @@ def _select(names: list[str]) -> list[Preset]:
     if unknown:
         raise SystemExit(f"unknown preset(s) {unknown}; known: {', '.join(PRESETS)}, table, all")
     return [PRESETS[n] for n in out]
+
+
+class _AutoPicks(logging.Handler):
+    """Inside ``with``: the last method ``method="auto"`` chose (``seqpar.planner`` logs each choice once, when the
+    call is planned), e.g. "allgather" or "usp {'ulysses': 2}".
+
+    Note [Auto rows]
+        Every preset also times ``method="auto"`` through ``seqpar.attention`` as a user calls it, on the layout a
+        user would shard by; its records say which method auto ran, per mode (a forward and a training call are
+        planned apart). In an emulated world auto plans with free transfers (Note [Auto on an emulated world] in
+        ``seqpar.comm.link``), so its row is the check that the best method is what auto picks. Only a mode's
+        first call is watched (it plans); a pick of None means its plan was cached before the row began.
+    """
+
+    PREFIX = "method='auto' -> "
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.last: str | None = None
+        self._log = logging.getLogger("seqpar.planner")
+        self._level = self._log.level
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith(self.PREFIX):
+            self.last = msg[len(self.PREFIX):].partition(" for q ")[0].removesuffix(" {}")
+
+    def __enter__(self):
+        self.last = None
+        self._level = self._log.level
+        self._log.setLevel(logging.INFO)
+        self._log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self._log.removeHandler(self)
+        self._log.setLevel(self._level)
 
 
 def _log_graph_decisions() -> None:

@@ -131,7 +131,10 @@ class MethodSpec:
 
     @property
     def label(self) -> str:
-        """The record's name: method, Ulysses degree, layout (unless the method has only one), options."""
+        """The record's name: method, Ulysses degree, layout (unless the method has only one), options; "auto" for
+        ``method="auto"`` (its records name the pick: Note [Auto rows] in ``seqpar.bench``)."""
+        if self.method == "auto":
+            return "auto"
         parts = [self.method]
         if self.ulysses is not None:
             parts.append(f"u{self.ulysses}")

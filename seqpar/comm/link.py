@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Link", "cycles_per_ms", "delay", "installed", "modelled", "wire"]
+__all__ = ["EMULATED_PROFILE", "Link", "auto_profile", "cycles_per_ms", "delay", "installed", "modelled", "wire"]
 
 _LINK: Link | None = None
 _CYCLES_PER_MS: dict[torch.device, float] = {}
@@ -75,7 +75,7 @@ class Link:
         from ..cost.topology import Network, get_topology
 
         prof = load_profile(profile)
-        self.name = prof.name
+        self.name, self.profile = prof.name, prof
         self.network = Network(get_topology(None, prof), prof)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         if torch.cuda.is_available():       # calibrate now: the first transfer may come inside a graph capture
@@ -140,7 +140,38 @@ def delay(work: Any, pattern: str, nbytes: float, size: int, device: torch.devic
     return _Delayed(work, _LINK.occupy(pattern, nbytes, size, device))
 
 
+def _fake(group: Any) -> bool:
+    """Whether ``group`` is torch's fake process group (every transfer completes at once, moving nothing)."""
+    return group is not None and dist.get_backend(group) == "fake"
+
+
 def wire(group: Any, *buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The buffers a collective over ``group`` is given: as they are, or on torch's fake process group empty
     views, so the collective is posted but copies nothing (Note [Fake groups copy])."""
-    return tuple(b[:0] for b in buffers) if dist.get_backend(group) == "fake" else buffers
+    return tuple(b[:0] for b in buffers) if _fake(group) else buffers
+
+
+EMULATED_PROFILE = "h100-emulated"
+"""The built-in profile ``method="auto"`` plans an emulated world with (Note [Auto on an emulated world])."""
+
+
+def auto_profile(groups: Any, device: torch.device) -> Any:
+    """The profile ``method="auto"`` plans with when the caller names none: None (the device's built-in) on a real
+    group; on torch's fake group on CUDA, the installed ``Link``'s profile, else ``EMULATED_PROFILE``.
+
+    Note [Auto on an emulated world]
+        A fake group's transfers are free, so the best method of an emulated rank is the one with the leanest
+        compute path, where the built-in profiles rank methods by their real links' times (at 2K tokens per rank
+        over 8, auto's forward picks were Ulysses, TASP, USP or the ring where all-gather ran fastest). The
+        "h100-emulated" profile (``seqpar.planner.measured``) is the H100 profile with transfers that take no
+        time and fixed costs fitted to an emulated table's back-to-back times (rank r of W on one H100): what
+        the issue calls calibrating the planner in the same mode. Under a modelled link (Note [Modelled link])
+        the transfers take that link's time again, so auto plans with that link's profile. A ``profile=`` the
+        caller passes wins either way. CPU fake groups keep the CPU profile (nothing was fitted there).
+    """
+    if device.type != "cuda":
+        return None
+    group = groups.group if groups.group is not None else groups.ring
+    if not _fake(group):
+        return None
+    return _LINK.profile if _LINK is not None else EMULATED_PROFILE
