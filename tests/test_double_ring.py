@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import assert_all_ok, run_cases
 
 from seqpar.testing import Case, case_error
@@ -37,7 +38,10 @@ def test_double_ring_windows_documents_padding_lse_grad(pools):
              Case(layout="zigzag", causal=False, cu_seqlens=(0, 9, 27), valid_len=27, **kw),
              Case(layout="zigzag", valid_len=29, lse_grad=True, **kw),
              Case(layout="contiguous", causal=False, valid_len=20, **kw),   # rank 3 is all padding
-             Case(layout="zigzag", batch=2, dtype="float64", scale=0.4, **kw)]
+             Case(layout="zigzag", batch=2, dtype="float64", scale=0.4, **kw),
+             # a bf16 wire: fp32 sums apart from the wire buffers (Note [Double-ring buffers])
+             Case(layout="zigzag", dtype="bfloat16", **{**kw, "options": kw["options"] + (("grad_dtype",
+                                                                                             torch.bfloat16),)})]
     assert_all_ok(run_cases(pools(4), cases))
 
 
