@@ -252,11 +252,11 @@ def test_bench_emulated_world_smoke(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     recs = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
     ours = [r for r in recs if not r["method"].startswith("limit")]
-    assert {r["method"] for r in ours} == {"ring/contiguous", "ulysses", "auto"}
-    autos = [r for r in ours if r["method"] == "auto"]
-    assert sorted(r["mode"] for r in autos) == ["fwd", "fwd+bwd"], autos
+    assert {r["method"] for r in ours} == {"ring/contiguous", "ulysses", "auto/zigzag", "auto/contiguous"}
+    autos = [r for r in ours if r["method"].startswith("auto/")]
+    assert sorted((r["method"], r["mode"]) for r in autos) == [(f"auto/{lay}", m) for lay in ("contiguous", "zigzag")
+                                                              for m in ("fwd", "fwd+bwd")], autos
     assert all(r["auto_pick"].split()[0] in seqpar.methods.available() for r in autos), autos
-    assert all(r["emulated_rank"] == 0 for r in autos)         # zigzag: every rank the same work
     for r in ours:
         for key in ("emulated_world", "tokens_per_rank", "method", "mode", "causal", "heads", "kv_heads",
                     "compute_efficiency", "host_ms_per_call", "emulated_rank", "steady_ms",
@@ -266,7 +266,8 @@ def test_bench_emulated_world_smoke(tmp_path):
         assert r["emulated_world"] == 4 and r["tokens_per_rank"] == 128 and r["backend"] == "fake"
         assert r["graphs"] == "off"                            # --graphs: every configuration's graphs=False
     ranks = {r["method"]: r["emulated_rank"] for r in ours}
-    assert ranks == {"ring/contiguous": 3, "ulysses": 0, "auto": 0}   # the busiest rank of a causal contiguous ring
+    # the busiest rank of a causal contiguous ring; zigzag gives every rank the same work
+    assert ranks == {"ring/contiguous": 3, "ulysses": 0, "auto/zigzag": 0, "auto/contiguous": 3}
 
 
 def test_bench_emulated_packed_smoke(tmp_path):

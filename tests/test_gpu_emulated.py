@@ -198,3 +198,23 @@ def test_reduce_overhead_compile_of_an_hf_llama_emulated():
         assert len(grads) == len(list(model.parameters()))
     finally:
         handle.disable()
+
+
+def test_auto_plans_the_emulated_world_with_free_links(caplog):
+    """Note [Auto on an emulated world]: ``method="auto"`` on the fake group plans with the emulated profile and runs
+    the emulated table's best at 2K tokens per rank over 8 (GQA 32/8): on zigzag tokens all-gather forward, on
+    contiguous ones Ulysses for training."""
+    import logging
+
+    L = 2048
+    q, do = (torch.randn(1, L, 32, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, L, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with caplog.at_level(logging.INFO, logger="seqpar.planner"):
+        with torch.no_grad():
+            seqpar.attention(q, k, v, method="auto", layout="zigzag", check_ranks=False)
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out = seqpar.attention(qg, kg, vg, method="auto", layout="contiguous", check_ranks=False)
+        torch.autograd.grad(out, (qg, kg, vg), do)
+    picks = [r.getMessage() for r in caplog.records if r.getMessage().startswith("method='auto' -> ")]
+    assert len(picks) == 2 and all("profile h100-emulated" in p for p in picks), picks
+    assert picks[0].startswith("method='auto' -> allgather") and picks[1].startswith("method='auto' -> ulysses"), picks

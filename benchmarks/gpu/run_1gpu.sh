@@ -53,7 +53,8 @@ import json, sys
 for r in map(json.loads, sys.stdin):
     if 'compute_efficiency' in r:
         print('$tree', r['preset'], r['emulated_world'], r['method'], r['mode'], round(r['compute_efficiency'], 3),
-              round(r.get('steady_compute_efficiency', 0), 3), r['gpu_ops_per_call'], round(r['gpu_busy_ms'], 3))"
+              round(r.get('steady_compute_efficiency', 0), 3), r['gpu_ops_per_call'], round(r['gpu_busy_ms'], 3),
+              r.get('auto_pick', ''))"
       done ;;
     masks-emulated)
       OUT=$OUT SECTIONS=emulated SIZES="${SIZES:-131072}" EMU_METHODS="${EMU_METHODS:-ring/contiguous,allgather/contiguous}" \

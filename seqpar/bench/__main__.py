@@ -332,7 +332,7 @@ class Bench:
                              lambda s=spec: ours_runner(s, preset, self.device, check_ranks=self.check_ranks,
                                                          graphs=GRAPHS[self.args.graphs]), limit,
                              profile=True)
-        if not keep or "auto" in keep:
+        if not keep or any(m == "auto" or m.startswith("auto/") for m in keep):
             self.time_auto(preset, limit)
         if self.args.peers and preset.mask is not None:
             self.log(f"peers: not run on {preset.name} (no peer takes a mask)")
@@ -345,33 +345,35 @@ class Bench:
                 self.time_config(preset, label, factory, limit, profile=False)
 
     def time_auto(self, preset: Preset, limit: dict[str, float]) -> None:
-        """``method="auto"`` on the layout a caller would shard by (zigzag when causal, else contiguous), each
-        record naming what auto ran (``auto_pick``, from the planner's log): Note [Auto rows]."""
-        if self.over_budget():
-            return
-        layout = "zigzag" if preset.causal else "contiguous"
-        if self.emulated:           # both layouts give every rank the same work, whichever method auto picks
-            self.emulate_as(self.busiest(layout, preset.seq_len, preset.causal, mask=preset.mask_mod()))
+        """``method="auto"`` on each layout a caller would shard by (zigzag and contiguous when causal, else
+        contiguous), each record naming what auto ran (``auto_pick``, from the planner's log): Note [Auto rows]."""
+        for layout in ("zigzag", "contiguous") if preset.causal else ("contiguous",):
+            if self.over_budget():
+                return
+            if self.emulated:
+                self.emulate_as(self.busiest(layout, preset.seq_len, preset.causal, mask=preset.mask_mod()))
+            extra: dict = {}
+            self.time_config(preset, f"auto/{layout}", lambda lay=layout, extra=extra: self._auto_runner(
+                preset, lay, extra), limit, profile=False, extra=extra)
+
+    def _auto_runner(self, preset: Preset, layout: str, extra: dict):
+        """``ours_runner`` for ``method="auto"`` on ``layout``, whose first call in each mode records the pick."""
         picks = _AutoPicks()
-        extra: dict = {}
+        runner = ours_runner(MethodSpec("auto", layout), preset, self.device, check_ranks=self.check_ranks,
+                             graphs=GRAPHS[self.args.graphs])
 
-        def build():
-            runner = ours_runner(MethodSpec("auto", layout), preset, self.device, check_ranks=self.check_ranks,
-                                 graphs=GRAPHS[self.args.graphs])
+        def picked(fn):
+            mine: dict = {}
 
-            def picked(fn):
-                mine: dict = {}
-
-                def call():                 # the mode's first call plans (and logs); later ones run as they are
-                    if mine:
-                        return fn()
-                    with picks:
-                        got = fn()
-                    mine["pick"] = extra["auto_pick"] = picks.last
-                    return got
-                return call
-            return {mode: picked(fn) for mode, fn in runner.items()}
-        self.time_config(preset, "auto", build, limit, profile=False, extra=extra)
+            def call():                     # the mode's first call plans (and logs); later ones run as they are
+                if mine:
+                    return fn()
+                with picks:
+                    got = fn()
+                mine["pick"] = extra["auto_pick"] = picks.last
+                return got
+            return call
+        return {mode: picked(fn) for mode, fn in runner.items()}
 
     def run_scaling(self) -> None:
         """Strong: global 128K on 1, 2, N GPUs; weak: 32K per GPU. ring/zigzag and allgather/zigzag."""
@@ -426,11 +428,13 @@ class _AutoPicks(logging.Handler):
     call is planned), e.g. "allgather" or "usp {'ulysses': 2}".
 
     Note [Auto rows]
-        Every preset also times ``method="auto"`` through ``seqpar.attention`` as a user calls it, on the layout a
-        user would shard by; its records say which method auto ran, per mode (a forward and a training call are
-        planned apart). In an emulated world auto plans with free transfers (Note [Auto on an emulated world] in
-        ``seqpar.comm.link``), so its row is the check that the best method is what auto picks. Only a mode's
-        first call is watched (it plans); a pick of None means its plan was cached before the row began.
+        Every preset also times ``method="auto"`` through ``seqpar.attention`` as a user calls it, once per layout a
+        user would shard by ("auto/zigzag", "auto/contiguous": auto never re-shards, so the layout bounds its
+        choice - Ulysses takes contiguous tokens only); its records say which method auto ran, per mode (a
+        forward and a training call are planned apart). In an emulated world auto plans with free transfers
+        (Note [Auto on an emulated world] in ``seqpar.comm.link``), so its rows are the check that the best
+        method is what auto picks. Only a mode's first call is watched (it plans); a pick of None means its plan
+        was cached before the row began.
     """
 
     PREFIX = "method='auto' -> "

@@ -131,10 +131,10 @@ class MethodSpec:
 
     @property
     def label(self) -> str:
-        """The record's name: method, Ulysses degree, layout (unless the method has only one), options; "auto" for
-        ``method="auto"`` (its records name the pick: Note [Auto rows] in ``seqpar.bench``)."""
+        """The record's name: method, Ulysses degree, layout (unless the method has only one), options; "auto/<layout>"
+        for ``method="auto"`` (its records name the pick: Note [Auto rows] in ``seqpar.bench``)."""
         if self.method == "auto":
-            return "auto"
+            return f"auto/{self.layout}"
         parts = [self.method]
         if self.ulysses is not None:
             parts.append(f"u{self.ulysses}")

@@ -156,11 +156,16 @@ def plot(rows: list[dict], path: str | Path) -> str | None:
 _EMULATED_COLUMNS = ("ring", "allgather", "ulysses", "usp", "tokenring", "tasp", "double_ring")
 
 
+def _is_auto(method: str) -> bool:
+    """Whether a record's method is a ``method="auto"`` row ("auto/<layout>", Note [Auto rows] in ``seqpar.bench``)."""
+    return method == "auto" or method.startswith("auto/")
+
+
 def emulated_table(rows: list[dict], before: list[dict] | None = None, steady: bool = False) -> str:
     """The README table of emulated runs (Note [Emulated world] in ``seqpar.bench``): per preset, emulated W and
     mode, each method's compute efficiency (its busiest rank, communication free; the method's best
-    configuration), ``method="auto"`` with the method it ran (Note [Auto rows] in ``seqpar.bench``), the best
-    seqpar method and the best peer; ``before``: a baseline run's best seqpar beside it.
+    configuration), ``method="auto"`` on the better of its layouts with the method it ran there (Note [Auto rows]
+    in ``seqpar.bench``), the best seqpar method and the best peer; ``before``: a baseline run's best seqpar beside it.
     Records of a run with a modelled link (``--link``) give their ``predicted_efficiency`` instead: label such a
     table as predicted (Note [Modelled link] in ``seqpar.comm.link``).
     A peer above 1.3 is marked: beyond the kernel's limit, not a meaningful emulated figure. ``steady``: the
@@ -176,8 +181,8 @@ def emulated_table(rows: list[dict], before: list[dict] | None = None, steady: b
                 eff = r.get(f"{prefix}compute_efficiency", r.get(f"{prefix}predicted_efficiency"))
                 if eff is not None:
                     out[key][r["method"]] = max(out[key].get(r["method"], 0.0), eff)
-                if r["method"] == "auto" and rs is rows:
-                    picks[key] = str(r.get("auto_pick"))
+                if _is_auto(r["method"]) and rs is rows:
+                    picks[(*key, r["method"])] = f"{r.get('auto_pick')}, {r['method'].partition('/')[2]}"
         return out
 
     now, base = table(rows), table(before or [])
@@ -185,14 +190,16 @@ def emulated_table(rows: list[dict], before: list[dict] | None = None, steady: b
     head += ["best seqpar before"] if before else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (preset, W, mode), effs in sorted(now.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2])):
-        ours = {m: e for m, e in effs.items() if not m.startswith("peer:") and m != "auto"}
+        ours = {m: e for m, e in effs.items() if not m.startswith("peer:") and not _is_auto(m)}
+        autos = {m: e for m, e in effs.items() if _is_auto(m)}
         peers = {m: e for m, e in effs.items() if m.startswith("peer:")}
         cells = []
         for c in _EMULATED_COLUMNS:
             got = [e for m, e in ours.items() if m.split("/")[0] == c]
             cells.append(f"{max(got):.2f}" if got else "-")
         key = (preset, W, mode)
-        cells.append(f"{effs['auto']:.2f} ({picks.get(key)})" if "auto" in effs else "-")
+        auto = max(autos, key=autos.get) if autos else None
+        cells.append(f"{autos[auto]:.2f} ({picks.get((*key, auto))})" if auto else "-")
         best = max(ours, key=ours.get) if ours else None
         peer = max(peers, key=peers.get) if peers else None
         seq = next(r["seq_len"] for r in rows if r.get("preset") == preset and r.get("seq_len"))
@@ -200,7 +207,7 @@ def emulated_table(rows: list[dict], before: list[dict] | None = None, steady: b
                f"**{ours[best]:.2f}** ({best})" if best else "-",
                f"{peers[peer]:.2f}{' (!)' if peers[peer] > 1.3 else ''} ({peer[5:]})" if peer else "not run"]
         if before:
-            b = {m: e for m, e in base.get(key, {}).items() if not m.startswith("peer:") and m != "auto"}
+            b = {m: e for m, e in base.get(key, {}).items() if not m.startswith("peer:") and not _is_auto(m)}
             row.append(f"{max(b.values()):.2f}" if b else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
