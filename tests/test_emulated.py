@@ -246,13 +246,14 @@ def test_bench_emulated_world_smoke(tmp_path):
     the busiest rank of each configuration (and ``--graphs``, recorded); the auto row names what auto ran in each
     mode (Note [Auto rows] in ``seqpar.bench``)."""
     cmd = [sys.executable, "-m", "seqpar.bench", "--emulate-world", "4", "--preset", "tiny-causal", "--device",
-           "cpu", "--methods", "ring/contiguous,ulysses,auto", "--warmup", "0", "--iters", "1", "--graphs", "off",
+           "cpu", "--methods", "ring/contiguous,ulysses,tasp,auto", "--warmup", "0", "--iters", "1", "--graphs", "off",
            "--out", str(tmp_path)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-2000:]
     recs = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
     ours = [r for r in recs if not r["method"].startswith("limit")]
-    assert {r["method"] for r in ours} == {"ring/contiguous", "ulysses", "auto/zigzag", "auto/contiguous"}
+    assert {r["method"] for r in ours} == {"ring/contiguous", "ulysses", "tasp/zigzag", "auto/zigzag",
+                                           "auto/contiguous"}
     autos = [r for r in ours if r["method"].startswith("auto/")]
     assert sorted((r["method"], r["mode"]) for r in autos) == [(f"auto/{lay}", m) for lay in ("contiguous", "zigzag")
                                                               for m in ("fwd", "fwd+bwd")], autos
@@ -266,8 +267,9 @@ def test_bench_emulated_world_smoke(tmp_path):
         assert r["emulated_world"] == 4 and r["tokens_per_rank"] == 128 and r["backend"] == "fake"
         assert r["graphs"] == "off"                            # --graphs: every configuration's graphs=False
     ranks = {r["method"]: r["emulated_rank"] for r in ours}
-    # the busiest rank of a causal contiguous ring; zigzag gives every rank the same work
-    assert ranks == {"ring/contiguous": 3, "ulysses": 0, "auto/zigzag": 0, "auto/contiguous": 3}
+    # the busiest rank of a causal contiguous ring; zigzag gives every rank the same work, TASP's middle ranks run
+    # two calls a round (Method.slowest_rank)
+    assert ranks == {"ring/contiguous": 3, "ulysses": 0, "tasp/zigzag": 1, "auto/zigzag": 0, "auto/contiguous": 3}
 
 
 def test_bench_emulated_packed_smoke(tmp_path):

@@ -49,7 +49,7 @@ def _methods(world: int) -> list[dict]:
             continue
         s = softmax_setup(name, world)
         spec = {"method": name, "layout": s.layout, "options": dict(s.options),
-                "seq": padded_length(s, world, 32)}          # TASP splits 2W(W-1): 48 tokens at W=4
+                "seq": padded_length(s, world, 32)}
         if name == "usp":
             spec["ulysses"] = 2
         specs.append(spec)

@@ -30,9 +30,9 @@ def _cells(task):
             if (lo is None or j - i >= lo) and (hi is None or j - i <= hi)]
 
 
-def _setup(layout, rule_name):
+def _setup(layout, rule_name, S=None):
     rule, docs, pad = RULES[rule_name]
-    S = layout.divisor * 2
+    S = S or layout.divisor * 2
     bounds = (0, S // 3, S // 2 + 1, S - 3) if docs else None
     valid = S - 3 if pad else None
     segs = [layout.segments(r, S).cut(bounds, valid) for r in range(layout.world)]
@@ -120,10 +120,15 @@ def _match(out_hops, in_hop, what):
     return found[0], [h.piece for h in mine]
 
 
+@pytest.mark.parametrize("size", ["even", "uneven", "tiny"])
 @pytest.mark.parametrize("world,kind,base,rule_name", list(_tasp_cases()))
-def test_tasp_schedule(world, kind, base, rule_name):
+def test_tasp_schedule(world, kind, base, rule_name, size):
+    """Uneven: one base divisor more than equal sub-chunks take, so the parts differ by a row; tiny: two base
+    divisors, pieces shorter than their parts (empty ones) - Note [Uneven sub-chunks]."""
     layout = Subchunked(world, base=base(world), parts=max(world - 1, 1))
-    S, rule, bounds, valid, segs, pos, truth = _setup(layout, rule_name)
+    even = layout.divisor * layout.parts * 2
+    S = {"even": even, "uneven": even + layout.divisor, "tiny": 2 * layout.divisor}[size]
+    S, rule, bounds, valid, segs, pos, truth = _setup(layout, rule_name, S)
     W, L = world, segs[0].length
     tp = [_tasp.schedule(layout, r, S, rule, bounds, valid, kind) for r in range(W)]
     own = [[(r, i) for i in range(L)] for r in range(W)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from conftest import assert_all_ok, run_cases
 
@@ -27,6 +29,43 @@ def test_tasp_matches_oracle(pools, world):
     assert_all_ok(run_cases(pools(world), [c for s in schedules for c in _grid(world, s)]))
 
 
+@pytest.mark.parametrize("world,seq", [(4, 32), (5, 50), (8, 128), (8, 32)])
+def test_tasp_uneven_sub_chunks_match_oracle(pools, world, seq):
+    """Lengths the layout splits but not into equal sub-chunks (Note [Uneven sub-chunks]): parts a row apart (at
+    8 x 32, pieces of 2 rows in 7 parts: empty ones), both schedules where the group has cycles, causal and not,
+    GQA, bf16."""
+    schedules = ["direct"] + ([] if world in (4, 6) else ["cycles"])
+    kw = {"method": M, "seq_len": seq, "heads": 4, "head_dim": 8, "seed": world}
+    cases = [Case(layout="zigzag", causal=True, kv_heads=2, options=(("schedule", s),), **kw) for s in schedules]
+    cases += [Case(layout="zigzag", causal=False, kv_heads=4, dtype="bfloat16", options=(("schedule", "direct"),),
+                   **kw),
+              Case(layout="contiguous", causal=False, kv_heads=1, options=(("schedule", "direct"),), **kw)]
+    assert_all_ok(run_cases(pools(world), cases))
+
+
+def test_uneven_sub_chunks_are_a_row_apart():
+    from seqpar.layouts import make_layout
+    from seqpar.layouts.subchunks import Subchunked
+
+    lay = Subchunked(8, base=make_layout("zigzag", 8), parts=7)
+    rows = lay.piece_rows(2048)                                 # 16K tokens over 8: no padding
+    sizes = [b - a for sub in rows for a, b in sub]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == 2048 and lay.divisor == 16
+    for piece in zip(*rows):                                    # each piece's parts tile it in order
+        assert piece[0][0] in (0, 1024) and all(x[1] == y[0] for x, y in itertools.pairwise(piece))
+
+
+def test_slowest_rank_is_one_with_two_calls_a_round():
+    """Zigzag gives TASP's ranks the same pairs but not the same calls: the bench emulates a rank between the
+    ends (``Method.slowest_rank``); without a mask every rank runs one call a round and the first ties win."""
+    from seqpar.layouts import Rule
+    from seqpar.methods import get
+
+    slowest = get(M).slowest_rank
+    assert slowest("zigzag", 8, 16384, Rule(True)) == 1 and slowest("zigzag", 4, 16384, Rule(True)) == 1
+    assert slowest("contiguous", 8, 16384, Rule(False)) == 0
+
+
 @pytest.mark.parametrize("schedule", ["direct", "cycles"])
 def test_tasp_windows_documents_padding_lse_grad(pools, schedule):
     kw = {"method": M, "seq_len": 36, "heads": 4, "kv_heads": 2, "head_dim": 8,
@@ -46,7 +85,7 @@ def test_tasp_windows_documents_padding_lse_grad(pools, schedule):
     ((), "contiguous", True, 24, "causal=True needs layout='zigzag'"),
     ((("schedule", "ring"),), "zigzag", True, 24, "schedule must be one of"),
     ((("chunks", 3),), "zigzag", True, 24, "method='tasp' takes options"),
-    ((), "zigzag", True, 16, "must be a multiple of 24 for the zigzag layout over 4 ranks with every piece cut"),
+    ((), "zigzag", True, 28, "must be a multiple of 8 for the zigzag layout over 4 ranks with every piece cut"),
     ((), "stripe", False, 24, "layout must be one of"),
 ])
 def test_tasp_rejects_what_it_cannot_serve(pools, options, layout, causal, seq, match):

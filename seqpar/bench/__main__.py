@@ -163,6 +163,20 @@ class Bench:
         per_rank = work(lay, seq_len, Rule(causal, mask=mask), cu_seqlens)
         return max(range(self.world), key=lambda r: (per_rank[r], -r))
 
+    def rank_of(self, spec: MethodSpec, preset: Preset) -> int:
+        """The rank to emulate for ``spec`` on ``preset``: ``--emulate-rank``; else rank 0 for Ulysses (every rank
+        the same work), the method's own ``slowest_rank`` where it declares one (ranks with the same work but not
+        the same calls), or the rank with the most work."""
+        if self.args.emulate_rank != "busiest":
+            return int(self.args.emulate_rank)
+        if spec.method == "ulysses":
+            return 0
+        slowest = methods.get(spec.method).slowest_rank
+        if slowest is not None and preset.mask is None:
+            from ..layouts import Rule
+            return slowest(spec.layout, self.world, preset.seq_len, Rule(preset.causal))
+        return self.busiest(spec.layout, preset.seq_len, preset.causal, mask=preset.mask_mod())
+
     def emulation(self, seq_len: int, time_ms_: float | None, limit_ms: float | None, fn=None) -> dict:
         """The emulated-world fields of a record (empty on a real group); ``fn``: the timed call, profiled."""
         if not self.emulated:
@@ -326,8 +340,7 @@ class Bench:
                 self.log("budget reached: skipping the rest")
                 return
             if self.emulated:       # Ulysses gives every rank the same work; the others follow their layout
-                busiest = self.busiest(spec.layout, preset.seq_len, preset.causal, mask=preset.mask_mod())
-                self.emulate_as(0 if spec.method == "ulysses" else busiest)
+                self.emulate_as(self.rank_of(spec, preset))
             self.time_config(preset, spec.label,
                              lambda s=spec: ours_runner(s, preset, self.device, check_ranks=self.check_ranks,
                                                          graphs=GRAPHS[self.args.graphs]), limit,

@@ -108,7 +108,7 @@ def ours_runner(spec: MethodSpec, preset: Preset, device: torch.device, group: d
         if key not in _MESHES:
             _MESHES[key] = seqpar.make_mesh(ulysses=spec.ulysses, device_type=device.type)
         mesh = _MESHES[key]
-    # a length the method's layout cannot split (TASP: multiples of 2W(W-1)) runs padded, padding masked out
+    # a length the method's layout cannot split runs padded, padding masked out
     divisor = seqpar.api.placement_divisor(mesh, spec.method, spec.layout)
     padded = -(-preset.seq_len // divisor) * divisor
     q = _local(preset, world, device, preset.heads, 1, padded)

@@ -15,8 +15,9 @@ Options:
         single-group method does not model, so "auto" never picks them.
 
 Layouts: zigzag (causal and not) and contiguous (non-causal only: causal work would be unbalanced);
-every piece of a rank is cut into W-1 sub-chunks, so the local length must be a multiple of 2(W-1)
-(zigzag) or W-1 (contiguous). GQA/MQA: KV travels with its own Hkv heads.
+every piece of a rank is cut into W-1 sub-chunks within a row of each other (Note [Uneven sub-chunks] in
+``seqpar.layouts.subchunks``), so the length is the layout's (a multiple of 2W for zigzag, W for contiguous) and at
+least W-1 rows per piece. GQA/MQA: KV travels with its own Hkv heads.
 """
 
 from __future__ import annotations
@@ -125,12 +126,40 @@ def _bench_specs(preset, world: int) -> list:
     return [("zigzag" if preset.causal else "contiguous", (), None)]
 
 
+#: rows and keys of the kernel tile ``_slowest_rank`` counts (cuDNN's forward on an H100)
+TILE = 128
+
+
+def _slowest_rank(layout: str, world: int, seq_len: int, rule) -> int:
+    """The rank with the most kernel calls, then the most ``TILE`` x ``TILE`` tiles, over its whole schedule.
+
+    Zigzag gives every rank the same pairs, but not the same calls: rank 0 sees all of every higher rank's
+    sub-chunk in one call a round, and so does the last rank with the lower ranks' front pieces, while a rank
+    between runs two a round on keys that are sums of sub-chunks (tiles half empty). Emulated on an H100 at 2K
+    tokens per rank over 8 (GQA), rank 3's forward+backward took 3.84 ms of GPU time where rank 0's took 2.84
+    (``benchmarks/results/2026-11-26-h100-tasp-aligned``)."""
+    placed, _ = _placement(layout, _Ranks(world))
+    counts = []
+    for r in range(world):
+        tp = _tasp.schedule(placed, r, seq_len, rule, None, None, "direct")
+        tasks = [*tp.early, *tp.late, *(t for rd in tp.rounds for t in rd.tasks)]
+        counts.append((len(tasks), sum(-(-t.rows // TILE) * -(-t.cols // TILE) for t in tasks), -r))
+    return -max(counts)[2]
+
+
+class _Ranks:
+    """The ``groups`` fields a placement reads (``Method.placement``), without process groups."""
+
+    def __init__(self, world: int):
+        self.world, self.index = world, 0
+
+
 def _demo_cases(world: int, seq_len: int, documents: tuple[int, ...]) -> list:
-    """Zigzag with every half cut into W-1 sub-chunks: the length rounded up to a multiple of 2W(W-1)."""
+    """Zigzag with every half cut into W-1 sub-chunks: the length a multiple of 2W, at least 2W(W-1)."""
     if world <= 1:
         return []
-    d = 2 * world * (world - 1)
-    return [dict(layout="zigzag", seq_len=-(-seq_len // d) * d)]
+    d = 2 * world
+    return [dict(layout="zigzag", seq_len=max(-(-seq_len // d) * d, d * (world - 1)))]
 
 
 METHOD = Method(
@@ -147,5 +176,6 @@ METHOD = Method(
     candidates=_candidates,
     why_not=_why_not,
     bench_specs=_bench_specs,
+    slowest_rank=_slowest_rank,
     demo_cases=_demo_cases,
 )

@@ -184,8 +184,9 @@ Note [Graphs under compile]
     a call from a compiled model (Note [Graphs under compile]), nor an NCCL group with expandable segments and
     NCCL's graph registration on (Note [Graphs and shutdown]). A valid length short of the padded one is
     graphed: its plan is one per length, reused by every layer of a step, and a method that pads for its own
-    layout (TASP's multiples of 2W(W-1)) meets the same length every call - counted as varying, TASP at 2K
-    tokens per rank over 8 ran ungraphed at 0.18 / 0.19 of the kernel, against 0.50 / 0.43 graphed (emulated, H100).
+    layout (TASP's multiples of 2W(W-1), before Note [Uneven sub-chunks]) meets the same length every call -
+    counted as varying, TASP at 2K tokens per rank over 8 ran ungraphed at 0.18 / 0.19 of the kernel, against
+    0.50 / 0.43 graphed (emulated, H100).
 """
 
 from __future__ import annotations
