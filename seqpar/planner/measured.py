@@ -136,9 +136,9 @@ HOST_OVERLAP_LOSS = 0.55
 
 # The emulated profile (Note [Auto on an emulated world] in seqpar.comm.link): the H100 profile with free transfers,
 # its fixed costs fitted to the back-to-back times of an emulated table (rank r of W = 4 and 8 on one H100).
-_EMULATED_DIR = "2026-11-26-h100-emulated-final-thirteenth/emulated-new"
-_EMULATED_RESULTS = (f"{_EMULATED_DIR}/vm-4xNVIDIA_H100_80GB_HBM3-20261126-1555-w4-new.jsonl",
-                     f"{_EMULATED_DIR}/vm-8xNVIDIA_H100_80GB_HBM3-20261126-1555-w8-new.jsonl")
+_EMULATED_DIR = "2026-11-26-h100-emulated-final-fourteenth/emulated-final"
+_EMULATED_RESULTS = (f"{_EMULATED_DIR}/vm-4xNVIDIA_H100_80GB_HBM3-20261126-1717-w4-final.jsonl",
+                     f"{_EMULATED_DIR}/vm-8xNVIDIA_H100_80GB_HBM3-20261126-1716-w8-final.jsonl")
 #: the emulated fit's presets; the table's mha-full-16k rows check it
 EMULATED_FIT_PRESETS = ("gqa-causal-16k", "mha-causal-16k")
 EMULATED_FIT_COMMAND = ("python -m seqpar.planner.fit " + " ".join(f"benchmarks/results/{r}" for r in _EMULATED_RESULTS)
@@ -146,9 +146,9 @@ EMULATED_FIT_COMMAND = ("python -m seqpar.planner.fit " + " ".join(f"benchmarks/
 #: fitted by EMULATED_FIT_COMMAND (µs; κ dimensionless)
 EMULATED_CALL_US: dict[str, float] = {"fwd": 0.0, "bwd": 0.0}
 EMULATED_STEP_US: dict[str, float] = {
-    "ring/fwd": 1.9, "ring/bwd": 126.4, "allgather/fwd": 217.5, "allgather/bwd": 451.4, "ulysses/fwd": 335.4,
-    "ulysses/bwd": 0.0, "usp/fwd": 45.8, "usp/bwd": 44.1, "tokenring/fwd": 24.5, "tokenring/bwd": 129.8,
-    "tasp/fwd": 32.7, "tasp/bwd": 300.2, "double_ring/fwd": 8.4, "double_ring/bwd": 244.0,
+    "ring/fwd": 2.5, "ring/bwd": 134.6, "allgather/fwd": 216.4, "allgather/bwd": 454.9, "ulysses/fwd": 341.6,
+    "ulysses/bwd": 0.0, "usp/fwd": 46.0, "usp/bwd": 57.6, "tokenring/fwd": 24.0, "tokenring/bwd": 133.4,
+    "tasp/fwd": 83.1, "tasp/bwd": 404.2, "double_ring/fwd": 9.6, "double_ring/bwd": 227.2,
 }
 EMULATED_HOST_OVERLAP_LOSS = 0.35
 #: GB/s of every pattern on a fake group: a GB a nanosecond, so a transfer's time is nil

@@ -71,9 +71,15 @@ def parse_method(name: str, world: int, causal: bool = True) -> Candidate:
 
 
 def profile_for(record: dict[str, Any], override: Profile | None = None) -> Profile:
-    """``override``, else the built-in profile for the record's GPU (H100 or H200)."""
+    """``override``; else for an emulated record the profile auto plans it with (its modelled link's, else the
+    emulated one: Note [Auto on an emulated world] in ``seqpar.comm.link``); else the built-in profile for the
+    record's GPU (H100 or H200)."""
     if override is not None:
         return override
+    if record.get("emulated_world"):
+        from ..comm.link import EMULATED_PROFILE
+
+        return load_profile(record.get("link") or EMULATED_PROFILE)
     gpu = str(record.get("gpu", ""))
     for tag, name in (("H200", "h200-nvswitch"), ("H100", "h100-nvswitch")):
         if tag in gpu:
