@@ -141,8 +141,9 @@ def delay(work: Any, pattern: str, nbytes: float, size: int, device: torch.devic
 
 
 def _fake(group: Any) -> bool:
-    """Whether ``group`` is torch's fake process group (every transfer completes at once, moving nothing)."""
-    return group is not None and dist.get_backend(group) == "fake"
+    """Whether ``group`` (None: the default group) is torch's fake process group (every transfer completes at once,
+    moving nothing)."""
+    return dist.is_initialized() and dist.get_backend(group) == "fake"
 
 
 def wire(group: Any, *buffers: torch.Tensor) -> tuple[torch.Tensor, ...]:
