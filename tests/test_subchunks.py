@@ -15,7 +15,7 @@ from seqpar.layouts.subchunks import Subchunked
 def test_subchunks_tile_rows_and_keep_positions(base_cls, world, parts):
     base = base_cls(world)
     lay = Subchunked(world, base=base, parts=parts)
-    seq = lay.divisor * 2
+    seq = lay.divisor * parts * 2 + lay.divisor          # parts a row apart (Note [Uneven sub-chunks])
     x = torch.arange(seq).view(1, seq, 1, 1)
     assert torch.equal(lay.unshard([lay.shard(x, r) for r in range(world)]), x)
     for r in range(world):
@@ -31,10 +31,12 @@ def test_subchunks_tile_rows_and_keep_positions(base_cls, world, parts):
 
 
 def test_divisor_and_message():
+    """The base layout's divisor (Note [Uneven sub-chunks]): sub-chunks need not be equal."""
     lay = Subchunked(4, base=Zigzag(4), parts=3)
-    assert lay.divisor == 24
-    with pytest.raises(ValueError, match="multiple of 24 for the zigzag layout"):
-        lay.check_len(16)
+    assert lay.divisor == 8
+    lay.check_len(16)
+    with pytest.raises(ValueError, match="multiple of 8 for the zigzag layout"):
+        lay.check_len(20)
     with pytest.raises(ValueError):
         Subchunked(4, base=Zigzag(3), parts=3)
 
