@@ -259,3 +259,10 @@ def tiny_model_check(spec: tuple[str, str, int | None, str]) -> dict[str, float]
         dist.all_reduce(grad)                          # data-parallel style sum over the SP ranks
         err[name] = _maxdiff(grad, p_ref.grad) / p_ref.grad.abs().max().item()
     return err
+
+
+def run_case_home_rows(home_rows: int, case: Case) -> dict[str, Any]:
+    """``run_case`` with the pass-KV backward's ``HOME_ROWS`` set (Note [Partials home] in ``seqpar.methods._passkv``):
+    0 makes every ring backward send running sums, a large value sends every step's partial home."""
+    with mock.patch("seqpar.methods._passkv.HOME_ROWS", home_rows):
+        return run_case(case)

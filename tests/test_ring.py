@@ -36,6 +36,29 @@ def test_ring_head_dim_256_and_lse_gradient(pools):
     assert_all_ok(run_cases(pools(2), cases))
 
 
+@pytest.mark.parametrize("home_rows", [0, 1 << 30], ids=["running-sums", "partials-home"])
+def test_both_dkv_paths_match_oracle(pools, home_rows):
+    """The pass-KV backward's two dK/dV paths (Note [Partials home] in ``seqpar.methods._passkv``), each forced on
+    through ``HOME_ROWS``: causal and not, every layout, windows, documents, padding, GQA, bf16, the lse gradient,
+    a head dim of its own for V, USP's ring, and a ring truncated by its window."""
+    from _workers_ulysses import run_case_home_rows
+
+    from seqpar.testing import check_case
+
+    kw = {"heads": 4, "kv_heads": 2, "head_dim": 8}
+    cases = [Case(layout=lay, causal=causal, seq_len=32, dtype=dt, **kw)
+             for lay in LAYOUTS for causal in (True, False) for dt in ("float32", "bfloat16")]
+    cases += [Case(layout="zigzag", seq_len=48, window=(5, 0), **kw),
+              Case(layout="contiguous", seq_len=48, window=(3, 0), **kw),               # ends before the ring does
+              Case(layout="zigzag", seq_len=48, cu_seqlens=(0, 7, 30, 31, 48), **kw),
+              Case(layout="zigzag", causal=False, seq_len=48, cu_seqlens=(0, 17, 41), valid_len=41, **kw),
+              Case(layout="stripe", seq_len=32, lse_grad=True, dtype="float64", **kw),
+              Case(layout="zigzag", seq_len=32, heads=4, kv_heads=1, head_dim=16, value_dim=8),
+              Case(method="usp", layout="zigzag", seq_len=32, ulysses=2, **kw)]
+    pool = pools(4)
+    assert_all_ok([check_case(c, pool.run(run_case_home_rows, home_rows, c)) for c in cases])
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_error_does_not_grow_with_world_size(pools, layout):
     """bf16 error at 8 ranks is no worse than at 2 (block partials are merged in fp32)."""

@@ -123,6 +123,9 @@ class Kernel(ABC):
     #: (``sdpa.causal_parts``): the runner hands it the two blocks as tasks of their own (Note [Split bands as
     #: tasks] in ``seqpar.kernels.executor``)
     splits_bands: ClassVar[bool] = False
+    #: ``backward`` returns dq, dk, dv in the inputs' dtype (False: wider, the accumulation dtype), so a partial
+    #: sent in that dtype loses nothing (Note [Partials home] in ``seqpar.methods._passkv``)
+    grads_in_input_dtype: ClassVar[bool] = True
 
     def rank(self, call: KernelCall) -> int | None:
         """``auto``'s preference for ``call`` (higher first; None: never chosen by auto). ``auto_rank`` for the

@@ -114,6 +114,7 @@ class ReferenceKernel(Kernel):
     name = "reference"
     auto_rank = {"cpu": 100}
     takes_delta = True
+    grads_in_input_dtype = False
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
         return []

@@ -3,7 +3,8 @@
 Private: methods never import each other, so what two methods share lives here. Q, O and lse stay on
 their rank; K and V travel one hop per step as two messages of one exchange, the first hop sending the caller's
 tensors as they lie (``_Rotating``; Note [K and V apart] in ``seqpar.methods.allgather``), their dK/dV in one packed
-message (Note [One KV message] in ``_shared``);
+message (Note [One KV message] in ``_shared``) or, at short chunks, as partials straight home (Note [Partials
+home]);
 at step s rank r holds the KV that started on rank ``(r - s) mod W``. Which part of that block rank r
 computes is the block planner's answer (Note [Block planning] in ``seqpar.layouts.blocks``), so every
 layout, causal or not, windows, documents and padding run through one loop - the runtime's
@@ -14,16 +15,34 @@ Note [Ring truncation]
     the ring does) ends the ring early for everyone: ``n_steps`` is the last step any rank needs, plus one,
     computed identically on every rank from the layout. In backward the dK/dV accumulator of block j then
     sits on rank ``j + n_steps - 1`` and goes home in one direct transfer (one hop on NVSwitch).
+
+Note [Partials home]
+    At most ``HOME_ROWS`` local rows, dK/dV do not travel as running sums: at step s rank r's partial for block
+    r - s goes straight to its owner (s ranks upstream) one step later, posted with the next KV hop as pass-Q's
+    returns are (``_passq``), and each rank sums its own block's partials once, at the end (``RowSum``). A running
+    sum costs every step an fp32 pass over the whole block - read the sum, read the partial, write the sum - which
+    at 2K tokens per rank over 8 (MHA, emulated on an H100) took 0.59 ms of a forward+backward's 3.0 ms of GPU
+    time, half of what its kernels beyond attention took; one sum of bf16 partials reads each once. A partial covers
+    the hull of its step's key rows (what both ends plan: ``Schedule.home`` is the sender's tasks against the
+    receiver's block), and travels in the inputs' dtype when that is exact - no key row in two of the step's tasks
+    and kernels that return gradients in the inputs' dtype: the kernel's own output, sent as it is, in half the
+    bytes of the fp32 running sum - else summed in fp32 into a buffer of the wire's dtype (``grad_dtype``). The
+    sums are of the same bf16 partials in fp32 as the running sums were, in another order. The cost is memory: a
+    rank holds its block's partials until the end (folded past ``DEFER_BYTES``), so past ``HOME_ROWS`` - where
+    the passes are small next to the kernels - the running sums stay. The sends go s ranks away rather than to
+    the neighbour: one hop on NVSwitch, a permutation of the ranks on any network.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from ..comm.loop import Double, Loop, run_steps
-from ..comm.ring import Ring
+from ..comm.ring import Exchange, Ring
+from ..kernels import combine
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator, RowSum
 from ..layouts.base import Layout
@@ -37,10 +56,12 @@ __all__ = ["BATCH_SCHEDULES", "HeadChunks", "OneRank", "PassKV", "Schedule", "bu
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-step tasks of one rank, and the number of ring steps every rank runs."""
+    """Per-step tasks of one rank, and the number of ring steps every rank runs; ``home[s]``: the tasks rank
+    ``rank + s`` runs at its step s against this rank's block (what comes home at step s: Note [Partials home])."""
 
     steps: tuple[tuple[Task, ...], ...]
     n_steps: int
+    home: tuple[tuple[Task, ...], ...]
 
 
 BATCH_SCHEDULES = BATCH_ENTRIES
@@ -57,7 +78,8 @@ def schedule(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tu
     mine = tuple(plan(segs[rank], segs[(rank - s) % W], rule) for s in range(W))
     last = next((s for s in range(W - 1, 0, -1) if any(any_visible(segs[r], segs[(r - s) % W], rule)
                                                        for r in range(W))), 0)
-    return Schedule(mine[: last + 1], last + 1)
+    home = tuple(plan(segs[(rank + s) % W], segs[rank], rule) for s in range(last + 1))
+    return Schedule(mine[: last + 1], last + 1, home)
 
 
 def build(call) -> PassKV:
@@ -130,9 +152,10 @@ class _Rotating:
     def cur(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k.cur, self.v.cur
 
-    def post(self, ring: Ring):
-        """Queue the hop: ``cur`` downstream, ``nxt`` from upstream, one exchange."""
-        return ring.send_recv(self.v.cur, self.v.nxt, exchange=ring.send_recv(self.k.cur, self.k.nxt))
+    def post(self, ring: Ring, exchange: Exchange | None = None):
+        """Queue the hop: ``cur`` downstream, ``nxt`` from upstream, one exchange (``exchange``, else a new one)."""
+        first = ring.send_recv(self.k.cur, self.k.nxt, exchange=exchange)
+        return ring.send_recv(self.v.cur, self.v.nxt, exchange=first)
 
     def swap(self) -> None:
         self.k.swap()
@@ -185,7 +208,8 @@ class PassKV:
 
     def backward(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                  result_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Ring backward (ALGORITHMS.md §3.2): dK/dV travel one step behind their KV.
+        """Ring backward (ALGORITHMS.md §3.2): dK/dV travel one step behind their KV, or at most ``HOME_ROWS``
+        local rows each step's partials go straight home (Note [Partials home]).
 
         ``result_dtype``: dtype of the returned gradients (default: the inputs'); USP asks for fp32 when it
         still has to sum replicated KV heads' partials.
@@ -195,6 +219,8 @@ class PassKV:
         if n == 1:
             g = runner.backward_all(rows, q, k, v, lse, steps[0])
             return tuple(x.to(dt) for x, dt in zip(g, dtypes))
+        if k.shape[1] <= HOME_ROWS:
+            return self._backward_home(rows, q, k, v, lse, dtypes)
         acc = acc_dtype(q.dtype)
         wire = wire_dtype(self.grad_dtype, q.dtype)
         dq = RowSum(q.shape, acc, q.device)                     # the steps' dQ partials, summed once
@@ -241,3 +267,124 @@ class PassKV:
             loop.wait(home)
         dk, dv = unpack_kv(dkv.nxt, d)
         return dq.result(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
+
+    def _backward_home(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                       dtypes: tuple[torch.dtype, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The backward with every step's dK/dV partial sent straight to the block's owner (Note [Partials home])."""
+        runner, steps, n, ring = self.runner, self.sched.steps, self.sched.n_steps, self.ring
+        acc = acc_dtype(q.dtype)
+        wire = wire_dtype(self.grad_dtype, q.dtype)
+        dq, dk, dv = (RowSum(x.shape, acc, q.device) for x in (q, k, v))
+        kv = _Rotating(k, v)
+        out: list = [None]                  # step s's partial ((a, b), dk rows, dv rows), sent home at step s + 1
+        got: list = [None]                  # the receipt in flight, the same form
+
+        def compute(s: int) -> None:
+            kc, vc = kv.cur
+            parts = [(t, runner.backward(rows, q, kc, vc, lse, t)) for t in runner.prepare(steps[s], q, kc)]
+            for t, (gq, _, _) in parts:
+                dq.add(t.q, gq, t.covered)
+            if s == 0:                      # the own block: its partials are the owner's already
+                for t, (_, gk, gv) in parts:
+                    dk.add(t.k, gk)
+                    dv.add(t.k, gv)
+            else:
+                out[0] = _partial(parts, k.dtype, v.dtype, wire, self._exact(_tasks_of(parts), q, k, v)) \
+                    if parts else None
+
+        def post(s: int) -> Exchange:
+            ex = Exchange(ring.group)
+            if s + 1 < n:
+                kv.post(ring, ex)
+            if s >= 2:
+                got[0] = self._return(ex, s - 1, out[0], q, k, v, wire)
+            return ex
+
+        def land(s: int) -> None:
+            kv.swap()
+            _land(got, dk, dv)
+
+        with Loop() as loop:
+            run_steps(n, post=post, compute=compute, land=land, loop=loop)
+            ex = Exchange(ring.group)
+            got[0] = self._return(ex, n - 1, out[0], q, k, v, wire)
+            loop.wait(loop.post(ex))
+            _land(got, dk, dv)
+        return dq.result(dtypes[0]), dk.result(dtypes[1]), dv.result(dtypes[2])
+
+    def _exact(self, tasks, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether a partial over ``tasks`` is exact in the inputs' dtype: no key row in two tasks, and every
+        task's kernel returns its gradients in that dtype (``Kernel.grads_in_input_dtype``, or inputs already in
+        the accumulation dtype)."""
+        if not _disjoint_keys(tasks):
+            return False
+        return k.dtype == acc_dtype(k.dtype) or all(
+            self.runner.kernel_for(q, k, t, v.shape[-1]).grads_in_input_dtype for t in tasks)
+
+    def _return(self, ex: Exchange, t: int, partial, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                wire: torch.dtype):
+        """Queue step t's partial to its block's owner (t ranks upstream) and the receipt of this rank's own from t
+        ranks downstream, whose rows and dtypes come from the sender's tasks (the same plan on both ends); returns
+        the receipt's ``((a, b), dk buffer, dv buffer)`` or None."""
+        if partial is not None:
+            _, pk, pv = partial
+            ex.send(pk, self.ring.peer(-t)).send(pv, self.ring.peer(-t))
+        theirs = self.runner.prepare(self.sched.home[t], q, k)
+        if not theirs:
+            return None
+        a, b = _hull(theirs)
+        exact = self._exact(theirs, q, k, v)
+        bufs = [torch.empty(x.shape[0], b - a, *x.shape[2:], dtype=x.dtype if exact else wire, device=x.device)
+                for x in (k, v)]
+        for x in bufs:
+            ex.recv(x, self.ring.peer(t))
+        return (a, b), *bufs
+
+
+HOME_ROWS = 8192
+"""Local rows up to which the pass-KV backward sends each step's dK/dV partial straight home (Note [Partials
+home]); beyond it the held partials would cost more memory than the running sums' passes cost time."""
+
+
+def _hull(tasks) -> tuple[int, int]:
+    return min(t.k_start for t in tasks), max(t.k_stop for t in tasks)
+
+
+def _disjoint_keys(tasks) -> bool:
+    """Whether no key row is in two of ``tasks`` (then a partial is each row's one kernel output, exact in the
+    kernel's dtype)."""
+    spans = sorted((t.k_start, t.k_stop) for t in tasks)
+    return all(b <= c for (_, b), (c, _) in itertools.pairwise(spans))
+
+
+def _tasks_of(parts) -> list[Task]:
+    """The tasks of ``(task, gradients)`` pairs."""
+    return [t for t, _ in parts]
+
+
+def _partial(parts, kdt: torch.dtype, vdt: torch.dtype, wire: torch.dtype, exact: bool):
+    """One step's dK/dV partial over the hull of its tasks' keys, ``((a, b), dk rows, dv rows)``: the kernel's own
+    output when one task's output is exact (``PassKV._exact``); else the tasks' outputs summed in one pass (fp32
+    inside, rows no task covers 0) into buffers of the inputs' dtype when exact, else of the wire's."""
+    a, b = _hull(_tasks_of(parts))
+    if len(parts) == 1 and exact:
+        _, (_, gk, gv) = parts[0]
+        return (a, b), gk.contiguous(), gv.contiguous()
+    bufs = []
+    for i, like in ((1, kdt), (2, vdt)):
+        x = parts[0][1][i]
+        shape = (x.shape[0], b - a, *x.shape[2:])
+        buf = torch.empty(shape, dtype=like if exact else wire, device=x.device)
+        bufs.append(combine.sum_parts([(slice(t.k_start - a, t.k_stop - a), g[i]) for t, g in parts], shape,
+                                      buf.dtype, out=buf))
+    return (a, b), *bufs
+
+
+def _land(got: list, dk: RowSum, dv: RowSum) -> None:
+    """Hold what came home (Note [Partials home]): summed once, with the own block's partials, at the end."""
+    if got[0] is not None:
+        (a, b), bk, bv = got[0]
+        dk.add(slice(a, b), bk)
+        dv.add(slice(a, b), bv)
+        got[0] = None
+
