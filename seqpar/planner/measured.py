@@ -136,9 +136,9 @@ HOST_OVERLAP_LOSS = 0.55
 
 # The emulated profile (Note [Auto on an emulated world] in seqpar.comm.link): the H100 profile with free transfers,
 # its fixed costs fitted to the back-to-back times of an emulated table (rank r of W = 4 and 8 on one H100).
-_EMULATED_DIR = "2026-11-26-h100-emulated-final-fourteenth/emulated-final"
-_EMULATED_RESULTS = (f"{_EMULATED_DIR}/vm-4xNVIDIA_H100_80GB_HBM3-20261126-1717-w4-final.jsonl",
-                     f"{_EMULATED_DIR}/vm-8xNVIDIA_H100_80GB_HBM3-20261126-1716-w8-final.jsonl")
+_EMULATED_DIR = "2026-11-26-h100-emulated-final-fourteenth-b/emulated-final"
+_EMULATED_RESULTS = (f"{_EMULATED_DIR}/vm-4xNVIDIA_H100_80GB_HBM3-20261126-1752-w4-final.jsonl",
+                     f"{_EMULATED_DIR}/vm-8xNVIDIA_H100_80GB_HBM3-20261126-1752-w8-final.jsonl")
 #: the emulated fit's presets; the table's mha-full-16k rows check it
 EMULATED_FIT_PRESETS = ("gqa-causal-16k", "mha-causal-16k")
 EMULATED_FIT_COMMAND = ("python -m seqpar.planner.fit " + " ".join(f"benchmarks/results/{r}" for r in _EMULATED_RESULTS)
@@ -146,9 +146,9 @@ EMULATED_FIT_COMMAND = ("python -m seqpar.planner.fit " + " ".join(f"benchmarks/
 #: fitted by EMULATED_FIT_COMMAND (µs; κ dimensionless)
 EMULATED_CALL_US: dict[str, float] = {"fwd": 0.0, "bwd": 0.0}
 EMULATED_STEP_US: dict[str, float] = {
-    "ring/fwd": 2.5, "ring/bwd": 134.6, "allgather/fwd": 216.4, "allgather/bwd": 454.9, "ulysses/fwd": 341.6,
-    "ulysses/bwd": 0.0, "usp/fwd": 46.0, "usp/bwd": 57.6, "tokenring/fwd": 24.0, "tokenring/bwd": 133.4,
-    "tasp/fwd": 83.1, "tasp/bwd": 404.2, "double_ring/fwd": 9.6, "double_ring/bwd": 227.2,
+    "ring/fwd": 0.0, "ring/bwd": 0.0, "allgather/fwd": 214.8, "allgather/bwd": 459.9, "ulysses/fwd": 321.8,
+    "ulysses/bwd": 0.0, "usp/fwd": 32.4, "usp/bwd": 0.0, "tokenring/fwd": 23.7, "tokenring/bwd": 126.4,
+    "tasp/fwd": 83.2, "tasp/bwd": 401.9, "double_ring/fwd": 1.7, "double_ring/bwd": 232.4,
 }
 EMULATED_HOST_OVERLAP_LOSS = 0.35
 #: GB/s of every pattern on a fake group: a GB a nanosecond, so a transfer's time is nil
