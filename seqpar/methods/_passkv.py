@@ -35,7 +35,6 @@ Note [Partials home]
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +48,7 @@ from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, any_visible, plan
 from ..memo import BATCH_ENTRIES, batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
-from ._shared import head_groups, unpack_kv
+from ._shared import exact_partial, head_groups, unpack_kv
 
 __all__ = ["BATCH_SCHEDULES", "HeadChunks", "OneRank", "PassKV", "Schedule", "build", "schedule"]
 
@@ -313,13 +312,8 @@ class PassKV:
         return dq.result(dtypes[0]), dk.result(dtypes[1]), dv.result(dtypes[2])
 
     def _exact(self, tasks, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether a partial over ``tasks`` is exact in the inputs' dtype: no key row in two tasks, and every
-        task's kernel returns its gradients in that dtype (``Kernel.grads_in_input_dtype``, or inputs already in
-        the accumulation dtype)."""
-        if not _disjoint_keys(tasks):
-            return False
-        return k.dtype == acc_dtype(k.dtype) or all(
-            self.runner.kernel_for(q, k, t, v.shape[-1]).grads_in_input_dtype for t in tasks)
+        """Whether a partial over ``tasks`` is exact in the inputs' dtype (``exact_partial`` on their key rows)."""
+        return exact_partial(self.runner, tasks, [(t.k_start, t.k_stop) for t in tasks], q, k, v.shape[-1])
 
     def _return(self, ex: Exchange, t: int, partial, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 wire: torch.dtype):
@@ -348,13 +342,6 @@ home]); beyond it the held partials would cost more memory than the running sums
 
 def _hull(tasks) -> tuple[int, int]:
     return min(t.k_start for t in tasks), max(t.k_stop for t in tasks)
-
-
-def _disjoint_keys(tasks) -> bool:
-    """Whether no key row is in two of ``tasks`` (then a partial is each row's one kernel output, exact in the
-    kernel's dtype)."""
-    spans = sorted((t.k_start, t.k_stop) for t in tasks)
-    return all(b <= c for (_, b), (c, _) in itertools.pairwise(spans))
 
 
 def _tasks_of(parts) -> list[Task]:

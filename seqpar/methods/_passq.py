@@ -31,8 +31,11 @@ Note [Pass-Q sums]
     The backward's gradient partials are fresh tensors, so they are held and summed once (``RowSum``, Note [One
     merge per call] in ``seqpar.kernels.combine``): dK and dV over every task of every step, dQ over the own
     blocks' partials and the returns that come home (each return lands in a buffer of its own), each written once
-    in its dtype. A guest step's dQ rows are summed straight into the wire buffer that takes them home (one pass,
-    fp32 inside, rows no task covers zero). Before, every task added into fp32 accumulators and every step zeroed,
+    in its dtype. A guest step's dQ rows go home in the inputs' dtype where that is exact (``exact_partial`` in
+    ``_shared``: no row in two of its tasks, kernels that return that dtype) - one task's own output as it is when
+    it covers them and the batch is 1 - else summed into a buffer of the wire's dtype (one pass, fp32 inside, rows
+    no task covers zero); the ring's partials travel the same way (Note [Partials home] in ``_passkv``).
+    Before, every task added into fp32 accumulators and every step zeroed,
     added and copied its return: at 2K tokens per rank over 8 (emulated, H100) those element-wise passes took
     about 1.0 ms of a 3.5 ms forward+backward (``benchmarks/gpu/probe_host.py``).
 """
@@ -53,7 +56,7 @@ from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, plan
 from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
-from ._shared import Rows, bhs, bshd, hull, row_hull, split_own
+from ._shared import Rows, bhs, bshd, exact_partial, hull, row_hull, split_own
 
 __all__ = ["PassQ", "PassQPlan", "schedule"]
 
@@ -255,8 +258,13 @@ class PassQ:
         bundle = [Double.starting(x.transpose(0, 1)) for x in parts]   # each part a message of the hop
         st = Double(torch.stack([x.permute(2, 0, 1) for x in stats], -1))
         wire = wire_dtype(self.grad_dtype, q.dtype)
-        res = [torch.empty(q.shape[1], q.shape[0], *q.shape[2:], dtype=wire, device=q.device) for _ in range(2)]
+        sent: list[torch.Tensor | None] = [None, None]   # step s's rows that go home (seq-major), by s % 2
         landing: list[torch.Tensor] = []       # the receive buffer of the return in flight (a fresh one each)
+
+        def home_dtype(guest_rank: int, s: int) -> torch.dtype:
+            """The dtype a guest step's dQ rows travel in (Note [Pass-Q sums]): the inputs' where exact."""
+            ts = runner.prepare(sp.steps[guest_rank][s], q, k)
+            return q.dtype if exact_partial(runner, ts, [(t.q_start, t.q_stop) for t in ts], q, k, Dv) else wire
 
         def guest(s: int) -> None:
             rr = sp.res_rows[(r + s) % sp.world][s]
@@ -268,13 +276,22 @@ class PassQ:
             a, b = rr
             part = [(slice(t.q_start - a, t.q_stop - a), gq, t.covered)
                     for t, gq in grads(sp.steps[r][s], qv, g, bhs(s_[..., 0]))]
-            target = bshd(res[s % 2])[:, a:b]  # the rows that go home: summed in fp32, cast once into the wire
-            combine.sum_parts(part, tuple(target.shape), wire, out=target)
+            dtype = home_dtype(r, s)
+            if len(part) == 1 and dtype == part[0][1].dtype and part[0][0] == slice(0, b - a):
+                rows_ = part[0][1].transpose(0, 1)
+                if rows_.is_contiguous():                   # the kernel's own rows, as they are (batch 1)
+                    sent[s % 2] = rows_
+                    return
+            target = torch.empty(b - a, q.shape[0], *q.shape[2:], dtype=dtype, device=q.device)
+            combine.sum_parts(part, tuple(bshd(target).shape), dtype, out=bshd(target))    # fp32 inside
+            sent[s % 2] = target
 
         def post_return(ex: Exchange, t: int) -> Rows:
-            landing[:] = [torch.empty_like(res[0])]
+            came = sp.res_rows[r][t]
+            dtype = home_dtype((r - t) % sp.world, t) if came is not None else wire
+            landing[:] = [torch.empty(q.shape[1], q.shape[0], *q.shape[2:], dtype=dtype, device=q.device)]
             rr = sp.res_rows[(r + t) % sp.world][t]
-            return self._return(ex, t, [res[t % 2][rr[0]:rr[1]]] if rr is not None else [], landing)
+            return self._return(ex, t, [sent[t % 2]] if rr is not None else [], landing)
 
         def land_return(m: Rows) -> None:
             dq.add(slice(*m), bshd(landing[0])[:, m[0]:m[1]])

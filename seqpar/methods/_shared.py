@@ -29,12 +29,15 @@ Note [Hiding the tail]
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..layouts.blocks import Rule, Segments, Task, plan, slice_rows
+from ..numerics import acc_dtype
 
-__all__ = ["bhs", "bshd", "head_groups", "hull", "pack_kv", "row_hull", "seq_major", "shift", "split_own",
-           "unpack_kv"]
+__all__ = ["bhs", "bshd", "exact_partial", "head_groups", "hull", "pack_kv", "row_hull", "seq_major", "shift",
+           "split_own", "unpack_kv"]
 
 Rows = tuple[int, int] | None
 
@@ -44,6 +47,17 @@ def head_groups(heads: int, kv_heads: int, chunks: int) -> list[tuple[slice, sli
     aligned."""
     hq, hk = heads // chunks, kv_heads // chunks
     return [(slice(i * hq, (i + 1) * hq), slice(i * hk, (i + 1) * hk)) for i in range(chunks)]
+
+
+def exact_partial(runner, tasks, spans, q: torch.Tensor, k: torch.Tensor, dv: int) -> bool:
+    """Whether a partial assembled from ``tasks``' gradients is exact in the inputs' dtype (Note [Partials home] in
+    ``_passkv``): no row in two of ``spans`` (each task's ``(start, stop)`` rows of the partial), and every task's
+    kernel returns its gradients in that dtype (``Kernel.grads_in_input_dtype``) or the inputs are in the
+    accumulation dtype already. Both ends of a transfer decide it from the same prepared tasks."""
+    ordered = sorted(spans)
+    if any(b > c for (_, b), (c, _) in itertools.pairwise(ordered)):
+        return False
+    return q.dtype == acc_dtype(q.dtype) or all(runner.kernel_for(q, k, t, dv).grads_in_input_dtype for t in tasks)
 
 
 def shift(tasks: tuple[Task, ...], dq: int = 0, dk: int = 0) -> tuple[Task, ...]:
