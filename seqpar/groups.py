@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .errors import rank_suffix
 
-__all__ = ["SeqParallelGroups", "make_mesh"]
+__all__ = ["GroupSizes", "SeqParallelGroups", "make_mesh"]
 
 try:  # DeviceMesh is importable on every torch >= 2.4 build with distributed support
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -42,6 +42,20 @@ def _strong(ref: Any, what: str) -> dist.ProcessGroup | None:
         raise RuntimeError(f"the {what} process group of this call was destroyed; pass a live group or mesh"
                            f"{rank_suffix()}")
     return group
+
+
+@dataclass(frozen=True)
+class GroupSizes:
+    """What a placement reads of ``SeqParallelGroups`` (``Method.placement``), without process groups: the planner
+    and a method's host-side planning place tokens with it."""
+
+    world: int
+    ulysses_size: int = 1
+    index: int = 0
+
+    @property
+    def ring_size(self) -> int:
+        return self.world // self.ulysses_size
 
 
 @dataclass(frozen=True, init=False)

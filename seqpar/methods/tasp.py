@@ -26,6 +26,7 @@ from ..comm import topology
 from ..config import AttentionConfig
 from ..cost import model
 from ..errors import rank_suffix
+from ..groups import GroupSizes
 from ..kernels.executor import TaskRunner
 from ..layouts import Layout, make_layout
 from ..layouts.subchunks import Subchunked
@@ -138,20 +139,13 @@ def _slowest_rank(layout: str, world: int, seq_len: int, rule) -> int:
     between runs two a round on keys that are sums of sub-chunks (tiles half empty). Emulated on an H100 at 2K
     tokens per rank over 8 (GQA), rank 3's forward+backward took 3.84 ms of GPU time where rank 0's took 2.84
     (``benchmarks/results/2026-11-26-h100-tasp-aligned``)."""
-    placed, _ = _placement(layout, _Ranks(world))
+    placed, _ = _placement(layout, GroupSizes(world))
     counts = []
     for r in range(world):
         tp = _tasp.schedule(placed, r, seq_len, rule, None, None, "direct")
         tasks = [*tp.early, *tp.late, *(t for rd in tp.rounds for t in rd.tasks)]
         counts.append((len(tasks), sum(-(-t.rows // TILE) * -(-t.cols // TILE) for t in tasks), -r))
     return -max(counts)[2]
-
-
-class _Ranks:
-    """The ``groups`` fields a placement reads (``Method.placement``), without process groups."""
-
-    def __init__(self, world: int):
-        self.world, self.index = world, 0
 
 
 def _demo_cases(world: int, seq_len: int, documents: tuple[int, ...]) -> list:

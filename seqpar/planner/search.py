@@ -37,6 +37,7 @@ from .. import methods as _methods
 from ..cost.model import Candidate, Machine, Prediction, Problem, single_gpu_ms
 from ..cost.profile import Profile, load_profile
 from ..cost.topology import Network, Topology, get_topology
+from ..groups import GroupSizes
 from ..layouts import LAYOUTS
 from ..methods import Method
 from .inference import InferenceCase, inference_case
@@ -260,19 +261,6 @@ def _candidates(m: Method, p: Problem, topo: Topology, layout: str | None, ulyss
     return [Candidate(m.name, lay, u) for u in degrees for lay in layouts]
 
 
-@dataclass(frozen=True)
-class _Sizes:
-    """What a placement reads of ``SeqParallelGroups`` (``Method.placement``), without process groups."""
-
-    world: int
-    ulysses_size: int
-    index: int = 0
-
-    @property
-    def ring_size(self) -> int:
-        return self.world // self.ulysses_size
-
-
 def _why_not(c: Candidate, m: Method, p: Problem, features: frozenset[str], pad: bool) -> list[str]:
     """Why ``c`` cannot run on ``p``: features, options, the layout's length rules, the method's own rules."""
     why = []
@@ -292,7 +280,7 @@ def _length_rules(c: Candidate, m: Method, p: Problem, pad: bool) -> list[str]:
     """What the method's placement of ``c.layout`` needs of the length (and of the documents)."""
     W, S = p.world, p.seq_len
     try:
-        lay, _ = m.placement(c.layout, _Sizes(W, c.ulysses), p.documents)
+        lay, _ = m.placement(c.layout, GroupSizes(W, c.ulysses), p.documents)
     except ValueError as e:                           # a document layout the documents cannot be cut into
         return [str(e)]
     div = lay.divisor
