@@ -177,6 +177,7 @@ class PassKV:
 
     def __init__(self, ring: Ring, sched: Schedule, runner: TaskRunner, grad_dtype: torch.dtype):
         self.ring, self.sched, self.runner, self.grad_dtype = ring, sched, runner, grad_dtype
+        self._partials: dict[tuple, tuple[tuple[int, int], bool] | None] = {}
 
     def direct(self, call):
         """The whole call as one kernel call through PyTorch's autograd, when the ring has one step (W = 1)."""
@@ -288,8 +289,7 @@ class PassKV:
                     dk.add(t.k, gk)
                     dv.add(t.k, gv)
             else:
-                out[0] = _partial(parts, k.dtype, v.dtype, wire, self._exact(_tasks_of(parts), q, k, v)) \
-                    if parts else None
+                out[0] = _partial(parts, k.dtype, v.dtype, wire, *self._shape("sent", s, q, k, v)) if parts else None
 
         def post(s: int) -> Exchange:
             ex = Exchange(ring.group)
@@ -311,9 +311,17 @@ class PassKV:
             _land(got, dk, dv)
         return dq.result(dtypes[0]), dk.result(dtypes[1]), dv.result(dtypes[2])
 
-    def _exact(self, tasks, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether a partial over ``tasks`` is exact in the inputs' dtype (``exact_partial`` on their key rows)."""
-        return exact_partial(self.runner, tasks, [(t.k_start, t.k_stop) for t in tasks], q, k, v.shape[-1])
+    def _shape(self, which: str, s: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """``((a, b), exact)`` of step s's partial - this rank's own ("sent") or the one that comes home ("home") -
+        or None: its prepared tasks' key hull, and whether it is exact in the inputs' dtype (``exact_partial``).
+        Decided on the first call and kept: a planned call's shapes are fixed, so no later step decides anything."""
+        key = (which, s, q.shape[2], k.shape[2], q.dtype)
+        if key not in self._partials:
+            tasks = self.runner.prepare((self.sched.steps if which == "sent" else self.sched.home)[s], q, k)
+            exact = tasks and exact_partial(self.runner, tasks, [(t.k_start, t.k_stop) for t in tasks], q, k,
+                                            v.shape[-1])
+            self._partials[key] = (_hull(tasks), exact) if tasks else None
+        return self._partials[key]
 
     def _return(self, ex: Exchange, t: int, partial, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 wire: torch.dtype):
@@ -323,11 +331,10 @@ class PassKV:
         if partial is not None:
             _, pk, pv = partial
             ex.send(pk, self.ring.peer(-t)).send(pv, self.ring.peer(-t))
-        theirs = self.runner.prepare(self.sched.home[t], q, k)
-        if not theirs:
+        theirs = self._shape("home", t, q, k, v)
+        if theirs is None:
             return None
-        a, b = _hull(theirs)
-        exact = self._exact(theirs, q, k, v)
+        (a, b), exact = theirs
         bufs = [torch.empty(x.shape[0], b - a, *x.shape[2:], dtype=x.dtype if exact else wire, device=x.device)
                 for x in (k, v)]
         for x in bufs:
@@ -344,16 +351,12 @@ def _hull(tasks) -> tuple[int, int]:
     return min(t.k_start for t in tasks), max(t.k_stop for t in tasks)
 
 
-def _tasks_of(parts) -> list[Task]:
-    """The tasks of ``(task, gradients)`` pairs."""
-    return [t for t, _ in parts]
-
-
-def _partial(parts, kdt: torch.dtype, vdt: torch.dtype, wire: torch.dtype, exact: bool):
-    """One step's dK/dV partial over the hull of its tasks' keys, ``((a, b), dk rows, dv rows)``: the kernel's own
-    output when one task's output is exact (``PassKV._exact``); else the tasks' outputs summed in one pass (fp32
-    inside, rows no task covers 0) into buffers of the inputs' dtype when exact, else of the wire's."""
-    a, b = _hull(_tasks_of(parts))
+def _partial(parts, kdt: torch.dtype, vdt: torch.dtype, wire: torch.dtype, keys: tuple[int, int], exact: bool):
+    """One step's dK/dV partial over ``keys`` = ``(a, b)``, the hull of its tasks' keys, as ``((a, b), dk rows, dv
+    rows)``: the kernel's own output when one task's output is exact (``PassKV._shape``); else the tasks' outputs
+    summed in one pass (fp32 inside, rows no task covers 0) into buffers of the inputs' dtype when exact, else of
+    the wire's."""
+    a, b = keys
     if len(parts) == 1 and exact:
         _, (_, gk, gv) = parts[0]
         return (a, b), gk.contiguous(), gv.contiguous()

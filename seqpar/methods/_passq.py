@@ -114,6 +114,16 @@ class PassQ:
 
     def __init__(self, ring: Ring, sp: PassQPlan, runner: TaskRunner, grad_dtype: torch.dtype):
         self.ring, self.sp, self.runner, self.grad_dtype = ring, sp, runner, grad_dtype
+        self._exact: dict[tuple, bool] = {}
+
+    def _exact_home(self, guest: int, s: int, q: torch.Tensor, k: torch.Tensor, dv: int) -> bool:
+        """Whether guest rank ``guest``'s dQ rows of step s go home exact in the inputs' dtype (Note [Pass-Q sums]);
+        decided on the first call and kept (a planned call's shapes are fixed)."""
+        key = (guest, s, q.shape[2], k.shape[2], q.dtype)
+        if key not in self._exact:
+            ts = self.runner.prepare(self.sp.steps[guest][s], q, k)
+            self._exact[key] = exact_partial(self.runner, ts, [(t.q_start, t.q_stop) for t in ts], q, k, dv)
+        return self._exact[key]
 
     def _hop(self, ex: Exchange, s: int, bufs: list[Double]) -> None:
         """Queue the bundle hop after step s: my guest's rows to r-1, the next guest's rows from r+1."""
@@ -259,12 +269,12 @@ class PassQ:
         st = Double(torch.stack([x.permute(2, 0, 1) for x in stats], -1))
         wire = wire_dtype(self.grad_dtype, q.dtype)
         sent: list[torch.Tensor | None] = [None, None]   # step s's rows that go home (seq-major), by s % 2
+        res: dict[torch.dtype, list[torch.Tensor]] = {}    # the double buffer of the rows summed to go home, by dtype
         landing: list[torch.Tensor] = []       # the receive buffer of the return in flight (a fresh one each)
 
         def home_dtype(guest_rank: int, s: int) -> torch.dtype:
             """The dtype a guest step's dQ rows travel in (Note [Pass-Q sums]): the inputs' where exact."""
-            ts = runner.prepare(sp.steps[guest_rank][s], q, k)
-            return q.dtype if exact_partial(runner, ts, [(t.q_start, t.q_stop) for t in ts], q, k, Dv) else wire
+            return q.dtype if self._exact_home(guest_rank, s, q, k, Dv) else wire
 
         def guest(s: int) -> None:
             rr = sp.res_rows[(r + s) % sp.world][s]
@@ -282,9 +292,12 @@ class PassQ:
                 if rows_.is_contiguous():                   # the kernel's own rows, as they are (batch 1)
                     sent[s % 2] = rows_
                     return
-            target = torch.empty(b - a, q.shape[0], *q.shape[2:], dtype=dtype, device=q.device)
-            combine.sum_parts(part, tuple(bshd(target).shape), dtype, out=bshd(target))    # fp32 inside
-            sent[s % 2] = target
+            if dtype not in res:
+                res[dtype] = [torch.empty(q.shape[1], q.shape[0], *q.shape[2:], dtype=dtype, device=q.device)
+                              for _ in range(2)]
+            target = bshd(res[dtype][s % 2])[:, a:b]
+            combine.sum_parts(part, tuple(target.shape), dtype, out=target)    # fp32 inside
+            sent[s % 2] = res[dtype][s % 2][a:b]
 
         def post_return(ex: Exchange, t: int) -> Rows:
             came = sp.res_rows[r][t]
