@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .. import methods
+from ..planner.validate import is_auto
 from .presets import MASKS, PRESETS, TABLE, MethodSpec, Preset, method_specs
 from .report import console_table, load, plot, readme_table, suite_table
 from .runners import limit_runner, ours_runner, peer_runners
@@ -345,7 +346,7 @@ class Bench:
                              lambda s=spec: ours_runner(s, preset, self.device, check_ranks=self.check_ranks,
                                                          graphs=GRAPHS[self.args.graphs]), limit,
                              profile=True)
-        if not keep or any(m == "auto" or m.startswith("auto/") for m in keep):
+        if not keep or any(is_auto(m) for m in keep):
             self.time_auto(preset, limit)
         if self.args.peers and preset.mask is not None:
             self.log(f"peers: not run on {preset.name} (no peer takes a mask)")

@@ -12,6 +12,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 
+from ..planner.validate import is_auto
+
 __all__ = ["best_rows", "console_table", "emulated_table", "load", "plot", "readme_table"]
 
 
@@ -156,11 +158,6 @@ def plot(rows: list[dict], path: str | Path) -> str | None:
 _EMULATED_COLUMNS = ("ring", "allgather", "ulysses", "usp", "tokenring", "tasp", "double_ring")
 
 
-def _is_auto(method: str) -> bool:
-    """Whether a record's method is a ``method="auto"`` row ("auto/<layout>", Note [Auto rows] in ``seqpar.bench``)."""
-    return method == "auto" or method.startswith("auto/")
-
-
 def emulated_table(rows: list[dict], before: list[dict] | None = None, steady: bool = False) -> str:
     """The README table of emulated runs (Note [Emulated world] in ``seqpar.bench``): per preset, emulated W and
     mode, each method's compute efficiency (its busiest rank, communication free; the method's best
@@ -181,7 +178,7 @@ def emulated_table(rows: list[dict], before: list[dict] | None = None, steady: b
                 eff = r.get(f"{prefix}compute_efficiency", r.get(f"{prefix}predicted_efficiency"))
                 if eff is not None:
                     out[key][r["method"]] = max(out[key].get(r["method"], 0.0), eff)
-                if _is_auto(r["method"]) and rs is rows:
+                if is_auto(r["method"]) and rs is rows:
                     picks[(*key, r["method"])] = f"{r.get('auto_pick')}, {r['method'].partition('/')[2]}"
         return out
 
@@ -190,8 +187,8 @@ def emulated_table(rows: list[dict], before: list[dict] | None = None, steady: b
     head += ["best seqpar before"] if before else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (preset, W, mode), effs in sorted(now.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2])):
-        ours = {m: e for m, e in effs.items() if not m.startswith("peer:") and not _is_auto(m)}
-        autos = {m: e for m, e in effs.items() if _is_auto(m)}
+        ours = {m: e for m, e in effs.items() if not m.startswith("peer:") and not is_auto(m)}
+        autos = {m: e for m, e in effs.items() if is_auto(m)}
         peers = {m: e for m, e in effs.items() if m.startswith("peer:")}
         cells = []
         for c in _EMULATED_COLUMNS:
@@ -207,7 +204,7 @@ def emulated_table(rows: list[dict], before: list[dict] | None = None, steady: b
                f"**{ours[best]:.2f}** ({best})" if best else "-",
                f"{peers[peer]:.2f}{' (!)' if peers[peer] > 1.3 else ''} ({peer[5:]})" if peer else "not run"]
         if before:
-            b = {m: e for m, e in base.get(key, {}).items() if not m.startswith("peer:") and not _is_auto(m)}
+            b = {m: e for m, e in base.get(key, {}).items() if not m.startswith("peer:") and not is_auto(m)}
             row.append(f"{max(b.values()):.2f}" if b else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

@@ -41,7 +41,7 @@ from ..cost.topology import Network, get_topology
 from ..layouts import ALL_LAYOUT_NAMES
 from .search import DTYPE_BYTES, predict
 
-__all__ = ["Row", "check", "in_fit_set", "main", "modelled", "parse_method", "predict_record", "profile_for",
+__all__ = ["Row", "check", "in_fit_set", "is_auto", "main", "modelled", "parse_method", "predict_record", "profile_for",
            "read_jsonl", "results"]
 
 
@@ -112,10 +112,16 @@ def in_fit_set(source: str | Path, rec: dict[str, Any], fit_files: Sequence[str 
     return Path(source).name in {Path(f).name for f in fit_files} or str(rec.get("preset", "")) in fit_presets
 
 
+def is_auto(method: str) -> bool:
+    """Whether a benchmark record's method is a ``method="auto"`` row ("auto", or "auto/<layout>": Note [Auto rows]
+    in ``seqpar.bench``)."""
+    return method.partition("/")[0] == "auto"
+
+
 def modelled(rec: dict[str, Any]) -> bool:
     """Whether a record is a seqpar method the cost model predicts (not a peer, not ``auto``)."""
     method = str(rec["method"])
-    return not (method.startswith("peer:") or method == "auto" or method.startswith("auto/"))
+    return not (method.startswith("peer:") or is_auto(method))
 
 
 def predict_record(rec: dict[str, Any], prof: Profile | None = None, kernel: str | None = None) -> Prediction:
@@ -138,7 +144,7 @@ def _predict(rec: dict[str, Any], prof: Profile | None, kernel: str | None, sour
                 measured_ms=float(rec["time_ms"]), measured_gib=rec.get("peak_mem_gib"), source=source, set=label)
     if not modelled(rec):
         return Row(**base, predicted_ms=None, error=None, predicted_gib=None,
-                   note="auto: checked below" if method.partition("/")[0] == "auto" else "peer: not modelled")
+                   note="auto: checked below" if is_auto(method) else "peer: not modelled")
     pred = predict_record(rec, prof, kernel)
     t = pred.time_ms(mode)
     return Row(**base, predicted_ms=t, error=t / base["measured_ms"] - 1, predicted_gib=pred.peak_mem(mode) / 2**30)
@@ -168,7 +174,7 @@ def check(records: Sequence[dict[str, Any]], profile: Profile | None = None, ker
                  "ratio": pick.measured_ms / best.measured_ms}
         if key[0] or group[0].set:
             entry.update(source=key[0], set=group[0].set)
-        measured_auto = [r.measured_ms for r in rows if r.method.partition("/")[0] == "auto" and key_of(r) == key]
+        measured_auto = [r.measured_ms for r in rows if is_auto(r.method) and key_of(r) == key]
         if measured_auto:                  # auto on the better of the layouts it was timed on (Note [Auto rows])
             entry["auto_ms"] = min(measured_auto)
             entry["auto_ratio"] = entry["auto_ms"] / best.measured_ms
