@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .. import methods
+from ..planner.search import AUTO_CHOICE
 from ..planner.validate import is_auto
 from .presets import MASKS, PRESETS, TABLE, MethodSpec, Preset, method_specs
 from .report import console_table, load, plot, readme_table, suite_table
@@ -451,8 +452,6 @@ class _AutoPicks(logging.Handler):
         was cached before the row began.
     """
 
-    PREFIX = "method='auto' -> "
-
     def __init__(self):
         super().__init__(logging.INFO)
         self.last: str | None = None
@@ -460,9 +459,9 @@ class _AutoPicks(logging.Handler):
         self._level = self._log.level
 
     def emit(self, record: logging.LogRecord) -> None:
-        msg = record.getMessage()
-        if msg.startswith(self.PREFIX):
-            self.last = msg[len(self.PREFIX):].partition(" for q ")[0].removesuffix(" {}")
+        if record.msg is AUTO_CHOICE:
+            method, options = record.args[:2]
+            self.last = f"{method} {options}" if options else method
 
     def __enter__(self):
         self.last = None

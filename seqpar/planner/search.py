@@ -42,10 +42,13 @@ from ..layouts import LAYOUTS
 from ..methods import Method
 from .inference import InferenceCase, inference_case
 
-__all__ = ["DTYPE_BYTES", "MODES", "Entry", "Ranking", "choose", "default_profile", "modelled_methods", "plan",
-           "predict"]
+__all__ = ["AUTO_CHOICE", "DTYPE_BYTES", "MODES", "Entry", "Ranking", "choose", "default_profile", "modelled_methods",
+           "plan", "predict"]
 
 log = logging.getLogger("seqpar.planner")
+AUTO_CHOICE = "method='auto' -> %s %s for q %s, kv_heads %d, world %d (profile %s%s): %s"
+"""The INFO record of each ``method="auto"`` choice on ``seqpar.planner``; its first two arguments are the method
+and its options (the bench reads them: Note [Auto rows] in ``seqpar.bench``)."""
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 MODES = ("fwd", "fwd+bwd")
@@ -325,7 +328,7 @@ def _choose(q_shape: tuple[int, ...], kv_heads: int, causal: bool, window: tuple
     if best is None:
         raise NotImplementedError(f"method='auto' found no available method for layout={layout!r} on a {mesh_dims}D "
                                   f"mesh of {world} ranks: {ranking.reason}")
-    log.info("method='auto' -> %s %s for q %s, kv_heads %d, world %d (profile %s%s): %s", best.candidate.method,
+    log.info(AUTO_CHOICE, best.candidate.method,
              dict(best.candidate.options), q_shape, kv_heads, world, profile.name,
              "" if documents is None else f", {len(documents) - 1} documents", ranking.reason)
     return best.candidate.method, best.candidate.options, ranking.reason
