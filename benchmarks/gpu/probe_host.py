@@ -1,7 +1,7 @@
 """Where a call's host time goes: rank r of W on a fake group, one GPU (emulated, communication free).
 
-    python3 benchmarks/gpu/probe_host.py --out DIR [--world 8] [--cases packed32,packed128,dense16] [--graphs off]
-        [--kv-heads 32]
+    python3 benchmarks/gpu/probe_host.py --out DIR [--world 8] [--rank 0] [--cases packed32,packed128,dense16]
+        [--graphs off] [--kv-heads 32]
 
 For each case (method/layout x mode): the host milliseconds of one call from an idle GPU (median of 10), the call's
 total time, the GPU operations it launches (name and microseconds, from torch.profiler), and cProfile's top
@@ -84,6 +84,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=0, help="the rank of W to run (TASP's slowest is 1 at W = 8 and 4)")
     ap.add_argument("--cases", default="packed32,packed128,dense16")
     ap.add_argument("--graphs", choices=["auto", "on", "off"], default="auto", help="seqpar.attention's graphs=")
     ap.add_argument("--kv-heads", type=int, default=8, help="KV heads of the 32 query heads (32: MHA)")
@@ -94,7 +95,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     W = args.world
     graphs = {"auto": None, "on": True, "off": False}[args.graphs]
-    dist.init_process_group("fake", rank=0, world_size=W, store=FakeStore())
+    dist.init_process_group("fake", rank=args.rank, world_size=W, store=FakeStore())
     for case in args.cases.split(","):
         if case.startswith("packed"):
             total = int(case[6:]) * 1024
@@ -105,7 +106,7 @@ def main() -> None:
             configs = [tuple(c.split("/")) for c in args.dense_methods.split(",")]
         for method, layout in configs:
             for mode in ("fwd", "fwd+bwd"):
-                name = f"{case}-kv{args.kv_heads}-{method}-{layout}-{mode}-graphs_{args.graphs}"
+                name = f"{case}-kv{args.kv_heads}-r{args.rank}-{method}-{layout}-{mode}-graphs_{args.graphs}"
                 try:
                     fn = case_fn(method, layout, mode, total, cu, W, graphs, args.kv_heads)
                     print(probe(name, fn, out), flush=True)
