@@ -20,7 +20,11 @@ import torch.distributed as dist
 
 import seqpar
 from seqpar.kernels import combine, merge
-from seqpar.kernels.executor import TaskRunner
+from seqpar.kernels.executor import TaskRunner, split_band
+from seqpar.layouts import make_layout
+from seqpar.layouts.blocks import Band, Rule, Task
+from seqpar.methods import _passq
+from seqpar.methods._shared import split_own
 from seqpar.runtime import call as _call
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,6 +203,24 @@ def test_allgather_packs_k_and_v_only_where_they_do_not_lie_as_rows(fake_world, 
     _call_once("allgather", "zigzag", 4)
     _call_once("allgather", "zigzag", 4, heads_k_stride=1)
     assert posted == [(True, True), (False, False), (False, False)], posted
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_own_block_splits_into_two_single_calls(layout, world):
+    """Note [Hiding the tail]: pass-Q's and TASP's own causal block runs as two tasks split at a key row, each one
+    top-left causal call - no band of full keys beside an offset diagonal, which cuDNN runs as two calls
+    (``split_band``): every query against the front keys (100 of the block's 136 pairs here), the back queries
+    against the back keys."""
+    for r in range(world):
+        seg = make_layout(layout, world).segments(r, 16 * world)
+        early, late = split_own(seg, Rule(causal=True), front_first=True)
+        assert early == (Task(0, 16, 0, 8, Band(None, 0)),) and late == (Task(8, 16, 8, 16, Band(None, 0)),)
+        assert not any(split_band(t) for t in early + late)
+        assert split_own(seg, Rule(causal=True), front_first=False) == (late, early)
+    plan = _passq.schedule(make_layout(layout, world), 16 * world, Rule(causal=True), None, None)
+    assert all((plan.early[r], plan.late[r]) == split_own(make_layout(layout, world).segments(r, 16 * world),
+                                                          Rule(causal=True), front_first=True) for r in range(world))
 
 
 @pytest.mark.parametrize("method", ["tokenring", "tasp"])

@@ -102,7 +102,7 @@ def schedule(layout: Layout, seq_len: int, rule: Rule, doc_bounds: tuple[int, ..
         for s in range(n - 2, -1, -1):
             ahead[s] = hull(ahead[s + 1], res[i][s + 1])
         q_rows.append(tuple(ahead))
-    own = [split_own(segs[r], rule, back_first=True) for r in range(W)]
+    own = [split_own(segs[r], rule, front_first=True) for r in range(W)]
     lists = [ts for r in range(W) for ts in (*own[r], *steps[r])]
     kinds = frozenset(mask_kind(t.mask) for ts in lists for t in ts) \
         | ({"varlen"} if any(len(ts) >= GROUP_AT for ts in lists) else set())   # packed by TaskRunner.prepare

@@ -22,9 +22,13 @@ Note [One KV message]
 
 Note [Hiding the tail]
     A schedule whose last transfer returns results (a partial output, a dQ or dK/dV partial) to their
-    owner would leave that transfer exposed. The owner's own (diagonal) block is split by query rows:
-    one part runs at step 0 (hiding the first hop), the other after the last return is posted, so the
-    final transfer overlaps compute (ALGORITHMS.md §7.2 "Hide the tail").
+    owner would leave that transfer exposed. The owner's own (diagonal) block is split in two: one part
+    runs at step 0 (hiding the first hop), the other after the last return is posted, so the final
+    transfer overlaps compute (ALGORITHMS.md §7.2 "Hide the tail"). The split is by key rows
+    (``split_own``): for a causal block each part is one top-left causal kernel call, where halves of the
+    query rows took three calls between them (the back rows' diagonal sits at an offset, which cuDNN
+    cannot align) - each call of a backward also runs cuDNN's passes over its query rows (dO . O, dQ's
+    conversion), and at 2K tokens per rank the extra call cost TokenRing and TASP a few percent.
 """
 
 from __future__ import annotations
@@ -80,19 +84,22 @@ def hull(a: Rows, b: Rows) -> Rows:
     return min(a[0], b[0]), max(a[1], b[1])
 
 
-def split_own(seg: Segments, rule: Rule, back_first: bool) -> tuple[tuple[Task, ...], tuple[Task, ...]]:
-    """The own block (``seg`` against itself) as (early, late) tasks split at local row L // 2.
+def split_own(seg: Segments, rule: Rule, front_first: bool) -> tuple[tuple[Task, ...], tuple[Task, ...]]:
+    """The own block (``seg`` against itself) as (early, late) tasks split at local key row L // 2: every query
+    against the front keys, and against the back keys (Note [Hiding the tail]).
 
-    ``back_first``: rows ``L//2 : L`` run early (Note [Hiding the tail]); otherwise rows ``0 : L//2``.
-    For zigzag these are the back and front chunks: the back chunk holds 3/4 of a causal own block.
+    ``front_first``: the front keys' part runs early. For zigzag and contiguous causal it holds 3/4 of the block,
+    and each part is one top-left causal call (all queries x front keys: the front rows' diagonal above full back
+    rows; back rows x back keys: a diagonal), where a split by query rows leaves the back rows a diagonal at an
+    offset - two cuDNN calls, as cuDNN aligns its masks top-left (``../shared/reference/KERNELS.md``).
     """
     L = seg.length
     mid = L // 2
     if mid == 0:
         return plan(seg, seg, rule), ()
-    front = plan(slice_rows(seg, 0, mid), seg, rule)
-    back = shift(plan(slice_rows(seg, mid, L), seg, rule), dq=mid)
-    return (back, front) if back_first else (front, back)
+    front = plan(seg, slice_rows(seg, 0, mid), rule)
+    back = shift(plan(seg, slice_rows(seg, mid, L), rule), dk=mid)
+    return (front, back) if front_first else (back, front)
 
 
 def pack_kv(k: torch.Tensor, v: torch.Tensor, *, seq_dim: int = 1) -> torch.Tensor:

@@ -219,7 +219,7 @@ def schedule(layout: Subchunked, rank: int, seq_len: int, rule: Rule, doc_bounds
         rounds.append(Round(tuple(p for p, _ in held[t]), tuple(rows_of[t][p] for p, _ in held[t]),
                             sum(b - a for a, b in rows_of[t].values()), tasks, _order(kv_in, "src"),
                             _order(kv_out, "dst"), _order(grad_in, "src"), _order(grad_out, "dst")))
-    early, late = split_own(geo.segs[r], rule, back_first=False)
+    early, late = split_own(geo.segs[r], rule, front_first=False)
     return TaspPlan(W, kind, early, late, tuple(rounds))
 
 
