@@ -45,6 +45,32 @@ def test_double_ring_windows_documents_padding_lse_grad(pools):
     assert_all_ok(run_cases(pools(4), cases))
 
 
+@pytest.mark.parametrize("home_rows", [0, 1 << 30], ids=["running-sums", "partials-home"])
+def test_double_ring_both_dkv_paths_match_oracle(pools, home_rows):
+    """The double ring's two dK/dV paths (Note [Double-ring partials home]), each forced on through the pass-KV
+    ``HOME_ROWS``: node sizes 1, 2 and 4 of 4 ranks, causal and not, zigzag, contiguous and balanced documents,
+    windows, padding, GQA and MQA, a head dim of its own for V, bf16 (fp32 and bf16 wires), the lse gradient."""
+    from _workers_ulysses import run_case_home_rows
+
+    from seqpar.testing import check_case
+
+    kw = {"method": M, "seq_len": 32, "heads": 4, "kv_heads": 2, "head_dim": 8}
+    cases = [Case(layout=lay, causal=causal, dtype=dt, options=(("node_size", w),), **kw)
+             for w in (1, 2, 4) for lay in ("zigzag", "contiguous") for causal in (True, False)
+             for dt in ("float32", "bfloat16")]
+    two = (("node_size", 2),)
+    cases += [Case(layout="zigzag", window=(5, 0), options=two, **kw),
+              Case(layout="contiguous", window=(3, 0), options=two, **kw),
+              Case(layout="balanced", cu_seqlens=(0, 5, 13, 14, 32), options=two, **kw),
+              Case(layout="zigzag", causal=False, cu_seqlens=(0, 9, 27), valid_len=27, options=two, **kw),
+              Case(layout="zigzag", valid_len=29, lse_grad=True, dtype="float64", options=two, **kw),
+              Case(layout="zigzag", method=M, seq_len=32, heads=4, kv_heads=1, head_dim=16, value_dim=8,
+                   options=two),
+              Case(layout="zigzag", dtype="bfloat16", options=(*two, ("grad_dtype", torch.bfloat16)), **kw)]
+    pool = pools(4)
+    assert_all_ok([check_case(c, pool.run(run_case_home_rows, home_rows, c)) for c in cases])
+
+
 @pytest.mark.parametrize("options,match", [
     ((), "needs node_size"),
     ((("node_size", 3),), "node_size must be a positive int dividing the group size 4, got 3"),

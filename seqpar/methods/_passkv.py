@@ -41,14 +41,13 @@ import torch
 
 from ..comm.loop import Double, Loop, run_steps
 from ..comm.ring import Exchange, Ring
-from ..kernels import combine
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator, RowSum
 from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, any_visible, plan
 from ..memo import BATCH_ENTRIES, batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
-from ._shared import exact_partial, head_groups, unpack_kv
+from ._shared import exact_partial, head_groups, home_partial, key_hull, land_home, unpack_kv
 
 __all__ = ["BATCH_SCHEDULES", "HeadChunks", "OneRank", "PassKV", "Schedule", "build", "schedule"]
 
@@ -289,7 +288,8 @@ class PassKV:
                     dk.add(t.k, gk)
                     dv.add(t.k, gv)
             else:
-                out[0] = _partial(parts, k.dtype, v.dtype, wire, *self._shape("sent", s, q, k, v)) if parts else None
+                shape = self._shape("sent", s, q, k, v)
+                out[0] = home_partial(parts, k.dtype, v.dtype, wire, *shape) if parts else None
 
         def post(s: int) -> Exchange:
             ex = Exchange(ring.group)
@@ -301,14 +301,14 @@ class PassKV:
 
         def land(s: int) -> None:
             kv.swap()
-            _land(got, dk, dv)
+            land_home(got, dk, dv)
 
         with Loop() as loop:
             run_steps(n, post=post, compute=compute, land=land, loop=loop)
             ex = Exchange(ring.group)
             got[0] = self._return(ex, n - 1, out[0], q, k, v, wire)
             loop.wait(loop.post(ex))
-            _land(got, dk, dv)
+            land_home(got, dk, dv)
         return dq.result(dtypes[0]), dk.result(dtypes[1]), dv.result(dtypes[2])
 
     def _shape(self, which: str, s: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -320,7 +320,7 @@ class PassKV:
             tasks = self.runner.prepare((self.sched.steps if which == "sent" else self.sched.home)[s], q, k)
             exact = tasks and exact_partial(self.runner, tasks, [(t.k_start, t.k_stop) for t in tasks], q, k,
                                             v.shape[-1])
-            self._partials[key] = (_hull(tasks), exact) if tasks else None
+            self._partials[key] = (key_hull(tasks), exact) if tasks else None
         return self._partials[key]
 
     def _return(self, ex: Exchange, t: int, partial, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -345,36 +345,4 @@ class PassKV:
 HOME_ROWS = 8192
 """Local rows up to which the pass-KV backward sends each step's dK/dV partial straight home (Note [Partials
 home]); beyond it the held partials would cost more memory than the running sums' passes cost time."""
-
-
-def _hull(tasks) -> tuple[int, int]:
-    return min(t.k_start for t in tasks), max(t.k_stop for t in tasks)
-
-
-def _partial(parts, kdt: torch.dtype, vdt: torch.dtype, wire: torch.dtype, keys: tuple[int, int], exact: bool):
-    """One step's dK/dV partial over ``keys`` = ``(a, b)``, the hull of its tasks' keys, as ``((a, b), dk rows, dv
-    rows)``: the kernel's own output when one task's output is exact (``PassKV._shape``); else the tasks' outputs
-    summed in one pass (fp32 inside, rows no task covers 0) into buffers of the inputs' dtype when exact, else of
-    the wire's."""
-    a, b = keys
-    if len(parts) == 1 and exact:
-        _, (_, gk, gv) = parts[0]
-        return (a, b), gk.contiguous(), gv.contiguous()
-    bufs = []
-    for i, like in ((1, kdt), (2, vdt)):
-        x = parts[0][1][i]
-        shape = (x.shape[0], b - a, *x.shape[2:])
-        buf = torch.empty(shape, dtype=like if exact else wire, device=x.device)
-        bufs.append(combine.sum_parts([(slice(t.k_start - a, t.k_stop - a), g[i]) for t, g in parts], shape,
-                                      buf.dtype, out=buf))
-    return (a, b), *bufs
-
-
-def _land(got: list, dk: RowSum, dv: RowSum) -> None:
-    """Hold what came home (Note [Partials home]): summed once, with the own block's partials, at the end."""
-    if got[0] is not None:
-        (a, b), bk, bv = got[0]
-        dk.add(slice(a, b), bk)
-        dv.add(slice(a, b), bv)
-        got[0] = None
 

@@ -37,11 +37,13 @@ import itertools
 
 import torch
 
+from ..kernels import combine
+from ..kernels.merge import RowSum
 from ..layouts.blocks import Rule, Segments, Task, plan, slice_rows
 from ..numerics import acc_dtype
 
-__all__ = ["bhs", "bshd", "exact_partial", "head_groups", "hull", "pack_kv", "row_hull", "seq_major", "shift",
-           "split_own", "unpack_kv"]
+__all__ = ["bhs", "bshd", "exact_partial", "head_groups", "home_partial", "hull", "key_hull", "land_home", "pack_kv",
+           "row_hull", "seq_major", "shift", "split_own", "unpack_kv"]
 
 Rows = tuple[int, int] | None
 
@@ -133,3 +135,37 @@ def bshd(x_SBHD: torch.Tensor) -> torch.Tensor:
 def bhs(x_SBH: torch.Tensor) -> torch.Tensor:
     """``(S, B, H)`` -> ``(B, H, S)`` view."""
     return x_SBH.permute(1, 2, 0)
+
+
+def key_hull(tasks) -> tuple[int, int]:
+    """``(first, stop)`` of the key rows the tasks touch."""
+    return min(t.k_start for t in tasks), max(t.k_stop for t in tasks)
+
+
+def home_partial(parts, kdt: torch.dtype, vdt: torch.dtype, wire: torch.dtype, keys: tuple[int, int], exact: bool):
+    """One step's dK/dV partial over ``keys`` = ``(a, b)``, the hull of its tasks' keys, as ``((a, b), dk rows, dv
+    rows)`` (Note [Partials home] in ``_passkv``): the kernel's own output when one task's output is exact
+    (``exact_partial``); else the tasks' outputs summed in one pass (fp32 inside, rows no task covers 0) into
+    buffers of the inputs' dtype when exact, else of the wire's."""
+    a, b = keys
+    if len(parts) == 1 and exact:
+        _, (_, gk, gv) = parts[0]
+        return (a, b), gk.contiguous(), gv.contiguous()
+    bufs = []
+    for i, like in ((1, kdt), (2, vdt)):
+        x = parts[0][1][i]
+        shape = (x.shape[0], b - a, *x.shape[2:])
+        buf = torch.empty(shape, dtype=like if exact else wire, device=x.device)
+        bufs.append(combine.sum_parts([(slice(t.k_start - a, t.k_stop - a), g[i]) for t, g in parts], shape,
+                                      buf.dtype, out=buf))
+    return (a, b), *bufs
+
+
+def land_home(got: list, dk: RowSum, dv: RowSum) -> None:
+    """Hold what came home (``got[0]``: ``((a, b), dk rows, dv rows)`` or None): summed once, with the own block's
+    partials, at the end (Note [Partials home] in ``_passkv``)."""
+    if got[0] is not None:
+        (a, b), bk, bv = got[0]
+        dk.add(slice(a, b), bk)
+        dv.add(slice(a, b), bv)
+        got[0] = None

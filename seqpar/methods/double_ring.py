@@ -24,7 +24,24 @@ Note [Double ring]
     windows comes from (t - 1, p) over the outer link - posted at the start of the pass, added at its
     end (the inter-node gradient transfer hides behind the pass too) - and goes on to (t + 1, p). After
     the last pass the total has visited every window and takes one final hop home, to
-    ((t + 1) mod W_o, (p + 1) mod w). With W_o = 1 this is exactly the ring.
+    ((t + 1) mod W_o, (p + 1) mod w). With W_o = 1 this is exactly the ring. At short chunks the partials go
+    to the pass's first holder instead (Note [Double-ring partials home]).
+
+Note [Double-ring partials home]
+    At most ``HOME_ROWS`` local rows (the ring's threshold, Note [Partials home] in ``_passkv``), dK/dV do not
+    follow their KV around the inner ring as running sums: at inner step s of pass j, rank (t, p)'s partial for
+    the block it holds goes straight to (t, p - s), the rank that began the pass with that block, posted with the
+    next inner hop (in bf16 where exact, ``exact_partial``). That rank holds its block's w partials and, at the
+    pass's end, sums them once with the running total that came over the outer link from (t - 1, p) - which
+    began the previous pass with the same block - into the total it sends on to (t + 1, p); after the last pass
+    the total goes home to (t + 1, p), the block's owner. So the inter-node traffic is the running-sum path's
+    (one total per pass over the outer link) and the partials stay inside the node; what goes is an fp32 pass over
+    the whole block at every inner step (read the sum, read the partial, write the sum) and the add of each pass's
+    sum into the total: probed at 2K tokens per rank over 8 in nodes of 2 (MHA, emulated on an H200), a
+    forward+backward's sums and adds took 0.59 ms of GPU time where the ring's took 0.16
+    (``benchmarks/results/2026-11-26-h100-double-ring-home/probe``). The cost: the last step's partial of each
+    pass crosses one intra-node hop exposed (none at w = 1), and a rank holds its block's partials until the pass
+    ends.
 
 Note [Double ring in a node]
     Nodes are a reading of group ranks, so one host can run a double ring too, and the planner offers one for
@@ -75,10 +92,11 @@ from ..layouts import Layout
 from ..layouts.blocks import Rule, Task, plan
 from ..memo import batch_memo
 from ..numerics import acc_dtype, wire_dtype
-from ._shared import pack_kv, unpack_kv
+from . import _passkv
+from ._shared import exact_partial, home_partial, key_hull, land_home, pack_kv, unpack_kv
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
-__all__ = ["METHOD", "Peers", "node_size_of", "peers", "schedule", "source"]
+__all__ = ["METHOD", "Peers", "home_schedule", "node_size_of", "peers", "schedule", "source"]
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,18 @@ def schedule(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tu
     segs = [layout.segments(i, seq_len).cut(doc_bounds, valid_len) for i in range(W)]
     return tuple(tuple(plan(segs[rank], segs[source(rank, j, s, W, node_size)], rule) for s in range(node_size))
                  for j in range(W // node_size))
+
+
+@batch_memo()
+def home_schedule(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
+                  valid_len: int | None, node_size: int) -> tuple[tuple[tuple[Task, ...], ...], ...]:
+    """``home[j][s]``: the tasks rank ``(t, p + s)`` runs at outer step j, inner step s against the block that
+    began pass j at ``rank`` = (t, p) - what comes home to ``rank`` (Note [Double-ring partials home])."""
+    W, w = layout.world, node_size
+    segs = [layout.segments(i, seq_len).cut(doc_bounds, valid_len) for i in range(W)]
+    t, p = divmod(rank, w)
+    return tuple(tuple(plan(segs[t * w + (p + s) % w], segs[source(rank, j, 0, W, w)], rule) for s in range(w))
+                 for j in range(W // w))
 
 
 _LINKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # never keeps a group alive
@@ -182,6 +212,9 @@ class _Engine:
         self.pr = peers(call.index, call.groups.world, self.w)
         self.runner = TaskRunner.of(call)
         self.grad_dtype = cfg.grad_dtype
+        self.home = home_schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len,
+                                  self.w)
+        self._partials: dict[tuple, tuple[tuple[int, int], bool] | None] = {}
 
     def _groups(self) -> tuple:
         group = self.groups.group
@@ -222,6 +255,8 @@ class _Engine:
         return acc.result(q.dtype)
 
     def backward(self, b: BackwardInputs):
+        if b.k.shape[1] <= _passkv.HOME_ROWS:
+            return self._backward_home(b)
         inner, outer = self._groups()
         q, k, v, rows, lse = b.q, b.k, b.v, b.rows, b.lse
         runner, tasks, pr, me, w, d = self.runner, self.tasks, self.pr, self.rank, self.w, q.shape[-1]
@@ -314,6 +349,106 @@ class _Engine:
         dk, dv = unpack_kv(tot_wire.nxt, d)
         return dq.result(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
+    def _shape(self, which: str, j: int, s: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """``((a, b), exact)`` of pass j, step s's partial - this rank's own ("sent") or the one that comes home
+        ("home") - or None (``PassKV._shape`` in ``_passkv``, per pass); decided on the first call and kept."""
+        key = (which, j, s, q.shape[2], k.shape[2], q.dtype)
+        if key not in self._partials:
+            tasks = self.runner.prepare((self.tasks if which == "sent" else self.home)[j][s], q, k)
+            exact = tasks and exact_partial(self.runner, tasks, [(t.k_start, t.k_stop) for t in tasks], q, k,
+                                            v.shape[-1])
+            self._partials[key] = (key_hull(tasks), exact) if tasks else None
+        return self._partials[key]
+
+    def _backward_home(self, b: BackwardInputs):
+        """The backward with each inner step's dK/dV partial sent to the rank that began the pass with its block
+        (Note [Double-ring partials home])."""
+        inner, outer = self._groups()
+        q, k, v, rows, lse = b.q, b.k, b.v, b.rows, b.lse
+        runner, tasks, pr, me, w, d = self.runner, self.tasks, self.pr, self.rank, self.w, q.shape[-1]
+        acc = acc_dtype(q.dtype)
+        wire = wire_dtype(self.grad_dtype, q.dtype)
+        t_, p_ = divmod(me, w)
+        up = [t_ * w + (p_ - s) % w for s in range(w)]           # whose block this rank computes at step s
+        down = [t_ * w + (p_ + s) % w for s in range(w)]         # who computes ours at step s
+        dq = RowSum(q.shape, acc, q.device)
+        cur = Double(pack_kv(k, v))
+        x = Double(torch.empty_like(cur.cur))
+        total_in = [torch.empty(y.shape, dtype=wire, device=q.device) for y in (k, v)]
+        total: list = [None, None]          # the block's running total over windows (wire dtype), sent on
+        with Loop() as loop:
+            for j in range(len(tasks)):
+                if j > 0:
+                    cur.swap()
+                ex = Exchange(outer)
+                if j + 1 < len(tasks):
+                    _p2p(ex, me, cur.cur, pr.outer_next, cur.nxt, pr.outer_prev)
+                if j > 0:                   # the running total of the block we begin this pass with
+                    for tot, into in zip(total, total_in):
+                        _p2p(ex, me, tot, pr.outer_next, into, pr.outer_prev)
+                outer_h = loop.post(ex)
+                held = [cur.cur]
+                sums = [RowSum(y.shape, acc, q.device) for y in (k, v)]     # this pass's block: dK, dV
+                out: list = [None]          # step s's partial, sent at step s + 1
+                got: list = [None]          # the receipt in flight
+
+                def compute(s: int, j=j, held=held, sums=sums, out=out) -> None:
+                    kc, vc = unpack_kv(held[0], d)
+                    parts = [(t, runner.backward(rows, q, kc, vc, lse, t)) for t in runner.prepare(tasks[j][s], q, kc)]
+                    for t, (gq, _, _) in parts:
+                        dq.add(t.q, gq, t.covered)
+                    if s == 0:              # the block we began the pass with: its partials stay
+                        for t, (_, gk, gv) in parts:
+                            sums[0].add(t.k, gk)
+                            sums[1].add(t.k, gv)
+                    else:
+                        shape = self._shape("sent", j, s, q, k, v)
+                        out[0] = home_partial(parts, k.dtype, v.dtype, wire, *shape) if parts else None
+
+                def send_home(ex: Exchange, s: int, j=j, out=out, got=got) -> Exchange:
+                    """Step s's partial to the rank that began the pass with its block, ours from step s's holder."""
+                    if out[0] is not None:
+                        _, pk, pv = out[0]
+                        ex.send(pk, up[s]).send(pv, up[s])
+                        out[0] = None
+                    theirs = self._shape("home", j, s, q, k, v)
+                    if theirs is not None:
+                        (a, b_), exact = theirs
+                        bufs = [torch.empty(y.shape[0], b_ - a, *y.shape[2:], dtype=y.dtype if exact else wire,
+                                            device=y.device) for y in (k, v)]
+                        for buf in bufs:
+                            ex.recv(buf, down[s])
+                        got[0] = ((a, b_), *bufs)
+                    return ex
+
+                def post(s: int, held=held, send_home=send_home) -> Exchange:
+                    ex = Exchange(inner)
+                    if s + 1 < w:
+                        _p2p(ex, me, held[0], pr.inner_next, x.nxt, pr.inner_prev)
+                    if s >= 2:
+                        send_home(ex, s - 1)
+                    return ex
+
+                def land(s: int, held=held, sums=sums, got=got) -> None:
+                    if s + 1 < w:
+                        x.swap()
+                        held[0] = x.cur
+                    land_home(got, *sums)
+
+                run_steps(w, post=post, compute=compute, land=land, loop=loop)
+                if w > 1:                   # the last step's partial: one exposed hop inside the node
+                    loop.wait(loop.post(send_home(Exchange(inner), w - 1)))
+                    land_home(got, *sums)
+                loop.wait(outer_h)
+                if j > 0:
+                    for acc_sum, into in zip(sums, total_in):
+                        acc_sum.add(slice(0, into.shape[1]), into)
+                total = [acc_sum.result(wire) for acc_sum in sums]
+            home = Exchange(outer)          # the total of the block that began the last pass here goes home
+            for tot, into in zip(total, total_in):
+                _p2p(home, me, tot, pr.outer_next, into, pr.outer_prev)
+            loop.wait(loop.post(home))
+        return dq.result(q.dtype), total_in[0].to(k.dtype), total_in[1].to(v.dtype)
 
 def _check(call: Call) -> None:
     node_size_of(call.cfg, call.groups.world)
