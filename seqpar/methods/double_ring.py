@@ -39,7 +39,7 @@ Note [Double-ring partials home]
     the whole block at every inner step (read the sum, read the partial, write the sum) and the add of each pass's
     sum into the total: probed at 2K tokens per rank over 8 in nodes of 2 (MHA, emulated on an H200), a
     forward+backward's sums and adds took 0.59 ms of GPU time where the ring's took 0.16
-    (``benchmarks/results/2026-11-26-h100-double-ring-home/probe``). The cost: the last step's partial of each
+    (``benchmarks/results/2026-11-26-double-ring-home/probe-h200``). The cost: the last step's partial of each
     pass crosses one intra-node hop exposed (none at w = 1), and a rank holds its block's partials until the pass
     ends.
 
