@@ -28,7 +28,8 @@ Note [Hiding the tail]
     (``split_own``): for a causal block each part is one top-left causal kernel call, where halves of the
     query rows took three calls between them (the back rows' diagonal sits at an offset, which cuDNN
     cannot align) - each call of a backward also runs cuDNN's passes over its query rows (dO . O, dQ's
-    conversion), and at 2K tokens per rank the extra call cost TokenRing and TASP a few percent.
+    conversion): TokenRing's and TASP's forward+backward at 2K-4K tokens per rank took 0.5-2% less time
+    emulated on an H100 (``benchmarks/results/2026-11-26-h100-own-split-keys``).
 """
 
 from __future__ import annotations

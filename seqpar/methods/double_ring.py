@@ -216,6 +216,16 @@ class _Engine:
                                   self.w)
         self._partials: dict[tuple, tuple[tuple[int, int], bool] | None] = {}
 
+    def _begin_pass(self, outer, j: int, cur: Double) -> Exchange:
+        """A backward pass's start: ``cur`` becomes the block that arrived over the outer link (j > 0), and its
+        hand-off to (t + 1, p) is queued on an exchange of ``outer`` (not on the last pass), returned uncommitted."""
+        if j > 0:
+            cur.swap()
+        ex = Exchange(outer)
+        if j + 1 < len(self.tasks):
+            _p2p(ex, self.rank, cur.cur, self.pr.outer_next, cur.nxt, self.pr.outer_prev)
+        return ex
+
     def _groups(self) -> tuple:
         group = self.groups.group
         return _links(group) if dist.get_world_size(group) > 1 else (group, group)
@@ -275,11 +285,7 @@ class _Engine:
         grads: list = []
         with Loop() as loop:
             for j in range(len(tasks)):
-                if j > 0:
-                    cur.swap()
-                ex = Exchange(outer)
-                if j + 1 < len(tasks):
-                    _p2p(ex, me, cur.cur, pr.outer_next, cur.nxt, pr.outer_prev)
+                ex = self._begin_pass(outer, j, cur)
                 if j > 0:                                 # the running total of the block we will end with
                     if apart:
                         tot_wire.cur.copy_(total)
@@ -378,11 +384,7 @@ class _Engine:
         total: list = [None, None]          # the block's running total over windows (wire dtype), sent on
         with Loop() as loop:
             for j in range(len(tasks)):
-                if j > 0:
-                    cur.swap()
-                ex = Exchange(outer)
-                if j + 1 < len(tasks):
-                    _p2p(ex, me, cur.cur, pr.outer_next, cur.nxt, pr.outer_prev)
+                ex = self._begin_pass(outer, j, cur)
                 if j > 0:                   # the running total of the block we begin this pass with
                     for tot, into in zip(total, total_in):
                         _p2p(ex, me, tot, pr.outer_next, into, pr.outer_prev)
