@@ -34,7 +34,8 @@ Note [Double-ring partials home]
     next inner hop (in bf16 where exact, ``exact_partial``). That rank holds its block's w partials and, at the
     pass's end, sums them once with the running total that came over the outer link from (t - 1, p) - which
     began the previous pass with the same block - into the total it sends on to (t + 1, p); after the last pass
-    the total goes home to (t + 1, p), the block's owner. So the inter-node traffic is the running-sum path's
+    the total goes home to (t + 1, p), the block's owner, in the inputs' dtype (rounded once, where the owner
+    used to receive fp32 and cast). So the inter-node traffic is the running-sum path's
     (one total per pass over the outer link) and the partials stay inside the node; what goes is an fp32 pass over
     the whole block at every inner step (read the sum, read the partial, write the sum) and the add of each pass's
     sum into the total: probed at 2K tokens per rank over 8 in nodes of 2 (MHA, emulated on an H200), a
@@ -445,12 +446,14 @@ class _Engine:
                 if j > 0:
                     for acc_sum, into in zip(sums, total_in):
                         acc_sum.add(slice(0, into.shape[1]), into)
-                total = [acc_sum.result(wire) for acc_sum in sums]
+                last = j + 1 == len(tasks)      # the final total goes home in the inputs' dtype: the same rounding
+                total = [acc_sum.result(y.dtype if last else wire) for acc_sum, y in zip(sums, (k, v))]
             home = Exchange(outer)          # the total of the block that began the last pass here goes home
-            for tot, into in zip(total, total_in):
+            dk, dv = (torch.empty(y.shape, dtype=y.dtype, device=y.device) for y in (k, v))
+            for tot, into in zip(total, (dk, dv)):
                 _p2p(home, me, tot, pr.outer_next, into, pr.outer_prev)
             loop.wait(loop.post(home))
-        return dq.result(q.dtype), total_in[0].to(k.dtype), total_in[1].to(v.dtype)
+        return dq.result(q.dtype), dk, dv
 
 def _check(call: Call) -> None:
     node_size_of(call.cfg, call.groups.world)
