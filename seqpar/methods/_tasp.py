@@ -35,7 +35,10 @@ Note [TASP sums]
     buffer (``sum_parts(out=)``: rows no task covers zero) before the relayed arrivals are added, where every
     task used to add into zeroed fp32 accumulators - element-wise passes of the size of the attention kernels'
     own work at 2K tokens per rank (the same change took TokenRing's forward+backward from 0.44 to 0.49 there,
-    Note [Pass-Q sums] in ``_passq``).
+    Note [Pass-Q sums] in ``_passq``). The partials that come home are held the same way: each round's land in a
+    buffer of their own, each run of adjacent rows one partial, and this rank's dK and dV are summed once with its
+    own block's partials - where every arriving piece was added into an fp32 dK/dV (at 2K tokens per rank over 8,
+    56 small adds a backward). Held partials fold into a running sum past ``DEFER_BYTES``, as every held sum does.
 """
 
 from __future__ import annotations
@@ -168,6 +171,17 @@ def _coalesce(tasks: list[Task]) -> tuple[Task, ...]:
     return tuple(out)
 
 
+def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` of rows (disjoint) joined where they touch, in order."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
 def _order(hops: list[Hop], peer: str) -> tuple[Hop, ...]:
     """Messages of one link in one order on both ends: by peer, then by the piece's first position."""
     return tuple(sorted(hops, key=lambda h: (getattr(h, peer), h.piece.start)))
@@ -284,7 +298,7 @@ class Tasp:
         tp, runner, W, d = self.tp, self.runner, self.tp.world, q.shape[-1]
         acc = acc_dtype(q.dtype)
         dq = RowSum(q.shape, acc, q.device)       # fresh partials, summed once (Note [TASP sums])
-        own_dkv = torch.zeros(k.shape[1], k.shape[0], k.shape[2], d + v.shape[-1], dtype=acc, device=q.device)
+        dk_sum, dv_sum = RowSum(k.shape, acc, q.device), RowSum(v.shape, acc, q.device)   # and our own dK, dV
 
         def grads(tasks, kb, vb):
             for t in runner.prepare(tasks, q, kb):
@@ -292,11 +306,10 @@ class Tasp:
                 dq.add(t.q, gq, t.covered)
                 yield t, gk, gv
 
-        def run(tasks, kb, vb, dkv) -> None:
-            dkb, dvb = (bshd(x) for x in unpack_kv(dkv, d))
-            for t, gk, gv in grads(tasks, kb, vb):
-                dkb[:, t.k] += gk
-                dvb[:, t.k] += gv
+        def run_own(tasks) -> None:
+            for t, gk, gv in grads(tasks, k, v):
+                dk_sum.add(t.k, gk)
+                dv_sum.add(t.k, gv)
 
         def round_sums(tasks, kb, vb, dkv) -> None:
             """A round's dK/dV written once into its (fp32) buffer rows: no zeroing, no adds."""
@@ -305,15 +318,15 @@ class Tasp:
                 combine.sum_parts([(p[0], p[i]) for p in parts], tuple(view.shape), acc, out=view)
 
         if W == 1:
-            run(tp.early + tp.late, k, v, own_dkv)
-            dk, dv = (bshd(x) for x in unpack_kv(own_dkv, d))
-            return dq.result(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+            run_own(tp.early + tp.late)
+            return dq.result(q.dtype), dk_sum.result(k.dtype), dv_sum.result(v.dtype)
         own = pack_kv(seq_major(k), seq_major(v), seq_dim=0)
         bufs = [torch.empty_like(own), torch.empty_like(own)]
         wire = wire_dtype(self.grad_dtype, q.dtype)
         sums = [torch.empty(own.shape, dtype=acc, device=q.device) for _ in range(2)]   # round t's dK/dV, fp32
         send = torch.empty(own.shape, dtype=wire, device=q.device) if wire != acc else None
-        gin = torch.empty(own.shape, dtype=wire, device=q.device)
+        gin = torch.empty(own.shape, dtype=wire, device=q.device)       # relayed partials (cycles)
+        came: dict[int, torch.Tensor] = {}                                 # round t's partials home, held
 
         def post_grads(ex: Exchange, t: int) -> None:
             """Round t's partials to their next holder or origin, and the receipt of ours."""
@@ -323,14 +336,24 @@ class Tasp:
                 src = send
             for h in rd.grad_out:
                 ex.send(src[h.src_rows[0]:h.src_rows[1]], h.dst)
+            if any(h.home for h in rd.grad_in):
+                came[t] = torch.empty(own.shape, dtype=wire, device=q.device)
             for h in rd.grad_in:
-                ex.recv(gin[h.dst_rows[0]:h.dst_rows[1]], h.src)
+                ex.recv((came[t] if h.home else gin)[h.dst_rows[0]:h.dst_rows[1]], h.src)
 
         def apply_grads(t: int) -> None:
-            """Add round t's arrivals: home ones into our own dK/dV, relayed ones into round t+1's sums."""
-            for h in self._round(t).grad_in:
-                a, b = h.dst_rows
-                (own_dkv if h.home else sums[(t + 1) % 2])[a:b] += gin[a:b]
+            """Round t's arrivals: relayed ones added into round t+1's sums, home ones held for our dK/dV's one sum
+            (each run of adjacent rows one partial: Note [TASP sums])."""
+            rd = self._round(t)
+            for h in rd.grad_in:
+                if not h.home:
+                    a, b = h.dst_rows
+                    sums[(t + 1) % 2][a:b] += gin[a:b]
+            if t in came:
+                gk, gv = (bshd(x) for x in unpack_kv(came.pop(t), d))
+                for a, b in _runs([h.dst_rows for h in rd.grad_in if h.home]):
+                    dk_sum.add(slice(a, b), gk[:, a:b])
+                    dv_sum.add(slice(a, b), gv[:, a:b])
 
         def post(s: int):
             ex = Exchange(self.group)
@@ -342,7 +365,7 @@ class Tasp:
 
         def compute(s: int) -> None:
             if s == 0:
-                run(tp.early, k, v, own_dkv)
+                run_own(tp.early)
                 return
             kb, vb = (bshd(x) for x in unpack_kv(bufs[s % 2], d))
             round_sums(self._round(s).tasks, kb, vb, sums[s % 2][: self._round(s).rows])
@@ -356,8 +379,7 @@ class Tasp:
             ex = Exchange(self.group)             # the last partials go home, behind the own block's rest
             post_grads(ex, W - 1)
             handles = loop.post(ex)
-            run(tp.late, k, v, own_dkv)
+            run_own(tp.late)
             loop.wait(handles)
             apply_grads(W - 1)
-        dk, dv = (bshd(x) for x in unpack_kv(own_dkv, d))
-        return dq.result(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+        return dq.result(q.dtype), dk_sum.result(k.dtype), dv_sum.result(v.dtype)
