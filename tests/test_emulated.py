@@ -102,6 +102,30 @@ def test_ring_family_step_program(fake_world, counts, method, layout, world):
     assert counts["sum_once"] == (3 if method == "ring" else 2 * (world // 2) + 1), counts
 
 
+@pytest.mark.parametrize("node_size,dtype,path", [
+    (1, torch.bfloat16, "_backward_owner"), (2, torch.bfloat16, "_backward_owner"),
+    (4, torch.bfloat16, "_backward_home"), (2, torch.float32, "_backward_home")])
+def test_double_ring_backward_path(fake_world, monkeypatch, node_size, dtype, path):
+    """Note [Double-ring partials home]: at short chunks the partials go straight to their owners where a pass's w
+    of them in the inputs' dtype weigh no more than the fp32 total they replace on the outer link (nodes of 1 or 2,
+    bf16), else to the pass's first holder; one path on every rank, whatever each rank's steps hold."""
+    from seqpar.methods import double_ring
+
+    taken = []
+    for name in ("_backward_owner", "_backward_home"):
+        fn = getattr(double_ring._Engine, name)
+        monkeypatch.setattr(double_ring._Engine, name, lambda self, b, fn=fn, name=name: taken.append(name) or fn(
+            self, b))
+    for rank in (0, 3):
+        _call.cache_clear()                     # a planned call holds the group of the world before
+        fake_world(4, rank=rank)
+        q, k, v = (torch.randn(1, 16, h, 16, dtype=dtype, requires_grad=True) for h in (4, 2, 2))
+        out = seqpar.attention(q, k, v, method="double_ring", layout="contiguous", causal=True, check_ranks=False,
+                               kernel="reference", node_size=node_size)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert taken == [path, path], taken
+
+
 @pytest.mark.parametrize("method,layout", [("tasp", "zigzag"), ("ulysses", None), ("usp", "zigzag")])
 def test_other_methods_merge_once(fake_world, counts, method, layout):
     """TASP, Ulysses and USP merge their partials once per call, whatever the step count."""

@@ -47,7 +47,7 @@ from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, any_visible, plan
 from ..memo import BATCH_ENTRIES, batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
-from ._shared import exact_partial, head_groups, home_partial, key_hull, land_home, unpack_kv
+from ._shared import exact_partial, head_groups, home_partial, key_hull, land_home, swap_partial, unpack_kv
 
 __all__ = ["BATCH_SCHEDULES", "HeadChunks", "OneRank", "PassKV", "Schedule", "build", "schedule"]
 
@@ -328,19 +328,8 @@ class PassKV:
         """Queue step t's partial to its block's owner (t ranks upstream) and the receipt of this rank's own from t
         ranks downstream, whose rows and dtypes come from the sender's tasks (the same plan on both ends); returns
         the receipt's ``((a, b), dk buffer, dv buffer)`` or None."""
-        if partial is not None:
-            _, pk, pv = partial
-            ex.send(pk, self.ring.peer(-t)).send(pv, self.ring.peer(-t))
-        theirs = self._shape("home", t, q, k, v)
-        if theirs is None:
-            return None
-        (a, b), exact = theirs
-        bufs = [torch.empty(x.shape[0], b - a, *x.shape[2:], dtype=x.dtype if exact else wire, device=x.device)
-                for x in (k, v)]
-        for x in bufs:
-            ex.recv(x, self.ring.peer(t))
-        return (a, b), *bufs
-
+        return swap_partial(ex, partial, self.ring.peer(-t), self._shape("home", t, q, k, v), self.ring.peer(t), k, v,
+                            wire)
 
 HOME_ROWS = 8192
 """Local rows up to which the pass-KV backward sends each step's dK/dV partial straight home (Note [Partials

@@ -44,7 +44,7 @@ from ..layouts.blocks import Rule, Segments, Task, plan, slice_rows
 from ..numerics import acc_dtype
 
 __all__ = ["bhs", "bshd", "exact_partial", "head_groups", "home_partial", "hull", "key_hull", "land_home", "pack_kv",
-           "row_hull", "seq_major", "shift", "split_own", "unpack_kv"]
+           "row_hull", "seq_major", "shift", "split_own", "swap_partial", "unpack_kv"]
 
 Rows = tuple[int, int] | None
 
@@ -159,6 +159,23 @@ def home_partial(parts, kdt: torch.dtype, vdt: torch.dtype, wire: torch.dtype, k
         buf = torch.empty(shape, dtype=like if exact else wire, device=x.device)
         bufs.append(combine.sum_parts([(slice(t.k_start - a, t.k_stop - a), g[i]) for t, g in parts], shape,
                                       buf.dtype, out=buf))
+    return (a, b), *bufs
+
+
+def swap_partial(ex, partial, to: int, theirs, frm: int, k: torch.Tensor, v: torch.Tensor, wire: torch.dtype):
+    """Queue a step's dK/dV partial (``home_partial``'s form, or None) to rank ``to`` on exchange ``ex``, and the
+    receipt of this rank's own from ``frm``: ``theirs`` is its ``((a, b), exact)`` - the rows and dtype both ends
+    plan from the sender's tasks - or None (nothing comes). Returns the receipt's form or None."""
+    if partial is not None:
+        _, pk, pv = partial
+        ex.send(pk, to).send(pv, to)
+    if theirs is None:
+        return None
+    (a, b), exact = theirs
+    bufs = [torch.empty(x.shape[0], b - a, *x.shape[2:], dtype=x.dtype if exact else wire, device=x.device)
+            for x in (k, v)]
+    for x in bufs:
+        ex.recv(x, frm)
     return (a, b), *bufs
 
 

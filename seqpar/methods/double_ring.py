@@ -44,6 +44,14 @@ Note [Double-ring partials home]
     pass crosses one intra-node hop exposed (none at w = 1), and a rank holds its block's partials until the pass
     ends.
 
+    Where a pass's w partials in the inputs' dtype weigh no more than the total in the wire's dtype they replace
+    on the outer link (``_straight_home``: nodes of 1 or 2 with bf16 inputs and the default fp32 wire), even the
+    per-pass sums go: every step's partial goes straight to its block's owner (``computer`` is ``source``'s
+    inverse: whose partial comes home at each step), one step later, and the owner sums its W partials once - the
+    ring's backward (Note [Partials home]) on the double ring's KV movement, with no more bytes crossing nodes
+    than the totals carried. The choice rests on facts every rank shares (w and dtypes, not a partial's
+    exactness, which is per rank); a partial that is not exact travels in the wire's dtype.
+
 Note [Double ring in a node]
     Nodes are a reading of group ranks, so one host can run a double ring too, and the planner offers one for
     every divisor of W when the group fits in one node. On four H200s (NVLink all-to-all, 2026-11-26, two runs)
@@ -94,10 +102,10 @@ from ..layouts.blocks import Rule, Task, plan
 from ..memo import batch_memo
 from ..numerics import acc_dtype, wire_dtype
 from . import _passkv
-from ._shared import exact_partial, home_partial, key_hull, land_home, pack_kv, unpack_kv
+from ._shared import exact_partial, home_partial, key_hull, land_home, pack_kv, swap_partial, unpack_kv
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
-__all__ = ["METHOD", "Peers", "home_schedule", "node_size_of", "peers", "schedule", "source"]
+__all__ = ["METHOD", "Peers", "computer", "home_schedule", "node_size_of", "peers", "schedule", "source"]
 
 
 @dataclass(frozen=True)
@@ -139,15 +147,29 @@ def schedule(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tu
                  for j in range(W // node_size))
 
 
+def computer(rank: int, j: int, s: int, world: int, node_size: int) -> int:
+    """The rank that computes against ``rank``'s block at outer step j, inner step s (``source``'s inverse)."""
+    w, n_out = node_size, world // node_size
+    t, p = divmod(rank, w)
+    return ((t + j) % n_out) * w + (p + s) % w
+
+
 @batch_memo()
 def home_schedule(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
-                  valid_len: int | None, node_size: int) -> tuple[tuple[tuple[Task, ...], ...], ...]:
-    """``home[j][s]``: the tasks rank ``(t, p + s)`` runs at outer step j, inner step s against the block that
-    began pass j at ``rank`` = (t, p) - what comes home to ``rank`` (Note [Double-ring partials home])."""
+                  valid_len: int | None, node_size: int, to: str) -> tuple[tuple[tuple[Task, ...], ...], ...]:
+    """``home[j][s]``: the tasks whose partials come to ``rank`` = (t, p) at outer step j, inner step s (Note
+    [Double-ring partials home]): ``to="starter"``, what (t, p + s) runs against the block that began pass j here;
+    ``to="owner"``, what ``computer`` runs against this rank's own block."""
     W, w = layout.world, node_size
     segs = [layout.segments(i, seq_len).cut(doc_bounds, valid_len) for i in range(W)]
     t, p = divmod(rank, w)
-    return tuple(tuple(plan(segs[t * w + (p + s) % w], segs[source(rank, j, 0, W, w)], rule) for s in range(w))
+
+    def pair(j: int, s: int) -> tuple[int, int]:
+        if to == "owner":
+            return computer(rank, j, s, W, w), rank
+        return t * w + (p + s) % w, source(rank, j, 0, W, w)
+
+    return tuple(tuple(plan(segs[a], segs[b], rule) for a, b in (pair(j, s) for s in range(w)))
                  for j in range(W // w))
 
 
@@ -213,8 +235,8 @@ class _Engine:
         self.pr = peers(call.index, call.groups.world, self.w)
         self.runner = TaskRunner.of(call)
         self.grad_dtype = cfg.grad_dtype
-        self.home = home_schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len,
-                                  self.w)
+        self.home = {to: home_schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens,
+                                       cfg.valid_len, self.w, to) for to in ("starter", "owner")}
         self._partials: dict[tuple, tuple[tuple[int, int], bool] | None] = {}
 
     def _begin_pass(self, outer, j: int, cur: Double) -> Exchange:
@@ -267,6 +289,8 @@ class _Engine:
 
     def backward(self, b: BackwardInputs):
         if b.k.shape[1] <= _passkv.HOME_ROWS:
+            if self._straight_home(b.q, b.k):
+                return self._backward_owner(b)
             return self._backward_home(b)
         inner, outer = self._groups()
         q, k, v, rows, lse = b.q, b.k, b.v, b.rows, b.lse
@@ -358,10 +382,11 @@ class _Engine:
 
     def _shape(self, which: str, j: int, s: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """``((a, b), exact)`` of pass j, step s's partial - this rank's own ("sent") or the one that comes home
-        ("home") - or None (``PassKV._shape`` in ``_passkv``, per pass); decided on the first call and kept."""
+        ("starter", "owner": ``home_schedule``) - or None (``PassKV._shape`` in ``_passkv``, per pass); decided on the
+        first call and kept."""
         key = (which, j, s, q.shape[2], k.shape[2], q.dtype)
         if key not in self._partials:
-            tasks = self.runner.prepare((self.tasks if which == "sent" else self.home)[j][s], q, k)
+            tasks = self.runner.prepare((self.tasks if which == "sent" else self.home[which])[j][s], q, k)
             exact = tasks and exact_partial(self.runner, tasks, [(t.k_start, t.k_stop) for t in tasks], q, k,
                                             v.shape[-1])
             self._partials[key] = (key_hull(tasks), exact) if tasks else None
@@ -410,18 +435,9 @@ class _Engine:
 
                 def send_home(ex: Exchange, s: int, j=j, out=out, got=got) -> Exchange:
                     """Step s's partial to the rank that began the pass with its block, ours from step s's holder."""
-                    if out[0] is not None:
-                        _, pk, pv = out[0]
-                        ex.send(pk, up[s]).send(pv, up[s])
-                        out[0] = None
-                    theirs = self._shape("home", j, s, q, k, v)
-                    if theirs is not None:
-                        (a, b_), exact = theirs
-                        bufs = [torch.empty(y.shape[0], b_ - a, *y.shape[2:], dtype=y.dtype if exact else wire,
-                                            device=y.device) for y in (k, v)]
-                        for buf in bufs:
-                            ex.recv(buf, down[s])
-                        got[0] = ((a, b_), *bufs)
+                    got[0] = swap_partial(ex, out[0], up[s], self._shape("starter", j, s, q, k, v), down[s], k, v,
+                                          wire)
+                    out[0] = None
                     return ex
 
                 def post(s: int, held=held, send_home=send_home) -> Exchange:
@@ -454,6 +470,77 @@ class _Engine:
                 _p2p(home, me, tot, pr.outer_next, into, pr.outer_prev)
             loop.wait(loop.post(home))
         return dq.result(q.dtype), dk, dv
+
+    def _straight_home(self, q: torch.Tensor, k: torch.Tensor) -> bool:
+        """Whether every partial goes straight to its block's owner (Note [Double-ring partials home]): when a
+        pass's w partials in the inputs' dtype weigh no more than the one total in the wire's dtype they replace on
+        the outer link - nodes of 1 or 2 with bf16 inputs and an fp32 wire. Decided from facts every rank shares
+        (a partial's exactness is per rank), so every rank takes the same path."""
+        return self.w * k.dtype.itemsize <= wire_dtype(self.grad_dtype, q.dtype).itemsize
+
+    def _backward_owner(self, b: BackwardInputs):
+        """The backward with every step's dK/dV partial sent straight to its block's owner and summed there once, as
+        the ring's (Note [Double-ring partials home])."""
+        inner, outer = self._groups()
+        q, k, v, rows, lse = b.q, b.k, b.v, b.rows, b.lse
+        runner, tasks, pr, me, w, d = self.runner, self.tasks, self.pr, self.rank, self.w, q.shape[-1]
+        W = len(tasks) * w
+        acc = acc_dtype(q.dtype)
+        wire = wire_dtype(self.grad_dtype, q.dtype)
+        dq, dk, dv = (RowSum(x.shape, acc, q.device) for x in (q, k, v))
+        cur = Double(pack_kv(k, v))
+        x = Double(torch.empty_like(cur.cur))
+        out: list = [None]                  # the last step's partial ((a, b), dk rows, dv rows), sent one step later
+        got: list = [None]                  # the receipt in flight, the same form
+        pending: list = [None]              # (j, s) of the step whose partial goes next
+
+        def send_home() -> Exchange | None:
+            """The pending step's partial to its block's owner, and ours from the rank that computed it then."""
+            if pending[0] is None:
+                return None
+            j, s = pending[0]
+            ex = Exchange(outer)
+            got[0] = swap_partial(ex, out[0], source(me, j, s, W, w), self._shape("owner", j, s, q, k, v),
+                                  computer(me, j, s, W, w), k, v, wire)
+            out[0] = pending[0] = None
+            return ex
+
+        with Loop() as loop:
+            for j in range(len(tasks)):
+                outer_h = loop.post(self._begin_pass(outer, j, cur))
+                held = [cur.cur]
+
+                def compute(s: int, j=j, held=held) -> None:
+                    kc, vc = unpack_kv(held[0], d)
+                    parts = [(t, runner.backward(rows, q, kc, vc, lse, t)) for t in runner.prepare(tasks[j][s], q, kc)]
+                    for t, (gq, _, _) in parts:
+                        dq.add(t.q, gq, t.covered)
+                    if j == 0 and s == 0:       # the own block
+                        for t, (_, gk, gv) in parts:
+                            dk.add(t.k, gk)
+                            dv.add(t.k, gv)
+                        return
+                    shape = self._shape("sent", j, s, q, k, v)
+                    out[0] = home_partial(parts, k.dtype, v.dtype, wire, *shape) if parts else None
+                    pending[0] = (j, s)
+
+                def post(s: int, held=held) -> list:
+                    hs = [send_home()]
+                    if s + 1 < w:
+                        hs.append(_p2p(Exchange(inner), me, held[0], pr.inner_next, x.nxt, pr.inner_prev))
+                    return hs
+
+                def land(s: int, held=held) -> None:
+                    if s + 1 < w:
+                        x.swap()
+                        held[0] = x.cur
+                    land_home(got, dk, dv)
+
+                run_steps(w, post=post, compute=compute, land=land, loop=loop)
+                loop.wait(outer_h)
+            loop.wait(loop.post(send_home()))   # the last step's partial
+            land_home(got, dk, dv)
+        return dq.result(q.dtype), dk.result(k.dtype), dv.result(v.dtype)
 
 def _check(call: Call) -> None:
     node_size_of(call.cfg, call.groups.world)
