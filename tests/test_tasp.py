@@ -55,15 +55,38 @@ def test_uneven_sub_chunks_are_a_row_apart():
         assert piece[0][0] in (0, 1024) and all(x[1] == y[0] for x, y in itertools.pairwise(piece))
 
 
-def test_slowest_rank_is_one_with_two_calls_a_round():
+def test_slowest_rank_is_one_with_the_most_calls():
     """Zigzag gives TASP's ranks the same pairs but not the same calls: the bench emulates a rank between the
-    ends (``Method.slowest_rank``); without a mask every rank runs one call a round and the first ties win."""
+    ends (``Method.slowest_rank``), the one with the most calls over its forward and backward - at 2K tokens per
+    rank over 8 the middle one, its forward gathering the fewest rounds (Note [TASP forward at short chunks]);
+    without a mask every rank runs one call a round and the first ties win."""
     from seqpar.layouts import Rule
     from seqpar.methods import get
 
     slowest = get(M).slowest_rank
-    assert slowest("zigzag", 8, 16384, Rule(True)) == 1 and slowest("zigzag", 4, 16384, Rule(True)) == 1
+    assert slowest("zigzag", 8, 16384, Rule(True)) == 3 and slowest("zigzag", 4, 16384, Rule(True)) == 1
+    assert slowest("zigzag", 8, 1 << 17, Rule(True)) == 1                  # 16K per rank: no gathering
     assert slowest("contiguous", 8, 16384, Rule(False)) == 0
+
+
+def test_gathered_forward_joins_thin_rounds():
+    """Note [TASP forward at short chunks]: at 2K tokens per rank over 8, rank 1's all-query pieces (146 keys a
+    round) run as one call over the rounds, its back-query pieces one call a round; every key row of the buffer is
+    some call's, once per query range; longer chunks and the cycles keep the rounds' own calls."""
+    from seqpar.layouts import Rule
+    from seqpar.methods import _tasp, tasp
+
+    layout, _ = tasp._placement("zigzag", tasp.GroupSizes(8))
+    tp = _tasp.schedule(layout, 1, 16384, Rule(True), None, None, "direct")
+    g = tp.gathered
+    assert [len(ts) for ts in g.tasks] == [1] * 6 + [2]
+    front = [t for ts in g.tasks for t in ts if t.q == slice(0, 2048)]
+    assert len(front) == 1 and front[0].cols == sum(p.rows[1] - p.rows[0] for rd in tp.rounds for p in rd.held
+                                                    if p.origin == 0)
+    cover = sorted((t.k_start, t.k_stop) for ts in g.tasks for t in ts)
+    assert cover[0][0] == 0 and cover[-1][1] == g.rows and all(a[1] == b[0] for a, b in itertools.pairwise(cover))
+    assert _tasp.schedule(layout, 1, 1 << 17, Rule(True), None, None, "direct").gathered is None
+    assert _tasp.schedule(layout, 1, 16384, Rule(True), None, None, "cycles").gathered is None
 
 
 @pytest.mark.parametrize("schedule", ["direct", "cycles"])

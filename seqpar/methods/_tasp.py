@@ -53,13 +53,14 @@ from ..comm.ring import Exchange
 from ..kernels import combine
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator, RowSum
-from ..layouts.blocks import Rule, Task, plan, slice_rows
+from ..layouts.blocks import Band, Rule, Task, plan, slice_rows
 from ..layouts.subchunks import Subchunked
 from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
+from . import _passkv
 from ._shared import bshd, pack_kv, seq_major, split_own, unpack_kv
 
-__all__ = ["Hop", "Piece", "Round", "Tasp", "TaspPlan", "schedule"]
+__all__ = ["Gathered", "Hop", "Piece", "Round", "Tasp", "TaspPlan", "schedule"]
 
 
 @dataclass(frozen=True)
@@ -114,14 +115,27 @@ class Round:
 
 
 @dataclass(frozen=True)
+class Gathered:
+    """The forward at short chunks (Note [TASP forward at short chunks]): every round's pieces land in one buffer of
+    ``rows`` rows. ``kv_rows[t - 1]``: where round t's ``kv_in`` hops land, in their order; ``tasks[t - 1]``: the
+    calls that run once round t has arrived, key rows in the buffer."""
+
+    rows: int
+    kv_rows: tuple[tuple[tuple[int, int], ...], ...]
+    tasks: tuple[tuple[Task, ...], ...]
+
+
+@dataclass(frozen=True)
 class TaspPlan:
-    """One rank's schedule: ``rounds[t - 1]`` for t = 1 .. W-1, and its own block's tasks."""
+    """One rank's schedule: ``rounds[t - 1]`` for t = 1 .. W-1, its own block's tasks, and the forward's gathered
+    form where it runs one (``Gathered``, else None)."""
 
     world: int
     kind: str
     early: tuple[Task, ...]
     late: tuple[Task, ...]
     rounds: tuple[Round, ...]
+    gathered: Gathered | None = None
 
 
 class _Geometry:
@@ -234,7 +248,67 @@ def schedule(layout: Subchunked, rank: int, seq_len: int, rule: Rule, doc_bounds
                             sum(b - a for a, b in rows_of[t].values()), tasks, _order(kv_in, "src"),
                             _order(kv_out, "dst"), _order(grad_in, "src"), _order(grad_out, "dst")))
     early, late = split_own(geo.segs[r], rule, front_first=False)
-    return TaspPlan(W, kind, early, late, tuple(rounds))
+    gathered = None
+    if kind == "direct" and W > 2 and geo.segs[r].length <= _passkv.HOME_ROWS:
+        gathered = _gather(geo, r, held, rounds)
+    return TaspPlan(W, kind, early, late, tuple(rounds), gathered)
+
+
+GATHER_ROWS = 1024
+"""Keys a gathered group of full pieces gets at least per call, unless the class has fewer (Note [TASP forward at
+short chunks])."""
+
+
+def _gather(geo: _Geometry, r: int, held: list, rounds: list[Round]) -> Gathered:
+    """Rank r's forward over one buffer (Note [TASP forward at short chunks]): pieces every task of which is a full
+    block are grouped by the query rows that see them (a class), each class's pieces laid out round after round, and
+    a class's rounds run as one call per query range once ``GATHER_ROWS`` keys of them have arrived (the last group
+    takes the rest); other pieces keep their round's calls."""
+    n = len(rounds)
+
+    def cls(p: Piece):
+        ts = geo.tasks(r, p)
+        keys = (0, p.rows[1] - p.rows[0])
+        if ts and all(isinstance(x.mask, Band) and x.mask.is_full and (x.k_start, x.k_stop) == keys for x in ts):
+            return tuple((x.q_start, x.q_stop) for x in ts)
+        return None
+
+    classes: dict = {}                            # class -> [(t, piece)], in round and position order
+    rest: list[list[Piece]] = [[] for _ in range(n)]
+    for t in range(1, n + 1):
+        for p, _ in held[t]:
+            c = cls(p)
+            if c is None:
+                rest[t - 1].append(p)
+            else:
+                classes.setdefault(c, []).append((t, p))
+    at, where = 0, {}
+    tasks: list[list[Task]] = [[] for _ in range(n)]
+    for c, items in classes.items():
+        start = at
+        per_round = [0] * (n + 1)
+        for t, p in items:
+            where[(t, p)] = (at, at + p.rows[1] - p.rows[0])
+            at = where[(t, p)][1]
+            per_round[t] += p.rows[1] - p.rows[0]
+        total = at - start
+        groups = max(1, min(sum(1 for x in per_round if x), total // GATHER_ROWS))
+        lo, done, k = start, 0, 1             # consecutive rounds; group k closes once k / groups of the keys came
+        for t in range(1, n + 1):
+            done += per_round[t]
+            if per_round[t] and (done * groups >= total * k or done == total):
+                hi = start + done
+                tasks[t - 1] += [Task(qa, qb, lo, hi, Band()) for qa, qb in c]
+                lo, k = hi, k + 1
+    for t in range(1, n + 1):
+        placed = []
+        for p in rest[t - 1]:
+            where[(t, p)] = (at, at + p.rows[1] - p.rows[0])
+            placed += [Task(x.q_start, x.q_stop, x.k_start + at, x.k_stop + at, x.mask) for x in geo.tasks(r, p)]
+            at = where[(t, p)][1]
+        tasks[t - 1] += list(_coalesce(placed))
+    kv_rows = tuple(tuple(where[(t, h.piece)] for h in rounds[t - 1].kv_in) for t in range(1, n + 1))
+    return Gathered(at, kv_rows, tuple(tuple(ts) for ts in tasks))
 
 
 class Tasp:
@@ -270,18 +344,32 @@ class Tasp:
                 acc.add(t.q, *runner.forward(q, k, v, t), t.covered)
             return acc.result(q.dtype)
         own = pack_kv(seq_major(k), seq_major(v), seq_dim=0)          # (L, B, Hkv, D + Dv): pieces are row ranges
-        bufs = [torch.empty_like(own), torch.empty_like(own)]
+        g = tp.gathered
+        if g is not None:                     # every round into one buffer (Note [TASP forward at short chunks])
+            whole = own.new_empty((g.rows, *own.shape[1:]))
+            kw, vw = (bshd(x) for x in unpack_kv(whole, d))
+        else:
+            bufs = [torch.empty_like(own), torch.empty_like(own)]
 
         def post(s: int):                     # round s+1's pieces, from own KV or the round-s buffer
             if s + 1 >= W:
                 return None
             ex = Exchange(self.group)
-            self._post_kv(ex, s + 1, own, bufs[s % 2], bufs[(s + 1) % 2])
+            if g is None:
+                self._post_kv(ex, s + 1, own, bufs[s % 2], bufs[(s + 1) % 2])
+                return ex
+            rd = self._round(s + 1)
+            for h in rd.kv_out:
+                ex.send(own[h.src_rows[0]:h.src_rows[1]], h.dst)
+            for h, (a, b) in zip(rd.kv_in, g.kv_rows[s]):
+                ex.recv(whole[a:b], h.src)
             return ex
 
         def compute(s: int) -> None:
             if s == 0:
                 tasks, kb, vb = tp.early + tp.late, k, v
+            elif g is not None:
+                tasks, kb, vb = g.tasks[s - 1], kw, vw
             else:
                 kb, vb = (bshd(x) for x in unpack_kv(bufs[s % 2], d))
                 tasks = self._round(s).tasks

@@ -132,7 +132,8 @@ TILE = 128
 
 
 def _slowest_rank(layout: str, world: int, seq_len: int, rule) -> int:
-    """The rank with the most kernel calls, then the most ``TILE`` x ``TILE`` tiles, over its whole schedule.
+    """The rank with the most kernel calls, then the most ``TILE`` x ``TILE`` tiles, over its forward and backward
+    (the forward at short chunks gathers some rounds into one call: Note [TASP forward at short chunks]).
 
     Zigzag gives every rank the same pairs, but not the same calls: rank 0 sees all of every higher rank's
     sub-chunk in one call a round, and so does the last rank with the lower ranks' front pieces, while a rank
@@ -143,7 +144,9 @@ def _slowest_rank(layout: str, world: int, seq_len: int, rule) -> int:
     counts = []
     for r in range(world):
         tp = _tasp.schedule(placed, r, seq_len, rule, None, None, "direct")
-        tasks = [*tp.early, *tp.late, *(t for rd in tp.rounds for t in rd.tasks)]
+        rounds = [t for rd in tp.rounds for t in rd.tasks]          # the backward's calls, and the forward's
+        forward = rounds if tp.gathered is None else [t for ts in tp.gathered.tasks for t in ts]
+        tasks = [*tp.early, *tp.late, *tp.early, *tp.late, *rounds, *forward]
         counts.append((len(tasks), sum(-(-t.rows // TILE) * -(-t.cols // TILE) for t in tasks), -r))
     return -max(counts)[2]
 
