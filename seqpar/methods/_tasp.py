@@ -29,6 +29,20 @@ Note [TASP rounds]
     is the origin, so the final hop is home. The last return overlaps the back half of the own block (Note [Hiding the
     tail] in ``_shared``).
 
+Note [TASP forward at short chunks]
+    A rank between the ends holds two kinds of pieces a round - for zigzag causal, lower ranks' front pieces that
+    all its queries see, higher ranks' pieces that its back queries see - so its rounds ran two calls each, and at
+    2K tokens per rank over 8 rank 1's all-query call had 146 keys: cuDNN pays a call's fixed cost and a wave of
+    query tiles for a sliver of work (rank 1's forward took 0.81 ms of GPU time where the ring's took 0.54). At most
+    ``HOME_ROWS`` local rows (``_passkv``), the "direct" forward receives every round into one buffer instead
+    (``Gathered``): pieces all of whose tasks are full blocks are grouped by the query rows that see them, each
+    group's pieces laid out round after round, and a group's rounds run as one call per query range once
+    ``GATHER_ROWS`` of its keys have arrived (the last call takes the rest); other pieces (windows, documents,
+    masks) keep their round's calls. Sends and receipts are the rounds' own, so each round's transfer still
+    overlaps a round's compute; the memory is an all-gather's, bounded by the row limit. The backward keeps the
+    rounds' double buffers (its partials go home one round after their piece). Rank 1's forward went from 16 calls
+    to 10, rank 3's (now the busiest by calls, ``tasp._slowest_rank``) from 16 to 12.
+
 Note [TASP sums]
     The backward's dQ partials are fresh kernel outputs, held and summed once (``RowSum``, Note [One merge per
     call] in ``seqpar.kernels.combine``), and a round's dK/dV partials are summed straight into that round's fp32
