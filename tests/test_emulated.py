@@ -314,10 +314,11 @@ def test_bench_emulated_world_smoke(tmp_path):
         assert r["steady_ms"] > 0 and r["steady_compute_efficiency"] == pytest.approx(r["limit_ms"] / r["steady_ms"])
         assert r["emulated_world"] == 4 and r["tokens_per_rank"] == 128 and r["backend"] == "fake"
         assert r["graphs"] == "off"                            # --graphs: every configuration's graphs=False
-    ranks = {r["method"]: r["emulated_rank"] for r in ours}
+    ranks = {(r["method"], r["mode"]): r["emulated_rank"] for r in ours}
     # the busiest rank of a causal contiguous ring; zigzag gives every rank the same work, TASP's middle ranks run
-    # two calls a round (Method.slowest_rank)
-    assert ranks == {"ring/contiguous": 3, "ulysses": 0, "tasp/zigzag": 1, "auto/zigzag": 0, "auto/contiguous": 3}
+    # two calls a round (Method.slowest_rank, per mode)
+    want = {"ring/contiguous": 3, "ulysses": 0, "tasp/zigzag": 1, "auto/zigzag": 0, "auto/contiguous": 3}
+    assert ranks == {(m, mode): r for m, r in want.items() for mode in ("fwd", "fwd+bwd")}, ranks
 
 
 def test_bench_emulated_packed_smoke(tmp_path):

@@ -55,18 +55,22 @@ def test_uneven_sub_chunks_are_a_row_apart():
         assert piece[0][0] in (0, 1024) and all(x[1] == y[0] for x, y in itertools.pairwise(piece))
 
 
-def test_slowest_rank_is_one_with_the_most_calls():
+def test_slowest_rank_per_mode():
     """Zigzag gives TASP's ranks the same pairs but not the same calls: the bench emulates a rank between the
-    ends (``Method.slowest_rank``), the one with the most calls over its forward and backward - at 2K tokens per
-    rank over 8 the middle one, its forward gathering the fewest rounds (Note [TASP forward at short chunks]);
-    without a mask every rank runs one call a round and the first ties win."""
+    ends (``Method.slowest_rank``) - for the forward+backward the one with the most backward calls, then tiles
+    (rank 1: thin all-query calls); for the forward at 2K tokens per rank over 8 the one whose forward gathers
+    least (Note [TASP forward at short chunks]); without a mask every rank runs one call a round and the first
+    ties win."""
     from seqpar.layouts import Rule
     from seqpar.methods import get
 
     slowest = get(M).slowest_rank
-    assert slowest("zigzag", 8, 16384, Rule(True)) == 3 and slowest("zigzag", 4, 16384, Rule(True)) == 1
-    assert slowest("zigzag", 8, 1 << 17, Rule(True)) == 1                  # 16K per rank: no gathering
-    assert slowest("contiguous", 8, 16384, Rule(False)) == 0
+    assert slowest("zigzag", 8, 16384, Rule(True), "fwd+bwd") == 1 and slowest("zigzag", 8, 16384, Rule(True),
+                                                                                "fwd") == 3
+    assert slowest("zigzag", 4, 16384, Rule(True), "fwd+bwd") == 1 and slowest("zigzag", 4, 16384, Rule(True),
+                                                                                "fwd") == 1
+    assert slowest("zigzag", 8, 1 << 17, Rule(True), "fwd") == 1             # 16K per rank: no gathering
+    assert slowest("contiguous", 8, 16384, Rule(False), "fwd") == 0
 
 
 def test_gathered_forward_joins_thin_rounds():

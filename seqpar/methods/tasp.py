@@ -131,22 +131,25 @@ def _bench_specs(preset, world: int) -> list:
 TILE = 128
 
 
-def _slowest_rank(layout: str, world: int, seq_len: int, rule) -> int:
-    """The rank with the most kernel calls, then the most ``TILE`` x ``TILE`` tiles, over its forward and backward
-    (the forward at short chunks gathers some rounds into one call: Note [TASP forward at short chunks]).
+def _slowest_rank(layout: str, world: int, seq_len: int, rule, mode: str = "fwd+bwd") -> int:
+    """The rank with the most kernel calls, then the most ``TILE`` x ``TILE`` tiles, in ``mode``'s heavier pass:
+    the forward's calls for "fwd", the backward's for "fwd+bwd" (about three quarters of its time).
 
     Zigzag gives every rank the same pairs, but not the same calls: rank 0 sees all of every higher rank's
     sub-chunk in one call a round, and so does the last rank with the lower ranks' front pieces, while a rank
     between runs two a round on keys that are sums of sub-chunks (tiles half empty). Emulated on an H100 at 2K
     tokens per rank over 8 (GQA), rank 3's forward+backward took 3.84 ms of GPU time where rank 0's took 2.84
-    (``benchmarks/results/2026-11-26-h100-tasp-aligned``)."""
+    (``benchmarks/results/2026-11-26-h100-tasp-aligned``), and rank 1's 4.11 ms steady where rank 3's took 3.88
+    (``2026-11-26-h100-tasp-gathered``). The forward at short chunks gathers rounds (Note [TASP forward at short
+    chunks]), so its busiest rank is another: the one that gathers least."""
     placed, _ = _placement(layout, GroupSizes(world))
     counts = []
     for r in range(world):
         tp = _tasp.schedule(placed, r, seq_len, rule, None, None, "direct")
-        rounds = [t for rd in tp.rounds for t in rd.tasks]          # the backward's calls, and the forward's
-        forward = rounds if tp.gathered is None else [t for ts in tp.gathered.tasks for t in ts]
-        tasks = [*tp.early, *tp.late, *tp.early, *tp.late, *rounds, *forward]
+        rounds = [t for rd in tp.rounds for t in rd.tasks]
+        if mode == "fwd" and tp.gathered is not None:
+            rounds = [t for ts in tp.gathered.tasks for t in ts]
+        tasks = [*tp.early, *tp.late, *rounds]
         counts.append((len(tasks), sum(-(-t.rows // TILE) * -(-t.cols // TILE) for t in tasks), -r))
     return -max(counts)[2]
 
