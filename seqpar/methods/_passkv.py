@@ -47,7 +47,17 @@ from ..layouts.base import Layout
 from ..layouts.blocks import Rule, Task, any_visible, plan
 from ..memo import BATCH_ENTRIES, batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
-from ._shared import exact_partial, head_groups, home_partial, key_hull, land_home, swap_partial, unpack_kv
+from ._shared import (
+    backward_parts,
+    exact_partial,
+    head_groups,
+    hold_own,
+    home_partial,
+    key_hull,
+    land_home,
+    swap_partial,
+    unpack_kv,
+)
 
 __all__ = ["BATCH_SCHEDULES", "HeadChunks", "OneRank", "PassKV", "Schedule", "build", "schedule"]
 
@@ -279,14 +289,9 @@ class PassKV:
         got: list = [None]                  # the receipt in flight, the same form
 
         def compute(s: int) -> None:
-            kc, vc = kv.cur
-            parts = [(t, runner.backward(rows, q, kc, vc, lse, t)) for t in runner.prepare(steps[s], q, kc)]
-            for t, (gq, _, _) in parts:
-                dq.add(t.q, gq, t.covered)
+            parts = backward_parts(runner, rows, q, *kv.cur, lse, steps[s], dq)
             if s == 0:                      # the own block: its partials are the owner's already
-                for t, (_, gk, gv) in parts:
-                    dk.add(t.k, gk)
-                    dv.add(t.k, gv)
+                hold_own(parts, dk, dv)
             else:
                 shape = self._shape("sent", s, q, k, v)
                 out[0] = home_partial(parts, k.dtype, v.dtype, wire, *shape) if parts else None

@@ -43,8 +43,9 @@ from ..kernels.merge import RowSum
 from ..layouts.blocks import Rule, Segments, Task, plan, slice_rows
 from ..numerics import acc_dtype
 
-__all__ = ["bhs", "bshd", "exact_partial", "head_groups", "home_partial", "hull", "key_hull", "land_home", "pack_kv",
-           "row_hull", "seq_major", "shift", "split_own", "swap_partial", "unpack_kv"]
+__all__ = ["backward_parts", "bhs", "bshd", "exact_partial", "head_groups", "hold_own", "home_partial", "hull",
+           "key_hull", "land_home", "pack_kv", "row_hull", "seq_major", "shift", "split_own", "swap_partial",
+           "unpack_kv"]
 
 Rows = tuple[int, int] | None
 
@@ -160,6 +161,23 @@ def home_partial(parts, kdt: torch.dtype, vdt: torch.dtype, wire: torch.dtype, k
         bufs.append(combine.sum_parts([(slice(t.k_start - a, t.k_stop - a), g[i]) for t, g in parts], shape,
                                       buf.dtype, out=buf))
     return (a, b), *bufs
+
+
+def backward_parts(runner, rows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor, tasks,
+                   dq: RowSum) -> list:
+    """One step's gradients ``[(task, (dq, dk, dv))]`` over its prepared ``tasks``, each dQ partial held in ``dq``
+    (the pass-KV family's backward step, Note [Partials home] in ``_passkv``)."""
+    parts = [(t, runner.backward(rows, q, k, v, lse, t)) for t in runner.prepare(tasks, q, k)]
+    for t, (gq, _, _) in parts:
+        dq.add(t.q, gq, t.covered)
+    return parts
+
+
+def hold_own(parts: list, dk: RowSum, dv: RowSum) -> None:
+    """A step's dK/dV partials of a block this rank sums itself, held in ``dk`` and ``dv``."""
+    for t, (_, gk, gv) in parts:
+        dk.add(t.k, gk)
+        dv.add(t.k, gv)
 
 
 def swap_partial(ex, partial, to: int, theirs, frm: int, k: torch.Tensor, v: torch.Tensor, wire: torch.dtype):

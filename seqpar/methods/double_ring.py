@@ -102,7 +102,17 @@ from ..layouts.blocks import Rule, Task, plan
 from ..memo import batch_memo
 from ..numerics import acc_dtype, wire_dtype
 from . import _passkv
-from ._shared import exact_partial, home_partial, key_hull, land_home, pack_kv, swap_partial, unpack_kv
+from ._shared import (
+    backward_parts,
+    exact_partial,
+    hold_own,
+    home_partial,
+    key_hull,
+    land_home,
+    pack_kv,
+    swap_partial,
+    unpack_kv,
+)
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
 __all__ = ["METHOD", "Peers", "computer", "home_schedule", "node_size_of", "peers", "schedule", "source"]
@@ -235,8 +245,7 @@ class _Engine:
         self.pr = peers(call.index, call.groups.world, self.w)
         self.runner = TaskRunner.of(call)
         self.grad_dtype = cfg.grad_dtype
-        self.home = {to: home_schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens,
-                                       cfg.valid_len, self.w, to) for to in ("starter", "owner")}
+        self._plan = (call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len, self.w)
         self._partials: dict[tuple, tuple[tuple[int, int], bool] | None] = {}
 
     def _begin_pass(self, outer, j: int, cur: Double) -> Exchange:
@@ -386,7 +395,8 @@ class _Engine:
         first call and kept."""
         key = (which, j, s, q.shape[2], k.shape[2], q.dtype)
         if key not in self._partials:
-            tasks = self.runner.prepare((self.tasks if which == "sent" else self.home[which])[j][s], q, k)
+            steps = self.tasks if which == "sent" else home_schedule(*self._plan, which)   # the path's own, once
+            tasks = self.runner.prepare(steps[j][s], q, k)
             exact = tasks and exact_partial(self.runner, tasks, [(t.k_start, t.k_stop) for t in tasks], q, k,
                                             v.shape[-1])
             self._partials[key] = (key_hull(tasks), exact) if tasks else None
@@ -421,14 +431,9 @@ class _Engine:
                 got: list = [None]          # the receipt in flight
 
                 def compute(s: int, j=j, held=held, sums=sums, out=out) -> None:
-                    kc, vc = unpack_kv(held[0], d)
-                    parts = [(t, runner.backward(rows, q, kc, vc, lse, t)) for t in runner.prepare(tasks[j][s], q, kc)]
-                    for t, (gq, _, _) in parts:
-                        dq.add(t.q, gq, t.covered)
+                    parts = backward_parts(runner, rows, q, *unpack_kv(held[0], d), lse, tasks[j][s], dq)
                     if s == 0:              # the block we began the pass with: its partials stay
-                        for t, (_, gk, gv) in parts:
-                            sums[0].add(t.k, gk)
-                            sums[1].add(t.k, gv)
+                        hold_own(parts, *sums)
                     else:
                         shape = self._shape("sent", j, s, q, k, v)
                         out[0] = home_partial(parts, k.dtype, v.dtype, wire, *shape) if parts else None
@@ -511,14 +516,9 @@ class _Engine:
                 held = [cur.cur]
 
                 def compute(s: int, j=j, held=held) -> None:
-                    kc, vc = unpack_kv(held[0], d)
-                    parts = [(t, runner.backward(rows, q, kc, vc, lse, t)) for t in runner.prepare(tasks[j][s], q, kc)]
-                    for t, (gq, _, _) in parts:
-                        dq.add(t.q, gq, t.covered)
+                    parts = backward_parts(runner, rows, q, *unpack_kv(held[0], d), lse, tasks[j][s], dq)
                     if j == 0 and s == 0:       # the own block
-                        for t, (_, gk, gv) in parts:
-                            dk.add(t.k, gk)
-                            dv.add(t.k, gv)
+                        hold_own(parts, dk, dv)
                         return
                     shape = self._shape("sent", j, s, q, k, v)
                     out[0] = home_partial(parts, k.dtype, v.dtype, wire, *shape) if parts else None
