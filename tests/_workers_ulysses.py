@@ -263,6 +263,10 @@ def tiny_model_check(spec: tuple[str, str, int | None, str]) -> dict[str, float]
 
 def run_case_home_rows(home_rows: int, case: Case) -> dict[str, Any]:
     """``run_case`` with the pass-KV backward's ``HOME_ROWS`` set (Note [Partials home] in ``seqpar.methods._passkv``):
-    0 makes every ring backward send running sums, a large value sends every step's partial home."""
+    0 makes every ring backward send running sums, a large value sends every step's partial home. Planned calls
+    are dropped first: an engine decides what it can when it is planned (TASP's gathered forward)."""
+    from seqpar.runtime import call as _call
+
+    _call.cache_clear()
     with mock.patch("seqpar.methods._passkv.HOME_ROWS", home_rows):
         return run_case(case)

@@ -81,7 +81,7 @@ def test_gathered_forward_joins_thin_rounds():
     from seqpar.methods import _tasp, tasp
 
     layout, _ = tasp._placement("zigzag", tasp.GroupSizes(8))
-    tp = _tasp.schedule(layout, 1, 16384, Rule(True), None, None, "direct")
+    tp = _tasp.schedule(layout, 1, 16384, Rule(True), None, None, "direct", _tasp.gathers(16384, 8))
     g = tp.gathered
     assert [len(ts) for ts in g.tasks] == [1] * 6 + [2]
     front = [t for ts in g.tasks for t in ts if t.q == slice(0, 2048)]
@@ -89,8 +89,31 @@ def test_gathered_forward_joins_thin_rounds():
                                                     if p.origin == 0)
     cover = sorted((t.k_start, t.k_stop) for ts in g.tasks for t in ts)
     assert cover[0][0] == 0 and cover[-1][1] == g.rows and all(a[1] == b[0] for a, b in itertools.pairwise(cover))
-    assert _tasp.schedule(layout, 1, 1 << 17, Rule(True), None, None, "direct").gathered is None
-    assert _tasp.schedule(layout, 1, 16384, Rule(True), None, None, "cycles").gathered is None
+    assert not _tasp.gathers(1 << 17, 8)                                    # 16K tokens per rank
+    assert _tasp.schedule(layout, 1, 16384, Rule(True), None, None, "direct", False).gathered is None
+    assert _tasp.schedule(layout, 1, 16384, Rule(True), None, None, "cycles", True).gathered is None
+
+
+@pytest.mark.parametrize("home_rows", [0, 1 << 30], ids=["long-chunk-paths", "short-chunk-paths"])
+def test_tasp_both_chunk_paths_match_oracle(pools, home_rows):
+    """TASP's short- and long-chunk paths (the gathered forward, Note [TASP forward at short chunks]; home partials
+    held or folded each round, Note [TASP sums]), each forced through ``HOME_ROWS``: both schedules, causal and not,
+    windows, documents, padding, GQA, bf16, the lse gradient, at 3 and 4 ranks."""
+    from _workers_ulysses import run_case_home_rows
+
+    from seqpar.testing import check_case
+
+    kw = {"method": M, "heads": 4, "kv_heads": 2, "head_dim": 8}
+    cases = [Case(layout=lay, causal=causal, seq_len=48, dtype=dt, options=(("schedule", sch),), **kw)
+             for sch in ("direct", "cycles") for lay, causal in (("zigzag", True), ("contiguous", False))
+             for dt in ("float32", "bfloat16")]
+    cases += [Case(layout="zigzag", seq_len=48, window=(7, 0), **kw),
+              Case(layout="zigzag", seq_len=48, cu_seqlens=(0, 7, 30, 31, 48), **kw),
+              Case(layout="zigzag", causal=False, seq_len=48, valid_len=41, lse_grad=True, dtype="float64", **kw)]
+    for world in (3, 4):
+        pool = pools(world)
+        assert_all_ok([check_case(c, pool.run(run_case_home_rows, home_rows, c)) for c in cases
+                       if c.options != (("schedule", "cycles"),) or world != 4])
 
 
 @pytest.mark.parametrize("schedule", ["direct", "cycles"])

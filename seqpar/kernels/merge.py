@@ -141,15 +141,22 @@ class RowSum:
         self.shape, self.acc, self.device = tuple(shape), acc, device
         self._held: list[tuple[slice, torch.Tensor, Covered]] = []
         self._held_bytes = 0
+        self._added = 0                   # tensors added since the last fold (the caller's, not ours)
 
     def add(self, rows: slice, x_BSHD: torch.Tensor, covered: Covered = None) -> None:
         """``covered``: as ``Accumulator.add``'s, the rows outside it being 0."""
         self._held.append((rows, x_BSHD, covered))
         self._held_bytes += x_BSHD.numel() * x_BSHD.element_size()
+        self._added += 1
         if self._held_bytes > DEFER_BYTES and len(self._held) > 1:
+            self.fold()
+
+    def fold(self) -> None:
+        """Sum what is held into one fp32 partial of its own now, so the tensors added so far may be reused."""
+        if self._added:
             whole = slice(0, self.shape[1])
             self._held = [(whole, self._sum(self.acc), union(self._held, self.shape[1]))]
-            self._held_bytes = 0
+        self._held_bytes, self._added = 0, 0
 
     def _sum(self, dtype: torch.dtype) -> torch.Tensor:
         if not self._held:

@@ -52,7 +52,9 @@ Note [TASP sums]
     Note [Pass-Q sums] in ``_passq``). The partials that come home are held the same way: each round's land in a
     buffer of their own, each run of adjacent rows one partial, and this rank's dK and dV are summed once with its
     own block's partials - where every arriving piece was added into an fp32 dK/dV (at 2K tokens per rank over 8,
-    56 small adds a backward). Held partials fold into a running sum past ``DEFER_BYTES``, as every held sum does.
+    56 small adds a backward). Past ``HOME_ROWS`` local rows a round buffer each would cost more memory than the
+    adds cost time, so there the arrivals land in one buffer and are folded into an fp32 running sum each round
+    (``RowSum.fold``), as the adds did.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ from ..numerics import GradRows, acc_dtype, wire_dtype
 from . import _passkv
 from ._shared import bshd, pack_kv, seq_major, split_own, unpack_kv
 
-__all__ = ["Gathered", "Hop", "Piece", "Round", "Tasp", "TaspPlan", "schedule"]
+__all__ = ["Gathered", "Hop", "Piece", "Round", "Tasp", "TaspPlan", "gathers", "schedule"]
 
 
 @dataclass(frozen=True)
@@ -217,8 +219,9 @@ def _order(hops: list[Hop], peer: str) -> tuple[Hop, ...]:
 
 @batch_memo(64)
 def schedule(layout: Subchunked, rank: int, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
-             valid_len: int | None, kind: str) -> TaspPlan:
-    """Rank ``rank``'s TASP schedule (Note [TASP rounds]); ``kind`` is "cycles" or "direct".
+             valid_len: int | None, kind: str, gather: bool = False) -> TaspPlan:
+    """Rank ``rank``'s TASP schedule (Note [TASP rounds]); ``kind`` is "cycles" or "direct"; ``gather``: the
+    "direct" forward over one buffer (``gathers``, Note [TASP forward at short chunks]).
 
     Built from positions alone, without other ranks' buffers: both ends of a link decide what it carries
     from the same facts (which pieces the receiver's queries see), and each end knows its own rows.
@@ -263,9 +266,15 @@ def schedule(layout: Subchunked, rank: int, seq_len: int, rule: Rule, doc_bounds
                             _order(kv_out, "dst"), _order(grad_in, "src"), _order(grad_out, "dst")))
     early, late = split_own(geo.segs[r], rule, front_first=False)
     gathered = None
-    if kind == "direct" and W > 2 and geo.segs[r].length <= _passkv.HOME_ROWS:
+    if gather and kind == "direct" and W > 2:
         gathered = _gather(geo, r, held, rounds)
     return TaspPlan(W, kind, early, late, tuple(rounds), gathered)
+
+
+def gathers(seq_len: int, world: int) -> bool:
+    """Whether the forward gathers its rounds (Note [TASP forward at short chunks]): at most ``HOME_ROWS`` local
+    rows, where holding every round costs little."""
+    return seq_len // world <= _passkv.HOME_ROWS
 
 
 GATHER_ROWS = 1024
@@ -429,6 +438,7 @@ class Tasp:
         send = torch.empty(own.shape, dtype=wire, device=q.device) if wire != acc else None
         gin = torch.empty(own.shape, dtype=wire, device=q.device)       # relayed partials (cycles)
         came: dict[int, torch.Tensor] = {}                                 # round t's partials home, held
+        hold = k.shape[1] <= _passkv.HOME_ROWS      # longer: they land in gin and are folded at once (Note [TASP sums])
 
         def post_grads(ex: Exchange, t: int) -> None:
             """Round t's partials to their next holder or origin, and the receipt of ours."""
@@ -439,7 +449,7 @@ class Tasp:
             for h in rd.grad_out:
                 ex.send(src[h.src_rows[0]:h.src_rows[1]], h.dst)
             if any(h.home for h in rd.grad_in):
-                came[t] = torch.empty(own.shape, dtype=wire, device=q.device)
+                came[t] = torch.empty(own.shape, dtype=wire, device=q.device) if hold else gin
             for h in rd.grad_in:
                 ex.recv((came[t] if h.home else gin)[h.dst_rows[0]:h.dst_rows[1]], h.src)
 
@@ -456,6 +466,9 @@ class Tasp:
                 for a, b in _runs([h.dst_rows for h in rd.grad_in if h.home]):
                     dk_sum.add(slice(a, b), gk[:, a:b])
                     dv_sum.add(slice(a, b), gv[:, a:b])
+                if not hold:                # gin takes the next round's arrivals
+                    dk_sum.fold()
+                    dv_sum.fold()
 
         def post(s: int):
             ex = Exchange(self.group)

@@ -61,7 +61,8 @@ class _Engine:
     def __init__(self, call: Call):
         cfg = call.cfg
         kind = resolve_schedule(cfg, call.groups.world)
-        tp = _tasp.schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len, kind)
+        tp = _tasp.schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len, kind,
+                            _tasp.gathers(call.seq_len, call.groups.world))
         runner = TaskRunner.of(call)
         self.tasp = _tasp.Tasp(call.groups, tp, runner, cfg.grad_dtype)
 
@@ -145,7 +146,7 @@ def _slowest_rank(layout: str, world: int, seq_len: int, rule, mode: str = "fwd+
     placed, _ = _placement(layout, GroupSizes(world))
     counts = []
     for r in range(world):
-        tp = _tasp.schedule(placed, r, seq_len, rule, None, None, "direct")
+        tp = _tasp.schedule(placed, r, seq_len, rule, None, None, "direct", _tasp.gathers(seq_len, world))
         rounds = [t for rd in tp.rounds for t in rd.tasks]
         if mode == "fwd" and tp.gathered is not None:
             rounds = [t for ts in tp.gathered.tasks for t in ts]
