@@ -177,8 +177,9 @@ def _rfa():
 
 
 def peer_runners(preset: Preset, device: torch.device) -> dict[str, Callable[[], Runner]]:
-    """Factories of every peer configuration that applies to ``preset`` (built lazily, one at a time)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    """Factories of every peer configuration that applies to ``preset`` (built lazily, one at a time). Each reads
+    its rank when it builds: an emulated world becomes another rank between configurations."""
+    world = dist.get_world_size()
     causal = preset.causal
     out: dict[str, Callable[[], Runner]] = {}
 
@@ -193,7 +194,7 @@ def peer_runners(preset: Preset, device: torch.device) -> dict[str, Callable[[],
         def llama3():
             rfa = _rfa()
             cu = torch.tensor([0, preset.seq_len], device=device, dtype=torch.int32)
-            cq, ck, mq, mk, sl = rfa.llama3_flash_attn_prepare_cu_seqlens(cu, causal, rank, world)
+            cq, ck, mq, mk, sl = rfa.llama3_flash_attn_prepare_cu_seqlens(cu, causal, dist.get_rank(), world)
             return _wrap(preset, device, lambda q, k, v: rfa.llama3_flash_attn_varlen_func(
                 q[0], k[0], v[0], cq, ck, mq, mk, heads_k_stride=1, local_k_slice=sl, causal=causal).unsqueeze(0))
         out["peer:ring-flash-attn/llama3"] = llama3
@@ -208,7 +209,7 @@ def peer_runners(preset: Preset, device: torch.device) -> dict[str, Callable[[],
             from yunchang import LongContextAttention, set_seq_parallel_pg
             from yunchang.kernels import AttnType
 
-            set_seq_parallel_pg(ud, rd, rank, world)
+            set_seq_parallel_pg(ud, rd, dist.get_rank(), world)
             attn = LongContextAttention(ring_impl_type=impl, attn_type=AttnType.FA)
             return _wrap(preset, device, lambda q, k, v: attn(q, k, v, causal=causal))
         out[f"peer:yunchang/u{ud}r{rd}/{impl}"] = yunchang
