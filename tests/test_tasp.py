@@ -94,6 +94,33 @@ def test_gathered_forward_joins_thin_rounds():
     assert _tasp.schedule(layout, 1, 16384, Rule(True), None, None, "cycles", True).gathered is None
 
 
+@pytest.mark.parametrize("world,seq", [(8, 16384), (4, 16384), (5, 400), (8, 48 * 8)])
+def test_gathered_backward_calls_and_returns(world, seq):
+    """Note [TASP backward at short chunks]: the backward's groups take about ``GATHER_ROWS_BWD`` keys (at 2K
+    tokens per rank over 8, rank 1 runs 4 calls on the buffer where its rounds ran 14: one all-query call, three
+    back-query groups); every key row of the buffer is some call's; and the partials' one exchange agrees on both ends
+    of every link - what r sends o, in order, is what o receives from r, piece by piece."""
+    from seqpar.layouts import Rule
+    from seqpar.methods import _tasp, tasp
+
+    layout, _ = tasp._placement("zigzag", tasp.GroupSizes(world))
+    plans = [_tasp.schedule(layout, r, seq, Rule(True), None, None, "direct", True) for r in range(world)]
+    if (world, seq) == (8, 16384):
+        g = plans[1].gathered_bwd
+        assert sum(map(len, g.tasks)) == 4 and sum(len(rd.tasks) for rd in plans[1].rounds) == 14
+        back = [t.cols for ts in g.tasks for t in ts if t.q == slice(1024, 2048)]
+        assert len(back) == sum(back) // _tasp.GATHER_ROWS_BWD == 3
+    for r, tp in enumerate(plans):
+        g = tp.gathered_bwd
+        cover = _tasp._runs(sorted({(t.k_start, t.k_stop) for ts in g.tasks for t in ts}))
+        assert cover == [(0, g.rows)]
+        assert sorted(rows for _, rows in g.grad_out) == sorted(rows for ts in g.kv_rows for rows in ts)
+        for o, other in enumerate(plans):
+            sent = [b - a for dst, (a, b) in g.grad_out if dst == o]
+            came = [b - a for src, (a, b) in other.gathered_bwd.grad_in if src == r]
+            assert sent == came, (r, o)
+
+
 @pytest.mark.parametrize("home_rows", [0, 1 << 30], ids=["long-chunk-paths", "short-chunk-paths"])
 def test_tasp_both_chunk_paths_match_oracle(pools, home_rows):
     """TASP's short- and long-chunk paths (the gathered forward, Note [TASP forward at short chunks]; home partials

@@ -39,9 +39,19 @@ Note [TASP forward at short chunks]
     group's pieces laid out round after round, and a group's rounds run as one call per query range once
     ``GATHER_ROWS`` of its keys have arrived (the last call takes the rest); other pieces (windows, documents,
     masks) keep their round's calls. Sends and receipts are the rounds' own, so each round's transfer still
-    overlaps a round's compute; the memory is an all-gather's, bounded by the row limit. The backward keeps the
-    rounds' double buffers (its partials go home one round after their piece). Rank 1's forward went from 16 calls
-    to 10, rank 3's (now the busiest by calls, ``tasp._slowest_rank``) from 16 to 12.
+    overlaps a round's compute; the memory is an all-gather's, bounded by the row limit. Rank 1's forward went from
+    16 calls to 10, rank 3's (now the busiest by calls, ``tasp._slowest_rank``) from 16 to 12.
+
+Note [TASP backward at short chunks]
+    The backward at the same lengths gathers the same way (``TaspPlan.gathered_bwd``), with groups of at least
+    ``GATHER_ROWS_BWD`` keys: a cuDNN backward call also passes over its query rows before and after its kernel (dO .
+    O, dQ's conversion: 8-16 us each at 2K rows), so at 2K tokens per rank over 8 rank 1 ran 17 backward calls where
+    the ring runs 8, and its kernels took 1.9 ms where the ring's took 1.3 (H200, before the gathering). Its partials
+    cannot go home one round after their piece, as the rounds' backward sends them: a call's dK/dV spans pieces of
+    several rounds and origins, and the origin would have to know every holder's groups. So every call's partials
+    are held and summed once into one buffer in the wire's dtype, and each piece's rows go home in one exchange
+    behind the own block's rest - the all-gather's reduce-scatter, in TASP's pairs. The origin lands each sender's
+    pieces in a buffer of its own and sums them once with its own block's partials (Note [TASP sums]).
 
 Note [TASP sums]
     The backward's dQ partials are fresh kernel outputs, held and summed once (``RowSum``, Note [One merge per
@@ -132,19 +142,23 @@ class Round:
 
 @dataclass(frozen=True)
 class Gathered:
-    """The forward at short chunks (Note [TASP forward at short chunks]): every round's pieces land in one buffer of
-    ``rows`` rows. ``kv_rows[t - 1]``: where round t's ``kv_in`` hops land, in their order; ``tasks[t - 1]``: the
-    calls that run once round t has arrived, key rows in the buffer."""
+    """A pass at short chunks (Notes [TASP forward at short chunks], [TASP backward at short chunks]): every round's
+    pieces land in one buffer of ``rows`` rows. ``kv_rows[t - 1]``: where round t's ``kv_in`` hops land, in their
+    order; ``tasks[t - 1]``: the calls that run once round t has arrived, key rows in the buffer. The backward's
+    partials go home in one exchange: ``grad_out`` = (origin, rows in the buffer) and ``grad_in`` = (sender, rows of
+    our KV), each in one order on both ends of a link (by peer, then the piece's first position)."""
 
     rows: int
     kv_rows: tuple[tuple[tuple[int, int], ...], ...]
     tasks: tuple[tuple[Task, ...], ...]
+    grad_out: tuple[tuple[int, tuple[int, int]], ...] = ()
+    grad_in: tuple[tuple[int, tuple[int, int]], ...] = ()
 
 
 @dataclass(frozen=True)
 class TaspPlan:
-    """One rank's schedule: ``rounds[t - 1]`` for t = 1 .. W-1, its own block's tasks, and the forward's gathered
-    form where it runs one (``Gathered``, else None)."""
+    """One rank's schedule: ``rounds[t - 1]`` for t = 1 .. W-1, its own block's tasks, and the forward's and the
+    backward's gathered forms where they run one (``Gathered``, else None)."""
 
     world: int
     kind: str
@@ -152,6 +166,7 @@ class TaspPlan:
     late: tuple[Task, ...]
     rounds: tuple[Round, ...]
     gathered: Gathered | None = None
+    gathered_bwd: Gathered | None = None
 
 
 class _Geometry:
@@ -265,10 +280,11 @@ def schedule(layout: Subchunked, rank: int, seq_len: int, rule: Rule, doc_bounds
                             sum(b - a for a, b in rows_of[t].values()), tasks, _order(kv_in, "src"),
                             _order(kv_out, "dst"), _order(grad_in, "src"), _order(grad_out, "dst")))
     early, late = split_own(geo.segs[r], rule, front_first=False)
-    gathered = None
+    gathered = gathered_bwd = None
     if gather and kind == "direct" and W > 2:
-        gathered = _gather(geo, r, held, rounds)
-    return TaspPlan(W, kind, early, late, tuple(rounds), gathered)
+        gathered = _gather(geo, r, held, rounds, GATHER_ROWS)
+        gathered_bwd = _gather(geo, r, held, rounds, GATHER_ROWS_BWD)
+    return TaspPlan(W, kind, early, late, tuple(rounds), gathered, gathered_bwd)
 
 
 def gathers(seq_len: int, world: int) -> bool:
@@ -278,15 +294,20 @@ def gathers(seq_len: int, world: int) -> bool:
 
 
 GATHER_ROWS = 1024
-"""Keys a gathered group of full pieces gets at least per call, unless the class has fewer (Note [TASP forward at
-short chunks])."""
+"""Keys per forward call of a gathered class: its keys run in (keys // GATHER_ROWS) calls (one at least, one a
+round at most), split where rounds end (Note [TASP forward at short chunks])."""
+
+GATHER_ROWS_BWD = 4096
+"""The same for a backward call (Note [TASP backward at short chunks]): each call also passes over its query rows
+twice (dO . O before, dQ's conversion after), so fewer and larger calls pay more than in the forward."""
 
 
-def _gather(geo: _Geometry, r: int, held: list, rounds: list[Round]) -> Gathered:
-    """Rank r's forward over one buffer (Note [TASP forward at short chunks]): pieces every task of which is a full
+def _gather(geo: _Geometry, r: int, held: list, rounds: list[Round], min_keys: int) -> Gathered:
+    """Rank r's pass over one buffer (Note [TASP forward at short chunks]): pieces every task of which is a full
     block are grouped by the query rows that see them (a class), each class's pieces laid out round after round, and
-    a class's rounds run as one call per query range once ``GATHER_ROWS`` keys of them have arrived (the last group
-    takes the rest); other pieces keep their round's calls."""
+    a class's keys run in (keys // ``min_keys``) groups (one at least, one a round at most), a group closing at the
+    first round by which its share of the keys has arrived, one call per query range; other pieces keep their
+    round's calls."""
     n = len(rounds)
 
     def cls(p: Piece):
@@ -315,7 +336,7 @@ def _gather(geo: _Geometry, r: int, held: list, rounds: list[Round]) -> Gathered
             at = where[(t, p)][1]
             per_round[t] += p.rows[1] - p.rows[0]
         total = at - start
-        groups = max(1, min(sum(1 for x in per_round if x), total // GATHER_ROWS))
+        groups = max(1, min(sum(1 for x in per_round if x), total // min_keys))
         lo, done, k = start, 0, 1             # consecutive rounds; group k closes once k / groups of the keys came
         for t in range(1, n + 1):
             done += per_round[t]
@@ -331,7 +352,11 @@ def _gather(geo: _Geometry, r: int, held: list, rounds: list[Round]) -> Gathered
             at = where[(t, p)][1]
         tasks[t - 1] += list(_coalesce(placed))
     kv_rows = tuple(tuple(where[(t, h.piece)] for h in rounds[t - 1].kv_in) for t in range(1, n + 1))
-    return Gathered(at, kv_rows, tuple(tuple(ts) for ts in tasks))
+    out = _order([Hop(r, h.src, h.piece, src_rows=where[(t, h.piece)], home=True)
+                  for t in range(1, n + 1) for h in rounds[t - 1].kv_in], "dst")
+    came = _order([h for rd in rounds for h in rd.grad_in], "src")
+    return Gathered(at, kv_rows, tuple(tuple(ts) for ts in tasks), tuple((h.dst, h.src_rows) for h in out),
+                    tuple((h.src, h.dst_rows) for h in came))
 
 
 class Tasp:
@@ -358,6 +383,14 @@ class Tasp:
         for h in rd.kv_in:
             ex.recv(nxt[h.dst_rows[0]:h.dst_rows[1]], h.src)
 
+    def _post_gathered(self, ex: Exchange, t: int, g: Gathered, own: torch.Tensor, whole: torch.Tensor) -> None:
+        """Queue round t's pieces from our own KV, and their receipt into the gathered buffer ``whole``."""
+        rd = self._round(t)
+        for h in rd.kv_out:
+            ex.send(own[h.src_rows[0]:h.src_rows[1]], h.dst)
+        for h, (a, b) in zip(rd.kv_in, g.kv_rows[t - 1]):
+            ex.recv(whole[a:b], h.src)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out (B, L, H, Dv) in q.dtype, lse (B, H, L) fp32)``."""
         tp, runner, W, d = self.tp, self.runner, self.tp.world, q.shape[-1]
@@ -380,12 +413,8 @@ class Tasp:
             ex = Exchange(self.group)
             if g is None:
                 self._post_kv(ex, s + 1, own, bufs[s % 2], bufs[(s + 1) % 2])
-                return ex
-            rd = self._round(s + 1)
-            for h in rd.kv_out:
-                ex.send(own[h.src_rows[0]:h.src_rows[1]], h.dst)
-            for h, (a, b) in zip(rd.kv_in, g.kv_rows[s]):
-                ex.recv(whole[a:b], h.src)
+            else:
+                self._post_gathered(ex, s + 1, g, own, whole)
             return ex
 
         def compute(s: int) -> None:
@@ -432,8 +461,11 @@ class Tasp:
             run_own(tp.early + tp.late)
             return dq.result(q.dtype), dk_sum.result(k.dtype), dv_sum.result(v.dtype)
         own = pack_kv(seq_major(k), seq_major(v), seq_dim=0)
-        bufs = [torch.empty_like(own), torch.empty_like(own)]
         wire = wire_dtype(self.grad_dtype, q.dtype)
+        if tp.gathered_bwd is not None:
+            self._backward_gathered(own, wire, grads, run_own, dk_sum, dv_sum, d)
+            return dq.result(q.dtype), dk_sum.result(k.dtype), dv_sum.result(v.dtype)
+        bufs = [torch.empty_like(own), torch.empty_like(own)]
         sums = [torch.empty(own.shape, dtype=acc, device=q.device) for _ in range(2)]   # round t's dK/dV, fp32
         send = torch.empty(own.shape, dtype=wire, device=q.device) if wire != acc else None
         gin = torch.empty(own.shape, dtype=wire, device=q.device)       # relayed partials (cycles)
@@ -498,3 +530,49 @@ class Tasp:
             loop.wait(handles)
             apply_grads(W - 1)
         return dq.result(q.dtype), dk_sum.result(k.dtype), dv_sum.result(v.dtype)
+
+    def _backward_gathered(self, own: torch.Tensor, wire: torch.dtype, grads, run_own, dk_sum: RowSum,
+                           dv_sum: RowSum, d: int) -> None:
+        """The backward at short chunks (Note [TASP backward at short chunks]): every round's pieces into one buffer,
+        a class's rounds one call per group (``TaspPlan.gathered_bwd``), every partial summed once into one buffer in
+        the wire's dtype and sent home in one exchange behind the own block's rest."""
+        tp, W, g = self.tp, self.tp.world, self.tp.gathered_bwd
+        whole = own.new_empty((g.rows, *own.shape[1:]))
+        kw, vw = (bshd(x) for x in unpack_kv(whole, d))
+        parts: list = []                                   # (key rows, dK, dV) of every call on the buffer
+
+        def post(s: int):
+            if s + 1 >= W:
+                return None
+            ex = Exchange(self.group)
+            self._post_gathered(ex, s + 1, g, own, whole)
+            return ex
+
+        def compute(s: int) -> None:
+            if s == 0:
+                run_own(tp.early)
+            else:
+                parts.extend((t.k, gk, gv) for t, gk, gv in grads(g.tasks[s - 1], kw, vw))
+
+        with Loop() as loop:
+            run_steps(W, post=post, compute=compute, loop=loop)
+            sums = torch.empty((g.rows, *own.shape[1:]), dtype=wire, device=own.device)
+            for view, i in zip((bshd(x) for x in unpack_kv(sums, d)), (1, 2)):
+                combine.sum_parts([(p[0], p[i]) for p in parts], tuple(view.shape), wire, out=view)
+            ex = Exchange(self.group)
+            for dst, (a, b) in g.grad_out:
+                ex.send(sums[a:b], dst)
+            came: dict[int, torch.Tensor] = {}             # one buffer per sender: its pieces of ours, at their rows
+            for src, (a, b) in g.grad_in:
+                buf = came.get(src)
+                if buf is None:
+                    buf = came[src] = torch.empty(own.shape, dtype=wire, device=own.device)
+                ex.recv(buf[a:b], src)
+            handles = loop.post(ex)
+            run_own(tp.late)
+            loop.wait(handles)
+        for src, buf in came.items():
+            gk, gv = (bshd(x) for x in unpack_kv(buf, d))
+            for a, b in _runs([rows for s, rows in g.grad_in if s == src]):
+                dk_sum.add(slice(a, b), gk[:, a:b])
+                dv_sum.add(slice(a, b), gv[:, a:b])

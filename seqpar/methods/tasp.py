@@ -147,9 +147,9 @@ def _slowest_rank(layout: str, world: int, seq_len: int, rule, mode: str = "fwd+
     counts = []
     for r in range(world):
         tp = _tasp.schedule(placed, r, seq_len, rule, None, None, "direct", _tasp.gathers(seq_len, world))
-        rounds = [t for rd in tp.rounds for t in rd.tasks]
-        if mode == "fwd" and tp.gathered is not None:
-            rounds = [t for ts in tp.gathered.tasks for t in ts]
+        gathered = tp.gathered if mode == "fwd" else tp.gathered_bwd
+        rounds = [t for ts in gathered.tasks for t in ts] if gathered is not None else \
+            [t for rd in tp.rounds for t in rd.tasks]
         tasks = [*tp.early, *tp.late, *rounds]
         counts.append((len(tasks), sum(-(-t.rows // TILE) * -(-t.cols // TILE) for t in tasks), -r))
     return -max(counts)[2]
