@@ -268,7 +268,7 @@ def test_pass_q_and_tasp_backward_sum_their_partials_in_one_pass(fake_world, cou
     L = leaves[0].shape[1]
     tp = _tasp.schedule(tasp._placement("zigzag", tasp.GroupSizes(world))[0], 0, L, Rule(True), None, None,
                         "direct", True)
-    calls = len(tp.early + tp.late) + sum(map(len, tp.gathered_bwd.tasks))
+    calls = len(tp.early + tp.late) + sum(map(len, tp.gathered.tasks))
     assert counts["kernel_bwd"] == calls < len(tp.early + tp.late) + sum(len(rd.tasks) for rd in tp.rounds), counts
     assert counts["sum_once"] == 2 + 3, counts
 

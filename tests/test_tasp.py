@@ -55,35 +55,37 @@ def test_uneven_sub_chunks_are_a_row_apart():
         assert piece[0][0] in (0, 1024) and all(x[1] == y[0] for x, y in itertools.pairwise(piece))
 
 
-def test_slowest_rank_per_mode():
+def test_slowest_rank():
     """Zigzag gives TASP's ranks the same pairs but not the same calls: the bench emulates a rank between the
-    ends (``Method.slowest_rank``) - for the forward+backward the one with the most backward calls, then tiles
-    (rank 1: thin all-query calls); for the forward at 2K tokens per rank over 8 the one whose forward gathers
-    least (Note [TASP forward at short chunks]); without a mask every rank runs one call a round and the first
-    ties win."""
+    ends (``Method.slowest_rank``), the one with the most calls, then tiles - rank 1 (thin all-query calls), in
+    the rounds' plan at 16K tokens per rank and in the gathered one at 2K (Notes [TASP forward at short chunks],
+    [TASP backward at short chunks]: both passes run it, so both modes get one answer); without a mask every rank
+    runs one call a round and the first ties win."""
     from seqpar.layouts import Rule
     from seqpar.methods import get
 
     slowest = get(M).slowest_rank
-    assert slowest("zigzag", 8, 16384, Rule(True), "fwd+bwd") == 1 and slowest("zigzag", 8, 16384, Rule(True),
-                                                                                "fwd") == 3
-    assert slowest("zigzag", 4, 16384, Rule(True), "fwd+bwd") == 1 and slowest("zigzag", 4, 16384, Rule(True),
-                                                                                "fwd") == 1
-    assert slowest("zigzag", 8, 1 << 17, Rule(True), "fwd") == 1             # 16K per rank: no gathering
-    assert slowest("contiguous", 8, 16384, Rule(False), "fwd") == 0
+    for mode in ("fwd", "fwd+bwd"):
+        assert slowest("zigzag", 8, 16384, Rule(True), mode) == 1 and slowest("zigzag", 4, 16384, Rule(True),
+                                                                               mode) == 1
+        assert slowest("zigzag", 8, 1 << 17, Rule(True), mode) == 1            # 16K per rank: the rounds' plan
+        assert slowest("contiguous", 8, 16384, Rule(False), mode) == 0
 
 
 def test_gathered_forward_joins_thin_rounds():
     """Note [TASP forward at short chunks]: at 2K tokens per rank over 8, rank 1's all-query pieces (146 keys a
-    round) run as one call over the rounds, its back-query pieces one call a round; every key row of the buffer is
-    some call's, once per query range; longer chunks and the cycles keep the rounds' own calls."""
+    round) run as one call over the rounds, its back-query pieces (12288 keys) in three of about ``GATHER_ROWS``
+    keys - 4 calls where its rounds ran 14; every key row of the buffer is some call's, once per query range;
+    longer chunks and the cycles keep the rounds' own calls."""
     from seqpar.layouts import Rule
     from seqpar.methods import _tasp, tasp
 
     layout, _ = tasp._placement("zigzag", tasp.GroupSizes(8))
     tp = _tasp.schedule(layout, 1, 16384, Rule(True), None, None, "direct", _tasp.gathers(16384, 8))
     g = tp.gathered
-    assert [len(ts) for ts in g.tasks] == [1] * 6 + [2]
+    assert [len(ts) for ts in g.tasks] == [0, 0, 1, 0, 1, 0, 2] and sum(len(rd.tasks) for rd in tp.rounds) == 14
+    back = [t.cols for ts in g.tasks for t in ts if t.q == slice(1024, 2048)]
+    assert len(back) == sum(back) // _tasp.GATHER_ROWS == 3
     front = [t for ts in g.tasks for t in ts if t.q == slice(0, 2048)]
     assert len(front) == 1 and front[0].cols == sum(p.rows[1] - p.rows[0] for rd in tp.rounds for p in rd.held
                                                     if p.origin == 0)
@@ -95,29 +97,23 @@ def test_gathered_forward_joins_thin_rounds():
 
 
 @pytest.mark.parametrize("world,seq", [(8, 16384), (4, 16384), (5, 400), (8, 48 * 8)])
-def test_gathered_backward_calls_and_returns(world, seq):
-    """Note [TASP backward at short chunks]: the backward's groups take about ``GATHER_ROWS_BWD`` keys (at 2K
-    tokens per rank over 8, rank 1 runs 4 calls on the buffer where its rounds ran 14: one all-query call, three
-    back-query groups); every key row of the buffer is some call's; and the partials' one exchange agrees on both ends
-    of every link - what r sends o, in order, is what o receives from r, piece by piece."""
+def test_gathered_backward_returns_agree(world, seq):
+    """Note [TASP backward at short chunks]: the gathered plan's calls cover every key row of the buffer, every held
+    piece's partial goes home, and the partials' one exchange agrees on both ends of every link - what r sends o,
+    in order, is what o receives from r, piece by piece."""
     from seqpar.layouts import Rule
     from seqpar.methods import _tasp, tasp
 
     layout, _ = tasp._placement("zigzag", tasp.GroupSizes(world))
     plans = [_tasp.schedule(layout, r, seq, Rule(True), None, None, "direct", True) for r in range(world)]
-    if (world, seq) == (8, 16384):
-        g = plans[1].gathered_bwd
-        assert sum(map(len, g.tasks)) == 4 and sum(len(rd.tasks) for rd in plans[1].rounds) == 14
-        back = [t.cols for ts in g.tasks for t in ts if t.q == slice(1024, 2048)]
-        assert len(back) == sum(back) // _tasp.GATHER_ROWS_BWD == 3
     for r, tp in enumerate(plans):
-        g = tp.gathered_bwd
+        g = tp.gathered
         cover = _tasp._runs(sorted({(t.k_start, t.k_stop) for ts in g.tasks for t in ts}))
         assert cover == [(0, g.rows)]
         assert sorted(rows for _, rows in g.grad_out) == sorted(rows for ts in g.kv_rows for rows in ts)
         for o, other in enumerate(plans):
             sent = [b - a for dst, (a, b) in g.grad_out if dst == o]
-            came = [b - a for src, (a, b) in other.gathered_bwd.grad_in if src == r]
+            came = [b - a for src, (a, b) in other.gathered.grad_in if src == r]
             assert sent == came, (r, o)
 
 

@@ -34,24 +34,31 @@ Note [TASP forward at short chunks]
     all its queries see, higher ranks' pieces that its back queries see - so its rounds ran two calls each, and at
     2K tokens per rank over 8 rank 1's all-query call had 146 keys: cuDNN pays a call's fixed cost and a wave of
     query tiles for a sliver of work (rank 1's forward took 0.81 ms of GPU time where the ring's took 0.54). At most
-    ``HOME_ROWS`` local rows (``_passkv``), the "direct" forward receives every round into one buffer instead
-    (``Gathered``): pieces all of whose tasks are full blocks are grouped by the query rows that see them, each
-    group's pieces laid out round after round, and a group's rounds run as one call per query range once
-    ``GATHER_ROWS`` of its keys have arrived (the last call takes the rest); other pieces (windows, documents,
-    masks) keep their round's calls. Sends and receipts are the rounds' own, so each round's transfer still
-    overlaps a round's compute; the memory is an all-gather's, bounded by the row limit. Rank 1's forward went from
-    16 calls to 10, rank 3's (now the busiest by calls, ``tasp._slowest_rank``) from 16 to 12.
+    ``HOME_ROWS`` local rows (``_passkv``), the "direct" schedule receives every round into one buffer instead
+    (``Gathered``): pieces all of whose tasks are full blocks are grouped by the query rows that see them (a class),
+    each class's pieces laid out round after round, and its keys run in (keys // ``GATHER_ROWS``) calls per query
+    range - one at least, one a round at most - a call running once its share of the keys has arrived; other pieces
+    (windows, documents, masks) keep their round's calls. Sends and receipts are the rounds' own, so transfers still
+    overlap compute; the memory is an all-gather's, bounded by the row limit. With groups of 1024 keys rank 1's
+    forward went from 16 calls to 10 and rank 3's to 12; with 4096 (the backward's measure, below) no rank runs
+    more than 6 (``tasp._slowest_rank``). On a real link a larger group leaves more of a class's work behind its
+    last round; at 2K tokens per rank a round is latency (~0.1 ms an NCCL step) against ~0.05 ms of its compute, so
+    the calls saved weigh more.
 
 Note [TASP backward at short chunks]
-    The backward at the same lengths gathers the same way (``TaspPlan.gathered_bwd``), with groups of at least
-    ``GATHER_ROWS_BWD`` keys: a cuDNN backward call also passes over its query rows before and after its kernel (dO .
-    O, dQ's conversion: 8-16 us each at 2K rows), so at 2K tokens per rank over 8 rank 1 ran 17 backward calls where
-    the ring runs 8, and its kernels took 1.9 ms where the ring's took 1.3 (H200, before the gathering). Its partials
-    cannot go home one round after their piece, as the rounds' backward sends them: a call's dK/dV spans pieces of
-    several rounds and origins, and the origin would have to know every holder's groups. So every call's partials
-    are held and summed once into one buffer in the wire's dtype, and each piece's rows go home in one exchange
-    behind the own block's rest - the all-gather's reduce-scatter, in TASP's pairs. The origin lands each sender's
-    pieces in a buffer of its own and sums them once with its own block's partials (Note [TASP sums]).
+    The backward at the same lengths runs on the same ``Gathered`` plan: a cuDNN backward call also passes over its
+    query rows before and after its kernel (dO . O, dQ's conversion: 8-16 us each at 2K rows), so at 2K tokens per
+    rank over 8 rank 1 ran 17 backward calls where the ring runs 8, and its kernels took 1.9 ms where the ring's took
+    1.3 (H200, before the gathering). Its partials cannot go home one round after their piece, as the rounds'
+    backward sends them: a call's dK/dV spans pieces of several rounds and origins, and the origin would have to know
+    every holder's groups. So every call's partials are held and summed once into one buffer in the wire's dtype,
+    and each piece's rows go home in one exchange behind the own block's rest - the all-gather's reduce-scatter, in
+    TASP's pairs. The origin lands each sender's pieces in a buffer of its own and sums them once with its own
+    block's partials (Note [TASP sums]). Emulated on an H100 with groups of 4096 keys, rank 1's forward+backward
+    at 2K tokens per rank over 8 went from 3.95 to 2.71 ms (GQA) and 4.21 to 3.02 (MHA)
+    (``benchmarks/results/2026-11-26-h100-tasp-gathered-bwd``).
+
+Note [TASP sums]).
 
 Note [TASP sums]
     The backward's dQ partials are fresh kernel outputs, held and summed once (``RowSum``, Note [One merge per
@@ -157,8 +164,8 @@ class Gathered:
 
 @dataclass(frozen=True)
 class TaspPlan:
-    """One rank's schedule: ``rounds[t - 1]`` for t = 1 .. W-1, its own block's tasks, and the forward's and the
-    backward's gathered forms where they run one (``Gathered``, else None)."""
+    """One rank's schedule: ``rounds[t - 1]`` for t = 1 .. W-1, its own block's tasks, and the gathered form both
+    passes run at short chunks (``Gathered``, else None)."""
 
     world: int
     kind: str
@@ -166,7 +173,6 @@ class TaspPlan:
     late: tuple[Task, ...]
     rounds: tuple[Round, ...]
     gathered: Gathered | None = None
-    gathered_bwd: Gathered | None = None
 
 
 class _Geometry:
@@ -280,11 +286,10 @@ def schedule(layout: Subchunked, rank: int, seq_len: int, rule: Rule, doc_bounds
                             sum(b - a for a, b in rows_of[t].values()), tasks, _order(kv_in, "src"),
                             _order(kv_out, "dst"), _order(grad_in, "src"), _order(grad_out, "dst")))
     early, late = split_own(geo.segs[r], rule, front_first=False)
-    gathered = gathered_bwd = None
+    gathered = None
     if gather and kind == "direct" and W > 2:
-        gathered = _gather(geo, r, held, rounds, GATHER_ROWS)
-        gathered_bwd = _gather(geo, r, held, rounds, GATHER_ROWS_BWD)
-    return TaspPlan(W, kind, early, late, tuple(rounds), gathered, gathered_bwd)
+        gathered = _gather(geo, r, held, rounds)
+    return TaspPlan(W, kind, early, late, tuple(rounds), gathered)
 
 
 def gathers(seq_len: int, world: int) -> bool:
@@ -293,19 +298,15 @@ def gathers(seq_len: int, world: int) -> bool:
     return seq_len // world <= _passkv.HOME_ROWS
 
 
-GATHER_ROWS = 1024
-"""Keys per forward call of a gathered class: its keys run in (keys // GATHER_ROWS) calls (one at least, one a
-round at most), split where rounds end (Note [TASP forward at short chunks])."""
-
-GATHER_ROWS_BWD = 4096
-"""The same for a backward call (Note [TASP backward at short chunks]): each call also passes over its query rows
-twice (dO . O before, dQ's conversion after), so fewer and larger calls pay more than in the forward."""
+GATHER_ROWS = 4096
+"""Keys per call of a gathered class: its keys run in (keys // GATHER_ROWS) calls (one at least, one a round at
+most), split where rounds end (Note [TASP forward at short chunks])."""
 
 
-def _gather(geo: _Geometry, r: int, held: list, rounds: list[Round], min_keys: int) -> Gathered:
+def _gather(geo: _Geometry, r: int, held: list, rounds: list[Round]) -> Gathered:
     """Rank r's pass over one buffer (Note [TASP forward at short chunks]): pieces every task of which is a full
     block are grouped by the query rows that see them (a class), each class's pieces laid out round after round, and
-    a class's keys run in (keys // ``min_keys``) groups (one at least, one a round at most), a group closing at the
+    a class's keys run in (keys // ``GATHER_ROWS``) groups (one at least, one a round at most), a group closing at the
     first round by which its share of the keys has arrived, one call per query range; other pieces keep their
     round's calls."""
     n = len(rounds)
@@ -336,7 +337,7 @@ def _gather(geo: _Geometry, r: int, held: list, rounds: list[Round], min_keys: i
             at = where[(t, p)][1]
             per_round[t] += p.rows[1] - p.rows[0]
         total = at - start
-        groups = max(1, min(sum(1 for x in per_round if x), total // min_keys))
+        groups = max(1, min(sum(1 for x in per_round if x), total // GATHER_ROWS))
         lo, done, k = start, 0, 1             # consecutive rounds; group k closes once k / groups of the keys came
         for t in range(1, n + 1):
             done += per_round[t]
@@ -462,7 +463,7 @@ class Tasp:
             return dq.result(q.dtype), dk_sum.result(k.dtype), dv_sum.result(v.dtype)
         own = pack_kv(seq_major(k), seq_major(v), seq_dim=0)
         wire = wire_dtype(self.grad_dtype, q.dtype)
-        if tp.gathered_bwd is not None:
+        if tp.gathered is not None:
             self._backward_gathered(own, wire, grads, run_own, dk_sum, dv_sum, d)
             return dq.result(q.dtype), dk_sum.result(k.dtype), dv_sum.result(v.dtype)
         bufs = [torch.empty_like(own), torch.empty_like(own)]
@@ -534,9 +535,9 @@ class Tasp:
     def _backward_gathered(self, own: torch.Tensor, wire: torch.dtype, grads, run_own, dk_sum: RowSum,
                            dv_sum: RowSum, d: int) -> None:
         """The backward at short chunks (Note [TASP backward at short chunks]): every round's pieces into one buffer,
-        a class's rounds one call per group (``TaspPlan.gathered_bwd``), every partial summed once into one buffer in
+        a class's rounds one call per group (the forward's ``Gathered``), every partial summed once into one buffer in
         the wire's dtype and sent home in one exchange behind the own block's rest."""
-        tp, W, g = self.tp, self.tp.world, self.tp.gathered_bwd
+        tp, W, g = self.tp, self.tp.world, self.tp.gathered
         whole = own.new_empty((g.rows, *own.shape[1:]))
         kw, vw = (bshd(x) for x in unpack_kv(whole, d))
         parts: list = []                                   # (key rows, dK, dV) of every call on the buffer

@@ -133,22 +133,21 @@ TILE = 128
 
 
 def _slowest_rank(layout: str, world: int, seq_len: int, rule, mode: str = "fwd+bwd") -> int:
-    """The rank with the most kernel calls, then the most ``TILE`` x ``TILE`` tiles, in ``mode``'s heavier pass:
-    the forward's calls for "fwd", the backward's for "fwd+bwd" (about three quarters of its time).
+    """The rank with the most kernel calls, then the most ``TILE`` x ``TILE`` tiles. Both passes run one plan (the
+    rounds', or at short chunks the gathered one: Notes [TASP forward at short chunks], [TASP backward at short
+    chunks]), so ``mode`` does not change the answer.
 
     Zigzag gives every rank the same pairs, but not the same calls: rank 0 sees all of every higher rank's
     sub-chunk in one call a round, and so does the last rank with the lower ranks' front pieces, while a rank
     between runs two a round on keys that are sums of sub-chunks (tiles half empty). Emulated on an H100 at 2K
     tokens per rank over 8 (GQA), rank 3's forward+backward took 3.84 ms of GPU time where rank 0's took 2.84
     (``benchmarks/results/2026-11-26-h100-tasp-aligned``), and rank 1's 4.11 ms steady where rank 3's took 3.88
-    (``2026-11-26-h100-tasp-gathered``). The forward at short chunks gathers rounds (Note [TASP forward at short
-    chunks]), so its busiest rank is another: the one that gathers least."""
+    (``2026-11-26-h100-tasp-gathered``); gathered, rank 1 runs 6 calls a pass, ranks 0, 2 and 3 five."""
     placed, _ = _placement(layout, GroupSizes(world))
     counts = []
     for r in range(world):
         tp = _tasp.schedule(placed, r, seq_len, rule, None, None, "direct", _tasp.gathers(seq_len, world))
-        gathered = tp.gathered if mode == "fwd" else tp.gathered_bwd
-        rounds = [t for ts in gathered.tasks for t in ts] if gathered is not None else \
+        rounds = [t for ts in tp.gathered.tasks for t in ts] if tp.gathered is not None else \
             [t for rd in tp.rounds for t in rd.tasks]
         tasks = [*tp.early, *tp.late, *rounds]
         counts.append((len(tasks), sum(-(-t.rows // TILE) * -(-t.cols // TILE) for t in tasks), -r))
