@@ -26,7 +26,9 @@ Note [Emulated world]
     a call faster than the GPU runs it (the call is not host-bound), the host's excess when not. The limit is
     the one-GPU kernel's cold time either way. What it cannot see: NCCL's
     own use of SMs and memory bandwidth beside the kernels, link contention and latency, stragglers (no
-    other rank exists), and any wait on a peer; values are garbage (nothing arrives), so nothing is checked.
+    other rank exists), and any wait on a peer; values are garbage (nothing arrives), so nothing is checked -
+    and a long call on never-written buffers runs faster than on data (power-bound: up to ~20% at 16K+ tokens
+    per rank on an H100, ``benchmarks/gpu/probe_fake_data.py``; none at short chunks).
     ``--link PROFILE`` gives seqpar's transfers the planner's time for their bytes (Note [Modelled link] in
     ``seqpar.comm.link``): the records then carry ``link`` and ``predicted_efficiency`` (a prediction of W
     GPUs) instead of ``compute_efficiency``.
