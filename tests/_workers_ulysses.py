@@ -261,12 +261,13 @@ def tiny_model_check(spec: tuple[str, str, int | None, str]) -> dict[str, float]
     return err
 
 
-def run_case_home_rows(home_rows: int, case: Case) -> dict[str, Any]:
-    """``run_case`` with the pass-KV backward's ``HOME_ROWS`` set (Note [Partials home] in ``seqpar.methods._passkv``):
-    0 makes every ring backward send running sums, a large value sends every step's partial home. Planned calls
-    are dropped first: an engine decides what it can when it is planned (TASP's gathered forward)."""
+def run_case_short_paths(short: bool, case: Case) -> dict[str, Any]:
+    """``run_case`` with every short-chunk path forced on or off: the pass-KV backward's partials home (``HOME_BYTES``,
+    Note [Partials home] in ``seqpar.methods._passkv``; off: running sums) and TASP's gathered passes
+    (``GATHER_MAX_ROWS``). Planned calls are dropped first: an engine decides what it can when it is planned."""
     from seqpar.runtime import call as _call
 
     _call.cache_clear()
-    with mock.patch("seqpar.methods._passkv.HOME_ROWS", home_rows):
+    with mock.patch("seqpar.methods._passkv.HOME_BYTES", 1 << 62 if short else 0), \
+            mock.patch("seqpar.methods._tasp.GATHER_MAX_ROWS", 1 << 30 if short else 0):
         return run_case(case)

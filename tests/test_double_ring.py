@@ -45,12 +45,12 @@ def test_double_ring_windows_documents_padding_lse_grad(pools):
     assert_all_ok(run_cases(pools(4), cases))
 
 
-@pytest.mark.parametrize("home_rows", [0, 1 << 30], ids=["running-sums", "partials-home"])
-def test_double_ring_both_dkv_paths_match_oracle(pools, home_rows):
+@pytest.mark.parametrize("short", [False, True], ids=["running-sums", "partials-home"])
+def test_double_ring_both_dkv_paths_match_oracle(pools, short):
     """The double ring's two dK/dV paths (Note [Double-ring partials home]), each forced on through the pass-KV
-    ``HOME_ROWS``: node sizes 1, 2 and 4 of 4 ranks, causal and not, zigzag, contiguous and balanced documents,
+    ``HOME_BYTES``: node sizes 1, 2 and 4 of 4 ranks, causal and not, zigzag, contiguous and balanced documents,
     windows, padding, GQA and MQA, a head dim of its own for V, bf16 (fp32 and bf16 wires), the lse gradient."""
-    from _workers_ulysses import run_case_home_rows
+    from _workers_ulysses import run_case_short_paths
 
     from seqpar.testing import check_case
 
@@ -68,7 +68,7 @@ def test_double_ring_both_dkv_paths_match_oracle(pools, home_rows):
                    options=two),
               Case(layout="zigzag", dtype="bfloat16", options=(*two, ("grad_dtype", torch.bfloat16)), **kw)]
     pool = pools(4)
-    assert_all_ok([check_case(c, pool.run(run_case_home_rows, home_rows, c)) for c in cases])
+    assert_all_ok([check_case(c, pool.run(run_case_short_paths, short, c)) for c in cases])
 
 
 @pytest.mark.parametrize("options,match", [

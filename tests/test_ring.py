@@ -36,12 +36,12 @@ def test_ring_head_dim_256_and_lse_gradient(pools):
     assert_all_ok(run_cases(pools(2), cases))
 
 
-@pytest.mark.parametrize("home_rows", [0, 1 << 30], ids=["running-sums", "partials-home"])
-def test_both_dkv_paths_match_oracle(pools, home_rows):
+@pytest.mark.parametrize("short", [False, True], ids=["running-sums", "partials-home"])
+def test_both_dkv_paths_match_oracle(pools, short):
     """The pass-KV backward's two dK/dV paths (Note [Partials home] in ``seqpar.methods._passkv``), each forced on
-    through ``HOME_ROWS``: causal and not, every layout, windows, documents, padding, GQA, bf16, the lse gradient,
+    through ``HOME_BYTES``: causal and not, every layout, windows, documents, padding, GQA, bf16, the lse gradient,
     a head dim of its own for V, USP's ring, and a ring truncated by its window."""
-    from _workers_ulysses import run_case_home_rows
+    from _workers_ulysses import run_case_short_paths
 
     from seqpar.testing import check_case
 
@@ -56,7 +56,7 @@ def test_both_dkv_paths_match_oracle(pools, home_rows):
               Case(layout="zigzag", seq_len=32, heads=4, kv_heads=1, head_dim=16, value_dim=8),
               Case(method="usp", layout="zigzag", seq_len=32, ulysses=2, **kw)]
     pool = pools(4)
-    assert_all_ok([check_case(c, pool.run(run_case_home_rows, home_rows, c)) for c in cases])
+    assert_all_ok([check_case(c, pool.run(run_case_short_paths, short, c)) for c in cases])
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -117,12 +117,13 @@ def test_gathered_backward_returns_agree(world, seq):
             assert sent == came, (r, o)
 
 
-@pytest.mark.parametrize("home_rows", [0, 1 << 30], ids=["long-chunk-paths", "short-chunk-paths"])
-def test_tasp_both_chunk_paths_match_oracle(pools, home_rows):
-    """TASP's short- and long-chunk paths (the gathered forward, Note [TASP forward at short chunks]; home partials
-    held or folded each round, Note [TASP sums]), each forced through ``HOME_ROWS``: both schedules, causal and not,
-    windows, documents, padding, GQA, bf16, the lse gradient, at 3 and 4 ranks."""
-    from _workers_ulysses import run_case_home_rows
+@pytest.mark.parametrize("short", [False, True], ids=["long-chunk-paths", "short-chunk-paths"])
+def test_tasp_both_chunk_paths_match_oracle(pools, short):
+    """TASP's short- and long-chunk paths (the gathered passes, Notes [TASP forward at short chunks], [TASP backward
+    at short chunks]; home partials held or folded each round, Note [TASP sums]), each forced
+    (``run_case_short_paths``): both schedules, causal and not, windows, documents, padding, GQA, bf16, the lse
+    gradient, at 3 and 4 ranks."""
+    from _workers_ulysses import run_case_short_paths
 
     from seqpar.testing import check_case
 
@@ -135,7 +136,7 @@ def test_tasp_both_chunk_paths_match_oracle(pools, home_rows):
               Case(layout="zigzag", causal=False, seq_len=48, valid_len=41, lse_grad=True, dtype="float64", **kw)]
     for world in (3, 4):
         pool = pools(world)
-        assert_all_ok([check_case(c, pool.run(run_case_home_rows, home_rows, c)) for c in cases
+        assert_all_ok([check_case(c, pool.run(run_case_short_paths, short, c)) for c in cases
                        if c.options != (("schedule", "cycles"),) or world != 4])
 
 

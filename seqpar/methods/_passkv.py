@@ -17,20 +17,26 @@ Note [Ring truncation]
     sits on rank ``j + n_steps - 1`` and goes home in one direct transfer (one hop on NVSwitch).
 
 Note [Partials home]
-    At most ``HOME_ROWS`` local rows, dK/dV do not travel as running sums: at step s rank r's partial for block
-    r - s goes straight to its owner (s ranks upstream) one step later, posted with the next KV hop as pass-Q's
-    returns are (``_passq``), and each rank sums its own block's partials once, at the end (``RowSum``). A running
-    sum costs every step an fp32 pass over the whole block - read the sum, read the partial, write the sum - which
-    at 2K tokens per rank over 8 (MHA, emulated on an H100) took 0.59 ms of a forward+backward's 3.0 ms of GPU
-    time, half of what its kernels beyond attention took; one sum of bf16 partials reads each once. A partial covers
-    the hull of its step's key rows (what both ends plan: ``Schedule.home`` is the sender's tasks against the
-    receiver's block), and travels in the inputs' dtype when that is exact - no key row in two of the step's tasks
-    and kernels that return gradients in the inputs' dtype: the kernel's own output, sent as it is, in half the
-    bytes of the fp32 running sum - else summed in fp32 into a buffer of the wire's dtype (``grad_dtype``). The
-    sums are of the same bf16 partials in fp32 as the running sums were, in another order. The cost is memory: a
-    rank holds its block's partials until the end (folded past ``DEFER_BYTES``), so past ``HOME_ROWS`` - where
-    the passes are small next to the kernels - the running sums stay. The sends go s ranks away rather than to
-    the neighbour: one hop on NVSwitch, a permutation of the ranks on any network.
+    While the partials a rank would hold fit ``HOME_BYTES`` (``partials_home``), dK/dV do not travel as running
+    sums: at step s rank r's partial for block r - s goes straight to its owner (s ranks upstream) one step later,
+    posted with the next KV hop as pass-Q's returns are (``_passq``), and each rank sums its own block's partials
+    once, at the end (``RowSum``). A running sum costs every step an fp32 pass over the whole block - read the sum,
+    read the partial, write the sum - which at 2K tokens per rank over 8 (MHA, emulated on an H100) took 0.59 ms of
+    a forward+backward's 3.0 ms of GPU time, half of what its kernels beyond attention took; one sum of bf16
+    partials reads each once. A partial covers the hull of its step's key rows (what both ends plan:
+    ``Schedule.home`` is the sender's tasks against the receiver's block), and travels in the inputs' dtype when
+    that is exact - no key row in two of the step's tasks and kernels that return gradients in the inputs' dtype:
+    the kernel's own output, sent as it is, in half the bytes of the fp32 running sum - else summed in fp32 into a
+    buffer of the wire's dtype (``grad_dtype``). The sums are of the same bf16 partials in fp32 as the running sums
+    were, in another order. The cost is memory: a rank holds its block's partials until the end, so the rule is
+    their bytes - a step's partial of the block, in the wire's dtype where it is wider (the partials that are not
+    exact), times the steps - at most ``HOME_BYTES`` (the ``DEFER_BYTES`` at which ``RowSum`` would fold them
+    anyway; the running sums hold two or three blocks of their own). The limit was 8192 local rows, which kept
+    packed rows at 16K tokens per rank over 8 on the running sums although they hold under 1 GiB of partials (GQA
+    8), and there the passes are not small next to the kernels: FA2 varlen calls over documents do less work per
+    row, and the running sums' fp32 adds took 1.1 ms of a 17.1 ms forward+backward
+    (``benchmarks/results/2026-11-26-h100-packed-probe``). MHA at W = 8 keeps its 8K rows. The sends go s ranks away
+    rather than to the neighbour: one hop on NVSwitch, a permutation of the ranks on any network.
 """
 
 from __future__ import annotations
@@ -59,7 +65,8 @@ from ._shared import (
     unpack_kv,
 )
 
-__all__ = ["BATCH_SCHEDULES", "HeadChunks", "OneRank", "PassKV", "Schedule", "build", "schedule"]
+__all__ = ["BATCH_SCHEDULES", "HOME_BYTES", "HeadChunks", "OneRank", "PassKV", "Schedule", "build", "partials_home",
+           "schedule"]
 
 
 @dataclass(frozen=True)
@@ -217,8 +224,8 @@ class PassKV:
 
     def backward(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                  result_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Ring backward (ALGORITHMS.md §3.2): dK/dV travel one step behind their KV, or at most ``HOME_ROWS``
-        local rows each step's partials go straight home (Note [Partials home]).
+        """Ring backward (ALGORITHMS.md §3.2): dK/dV travel one step behind their KV, or while the partials fit
+        ``HOME_BYTES`` each step's partials go straight home (Note [Partials home]).
 
         ``result_dtype``: dtype of the returned gradients (default: the inputs'); USP asks for fp32 when it
         still has to sum replicated KV heads' partials.
@@ -228,7 +235,7 @@ class PassKV:
         if n == 1:
             g = runner.backward_all(rows, q, k, v, lse, steps[0])
             return tuple(x.to(dt) for x, dt in zip(g, dtypes))
-        if k.shape[1] <= HOME_ROWS:
+        if partials_home(k, v, n, self.grad_dtype):
             return self._backward_home(rows, q, k, v, lse, dtypes)
         acc = acc_dtype(q.dtype)
         wire = wire_dtype(self.grad_dtype, q.dtype)
@@ -336,7 +343,16 @@ class PassKV:
         return swap_partial(ex, partial, self.ring.peer(-t), self._shape("home", t, q, k, v), self.ring.peer(t), k, v,
                             wire)
 
-HOME_ROWS = 8192
-"""Local rows up to which the pass-KV backward sends each step's dK/dV partial straight home (Note [Partials
-home]); beyond it the held partials would cost more memory than the running sums' passes cost time."""
+HOME_BYTES = 2 << 30
+"""The most bytes of dK/dV partials a pass-KV backward holds to send each step's straight home (Note [Partials
+home]); past it the running sums travel."""
+
+
+def partials_home(k: torch.Tensor, v: torch.Tensor, steps: int, grad_dtype: torch.dtype) -> bool:
+    """Whether a pass-KV backward of ``steps`` steps on local ``k``, ``v`` sends each step's partial home (Note
+    [Partials home]): ``steps`` partials of the whole block, each element the wider of the inputs' and the wire's
+    dtype, within ``HOME_BYTES``."""
+    width = max(k.element_size(), torch.finfo(wire_dtype(grad_dtype, k.dtype)).bits // 8)
+    per_row = k.shape[0] * (k.shape[2] * k.shape[3] + v.shape[2] * v.shape[3]) * width
+    return steps * k.shape[1] * per_row <= HOME_BYTES
 

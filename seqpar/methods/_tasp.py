@@ -34,7 +34,7 @@ Note [TASP forward at short chunks]
     all its queries see, higher ranks' pieces that its back queries see - so its rounds ran two calls each, and at
     2K tokens per rank over 8 rank 1's all-query call had 146 keys: cuDNN pays a call's fixed cost and a wave of
     query tiles for a sliver of work (rank 1's forward took 0.81 ms of GPU time where the ring's took 0.54). At most
-    ``HOME_ROWS`` local rows (``_passkv``), the "direct" schedule receives every round into one buffer instead
+    ``GATHER_MAX_ROWS`` local rows, the "direct" schedule receives every round into one buffer instead
     (``Gathered``): pieces all of whose tasks are full blocks are grouped by the query rows that see them (a class),
     each class's pieces laid out round after round, and its keys run in (keys // ``GATHER_ROWS``) calls per query
     range - one at least, one a round at most - a call running once its share of the keys has arrived; other pieces
@@ -69,7 +69,7 @@ Note [TASP sums]
     Note [Pass-Q sums] in ``_passq``). The partials that come home are held the same way: each round's land in a
     buffer of their own, each run of adjacent rows one partial, and this rank's dK and dV are summed once with its
     own block's partials - where every arriving piece was added into an fp32 dK/dV (at 2K tokens per rank over 8,
-    56 small adds a backward). Past ``HOME_ROWS`` local rows a round buffer each would cost more memory than the
+    56 small adds a backward). Past ``GATHER_MAX_ROWS`` local rows a round buffer each would cost more memory than the
     adds cost time, so there the arrivals land in one buffer and are folded into an fp32 running sum each round
     (``RowSum.fold``), as the adds did.
 """
@@ -90,7 +90,6 @@ from ..layouts.blocks import Band, Rule, Task, plan, slice_rows
 from ..layouts.subchunks import Subchunked
 from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
-from . import _passkv
 from ._shared import bshd, pack_kv, seq_major, split_own, unpack_kv
 
 __all__ = ["Gathered", "Hop", "Piece", "Round", "Tasp", "TaspPlan", "gathers", "schedule"]
@@ -293,9 +292,14 @@ def schedule(layout: Subchunked, rank: int, seq_len: int, rule: Rule, doc_bounds
 
 
 def gathers(seq_len: int, world: int) -> bool:
-    """Whether the forward gathers its rounds (Note [TASP forward at short chunks]): at most ``HOME_ROWS`` local
-    rows, where holding every round costs little."""
-    return seq_len // world <= _passkv.HOME_ROWS
+    """Whether both passes gather their rounds (Note [TASP forward at short chunks]): at most ``GATHER_MAX_ROWS``
+    local rows, where holding every round costs little."""
+    return seq_len // world <= GATHER_MAX_ROWS
+
+
+GATHER_MAX_ROWS = 8192
+"""Local rows up to which TASP's passes gather their rounds, and its backward holds the partials that come home a
+round buffer each (Notes [TASP forward at short chunks], [TASP sums])."""
 
 
 GATHER_ROWS = 4096
@@ -471,7 +475,7 @@ class Tasp:
         send = torch.empty(own.shape, dtype=wire, device=q.device) if wire != acc else None
         gin = torch.empty(own.shape, dtype=wire, device=q.device)       # relayed partials (cycles)
         came: dict[int, torch.Tensor] = {}                                 # round t's partials home, held
-        hold = k.shape[1] <= _passkv.HOME_ROWS      # longer: they land in gin and are folded at once (Note [TASP sums])
+        hold = k.shape[1] <= GATHER_MAX_ROWS      # longer: they land in gin and are folded at once (Note [TASP sums])
 
         def post_grads(ex: Exchange, t: int) -> None:
             """Round t's partials to their next holder or origin, and the receipt of ours."""

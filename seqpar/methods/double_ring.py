@@ -28,7 +28,7 @@ Note [Double ring]
     to the pass's first holder instead (Note [Double-ring partials home]).
 
 Note [Double-ring partials home]
-    At most ``HOME_ROWS`` local rows (the ring's threshold, Note [Partials home] in ``_passkv``), dK/dV do not
+    While the partials fit (``_passkv.partials_home``, the ring's rule: Note [Partials home]), dK/dV do not
     follow their KV around the inner ring as running sums: at inner step s of pass j, rank (t, p)'s partial for
     the block it holds goes straight to (t, p - s), the rank that began the pass with that block, posted with the
     next inner hop (in bf16 where exact, ``exact_partial``). That rank holds its block's w partials and, at the
@@ -297,7 +297,7 @@ class _Engine:
         return acc.result(q.dtype)
 
     def backward(self, b: BackwardInputs):
-        if b.k.shape[1] <= _passkv.HOME_ROWS:
+        if _passkv.partials_home(b.k, b.v, self.groups.world, self.grad_dtype):
             if self._straight_home(b.q, b.k):
                 return self._backward_owner(b)
             return self._backward_home(b)
