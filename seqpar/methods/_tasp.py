@@ -54,9 +54,9 @@ Note [TASP backward at short chunks]
     every holder's groups. So every call's partials are held and summed once into one buffer in the wire's dtype,
     and each piece's rows go home in one exchange behind the own block's rest - the all-gather's reduce-scatter, in
     TASP's pairs. The origin lands each sender's pieces in a buffer of its own and sums them once with its own
-    block's partials (Note [TASP sums]). Emulated on an H100 with groups of 4096 keys, rank 1's forward+backward
-    at 2K tokens per rank over 8 went from 3.95 to 2.71 ms (GQA) and 4.21 to 3.02 (MHA)
-    (``benchmarks/results/2026-11-26-h100-tasp-gathered-bwd``).
+    block's partials (Note [TASP sums]). Emulated on an H100, with both passes gathered in groups of 4096 keys,
+    rank 1's forward+backward at 2K tokens per rank over 8 went from 3.91 to 2.64 ms (GQA) and 4.20 to 2.93 (MHA),
+    its forward from 0.74 to 0.62 and 0.81 to 0.67 (``benchmarks/results/2026-11-26-h100-tasp-gathered-bwd``).
 
 Note [TASP sums]).
 
