@@ -1,7 +1,7 @@
 """Does a kernel's time depend on its data? A fake group's receive buffers are never written, so an emulated rank
 computes every step but its own on whatever those buffers held. This times one-GPU cuDNN attention (bf16, D 128,
 32 query heads) with random keys and values against zeros and against a never-written fresh buffer, at long and
-short lengths, forward and forward+backward, median of 10 after warm-up.
+short lengths, forward and forward+backward, median of 10 after warm-up (``seqpar.bench.timing.time_ms``).
 
     python3 benchmarks/gpu/probe_fake_data.py [--seqs 2048,8192,32768] [--kv-heads 8]
 """
@@ -9,25 +9,12 @@ short lengths, forward and forward+backward, median of 10 after warm-up.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-
-def timed(fn, n: int = 10) -> float:
-    for _ in range(3):
-        fn()
-    out = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+from seqpar.bench.timing import time_ms
 
 
 def main() -> None:
@@ -61,7 +48,7 @@ def row(S: int, kv_heads: int, kind: str, H: int = 32) -> str:
             o = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
         return torch.autograd.grad(o, leaves, do)
 
-    return f"{kind} fwd {timed(fwd):.3f} ms fwd+bwd {timed(fb):.3f} ms"
+    return f"{kind} fwd {time_ms(fwd, dev, iters=10):.3f} ms fwd+bwd {time_ms(fb, dev, iters=10):.3f} ms"
 
 if __name__ == "__main__":
     main()
