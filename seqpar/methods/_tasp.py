@@ -58,8 +58,6 @@ Note [TASP backward at short chunks]
     rank 1's forward+backward at 2K tokens per rank over 8 went from 3.91 to 2.64 ms (GQA) and 4.20 to 2.93 (MHA),
     its forward from 0.74 to 0.62 and 0.81 to 0.67 (``benchmarks/results/2026-11-26-h100-tasp-gathered-bwd``).
 
-Note [TASP sums]).
-
 Note [TASP sums]
     The backward's dQ partials are fresh kernel outputs, held and summed once (``RowSum``, Note [One merge per
     call] in ``seqpar.kernels.combine``), and a round's dK/dV partials are summed straight into that round's fp32
