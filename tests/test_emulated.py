@@ -273,6 +273,32 @@ def test_pass_q_and_tasp_backward_sum_their_partials_in_one_pass(fake_world, cou
     assert counts["sum_once"] == 2 + 3, counts
 
 
+@pytest.mark.parametrize("kernel,dtype,sent", [("cpu_flash", torch.bfloat16, {torch.bfloat16}),
+                                               ("reference", torch.bfloat16, {torch.float32}),
+                                               ("cpu_flash", torch.float32, {torch.float32})])
+def test_tasp_gathered_partials_travel_in_the_inputs_dtype_where_exact(fake_world, monkeypatch, kernel, dtype, sent):
+    """Note [TASP backward at short chunks]: the gathered backward's partials go home in the inputs' dtype on a link
+    whose every piece is exact in it - each key row in one call of a kernel that returns that dtype (CPU's fused
+    kernel) - and in the wire's (fp32 by default) where not (the reference kernel returns fp32)."""
+    from seqpar.comm import ring
+
+    world, L, sends = 4, 4 * 4 * 3, []
+    fake_world(world, rank=1)
+    q = torch.randn(1, L, 4, 16, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, L, 2, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+    out = seqpar.attention(q, k, v, method="tasp", layout="zigzag", causal=True, check_ranks=False, kernel=kernel)
+    real_send = ring.Exchange.send
+    monkeypatch.setattr(ring.Exchange, "send", lambda ex, t, peer: sends.append(t.dtype) or real_send(ex, t, peer))
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    from seqpar.layouts import Rule
+    from seqpar.methods import _tasp, tasp
+
+    g = _tasp.schedule(tasp._placement("zigzag", tasp.GroupSizes(world))[0], 1, L, Rule(True), None, None, "direct",
+                       True).gathered
+    home = sends[len(sends) - len(g.grad_out):]              # the last exchange: every held piece's partial home
+    assert len(g.grad_out) >= world - 1 and set(home) == sent, sends
+
+
 @pytest.mark.parametrize("method,layout,options", [
     ("allgather", "zigzag", {}), ("allgather", "contiguous", {"window_size": (7, 0)}), ("ulysses", None, {}),
     ("usp", "zigzag", {"ulysses": 2})])

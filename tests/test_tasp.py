@@ -100,7 +100,7 @@ def test_gathered_forward_joins_thin_rounds():
 def test_gathered_backward_returns_agree(world, seq):
     """Note [TASP backward at short chunks]: the gathered plan's calls cover every key row of the buffer, every held
     piece's partial goes home, and the partials' one exchange agrees on both ends of every link - what r sends o,
-    in order, is what o receives from r, piece by piece."""
+    in order, is what o receives from r, piece by piece, with the same tasks (which decide the link's dtype)."""
     from seqpar.layouts import Rule
     from seqpar.methods import _tasp, tasp
 
@@ -110,10 +110,10 @@ def test_gathered_backward_returns_agree(world, seq):
         g = tp.gathered
         cover = _tasp._runs(sorted({(t.k_start, t.k_stop) for ts in g.tasks for t in ts}))
         assert cover == [(0, g.rows)]
-        assert sorted(rows for _, rows in g.grad_out) == sorted(rows for ts in g.kv_rows for rows in ts)
+        assert sorted(rows for _, rows, _ in g.grad_out) == sorted(rows for ts in g.kv_rows for rows in ts)
         for o, other in enumerate(plans):
-            sent = [b - a for dst, (a, b) in g.grad_out if dst == o]
-            came = [b - a for src, (a, b) in other.gathered.grad_in if src == r]
+            sent = [(b - a, ts) for dst, (a, b), ts in g.grad_out if dst == o]
+            came = [(b - a, ts) for src, (a, b), ts in other.gathered.grad_in if src == r]
             assert sent == came, (r, o)
 
 

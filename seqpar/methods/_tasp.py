@@ -48,15 +48,18 @@ Note [TASP forward at short chunks]
 Note [TASP backward at short chunks]
     The backward at the same lengths runs on the same ``Gathered`` plan: a cuDNN backward call also passes over its
     query rows before and after its kernel (dO . O, dQ's conversion: 8-16 us each at 2K rows), so at 2K tokens per
-    rank over 8 rank 1 ran 17 backward calls where the ring runs 8, and its kernels took 1.9 ms where the ring's took
-    1.3 (H200, before the gathering). Its partials cannot go home one round after their piece, as the rounds'
-    backward sends them: a call's dK/dV spans pieces of several rounds and origins, and the origin would have to know
-    every holder's groups. So every call's partials are held and summed once into one buffer in the wire's dtype,
-    and each piece's rows go home in one exchange behind the own block's rest - the all-gather's reduce-scatter, in
-    TASP's pairs. The origin lands each sender's pieces in a buffer of its own and sums them once with its own
-    block's partials (Note [TASP sums]). Emulated on an H100, with both passes gathered in groups of 4096 keys,
-    rank 1's forward+backward at 2K tokens per rank over 8 went from 3.91 to 2.64 ms (GQA) and 4.20 to 2.93 (MHA),
-    its forward from 0.74 to 0.62 and 0.81 to 0.67 (``benchmarks/results/2026-11-26-h100-tasp-gathered-bwd``).
+    rank over 8 rank 1 ran 17 backward calls where the ring runs 8, and its kernels took 1.9 ms where the ring's
+    took 1.3 (H200, before the gathering). Its partials cannot go home one round after their piece, as the rounds'
+    backward sends them: a call's dK/dV spans pieces of several rounds and origins, and the origin would have to
+    know every holder's groups. So every call's partials are held and summed once into one buffer, and each piece's
+    rows go home in one exchange behind the own block's rest - the all-gather's reduce-scatter, in TASP's pairs. A
+    link carries the inputs' dtype where each of its pieces is exact in it (one call per key row, a kernel that
+    returns that dtype: ``_shared.exact_partial``, decided by both ends from the holder's tasks on the piece), else
+    the wire's: in bf16 the fp32 sums, receipts and their passes would move twice the bytes. The origin lands each
+    sender's pieces in a buffer of its own and sums them once with its own block's partials (Note [TASP sums]).
+    Emulated on an H100, with both passes gathered in groups of 4096 keys, rank 1's forward+backward at 2K tokens
+    per rank over 8 went from 3.91 to 2.64 ms (GQA) and 4.20 to 2.93 (MHA), its forward from 0.74 to 0.62 and 0.81
+    to 0.67 (``benchmarks/results/2026-11-26-h100-tasp-gathered-bwd``).
 
 Note [TASP sums]
     The backward's dQ partials are fresh kernel outputs, held and summed once (``RowSum``, Note [One merge per
@@ -88,7 +91,7 @@ from ..layouts.blocks import Band, Rule, Task, plan, slice_rows
 from ..layouts.subchunks import Subchunked
 from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
-from ._shared import bshd, pack_kv, seq_major, split_own, unpack_kv
+from ._shared import bshd, exact_partial, pack_kv, seq_major, split_own, unpack_kv
 
 __all__ = ["Gathered", "Hop", "Piece", "Round", "Tasp", "TaspPlan", "gathers", "schedule"]
 
@@ -149,14 +152,15 @@ class Gathered:
     """A pass at short chunks (Notes [TASP forward at short chunks], [TASP backward at short chunks]): every round's
     pieces land in one buffer of ``rows`` rows. ``kv_rows[t - 1]``: where round t's ``kv_in`` hops land, in their
     order; ``tasks[t - 1]``: the calls that run once round t has arrived, key rows in the buffer. The backward's
-    partials go home in one exchange: ``grad_out`` = (origin, rows in the buffer) and ``grad_in`` = (sender, rows of
-    our KV), each in one order on both ends of a link (by peer, then the piece's first position)."""
+    partials go home in one exchange: ``grad_out`` = (origin, rows in the buffer, the holder's tasks on the piece)
+    and ``grad_in`` = (sender, rows of our KV, the sender's tasks on the piece), each in one order on both ends of a
+    link (by peer, then the piece's first position); the tasks decide a link's dtype (``Tasp._links``)."""
 
     rows: int
     kv_rows: tuple[tuple[tuple[int, int], ...], ...]
     tasks: tuple[tuple[Task, ...], ...]
-    grad_out: tuple[tuple[int, tuple[int, int]], ...] = ()
-    grad_in: tuple[tuple[int, tuple[int, int]], ...] = ()
+    grad_out: tuple[tuple[int, tuple[int, int], tuple[Task, ...]], ...] = ()
+    grad_in: tuple[tuple[int, tuple[int, int], tuple[Task, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -358,8 +362,9 @@ def _gather(geo: _Geometry, r: int, held: list, rounds: list[Round]) -> Gathered
     out = _order([Hop(r, h.src, h.piece, src_rows=where[(t, h.piece)], home=True)
                   for t in range(1, n + 1) for h in rounds[t - 1].kv_in], "dst")
     came = _order([h for rd in rounds for h in rd.grad_in], "src")
-    return Gathered(at, kv_rows, tuple(tuple(ts) for ts in tasks), tuple((h.dst, h.src_rows) for h in out),
-                    tuple((h.src, h.dst_rows) for h in came))
+    return Gathered(at, kv_rows, tuple(tuple(ts) for ts in tasks),
+                    tuple((h.dst, h.src_rows, geo.tasks(r, h.piece)) for h in out),
+                    tuple((h.src, h.dst_rows, geo.tasks(h.src, h.piece)) for h in came))
 
 
 class Tasp:
@@ -369,6 +374,7 @@ class Tasp:
 
     def __init__(self, groups, tp: TaspPlan, runner: TaskRunner, grad_dtype: torch.dtype):
         self.groups, self.tp, self.runner, self.grad_dtype = groups, tp, runner, grad_dtype
+        self._dtypes: dict = {}                   # the gathered backward's link dtypes (``_links``)
 
     @property
     def group(self):
@@ -466,7 +472,7 @@ class Tasp:
         own = pack_kv(seq_major(k), seq_major(v), seq_dim=0)
         wire = wire_dtype(self.grad_dtype, q.dtype)
         if tp.gathered is not None:
-            self._backward_gathered(own, wire, grads, run_own, dk_sum, dv_sum, d)
+            self._backward_gathered(q, k, v, own, wire, grads, run_own, dk_sum, dv_sum)
             return dq.result(q.dtype), dk_sum.result(k.dtype), dv_sum.result(v.dtype)
         bufs = [torch.empty_like(own), torch.empty_like(own)]
         sums = [torch.empty(own.shape, dtype=acc, device=q.device) for _ in range(2)]   # round t's dK/dV, fp32
@@ -534,12 +540,37 @@ class Tasp:
             apply_grads(W - 1)
         return dq.result(q.dtype), dk_sum.result(k.dtype), dv_sum.result(v.dtype)
 
-    def _backward_gathered(self, own: torch.Tensor, wire: torch.dtype, grads, run_own, dk_sum: RowSum,
-                           dv_sum: RowSum, d: int) -> None:
+    def _links(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wire: torch.dtype
+               ) -> tuple[dict[int, torch.dtype], dict[int, torch.dtype]]:
+        """The dtype of each link's partials in the gathered backward, ``(to each origin, from each sender)``: the
+        inputs' where every piece on the link is exact in it (``exact_partial`` on the holder's prepared tasks of the
+        piece: no key row in two of them, kernels that return the inputs' dtype), else the wire's. Both ends decide
+        from the same tasks (``Gathered.grad_out`` / ``grad_in``); decided on the first backward and kept."""
+        key = (q.shape[2], k.shape[2], q.dtype, wire)
+        got = self._dtypes.get(key)
+        if got is None:
+            g, dv = self.tp.gathered, v.shape[-1]
+
+            def exact(ts) -> bool:
+                pre = self.runner.prepare(ts, q, k)
+                return bool(pre) and exact_partial(self.runner, pre, [(t.k_start, t.k_stop) for t in pre], q, k, dv)
+
+            def dtypes(entries) -> dict[int, torch.dtype]:
+                peers = {peer for peer, _, _ in entries}
+                return {peer: k.dtype if all(exact(ts) for p, _, ts in entries if p == peer) else wire
+                        for peer in peers}
+
+            got = self._dtypes[key] = (dtypes(g.grad_out), dtypes(g.grad_in))
+        return got
+
+    def _backward_gathered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: torch.Tensor,
+                           wire: torch.dtype, grads, run_own, dk_sum: RowSum, dv_sum: RowSum) -> None:
         """The backward at short chunks (Note [TASP backward at short chunks]): every round's pieces into one buffer,
-        a class's rounds one call per group (the forward's ``Gathered``), every partial summed once into one buffer in
-        the wire's dtype and sent home in one exchange behind the own block's rest."""
-        tp, W, g = self.tp, self.tp.world, self.tp.gathered
+        a class's rounds one call per group (the forward's ``Gathered``), every partial summed once into one buffer
+        and sent home in one exchange behind the own block's rest, in the inputs' dtype on links where that is exact
+        (``_links``), else the wire's."""
+        tp, W, g, d = self.tp, self.tp.world, self.tp.gathered, q.shape[-1]
+        to, frm = self._links(q, k, v, wire)
         whole = own.new_empty((g.rows, *own.shape[1:]))
         kw, vw = (bshd(x) for x in unpack_kv(whole, d))
         parts: list = []                                   # (key rows, dK, dV) of every call on the buffer
@@ -559,23 +590,24 @@ class Tasp:
 
         with Loop() as loop:
             run_steps(W, post=post, compute=compute, loop=loop)
-            sums = torch.empty((g.rows, *own.shape[1:]), dtype=wire, device=own.device)
+            narrow = all(dt == k.dtype for dt in to.values())        # every link exact: sum in the inputs' dtype
+            sums = torch.empty((g.rows, *own.shape[1:]), dtype=k.dtype if narrow else wire, device=own.device)
             for view, i in zip((bshd(x) for x in unpack_kv(sums, d)), (1, 2)):
-                combine.sum_parts([(p[0], p[i]) for p in parts], tuple(view.shape), wire, out=view)
+                combine.sum_parts([(p[0], p[i]) for p in parts], tuple(view.shape), sums.dtype, out=view)
             ex = Exchange(self.group)
-            for dst, (a, b) in g.grad_out:
-                ex.send(sums[a:b], dst)
+            for dst, (a, b), _ in g.grad_out:
+                ex.send(sums[a:b].to(to[dst]), dst)
             came: dict[int, torch.Tensor] = {}             # one buffer per sender: its pieces of ours, at their rows
-            for src, (a, b) in g.grad_in:
+            for src, (a, b), _ in g.grad_in:
                 buf = came.get(src)
                 if buf is None:
-                    buf = came[src] = torch.empty(own.shape, dtype=wire, device=own.device)
+                    buf = came[src] = torch.empty(own.shape, dtype=frm[src], device=own.device)
                 ex.recv(buf[a:b], src)
             handles = loop.post(ex)
             run_own(tp.late)
             loop.wait(handles)
         for src, buf in came.items():
             gk, gv = (bshd(x) for x in unpack_kv(buf, d))
-            for a, b in _runs([rows for s, rows in g.grad_in if s == src]):
+            for a, b in _runs([rows for s, rows, _ in g.grad_in if s == src]):
                 dk_sum.add(slice(a, b), gk[:, a:b])
                 dv_sum.add(slice(a, b), gv[:, a:b])
