@@ -220,3 +220,17 @@ def test_auto_plans_the_emulated_world_with_free_links(caplog):
     picks = [r for r in caplog.records if r.msg is AUTO_CHOICE]
     assert len(picks) == 2 and all("profile h100-emulated" in r.getMessage() for r in picks), picks
     assert [r.args[0] for r in picks] == ["allgather", "ulysses"], [r.getMessage() for r in picks]
+
+
+def test_seeded_pool_hands_out_random_data():
+    """Note [Emulated data]: after ``free_cached(seed=True)`` a fresh buffer of the size a ring step receives holds
+    random values (what a fake group never writes looks like data), and nothing stays allocated."""
+    from seqpar.bench.timing import free_cached
+
+    dev = torch.device("cuda")
+    free_cached(dev, seed=True)
+    before = torch.cuda.memory_allocated(dev)
+    buf = torch.empty(1 << 24, dtype=torch.bfloat16, device=dev)
+    assert buf.float().std().item() == pytest.approx(1.0, rel=0.05) and buf.float().abs().max().item() > 3
+    del buf
+    assert torch.cuda.memory_allocated(dev) == before

@@ -28,7 +28,8 @@ Note [Emulated world]
     own use of SMs and memory bandwidth beside the kernels, link contention and latency, stragglers (no
     other rank exists), and any wait on a peer; values are garbage (nothing arrives), so nothing is checked -
     and a long call on never-written buffers runs faster than on data (power-bound: up to ~20% at 16K+ tokens
-    per rank on an H100, ``benchmarks/gpu/probe_fake_data.py``; none at short chunks).
+    per rank on an H100, ``benchmarks/gpu/probe_fake_data.py``; none at short chunks), so the caching allocator's
+    pool is seeded with random data before each configuration (Note [Emulated data] in ``timing``).
     ``--link PROFILE`` gives seqpar's transfers the planner's time for their bytes (Note [Modelled link] in
     ``seqpar.comm.link``): the records then carry ``link`` and ``predicted_efficiency`` (a prediction of W
     GPUs) instead of ``compute_efficiency``.
@@ -58,7 +59,7 @@ from .presets import MASKS, PRESETS, TABLE, MethodSpec, Preset, method_specs
 from .report import console_table, load, plot, readme_table, suite_table
 from .runners import limit_runner, ours_runner, peer_runners
 from .suites import SUITES
-from .timing import burst_ms, call_profile, exposed_comm_ms, peak_mem_gib, reset_peak, time_ms
+from .timing import burst_ms, call_profile, exposed_comm_ms, free_cached, peak_mem_gib, reset_peak, time_ms
 
 STEADY_BUDGET_MS = 200.0
 """About how long an emulated record's steady-state bursts take (at 128K tokens a call is 0.1 s, and at 2K per rank
@@ -274,8 +275,9 @@ class Bench:
         return res
 
     def _free(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        """Release what the last configuration cached; emulated, seed the pool the next one's buffers come from
+        (Note [Emulated data] in ``timing``)."""
+        free_cached(self.device, seed=self.emulated)
 
     # ------------------------------------------------------------------------------------------- one config
     def time_config(self, preset: Preset, label: str, build, limit: dict[str, float], *, profile: bool,

@@ -36,7 +36,7 @@ from ..layouts import Rule, make_layout
 from ..layouts.work import work
 from ..runtime import call as _call
 from .packing import DISTRIBUTIONS, packed_row
-from .timing import burst_ms, kernel_ms, peak_mem_gib, reset_peak, time_ms
+from .timing import burst_ms, free_cached, kernel_ms, peak_mem_gib, reset_peak, time_ms
 
 __all__ = ["SUITES", "forget_groups", "host_us", "run_heads", "run_overhead", "run_packed"]
 
@@ -102,7 +102,7 @@ def run_overhead(bench: Any) -> None:
     _self_groups()
     for S in (1024, 4096, 16384):
         _overhead_at(bench, _scaled(bench, S))
-        _empty_cache()
+        _empty_cache(bench)
 
 
 def _overhead_at(bench: Any, S: int) -> None:
@@ -156,7 +156,7 @@ def run_heads(bench: Any) -> None:
     _self_groups()
     for dqk, dv in HEAD_SHAPES:
         _heads_at(bench, dqk, dv)
-        _empty_cache()
+        _empty_cache(bench)
 
 
 def _heads_at(bench: Any, dqk: int, dv: int) -> None:
@@ -288,7 +288,7 @@ def _varlen_limit(bench: Any, total: int, cu: tuple[int, ...], H: int, Hkv: int,
         # the earlier rows' plans hold graph pools: FA2's varlen backward at 1M tokens needs most of an 80 GB GPU
         # (it ran out of memory after the 128K rows on 4 H100s, 2026-11-26)
         _call.cache_clear()
-        _empty_cache()
+        _empty_cache(bench)
         q, k, v, do = (_randn((total, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv, H)))
         cu_d = torch.tensor(cu, dtype=torch.int32, device=dev)
         mx = max(b - a for a, b in itertools.pairwise(cu))
@@ -308,7 +308,7 @@ def _varlen_limit(bench: Any, total: int, cu: tuple[int, ...], H: int, Hkv: int,
             if not want or mode in want:
                 res[mode] = time_ms(fn, dev, warmup=2, iters=5, group=_self_group())
         del q, k, v, do
-        _empty_cache()
+        _empty_cache(bench)
     res = res if bench.emulated else _broadcast(res, dev)    # emulated: this process measured it (no peers)
     for mode, t in res.items():
         bench.write({"preset": f"packed-{total // 1024}k", "method": "limit:fa2-varlen-1gpu", "mode": mode,
@@ -385,9 +385,9 @@ def forget_groups() -> None:
     _SELF.clear()
 
 
-def _empty_cache() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def _empty_cache(bench: Any) -> None:
+    """Release what the last row cached; emulated, seed the pool (Note [Emulated data] in ``timing``)."""
+    free_cached(bench.device, seed=bench.emulated)
 
 
 def _self_group():
@@ -417,7 +417,7 @@ def _time_rows(bench: Any, preset: str, label: str, build: Callable[[str], Calla
             except Exception as e:
                 err = f"{type(e).__name__}: {str(e)[:300]}"
         fn = None
-        _empty_cache()
+        _empty_cache(bench)
         if not bench._agree(err is None):
             bench.write({"preset": preset, "method": label, "mode": mode, "world_size": W,
                          "error": err or "failed on another rank", **extra})

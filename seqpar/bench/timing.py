@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["burst_ms", "call_profile", "exposed_comm_ms", "host_profile", "kernel_ms", "peak_mem_gib",
-           "rank_median_ms", "reset_peak", "time_ms"]
+__all__ = ["SEED_FRACTION", "burst_ms", "call_profile", "exposed_comm_ms", "free_cached", "host_profile", "kernel_ms",
+           "peak_mem_gib", "rank_median_ms", "reset_peak", "time_ms"]
 
 
 def _sync(device: torch.device) -> None:
@@ -148,6 +148,34 @@ def call_profile(fn: Callable[[], object], device: torch.device, *, calls: int =
     res["gpu_ops_per_call"] = len(spans)
     res["gpu_busy_ms"] = _length(_union(spans))
     return res
+
+
+SEED_FRACTION = 0.9
+"""Of the free GPU memory, the part ``free_cached(seed=True)`` fills with random data (Note [Emulated data])."""
+
+
+def free_cached(device: torch.device, seed: bool = False) -> None:
+    """Return the caching allocator's free blocks to the driver; with ``seed``, then fill ``SEED_FRACTION`` of the
+    free memory with normal samples in one block and free it into the allocator's pool (Note [Emulated data]).
+
+    Note [Emulated data]
+        A fake group moves nothing, so an emulated rank computes every step but its own on whatever its receive
+        buffers held - on a fresh block, zeros. A long attention call is power-bound on an H100 and runs faster
+        on such data: cuDNN at 32K tokens (GQA, causal) took 12.0-12.3 ms forward on zeros or a never-written
+        buffer against 14.9 ms on random data (``benchmarks/gpu/probe_fake_data.py``), and the emulated 128K rows
+        read 1.04-1.22 of the one-GPU kernel (``benchmarks/results/2026-11-26-4xh100-real-sixteenth``). Seeded,
+        the blocks that later buffers are carved from hold random bf16 values (the caching allocator splits its
+        free block rather than asking the driver again), so received data looks like data. Before a
+        configuration is built, so peak memory and timing do not see it."""
+    if device.type != "cuda":
+        return
+    torch.cuda.empty_cache()
+    if seed:
+        free, _ = torch.cuda.mem_get_info(device)
+        block = torch.empty(int(free * SEED_FRACTION) // 2, dtype=torch.bfloat16, device=device)
+        block.normal_()
+        del block
+        torch.cuda.synchronize(device)
 
 
 def reset_peak(device: torch.device) -> None:
