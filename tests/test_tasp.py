@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 from conftest import assert_all_ok, run_cases
 
 from seqpar.testing import Case, case_error
@@ -92,6 +93,8 @@ def test_gathered_forward_joins_thin_rounds():
     cover = sorted((t.k_start, t.k_stop) for ts in g.tasks for t in ts)
     assert cover[0][0] == 0 and cover[-1][1] == g.rows and all(a[1] == b[0] for a, b in itertools.pairwise(cover))
     assert not _tasp.gathers(1 << 17, 8)                                    # 16K tokens per rank
+    mha, gqa = (_tasp.held_row_bytes(1, h, 128, 128, torch.bfloat16) for h in (32, 8))   # bytes held: GATHER_BYTES
+    assert _tasp.gathers(32768, 8, mha) and not _tasp.gathers(65536, 8, mha) and _tasp.gathers(65536, 8, gqa)
     assert _tasp.schedule(layout, 1, 16384, Rule(True), None, None, "direct", False).gathered is None
     assert _tasp.schedule(layout, 1, 16384, Rule(True), None, None, "cycles", True).gathered is None
 

@@ -34,16 +34,16 @@ Note [TASP forward at short chunks]
     all its queries see, higher ranks' pieces that its back queries see - so its rounds ran two calls each, and at
     2K tokens per rank over 8 rank 1's all-query call had 146 keys: cuDNN pays a call's fixed cost and a wave of
     query tiles for a sliver of work (rank 1's forward took 0.81 ms of GPU time where the ring's took 0.54). At most
-    ``GATHER_MAX_ROWS`` local rows, the "direct" schedule receives every round into one buffer instead
-    (``Gathered``): pieces all of whose tasks are full blocks are grouped by the query rows that see them (a class),
-    each class's pieces laid out round after round, and its keys run in (keys // ``GATHER_ROWS``) calls per query
-    range - one at least, one a round at most - a call running once its share of the keys has arrived; other pieces
-    (windows, documents, masks) keep their round's calls. Sends and receipts are the rounds' own, so transfers still
-    overlap compute; the memory is an all-gather's, bounded by the row limit. With groups of 1024 keys rank 1's
-    forward went from 16 calls to 10 and rank 3's to 12; with 4096 (the backward's measure, below) no rank runs
-    more than 6 (``tasp._slowest_rank``). On a real link a larger group leaves more of a class's work behind its
-    last round; at 2K tokens per rank a round is latency (~0.1 ms an NCCL step) against ~0.05 ms of its compute, so
-    the calls saved weigh more.
+    ``GATHER_MAX_ROWS`` local rows (and ``GATHER_BYTES`` of what the backward would hold), the "direct" schedule
+    receives every round into one buffer instead (``Gathered``): pieces all of whose tasks are full blocks are
+    grouped by the query rows that see them (a class), each class's pieces laid out round after round, and its keys
+    run in (keys // ``GATHER_ROWS``) calls per query range - one at least, one a round at most - a call running once
+    its share of the keys has arrived; other pieces (windows, documents, masks) keep their round's calls. Sends and
+    receipts are the rounds' own, so transfers still overlap compute; the memory is an all-gather's, bounded by the
+    row and byte limits. With groups of 1024 keys rank 1's forward went from 16 calls to 10 and rank 3's to 12; with
+    4096 (the backward's measure, below) no rank runs more than 6 (``tasp._slowest_rank``). On a real link a larger
+    group leaves more of a class's work behind its last round; at 2K tokens per rank a round is latency (~0.1 ms an
+    NCCL step) against ~0.05 ms of its compute, so the calls saved weigh more.
 
 Note [TASP backward at short chunks]
     The backward at the same lengths runs on the same ``Gathered`` plan: a cuDNN backward call also passes over its
@@ -293,10 +293,26 @@ def schedule(layout: Subchunked, rank: int, seq_len: int, rule: Rule, doc_bounds
     return TaspPlan(W, kind, early, late, tuple(rounds), gathered)
 
 
-def gathers(seq_len: int, world: int) -> bool:
+def gathers(seq_len: int, world: int, row_bytes: int | None = None) -> bool:
     """Whether both passes gather their rounds (Note [TASP forward at short chunks]): at most ``GATHER_MAX_ROWS``
-    local rows, where holding every round costs little."""
-    return seq_len // world <= GATHER_MAX_ROWS
+    local rows, where holding every round costs little, and - given ``row_bytes``, one local row's K and V across the
+    batch as the gathered backward holds them (``held_row_bytes``) - the other ranks' rows of it within
+    ``GATHER_BYTES``."""
+    rows = seq_len // world
+    return rows <= GATHER_MAX_ROWS and (row_bytes is None or (world - 1) * rows * row_bytes <= GATHER_BYTES)
+
+
+def held_row_bytes(batch: int, kv_heads: int, dk: int, dv: int, dtype: torch.dtype) -> int:
+    """Bytes the gathered backward holds per received row (Note [TASP backward at short chunks]): the row of K and
+    V, every call's partials of it, their sum and what comes home, in the inputs' dtype - as they are on exact links
+    (a link that is not exact carries the last two in the wire's dtype, twice the bytes in bf16)."""
+    return batch * kv_heads * (dk + dv) * 4 * (torch.finfo(dtype).bits // 8)
+
+
+GATHER_BYTES = 2 << 30
+"""The most the gathered backward holds for the other ranks' rows (``held_row_bytes``); past it the rounds' backward,
+which holds two rounds at a time, runs: MHA (32 heads of 128) in bf16 gathers to 4K tokens per rank over 8 and 8K
+over 4, GQA 8 to ``GATHER_MAX_ROWS``."""
 
 
 GATHER_MAX_ROWS = 8192

@@ -61,8 +61,9 @@ class _Engine:
     def __init__(self, call: Call):
         cfg = call.cfg
         kind = resolve_schedule(cfg, call.groups.world)
+        row = _tasp.held_row_bytes(call.k_shape[0], call.k_shape[2], call.k_shape[3], call.v_shape[3], call.dtype)
         tp = _tasp.schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len, kind,
-                            _tasp.gathers(call.seq_len, call.groups.world))
+                            _tasp.gathers(call.seq_len, call.groups.world, row))
         runner = TaskRunner.of(call)
         self.tasp = _tasp.Tasp(call.groups, tp, runner, cfg.grad_dtype)
 
