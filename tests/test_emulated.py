@@ -354,7 +354,7 @@ def test_bench_emulated_world_smoke(tmp_path):
         assert r["graphs"] == "off"                            # --graphs: every configuration's graphs=False
     ranks = {(r["method"], r["mode"]): r["emulated_rank"] for r in ours}
     # the busiest rank of a causal contiguous ring; zigzag gives every rank the same work, TASP's middle ranks run
-    # two calls a round (Method.slowest_rank, per mode)
+    # two calls a round (Method.slowest_rank)
     want = {"ring/contiguous": 3, "ulysses": 0, "tasp/zigzag": 1, "auto/zigzag": 0, "auto/contiguous": 3}
     assert ranks == {(m, mode): r for m, r in want.items() for mode in ("fwd", "fwd+bwd")}, ranks
 

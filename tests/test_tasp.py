@@ -60,17 +60,15 @@ def test_slowest_rank():
     """Zigzag gives TASP's ranks the same pairs but not the same calls: the bench emulates a rank between the
     ends (``Method.slowest_rank``), the one with the most calls, then tiles - rank 1 (thin all-query calls), in
     the rounds' plan at 16K tokens per rank and in the gathered one at 2K (Notes [TASP forward at short chunks],
-    [TASP backward at short chunks]: both passes run it, so both modes get one answer); without a mask every rank
-    runs one call a round and the first ties win."""
+    [TASP backward at short chunks]: both passes run it); without a mask every rank runs one call a round and the
+    first ties win."""
     from seqpar.layouts import Rule
     from seqpar.methods import get
 
     slowest = get(M).slowest_rank
-    for mode in ("fwd", "fwd+bwd"):
-        assert slowest("zigzag", 8, 16384, Rule(True), mode) == 1 and slowest("zigzag", 4, 16384, Rule(True),
-                                                                               mode) == 1
-        assert slowest("zigzag", 8, 1 << 17, Rule(True), mode) == 1            # 16K per rank: the rounds' plan
-        assert slowest("contiguous", 8, 16384, Rule(False), mode) == 0
+    assert slowest("zigzag", 8, 16384, Rule(True)) == 1 and slowest("zigzag", 4, 16384, Rule(True)) == 1
+    assert slowest("zigzag", 8, 1 << 17, Rule(True)) == 1                 # 16K per rank: the rounds' plan
+    assert slowest("contiguous", 8, 16384, Rule(False)) == 0
 
 
 def test_gathered_forward_joins_thin_rounds():

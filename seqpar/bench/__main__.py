@@ -168,10 +168,10 @@ class Bench:
         per_rank = work(lay, seq_len, Rule(causal, mask=mask), cu_seqlens)
         return max(range(self.world), key=lambda r: (per_rank[r], -r))
 
-    def rank_of(self, spec: MethodSpec, preset: Preset, mode: str) -> int:
-        """The rank to emulate for ``spec`` on ``preset`` in ``mode``: ``--emulate-rank``; else rank 0 for Ulysses
-        (every rank the same work), the method's own ``slowest_rank`` where it declares one (ranks with the same
-        work but not the same calls), or the rank with the most work."""
+    def rank_of(self, spec: MethodSpec, preset: Preset) -> int:
+        """The rank to emulate for ``spec`` on ``preset``: ``--emulate-rank``; else rank 0 for Ulysses (every rank
+        the same work), the method's own ``slowest_rank`` where it declares one (ranks with the same work but not
+        the same calls), or the rank with the most work."""
         if self.args.emulate_rank != "busiest":
             return int(self.args.emulate_rank)
         if spec.method == "ulysses":
@@ -179,7 +179,7 @@ class Bench:
         slowest = methods.get(spec.method).slowest_rank
         if slowest is not None and preset.mask is None:
             from ..layouts import Rule
-            return slowest(spec.layout, self.world, preset.seq_len, Rule(preset.causal), mode)
+            return slowest(spec.layout, self.world, preset.seq_len, Rule(preset.causal))
         return self.busiest(spec.layout, preset.seq_len, preset.causal, mask=preset.mask_mod())
 
     def emulation(self, seq_len: int, time_ms_: float | None, limit_ms: float | None, fn=None) -> dict:
@@ -281,11 +281,10 @@ class Bench:
 
     # ------------------------------------------------------------------------------------------- one config
     def time_config(self, preset: Preset, label: str, build, limit: dict[str, float], *, profile: bool,
-                    world: int | None = None, group=None, extra: dict | None = None,
-                    modes: list[str] | None = None) -> None:
-        """Time ``build()``'s runner in each of ``modes`` (default: the preset's) and record it."""
+                    world: int | None = None, group=None, extra: dict | None = None) -> None:
+        """Time ``build()``'s runner in each of the preset's modes and record it."""
         world = world or self.world
-        modes = self.modes(preset) if modes is None else modes
+        modes = self.modes(preset)
         runner, err = None, None
         try:
             runner = build()
@@ -348,21 +347,12 @@ class Bench:
             if self.over_budget():
                 self.log("budget reached: skipping the rest")
                 return
-            def build(s=spec):
-                return ours_runner(s, preset, self.device, check_ranks=self.check_ranks,
-                                   graphs=GRAPHS[self.args.graphs])
-
-            if not self.emulated:
-                self.time_config(preset, spec.label, build, limit, profile=True)
-                continue
-            # Ulysses gives every rank the same work; the others follow their layout, and a method whose ranks
-            # differ in calls names its slowest per mode
-            ranks: dict[int, list[str]] = {}
-            for mode in self.modes(preset):
-                ranks.setdefault(self.rank_of(spec, preset, mode), []).append(mode)
-            for rank, modes in ranks.items():
-                self.emulate_as(rank)
-                self.time_config(preset, spec.label, build, limit, profile=True, modes=modes)
+            if self.emulated:       # Ulysses gives every rank the same work; the others follow their layout
+                self.emulate_as(self.rank_of(spec, preset))
+            self.time_config(preset, spec.label,
+                             lambda s=spec: ours_runner(s, preset, self.device, check_ranks=self.check_ranks,
+                                                         graphs=GRAPHS[self.args.graphs]), limit,
+                             profile=True)
         if not keep or any(is_auto(m) for m in keep):
             self.time_auto(preset, limit)
         if self.args.peers and preset.mask is not None:

@@ -222,9 +222,9 @@ class Method:
     """``(world, seq_len, documents) -> [dict of seqpar.testing.Case fields]``: rows of ``python -m seqpar
     demo`` (``documents``: packed ``cu_seqlens`` over ``seq_len`` a row may use)."""
     slowest_rank: Callable[..., int] | None = None
-    """``(layout name, world, seq_len, rule, mode) -> rank``: the rank an emulated world times for ``mode`` ("fwd"
-    or "fwd+bwd"; Note [Emulated world] in ``seqpar.bench``) when the method's ranks differ in cost where the layout
-    gives them the same work; None: the rank with the most work."""
+    """``(layout name, world, seq_len, rule) -> rank``: the rank an emulated world times (Note [Emulated world] in
+    ``seqpar.bench``) when the method's ranks differ in cost where the layout gives them the same work; None: the
+    rank with the most work."""
     saved_meta: Callable[..., list] | None = None
     """For engines that save their own tensors: ``(q_shape, k_shape, v_shape, dtype, groups, options) ->
     [(shape, dtype)]`` - shape arithmetic only (symbolic under torch.compile)."""

@@ -133,10 +133,10 @@ def _bench_specs(preset, world: int) -> list:
 TILE = 128
 
 
-def _slowest_rank(layout: str, world: int, seq_len: int, rule, mode: str = "fwd+bwd") -> int:
-    """The rank with the most kernel calls, then the most ``TILE`` x ``TILE`` tiles. Both passes run one plan (the
+def _slowest_rank(layout: str, world: int, seq_len: int, rule) -> int:
+    """The rank with the most kernel calls, then the most ``TILE`` x ``TILE`` tiles, in the plan both passes run (the
     rounds', or at short chunks the gathered one: Notes [TASP forward at short chunks], [TASP backward at short
-    chunks]), so ``mode`` does not change the answer.
+    chunks]; gathering is decided by rows here, without the shapes' byte limit).
 
     Zigzag gives every rank the same pairs, but not the same calls: rank 0 sees all of every higher rank's
     sub-chunk in one call a round, and so does the last rank with the lower ranks' front pieces, while a rank
