@@ -252,7 +252,8 @@ def test_pass_q_and_tasp_backward_sum_their_partials_in_one_pass(fake_world, cou
     """Note [Pass-Q sums] / Note [TASP sums]: the backward's gradient partials go through the one-pass sums (dQ, dK
     and dV each summed once at the end, a guest step's rows summed into their buffer), never a merge per step; at
     most one pass per step plus the three results. TASP at short chunks (Note [TASP backward at short chunks]): the
-    gathered backward's calls, and its partials summed in ONE pass (dK, dV) before they go home."""
+    gathered backward's calls; its partials (exact here: fp32) go home as the kernels' own dK and dV, with no pass
+    at all before they go (Note [TASP K and V apart])."""
     from seqpar.layouts import Rule
     from seqpar.methods import _tasp, tasp
 
@@ -270,7 +271,7 @@ def test_pass_q_and_tasp_backward_sum_their_partials_in_one_pass(fake_world, cou
                         "direct", True)
     calls = len(tp.early + tp.late) + sum(map(len, tp.gathered.tasks))
     assert counts["kernel_bwd"] == calls < len(tp.early + tp.late) + sum(len(rd.tasks) for rd in tp.rounds), counts
-    assert counts["sum_once"] == 2 + 3, counts
+    assert counts["sum_once"] == 3, counts
 
 
 @pytest.mark.parametrize("kernel,dtype,sent", [("cpu_flash", torch.bfloat16, {torch.bfloat16}),
@@ -279,7 +280,8 @@ def test_pass_q_and_tasp_backward_sum_their_partials_in_one_pass(fake_world, cou
 def test_tasp_gathered_partials_travel_in_the_inputs_dtype_where_exact(fake_world, monkeypatch, kernel, dtype, sent):
     """Note [TASP backward at short chunks]: the gathered backward's partials go home in the inputs' dtype on a link
     whose every piece is exact in it - each key row in one call of a kernel that returns that dtype (CPU's fused
-    kernel) - and in the wire's (fp32 by default) where not (the reference kernel returns fp32)."""
+    kernel) - as the kernels' own dK and dV, two messages a piece (Note [TASP K and V apart]); and summed, dK and dV
+    side by side in the wire's dtype (fp32 by default) where not (the reference kernel returns fp32)."""
     from seqpar.comm import ring
 
     world, L, sends = 4, 4 * 4 * 3, []
@@ -288,15 +290,18 @@ def test_tasp_gathered_partials_travel_in_the_inputs_dtype_where_exact(fake_worl
     k, v = (torch.randn(1, L, 2, 16, dtype=dtype, requires_grad=True) for _ in range(2))
     out = seqpar.attention(q, k, v, method="tasp", layout="zigzag", causal=True, check_ranks=False, kernel=kernel)
     real_send = ring.Exchange.send
-    monkeypatch.setattr(ring.Exchange, "send", lambda ex, t, peer: sends.append(t.dtype) or real_send(ex, t, peer))
+    monkeypatch.setattr(ring.Exchange, "send", lambda ex, t, peer: sends.append(t) or real_send(ex, t, peer))
     torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
     from seqpar.layouts import Rule
     from seqpar.methods import _tasp, tasp
 
     g = _tasp.schedule(tasp._placement("zigzag", tasp.GroupSizes(world))[0], 1, L, Rule(True), None, None, "direct",
                        True).gathered
-    home = sends[len(sends) - len(g.grad_out):]              # the last exchange: every held piece's partial home
-    assert len(g.grad_out) >= world - 1 and set(home) == sent, sends
+    exact = sent == {dtype}
+    n = len(g.grad_out) * (2 if exact else 1)
+    home = sends[len(sends) - n:]                            # the last exchange: every held piece's partial home
+    assert len(g.grad_out) >= world - 1 and {t.dtype for t in home} == sent, sends
+    assert {t.shape[-1] for t in home} == ({16} if exact else {32}), [t.shape for t in home]
 
 
 @pytest.mark.parametrize("method,layout,options", [

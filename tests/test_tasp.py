@@ -118,6 +118,24 @@ def test_gathered_backward_returns_agree(world, seq):
             assert sent == came, (r, o)
 
 
+def test_exact_piece_grads_are_the_calls_own_rows():
+    """Note [TASP K and V apart]: on an exact link a piece's dK and dV go home as the rows of the one call that covers
+    them (views, nothing computed); a piece across calls, or with rows no call covers, is assembled (zeros there)."""
+    from seqpar.methods import _tasp
+
+    def rand(n):
+        return torch.randn(1, n, 2, 4, dtype=torch.bfloat16)
+
+    parts = [(slice(0, 6), rand(6), rand(6)), (slice(6, 10), rand(4), rand(4)), (slice(12, 15), rand(3), rand(3))]
+    dk, dv = _tasp._piece_grads(parts, 2, 5)
+    assert dk.data_ptr() == parts[0][1][:, 2:].data_ptr() and dv.data_ptr() == parts[0][2][:, 2:].data_ptr()
+    assert dk.shape == dv.shape == (1, 3, 2, 4)
+    gap = torch.zeros(1, 2, 2, 4, dtype=torch.bfloat16)
+    for i, got in enumerate(_tasp._piece_grads(parts, 4, 14), 1):
+        want = torch.cat((parts[0][i][:, 4:], parts[1][i], gap, parts[2][i][:, :2]), 1)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("short", [False, True], ids=["long-chunk-paths", "short-chunk-paths"])
 def test_tasp_both_chunk_paths_match_oracle(pools, short):
     """TASP's short- and long-chunk paths (the gathered passes, Notes [TASP forward at short chunks], [TASP backward

@@ -56,7 +56,17 @@ Note [TASP backward at short chunks]
     link carries the inputs' dtype where each of its pieces is exact in it (one call per key row, a kernel that
     returns that dtype: ``_shared.exact_partial``, decided by both ends from the holder's tasks on the piece), else
     the wire's: in bf16 the fp32 sums, receipts and their passes would move twice the bytes. The origin lands each
-    sender's pieces in a buffer of its own and sums them once with its own block's partials (Note [TASP sums]).
+    sender's pieces in a buffer of its own and sums them once with its own block's partials (Note [TASP K and V apart]
+    K and V travel as two messages a piece and land in a buffer each, as the ring's and the all-gather's do (Note [K
+    and V apart] in ``allgather``): with a batch of one our K and V already are sequence-major rows, so a piece is sent
+    from the inputs as they lie, and the kernels read contiguous K and V. Packed into one buffer, every forward and
+    every backward's re-gather first copied them (two sequence-major copies and a concatenation: 90 us of a 1.09 ms
+    forward, MHA at 4K tokens per rank over 4 on an H100), and the kernels read keys at twice their row stride
+    (rank 1's call over rank 0's keys: 838 us in the backward where the ring's same call took 692,
+    ``benchmarks/results/2026-11-27-h100-tasp-kv-apart``). The backward's dK/dV partials still travel side by side
+    (one message a piece, in ``_packed_shape``): they are summed into that buffer anyway.
+
+Note [TASP sums]).
     Emulated on an H100, with both passes gathered in groups of 4096 keys, rank 1's forward+backward at 2K tokens
     per rank over 8 went from 3.91 to 2.64 ms (GQA) and 4.20 to 2.93 (MHA), its forward from 0.74 to 0.62 and 0.81
     to 0.67 (``benchmarks/results/2026-11-26-h100-tasp-gathered-bwd``).
@@ -91,7 +101,7 @@ from ..layouts.blocks import Band, Rule, Task, plan, slice_rows
 from ..layouts.subchunks import Subchunked
 from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
-from ._shared import bshd, exact_partial, pack_kv, seq_major, split_own, unpack_kv
+from ._shared import bshd, exact_partial, split_own, unpack_kv
 
 __all__ = ["Gathered", "Hop", "Piece", "Round", "Tasp", "TaspPlan", "gathers", "schedule"]
 
@@ -383,6 +393,27 @@ def _gather(geo: _Geometry, r: int, held: list, rounds: list[Round]) -> Gathered
                     tuple((h.src, h.dst_rows, geo.tasks(h.src, h.piece)) for h in came))
 
 
+KV = tuple[torch.Tensor, torch.Tensor]
+"""K and V, sequence-major ``(L, B, Hkv, D)`` and ``(L, B, Hkv, Dv)``: a piece is a row range of each, two messages."""
+
+
+def _rows_of(k: torch.Tensor, v: torch.Tensor) -> KV:
+    """Our K and V as sequence-major rows (Note [TASP K and V apart]): views of the inputs where those already are
+    contiguous rows (a batch of one) - pieces are only sent from them, nothing is received into them - else copies."""
+    return tuple(x if x.is_contiguous() else x.contiguous() for x in (k.transpose(0, 1), v.transpose(0, 1)))
+
+
+def _rows_like(kv: KV, rows: int | None = None) -> KV:
+    """Receive buffers shaped like ``kv`` (``rows`` rows: default the same)."""
+    return tuple(x.new_empty((x.shape[0] if rows is None else rows, *x.shape[1:])) for x in kv)
+
+
+def _packed_shape(kv: KV) -> tuple[int, ...]:
+    """The shape of dK and dV side by side, ``(L, B, Hkv, D + Dv)``: the backward's partials travel as one message."""
+    k, v = kv
+    return (*k.shape[:-1], k.shape[-1] + v.shape[-1])
+
+
 class Tasp:
     """One planned call's TASP engine part (Note [TASP rounds]) on the runtime's ``run_steps``: step 0 is
     the own block (round 1's pieces already in flight), step t computes round t while round t+1's pieces and
@@ -390,7 +421,7 @@ class Tasp:
 
     def __init__(self, groups, tp: TaspPlan, runner: TaskRunner, grad_dtype: torch.dtype):
         self.groups, self.tp, self.runner, self.grad_dtype = groups, tp, runner, grad_dtype
-        self._dtypes: dict = {}                   # the gathered backward's link dtypes (``_links``)
+        self._exact: dict = {}                    # the gathered backward's exact links (``_links``)
 
     @property
     def group(self):
@@ -399,38 +430,41 @@ class Tasp:
     def _round(self, t: int) -> Round:
         return self.tp.rounds[t - 1]
 
-    def _post_kv(self, ex: Exchange, t: int, own: torch.Tensor, prev: torch.Tensor, nxt: torch.Tensor) -> None:
-        """Queue the hops that fill round t's buffer ``nxt`` (from own KV or the previous round's ``prev``)."""
+    def _post_kv(self, ex: Exchange, t: int, own: KV, prev: KV, nxt: KV) -> None:
+        """Queue the hops that fill round t's buffers ``nxt`` (from own KV or the previous round's ``prev``)."""
         rd = self._round(t)
         for h in rd.kv_out:
-            src = own if h.from_own else prev
-            ex.send(src[h.src_rows[0]:h.src_rows[1]], h.dst)
+            for x in own if h.from_own else prev:
+                ex.send(x[h.src_rows[0]:h.src_rows[1]], h.dst)
         for h in rd.kv_in:
-            ex.recv(nxt[h.dst_rows[0]:h.dst_rows[1]], h.src)
+            for x in nxt:
+                ex.recv(x[h.dst_rows[0]:h.dst_rows[1]], h.src)
 
-    def _post_gathered(self, ex: Exchange, t: int, g: Gathered, own: torch.Tensor, whole: torch.Tensor) -> None:
-        """Queue round t's pieces from our own KV, and their receipt into the gathered buffer ``whole``."""
+    def _post_gathered(self, ex: Exchange, t: int, g: Gathered, own: KV, whole: KV) -> None:
+        """Queue round t's pieces from our own KV, and their receipt into the gathered buffers ``whole``."""
         rd = self._round(t)
         for h in rd.kv_out:
-            ex.send(own[h.src_rows[0]:h.src_rows[1]], h.dst)
+            for x in own:
+                ex.send(x[h.src_rows[0]:h.src_rows[1]], h.dst)
         for h, (a, b) in zip(rd.kv_in, g.kv_rows[t - 1]):
-            ex.recv(whole[a:b], h.src)
+            for x in whole:
+                ex.recv(x[a:b], h.src)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out (B, L, H, Dv) in q.dtype, lse (B, H, L) fp32)``."""
-        tp, runner, W, d = self.tp, self.runner, self.tp.world, q.shape[-1]
+        tp, runner, W = self.tp, self.runner, self.tp.world
         acc = Accumulator(q, v.shape[-1], defer=True)
         if W == 1:
             for t in runner.prepare(tp.early + tp.late, q, k):
                 acc.add(t.q, *runner.forward(q, k, v, t), t.covered)
             return acc.result(q.dtype)
-        own = pack_kv(seq_major(k), seq_major(v), seq_dim=0)          # (L, B, Hkv, D + Dv): pieces are row ranges
+        own = _rows_of(k, v)
         g = tp.gathered
         if g is not None:                     # every round into one buffer (Note [TASP forward at short chunks])
-            whole = own.new_empty((g.rows, *own.shape[1:]))
-            kw, vw = (bshd(x) for x in unpack_kv(whole, d))
+            whole = _rows_like(own, g.rows)
+            kw, vw = (bshd(x) for x in whole)
         else:
-            bufs = [torch.empty_like(own), torch.empty_like(own)]
+            bufs = [_rows_like(own), _rows_like(own)]
 
         def post(s: int):                     # round s+1's pieces, from own KV or the round-s buffer
             if s + 1 >= W:
@@ -448,7 +482,7 @@ class Tasp:
             elif g is not None:
                 tasks, kb, vb = g.tasks[s - 1], kw, vw
             else:
-                kb, vb = (bshd(x) for x in unpack_kv(bufs[s % 2], d))
+                kb, vb = (bshd(x) for x in bufs[s % 2])
                 tasks = self._round(s).tasks
             for t in runner.prepare(tasks, q, kb):
                 acc.add(t.q, *runner.forward(q, kb, vb, t), t.covered)
@@ -485,15 +519,16 @@ class Tasp:
         if W == 1:
             run_own(tp.early + tp.late)
             return dq.result(q.dtype), dk_sum.result(k.dtype), dv_sum.result(v.dtype)
-        own = pack_kv(seq_major(k), seq_major(v), seq_dim=0)
+        own = _rows_of(k, v)
         wire = wire_dtype(self.grad_dtype, q.dtype)
         if tp.gathered is not None:
             self._backward_gathered(q, k, v, own, wire, grads, run_own, dk_sum, dv_sum)
             return dq.result(q.dtype), dk_sum.result(k.dtype), dv_sum.result(v.dtype)
-        bufs = [torch.empty_like(own), torch.empty_like(own)]
-        sums = [torch.empty(own.shape, dtype=acc, device=q.device) for _ in range(2)]   # round t's dK/dV, fp32
-        send = torch.empty(own.shape, dtype=wire, device=q.device) if wire != acc else None
-        gin = torch.empty(own.shape, dtype=wire, device=q.device)       # relayed partials (cycles)
+        bufs = [_rows_like(own), _rows_like(own)]
+        packed = _packed_shape(own)                # dK/dV travel in one buffer (Note [One KV message] in ``_shared``)
+        sums = [torch.empty(packed, dtype=acc, device=q.device) for _ in range(2)]   # round t's dK/dV, fp32
+        send = torch.empty(packed, dtype=wire, device=q.device) if wire != acc else None
+        gin = torch.empty(packed, dtype=wire, device=q.device)          # relayed partials (cycles)
         came: dict[int, torch.Tensor] = {}                                 # round t's partials home, held
         hold = k.shape[1] <= GATHER_MAX_ROWS      # longer: they land in gin and are folded at once (Note [TASP sums])
 
@@ -506,7 +541,7 @@ class Tasp:
             for h in rd.grad_out:
                 ex.send(src[h.src_rows[0]:h.src_rows[1]], h.dst)
             if any(h.home for h in rd.grad_in):
-                came[t] = torch.empty(own.shape, dtype=wire, device=q.device) if hold else gin
+                came[t] = torch.empty(packed, dtype=wire, device=q.device) if hold else gin
             for h in rd.grad_in:
                 ex.recv((came[t] if h.home else gin)[h.dst_rows[0]:h.dst_rows[1]], h.src)
 
@@ -539,7 +574,7 @@ class Tasp:
             if s == 0:
                 run_own(tp.early)
                 return
-            kb, vb = (bshd(x) for x in unpack_kv(bufs[s % 2], d))
+            kb, vb = (bshd(x) for x in bufs[s % 2])
             round_sums(self._round(s).tasks, kb, vb, sums[s % 2][: self._round(s).rows])
 
         def land(s: int) -> None:
@@ -556,14 +591,13 @@ class Tasp:
             apply_grads(W - 1)
         return dq.result(q.dtype), dk_sum.result(k.dtype), dv_sum.result(v.dtype)
 
-    def _links(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, wire: torch.dtype
-               ) -> tuple[dict[int, torch.dtype], dict[int, torch.dtype]]:
-        """The dtype of each link's partials in the gathered backward, ``(to each origin, from each sender)``: the
-        inputs' where every piece on the link is exact in it (``exact_partial`` on the holder's prepared tasks of the
-        piece: no key row in two of them, kernels that return the inputs' dtype), else the wire's. Both ends decide
-        from the same tasks (``Gathered.grad_out`` / ``grad_in``); decided on the first backward and kept."""
-        key = (q.shape[2], k.shape[2], q.dtype, wire)
-        got = self._dtypes.get(key)
+    def _links(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[dict[int, bool], dict[int, bool]]:
+        """Which links of the gathered backward are exact, ``(to each origin, from each sender)``: every piece on the
+        link exact in the inputs' dtype (``exact_partial`` on the holder's prepared tasks of the piece: no key row in
+        two of them, kernels that return the inputs' dtype). Both ends decide from the same tasks (``Gathered.grad_out``
+        / ``grad_in``); decided on the first backward and kept."""
+        key = (q.shape[2], k.shape[2], q.dtype)
+        got = self._exact.get(key)
         if got is None:
             g, dv = self.tp.gathered, v.shape[-1]
 
@@ -571,24 +605,23 @@ class Tasp:
                 pre = self.runner.prepare(ts, q, k)
                 return bool(pre) and exact_partial(self.runner, pre, [(t.k_start, t.k_stop) for t in pre], q, k, dv)
 
-            def dtypes(entries) -> dict[int, torch.dtype]:
-                peers = {peer for peer, _, _ in entries}
-                return {peer: k.dtype if all(exact(ts) for p, _, ts in entries if p == peer) else wire
-                        for peer in peers}
+            def links(entries) -> dict[int, bool]:
+                return {peer: all(exact(ts) for p, _, ts in entries if p == peer) for peer, _, _ in entries}
 
-            got = self._dtypes[key] = (dtypes(g.grad_out), dtypes(g.grad_in))
+            got = self._exact[key] = (links(g.grad_out), links(g.grad_in))
         return got
 
-    def _backward_gathered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: torch.Tensor,
+    def _backward_gathered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: KV,
                            wire: torch.dtype, grads, run_own, dk_sum: RowSum, dv_sum: RowSum) -> None:
         """The backward at short chunks (Note [TASP backward at short chunks]): every round's pieces into one buffer,
         a class's rounds one call per group (the forward's ``Gathered``), every partial summed once into one buffer
         and sent home in one exchange behind the own block's rest, in the inputs' dtype on links where that is exact
         (``_links``), else the wire's."""
         tp, W, g, d = self.tp, self.tp.world, self.tp.gathered, q.shape[-1]
-        to, frm = self._links(q, k, v, wire)
-        whole = own.new_empty((g.rows, *own.shape[1:]))
-        kw, vw = (bshd(x) for x in unpack_kv(whole, d))
+        to, frm = self._links(q, k, v)
+        whole = _rows_like(own, g.rows)
+        kw, vw = (bshd(x) for x in whole)
+        packed = _packed_shape(own)
         parts: list = []                                   # (key rows, dK, dV) of every call on the buffer
 
         def post(s: int):
@@ -606,24 +639,49 @@ class Tasp:
 
         with Loop() as loop:
             run_steps(W, post=post, compute=compute, loop=loop)
-            narrow = all(dt == k.dtype for dt in to.values())        # every link exact: sum in the inputs' dtype
-            sums = torch.empty((g.rows, *own.shape[1:]), dtype=k.dtype if narrow else wire, device=own.device)
-            for view, i in zip((bshd(x) for x in unpack_kv(sums, d)), (1, 2)):
-                combine.sum_parts([(p[0], p[i]) for p in parts], tuple(view.shape), sums.dtype, out=view)
+            if not all(to.values()):                          # some link is not exact: its partials sum first
+                sums = torch.empty((g.rows, *packed[1:]), dtype=wire, device=k.device)
+                for view, i in zip((bshd(x) for x in unpack_kv(sums, d)), (1, 2)):
+                    combine.sum_parts([(p[0], p[i]) for p in parts], tuple(view.shape), wire, out=view)
             ex = Exchange(self.group)
             for dst, (a, b), _ in g.grad_out:
-                ex.send(sums[a:b].to(to[dst]), dst)
-            came: dict[int, torch.Tensor] = {}             # one buffer per sender: its pieces of ours, at their rows
+                if to[dst]:                                   # exact: the kernels' own dK and dV of the piece
+                    for x in _piece_grads(parts, a, b):
+                        ex.send(x.transpose(0, 1).contiguous(), dst)
+                else:
+                    ex.send(sums[a:b], dst)
+            came: dict[int, tuple[torch.Tensor, ...]] = {}   # per sender: its pieces of ours, at their rows
             for src, (a, b), _ in g.grad_in:
-                buf = came.get(src)
-                if buf is None:
-                    buf = came[src] = torch.empty(own.shape, dtype=frm[src], device=own.device)
-                ex.recv(buf[a:b], src)
+                bufs = came.get(src)
+                if bufs is None:
+                    bufs = came[src] = _rows_like(own) if frm[src] else \
+                        (torch.empty(packed, dtype=wire, device=k.device),)
+                for x in bufs:
+                    ex.recv(x[a:b], src)
             handles = loop.post(ex)
             run_own(tp.late)
             loop.wait(handles)
-        for src, buf in came.items():
-            gk, gv = (bshd(x) for x in unpack_kv(buf, d))
+        for src, bufs in came.items():
+            gk, gv = (bshd(x) for x in (bufs if len(bufs) == 2 else unpack_kv(bufs[0], d)))
             for a, b in _runs([rows for s, rows, _ in g.grad_in if s == src]):
                 dk_sum.add(slice(a, b), gk[:, a:b])
                 dv_sum.add(slice(a, b), gv[:, a:b])
+
+
+def _piece_grads(parts: list, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK and dV ``(B, b - a, H, D)`` of rows ``[a, b)`` of the gathered buffer, on an exact link (no row in two calls):
+    a slice of the one call that covers them, else the rows assembled from the calls that touch them (rows none
+    touches are 0)."""
+    over = [(r, gk, gv) for r, gk, gv in parts if r.start < b and a < r.stop]
+    if len(over) == 1 and over[0][0].start <= a and b <= over[0][0].stop:
+        r, gk, gv = over[0]
+        return gk[:, a - r.start:b - r.start], gv[:, a - r.start:b - r.start]
+    out = []
+    for i in (1, 2):
+        touch = []
+        for r, *g in over:
+            lo, hi = max(r.start, a), min(r.stop, b)
+            touch.append((slice(lo - a, hi - a), g[i - 1][:, lo - r.start:hi - r.start]))
+        like = parts[0][i]
+        out.append(combine.sum_parts(touch, (like.shape[0], b - a, *like.shape[2:]), like.dtype))
+    return out[0], out[1]
