@@ -175,11 +175,13 @@ class Gathered:
 
 @dataclass(frozen=True)
 class TaspPlan:
-    """One rank's schedule: ``rounds[t - 1]`` for t = 1 .. W-1, its own block's tasks, and the gathered form both
-    passes run at short chunks (``Gathered``, else None)."""
+    """One rank's schedule: ``rounds[t - 1]`` for t = 1 .. W-1, its own block's tasks - whole (``own``: the forward,
+    and W = 1) and split in two (``early``, ``late``: the backward, Note [Hiding the tail] in ``_shared``) - and the
+    gathered form both passes run at short chunks (``Gathered``, else None)."""
 
     world: int
     kind: str
+    own: tuple[Task, ...]
     early: tuple[Task, ...]
     late: tuple[Task, ...]
     rounds: tuple[Round, ...]
@@ -300,7 +302,8 @@ def schedule(layout: Subchunked, rank: int, seq_len: int, rule: Rule, doc_bounds
     gathered = None
     if gather and kind == "direct" and W > 2:
         gathered = _gather(geo, r, held, rounds)
-    return TaspPlan(W, kind, early, late, tuple(rounds), gathered)
+    own = plan(geo.segs[r], geo.segs[r], rule)
+    return TaspPlan(W, kind, own, early, late, tuple(rounds), gathered)
 
 
 def gathers(seq_len: int, world: int, row_bytes: int | None = None) -> bool:
@@ -455,7 +458,7 @@ class Tasp:
         tp, runner, W = self.tp, self.runner, self.tp.world
         acc = Accumulator(q, v.shape[-1], defer=True)
         if W == 1:
-            for t in runner.prepare(tp.early + tp.late, q, k):
+            for t in runner.prepare(tp.own, q, k):
                 acc.add(t.q, *runner.forward(q, k, v, t), t.covered)
             return acc.result(q.dtype)
         own = _rows_of(k, v)
@@ -478,7 +481,7 @@ class Tasp:
 
         def compute(s: int) -> None:
             if s == 0:
-                tasks, kb, vb = tp.early + tp.late, k, v
+                tasks, kb, vb = tp.own, k, v
             elif g is not None:
                 tasks, kb, vb = g.tasks[s - 1], kw, vw
             else:
@@ -517,7 +520,7 @@ class Tasp:
                 combine.sum_parts([(p[0], p[i]) for p in parts], tuple(view.shape), acc, out=view)
 
         if W == 1:
-            run_own(tp.early + tp.late)
+            run_own(tp.own)
             return dq.result(q.dtype), dk_sum.result(k.dtype), dv_sum.result(v.dtype)
         own = _rows_of(k, v)
         wire = wire_dtype(self.grad_dtype, q.dtype)
