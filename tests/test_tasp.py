@@ -73,23 +73,28 @@ def test_slowest_rank():
 
 def test_gathered_forward_joins_thin_rounds():
     """Note [TASP forward at short chunks]: at 2K tokens per rank over 8, rank 1's all-query pieces (146 keys a
-    round) run as one call over the rounds, its back-query pieces (12288 keys) in three of about ``GATHER_ROWS``
-    keys - 4 calls where its rounds ran 14; every key row of the buffer is some call's, once per query range;
-    longer chunks and the cycles keep the rounds' own calls."""
+    round) run as one call over the rounds, its back-query pieces (12288 keys) in keys // ``GATHER_ROWS`` calls (one)
+    - 2 calls where its rounds ran 14; at 8K tokens per rank over 4, rank 1's 16384 back-query keys in two calls,
+    the first once its share has arrived; every key row of the buffer is some call's, once per query range; longer
+    chunks and the cycles keep the rounds' own calls."""
     from seqpar.layouts import Rule
     from seqpar.methods import _tasp, tasp
 
     layout, _ = tasp._placement("zigzag", tasp.GroupSizes(8))
     tp = _tasp.schedule(layout, 1, 16384, Rule(True), None, None, "direct", _tasp.gathers(16384, 8))
     g = tp.gathered
-    assert [len(ts) for ts in g.tasks] == [0, 0, 1, 0, 1, 0, 2] and sum(len(rd.tasks) for rd in tp.rounds) == 14
+    assert [len(ts) for ts in g.tasks] == [0] * 6 + [2] and sum(len(rd.tasks) for rd in tp.rounds) == 14
     back = [t.cols for ts in g.tasks for t in ts if t.q == slice(1024, 2048)]
-    assert len(back) == sum(back) // _tasp.GATHER_ROWS == 3
+    assert len(back) == max(1, sum(back) // _tasp.GATHER_ROWS) == 1
     front = [t for ts in g.tasks for t in ts if t.q == slice(0, 2048)]
     assert len(front) == 1 and front[0].cols == sum(p.rows[1] - p.rows[0] for rd in tp.rounds for p in rd.held
                                                     if p.origin == 0)
     cover = sorted((t.k_start, t.k_stop) for ts in g.tasks for t in ts)
     assert cover[0][0] == 0 and cover[-1][1] == g.rows and all(a[1] == b[0] for a, b in itertools.pairwise(cover))
+    g4 = _tasp.schedule(tasp._placement("zigzag", tasp.GroupSizes(4))[0], 1, 32768, Rule(True), None, None, "direct",
+                        True).gathered
+    back = [(t, s) for s, ts in enumerate(g4.tasks, 1) for t in ts if t.q == slice(4096, 8192)]
+    assert sum(t.cols for t, _ in back) == 16384 and [s for _, s in back] == [2, 3]
     assert not _tasp.gathers(1 << 17, 8)                                    # 16K tokens per rank
     mha, gqa = (_tasp.held_row_bytes(1, h, 128, 128, torch.bfloat16) for h in (32, 8))   # bytes held: GATHER_BYTES
     assert _tasp.gathers(32768, 8, mha) and not _tasp.gathers(65536, 8, mha) and _tasp.gathers(65536, 8, gqa)

@@ -41,9 +41,15 @@ Note [TASP forward at short chunks]
     its share of the keys has arrived; other pieces (windows, documents, masks) keep their round's calls. Sends and
     receipts are the rounds' own, so transfers still overlap compute; the memory is an all-gather's, bounded by the
     row and byte limits. With groups of 1024 keys rank 1's forward went from 16 calls to 10 and rank 3's to 12; with
-    4096 (the backward's measure, below) no rank runs more than 6 (``tasp._slowest_rank``). On a real link a larger
-    group leaves more of a class's work behind its last round; at 2K tokens per rank a round is latency (~0.1 ms an
-    NCCL step) against ~0.05 ms of its compute, so the calls saved weigh more.
+    4096 (the backward's measure, below) no rank ran more than 6; with 8192, at 2K and 4K tokens per rank (over 8
+    and 4) every class is one call after the last round - TASP's transfers, an all-gather's calls - and a rank runs
+    at most 3 (its own block, a class of each kind). On a real link a larger group leaves more of a class's work
+    behind its last round, but there the own block covers the rounds (a round is mostly latency at these lengths)
+    and each call saved is a fixed cost and a backward's two passes over its query rows: 8192 against 4096, on four
+    real H100s at 4K tokens per GPU, took TASP from 0.38 / 0.48 to 0.44-0.45 / 0.53-0.54 (MHA, forward / forward and
+    backward) and 0.56-0.60 / 0.57-0.58 to 0.59-0.63 / 0.66 (GQA), with no change at 2K; emulated (one H100), from
+    0.78 / 0.73 to 0.86 / 0.77 (MHA, 4K per rank) and 0.71 / 0.65 to 0.78 / 0.73 (MHA, 2K per rank over 8)
+    (``benchmarks/results/2026-11-27-h100-tasp-kv-apart``).
 
 Note [TASP backward at short chunks]
     The backward at the same lengths runs on the same ``Gathered`` plan: a cuDNN backward call also passes over its
@@ -333,7 +339,7 @@ GATHER_MAX_ROWS = 8192
 round buffer each (Notes [TASP forward at short chunks], [TASP sums])."""
 
 
-GATHER_ROWS = 4096
+GATHER_ROWS = 8192
 """Keys per call of a gathered class: its keys run in (keys // GATHER_ROWS) calls (one at least, one a round at
 most), split where rounds end (Note [TASP forward at short chunks])."""
 

@@ -143,7 +143,8 @@ def _slowest_rank(layout: str, world: int, seq_len: int, rule) -> int:
     between runs two a round on keys that are sums of sub-chunks (tiles half empty). Emulated on an H100 at 2K
     tokens per rank over 8 (GQA), rank 3's forward+backward took 3.84 ms of GPU time where rank 0's took 2.84
     (``benchmarks/results/2026-11-26-h100-tasp-aligned``), and rank 1's 4.11 ms steady where rank 3's took 3.88
-    (``2026-11-26-h100-tasp-gathered``); gathered, rank 1 runs 6 calls a pass, ranks 0, 2 and 3 five."""
+    (``2026-11-26-h100-tasp-gathered``); gathered, the ranks between the ends run a call more than the ends (two
+    classes of pieces), rank 1 the most tiles of them (at 2K tokens per rank over 8 and 4K over 4)."""
     placed, _ = _placement(layout, GroupSizes(world))
     counts = []
     for r in range(world):
