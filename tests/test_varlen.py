@@ -343,3 +343,60 @@ def test_varlen_packing_keeps_large_blocks_alone_and_the_reference_kernel_out():
     varying = TaskRunner("reference", 1.0, shapes_vary=True).prepare((*small, big), q, k)
     assert len(varying) == 1 and isinstance(varying[0].mask, Varlen)
     assert TaskRunner("auto", 1.0).prepare(small, q, k) == small       # cpu_flash per block, not reference varlen
+
+
+# ---- Note [Long documents in few heads] ----
+
+def test_cut_long_splits_what_outlasts_a_slot_and_keeps_every_cell():
+    """A causal document whose last query tile outweighs the step's work per slot is cut in halves (their
+    diagonals and a full block of the back half against the front half's keys), the next longest too while the
+    block with the most keys is such a document; many heads cut nothing; the blocks cover exactly the visible
+    cells, each once."""
+    from seqpar.kernels.executor import cut_long
+    from seqpar.layouts.blocks import Task
+    from seqpar.masks import Band
+
+    def causal(docs):
+        return tuple(Task(a, b, a, b, Band(None, 0)) for a, b in itertools.pairwise(docs))
+
+    one = (0, 6656, 7356, 8056)
+    assert cut_long(causal(one), 32, 264) == causal(one)         # every head: the chain hides
+    cut = cut_long(causal(one), 4, 264)
+    assert sorted(cut, key=lambda t: (t.q_start, t.k_start)) == [
+        Task(0, 3328, 0, 3328, Band(None, 0)), Task(3328, 6656, 0, 3328, Band()),
+        Task(3328, 6656, 3328, 6656, Band(None, 0)), *causal(one)[1:]]
+    two = (0, 6656, 12656, 13356)
+    both = cut_long(causal(two), 4, 264)
+    assert {(t.q_start, t.k_start, t.cols) for t in both if t.mask == Band()} == {(3328, 0, 3328), (9656, 6656, 3000)}
+    for docs, got in ((one, cut), (two, both)):
+        seen = torch.zeros(docs[-1], docs[-1], dtype=torch.int32)
+        for t in got:
+            block = torch.ones(t.rows, t.cols, dtype=torch.int32)
+            seen[t.q, t.k] += block.tril() if t.mask == Band(None, 0) else block
+        want = torch.zeros_like(seen)
+        for a, b in itertools.pairwise(docs):
+            want[a:b, a:b] = torch.ones(b - a, b - a, dtype=torch.int32).tril()
+        assert torch.equal(seen, want)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_cut_documents_match_oracle(pools, world):
+    """Every method on packed documents with each document cut as a GPU cuts long ones (Note [Long documents in few
+    heads], forced: ``run_case_cut_long``): the halves' partials merge and their gradients sum to the oracle's - fp32
+    and bf16, GQA, a window, padding and the lse gradient."""
+    from _workers_ulysses import run_case_cut_long
+
+    from seqpar.testing import check_case
+
+    cu = (0, 3, 17, 18, 40, 48)
+    kw = {"heads": 4, "kv_heads": 2, "head_dim": 8, "seq_len": 48, "cu_seqlens": cu}
+    cases = [Case(method=m, layout=lay, dtype=dt, **kw) for m, lay in (("ulysses", "contiguous"), ("ring", "zigzag"),
+                                                                      ("allgather", "contiguous"))
+             for dt in ("float32", "bfloat16")]
+    cases += [Case(method="ulysses", layout="contiguous", window=(9, 0), **kw),
+              Case(method="ring", layout="balanced", **kw),
+              Case(method="ulysses", layout="contiguous", valid_len=45, lse_grad=True, dtype="float64",
+                   **{**kw, "cu_seqlens": (0, 3, 17, 18, 40, 45)})]
+    pool = pools(world)
+    assert_all_ok([check_case(c, pool.run(run_case_cut_long, c)) for c in cases
+                   if c.method != "ulysses" or world != 3])
