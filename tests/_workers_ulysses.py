@@ -271,15 +271,3 @@ def run_case_short_paths(short: bool, case: Case) -> dict[str, Any]:
     with mock.patch("seqpar.methods._passkv.HOME_BYTES", 1 << 62 if short else 0), \
             mock.patch("seqpar.methods._tasp.GATHER_MAX_ROWS", 1 << 30 if short else 0):
         return run_case(case)
-
-
-def run_case_cut_long(case: Case) -> dict[str, Any]:
-    """``run_case`` with every causal document of at least 4 rows cut (Note [Long documents in few heads] in
-    ``seqpar.kernels.executor``: ``_slots`` reports a device with endless slots, ``TILE_ROWS`` 2), as a GPU cuts
-    only long ones. Planned calls are dropped first: a runner prepares its steps once."""
-    from seqpar.kernels import executor
-    from seqpar.runtime import call as _call
-
-    _call.cache_clear()
-    with mock.patch.object(executor, "_slots", lambda device: 1 << 20), mock.patch.object(executor, "TILE_ROWS", 2):
-        return run_case(case)

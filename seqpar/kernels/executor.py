@@ -18,22 +18,6 @@ Note [Varlen backward in row groups]
     buffers, the same values as one call (every document sees the same kernel on the same rows), and the
     workspace bounded by one group. The cost is the copy of each group's gradients into the whole tensors.
 
-Note [Long documents in few heads]
-    A varlen kernel (FA2's, FA3's) gives each thread block one tile of a document's query rows (``TILE_ROWS``) and
-    runs every key those rows see one block after another; the document's last tile sees all of its keys. With all
-    32 heads the whole row's work is spread over so many blocks that this chain hides, but Ulysses runs the whole
-    row over H / W heads: at 4K tokens per rank over 8 (the bench's 32K lognormal row, GQA 32/8: 4 heads) the
-    longest document's 6656 keys are 104 key blocks in one thread block, where the call's work averages about 70
-    per block slot of the GPU - the call lasts about as long as its longest document's last tile (FA2 varlen: 468 us
-    for 4 heads where the 32-head call takes 2421, 1.55x its share; ``benchmarks/results/2026-11-27-h100-packed-
-    cut``). ``prepare`` therefore cuts such a document (a causal block whose last tile, ``TILE_ROWS`` x its keys,
-    outweighs the step's cells per slot - cells x heads / (SMs x ``CTAS_PER_SM``)) in two: each half's causal
-    diagonal stays in the varlen call, the back half's queries against the front half's keys run as a full block
-    (cuDNN), and the back rows' two partials merge like any step's; again while the block with the most keys is a
-    document that still outweighs a slot (a full block's tile runs its keys in one thread block too). With all
-    heads on one GPU nothing is cut (the same row: 852K cells in the last tile against 4.6M per slot). On CPU
-    nothing is cut (``_slots``).
-
 Note [Runner memos]
     The grouping of a step's tasks into varlen calls and the row groups of a varlen backward are computed once
     per runner, not in module-level caches: a runner belongs to one planned call, so what it derived for a
@@ -127,10 +111,9 @@ from ..masks.forms import Band, Joined, Modded, Varlen
 from ..numerics import GradRows, acc_dtype
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, device_arch, mask_kind, select
-from .combine import sum_parts
 
-__all__ = ["CTAS_PER_SM", "GROUP_AT", "GROUP_ROWS", "JOIN_KEYS", "JOIN_PAIRS", "MEMO_SIZE", "TILE_ROWS",
-           "VARLEN_BWD_ROWS", "WIDE_ROWS", "TaskRunner", "cut_long", "row_groups"]
+__all__ = ["GROUP_AT", "GROUP_ROWS", "JOIN_KEYS", "JOIN_PAIRS", "MEMO_SIZE", "VARLEN_BWD_ROWS", "WIDE_ROWS",
+           "TaskRunner", "row_groups"]
 
 GROUP_AT = 3
 """Tasks of one step from which ``TaskRunner.prepare`` packs them into varlen calls."""
@@ -150,13 +133,6 @@ WIDE_ROWS = 4096
 """Query rows from which a block is wide (``KernelCall.wide``): a windowed band that wide runs on flex in an sm90
 training call, a narrower one keeps FA2 (Note [Bands on flex]: bands of 255 and 511 rows lost on flex, of 16380
 and more won; ``GROUP_ROWS``, from which a block keeps its own call)."""
-
-TILE_ROWS = 128
-"""Query rows of one thread block of a varlen kernel's forward (FA2's at head dim 128): a block runs every key its
-rows see, one after another (Note [Long documents in few heads])."""
-CTAS_PER_SM = 2
-"""Thread blocks of a varlen forward one SM runs at once (FA2 at head dim 128 on an H100, about): with the SMs, the
-blocks a wave holds (Note [Long documents in few heads])."""
 
 Sig = tuple[int, int, int, torch.dtype, torch.device]
 """What a kernel choice depends on besides the block: (heads, KV heads, head dim, dtype, device)."""
@@ -194,39 +170,6 @@ def row_groups(task: Task, most: int) -> tuple[Task, ...]:
                                m.window)))
         a = b
     return tuple(out)
-
-
-def cut_long(tasks: tuple[Task, ...], heads: int, slots: int) -> tuple[Task, ...]:
-    """``tasks`` (one step's blocks) with the causal document whose last query tile would outlast the step's average
-    work per slot cut in two - its halves' diagonals and the back half's queries against the front half's keys, a
-    full block - and again while the block with the most keys is such a document (Note [Long documents in few
-    heads]). ``slots``: thread blocks the device runs at once."""
-    def causal_square(t: Task) -> bool:
-        return t.mask == Band(None, 0) and t.rows == t.cols and t.rows >= 2 * TILE_ROWS
-
-    def cells(t: Task) -> int:
-        return t.rows * t.cols // 2 if t.mask == Band(None, 0) else t.rows * t.cols
-    per_slot = heads * sum(cells(t) for t in tasks) / max(1, slots)
-    out = list(tasks)
-    while True:                             # the block with the most keys, while it is a document to cut
-        long = max(out, key=lambda t: (t.cols, not causal_square(t)))
-        if not causal_square(long) or long.cols * TILE_ROWS <= per_slot:
-            break
-        a, h, b = long.q_start, long.rows // 2, long.q_stop
-        ka = long.k_start
-        out.remove(long)
-        out += [Task(a, a + h, ka, ka + h, long.mask), Task(a + h, b, ka + h, long.k_stop, long.mask),
-                Task(a + h, b, ka, ka + h, Band())]
-    return tasks if len(out) == len(tasks) else tuple(sorted(out, key=lambda t: (t.q_start, t.k_start)))
-
-
-def _slots(device: torch.device) -> int:
-    """Thread blocks a varlen forward runs at once on ``device``; 0 off CUDA, where no kernel runs a query tile's
-    keys on one core while others idle (Note [Long documents in few heads]), and where no CUDA device is there to
-    ask (a plan made for one on a CPU machine: ``TaskRunner.kernels``)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return 0
-    return CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _all_visible(b, h, q_idx, kv_idx):
@@ -382,9 +325,6 @@ class TaskRunner:
     def _packed(self, tasks: tuple[Task, ...], sig: Sig) -> tuple[Task, ...]:
         if len(tasks) < GROUP_AT:
             return tasks
-        slots = _slots(sig[4])
-        if slots:                                 # Note [Long documents in few heads]
-            tasks = cut_long(tasks, sig[0], slots)
         most = float("inf") if self.shapes_vary else GROUP_ROWS
         big = tuple(t for t in tasks if t.rows >= most)
         small = tuple(t for t in tasks if t.rows < most)
@@ -440,9 +380,8 @@ class TaskRunner:
 
     def backward_all(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                      tasks: tuple[Task, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Every task's gradients summed over the whole q, k, v (fp32, fp64 for fp64 inputs) in one pass each
-        (``combine.sum_parts``); one task that covers everything returns the kernel's own gradients, with no sums
-        and no copies."""
+        """Every task's gradients summed over the whole q, k, v (fp32, fp64 for fp64 inputs); one task that
+        covers everything returns the kernel's own gradients, with no sums and no copies."""
         tasks = self.prepare(tasks, q, k)
         if len(tasks) == 1 and tasks[0].rows == q.shape[1] and tasks[0].cols == k.shape[1]:
             t = tasks[0]
@@ -452,11 +391,13 @@ class TaskRunner:
                 return self._backward_groups(rows, q, k, v, lse, groups)
             return self.backward(rows, q, k, v, lse, t)
         acc = acc_dtype(q.dtype)
-        if not tasks:
-            return tuple(torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
-        parts = [(t, self.backward(rows, q, k, v, lse, t)) for t in tasks]
-        return tuple(sum_parts([(t.q if i == 0 else t.k, g[i]) for t, g in parts], tuple(x.shape), acc)
-                     for i, x in enumerate((q, k, v)))
+        dq, dk, dv = (torch.zeros(t.shape, dtype=acc, device=q.device) for t in (q, k, v))
+        for t in tasks:
+            gq, gk, gv = self.backward(rows, q, k, v, lse, t)
+            dq[:, t.q] += gq
+            dk[:, t.k] += gk
+            dv[:, t.k] += gv
+        return dq, dk, dv
 
     def _backward_groups(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          lse: torch.Tensor, groups: tuple[Task, ...]) -> tuple[torch.Tensor, ...]:
