@@ -57,25 +57,29 @@ Note [TASP backward at short chunks]
     rank over 8 rank 1 ran 17 backward calls where the ring runs 8, and its kernels took 1.9 ms where the ring's
     took 1.3 (H200, before the gathering). Its partials cannot go home one round after their piece, as the rounds'
     backward sends them: a call's dK/dV spans pieces of several rounds and origins, and the origin would have to
-    know every holder's groups. So every call's partials are held and summed once into one buffer, and each piece's
-    rows go home in one exchange behind the own block's rest - the all-gather's reduce-scatter, in TASP's pairs. A
-    link carries the inputs' dtype where each of its pieces is exact in it (one call per key row, a kernel that
-    returns that dtype: ``_shared.exact_partial``, decided by both ends from the holder's tasks on the piece), else
-    the wire's: in bf16 the fp32 sums, receipts and their passes would move twice the bytes. The origin lands each
-    sender's pieces in a buffer of its own and sums them once with its own block's partials (Note [TASP K and V apart]
-    K and V travel as two messages a piece and land in a buffer each, as the ring's and the all-gather's do (Note [K
-    and V apart] in ``allgather``): with a batch of one our K and V already are sequence-major rows, so a piece is sent
-    from the inputs as they lie, and the kernels read contiguous K and V. Packed into one buffer, every forward and
-    every backward's re-gather first copied them (two sequence-major copies and a concatenation: 90 us of a 1.09 ms
-    forward, MHA at 4K tokens per rank over 4 on an H100), and the kernels read keys at twice their row stride
-    (rank 1's call over rank 0's keys: 838 us in the backward where the ring's same call took 692,
-    ``benchmarks/results/2026-11-27-h100-tasp-kv-apart``). The backward's dK/dV partials still travel side by side
-    (one message a piece, in ``_packed_shape``): they are summed into that buffer anyway.
-
-Note [TASP sums]).
+    know every holder's groups. So every call's partials are held, and each piece's rows go home in one exchange
+    behind the own block's rest - the all-gather's reduce-scatter, in TASP's pairs. A link where each piece is exact
+    in the inputs' dtype (one call per key row, a kernel that returns that dtype: ``_shared.exact_partial``, decided
+    by both ends from the holder's tasks on the piece) carries the calls' own rows in it (Note [TASP K and V apart]);
+    on the others the partials are summed once into one buffer that travels in the wire's dtype: in bf16 fp32 sums,
+    receipts and their passes everywhere would move twice the bytes. The origin lands each
+    sender's pieces in a buffer of its own and sums them once with its own block's partials (Note [TASP sums]).
     Emulated on an H100, with both passes gathered in groups of 4096 keys, rank 1's forward+backward at 2K tokens
     per rank over 8 went from 3.91 to 2.64 ms (GQA) and 4.20 to 2.93 (MHA), its forward from 0.74 to 0.62 and 0.81
     to 0.67 (``benchmarks/results/2026-11-26-h100-tasp-gathered-bwd``).
+
+Note [TASP K and V apart]
+    K and V travel as two messages a piece and land in a buffer each, as the ring's and the all-gather's do (Note [K
+    and V apart] in ``allgather``): with a batch of one our K and V already are sequence-major rows, so a piece is sent
+    from the inputs as they lie. Packed into one buffer, every forward and every backward's re-gather first copied
+    them (two sequence-major copies and a concatenation: 90 us of a 1.09 ms forward, MHA at 4K tokens per rank over 4
+    on an H100). The gathered backward's partials go home the same way on an exact link (Note [TASP backward at
+    short chunks]): each piece's rows of the one call that covers them, dK and dV as two messages, with no pass
+    before they go - where they were first summed into one buffer of dK and dV side by side (two passes over the
+    gathered rows: 62 + 63 us of the same backward). Links that are not exact still sum, dK and dV side by side in the
+    wire's dtype, as do the rounds' backward partials (``_packed_shape``). Together: GPU time of rank 1's
+    forward+backward 4.37 -> 4.13 ms there, 2.58 -> 2.34 ms at 2K tokens per rank over 8
+    (``benchmarks/results/2026-11-27-h100-tasp-kv-apart``).
 
 Note [TASP sums]
     The backward's dQ partials are fresh kernel outputs, held and summed once (``RowSum``, Note [One merge per
