@@ -627,9 +627,9 @@ class Tasp:
     def _backward_gathered(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, own: KV,
                            wire: torch.dtype, grads, run_own, dk_sum: RowSum, dv_sum: RowSum) -> None:
         """The backward at short chunks (Note [TASP backward at short chunks]): every round's pieces into one buffer,
-        a class's rounds one call per group (the forward's ``Gathered``), every partial summed once into one buffer
-        and sent home in one exchange behind the own block's rest, in the inputs' dtype on links where that is exact
-        (``_links``), else the wire's."""
+        a class's rounds one call per group (the forward's ``Gathered``), every piece's partial sent home in one
+        exchange behind the own block's rest: on an exact link (``_links``) the calls' own dK and dV rows of it
+        (``_piece_grads``, Note [TASP K and V apart]), else summed once into one buffer in the wire's dtype."""
         tp, W, g, d = self.tp, self.tp.world, self.tp.gathered, q.shape[-1]
         to, frm = self._links(q, k, v)
         whole = _rows_like(own, g.rows)
