@@ -137,6 +137,22 @@ def test_other_methods_merge_once(fake_world, counts, method, layout):
 
 
 @pytest.mark.parametrize("world", [4, 8])
+def test_tasp_forward_step_program(fake_world, counts, world):
+    """TASP's forward at short chunks runs its own block whole - one causal call - and one call per gathered group
+    (Notes [TASP forward at short chunks]); its backward splits the own block in two (Note [Hiding the tail])."""
+    from seqpar.layouts import Rule
+    from seqpar.methods import _tasp, tasp
+
+    fake_world(world, rank=1)
+    _, leaves = _call_once("tasp", "zigzag", world)
+    L = leaves[0].shape[1]
+    tp = _tasp.schedule(tasp._placement("zigzag", tasp.GroupSizes(world))[0], 1, L, Rule(True), None, None,
+                        "direct", True)
+    assert len(tp.own) == 1 and len(tp.early) == len(tp.late) == 1
+    assert counts["kernel_fwd"] == 1 + sum(map(len, tp.gathered.tasks)) and counts["merge_once"] == 1, counts
+
+
+@pytest.mark.parametrize("world", [4, 8])
 def test_allgather_zigzag_step_program(fake_world, counts, world):
     """Note [Gather by parts]: all-gather over zigzag is three kernel calls and ONE merge per head chunk forward
     (one per round with heads_k_stride), three backward calls per round, and no merge step by step."""
