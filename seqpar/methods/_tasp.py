@@ -327,8 +327,10 @@ def gathers(seq_len: int, world: int, row_bytes: int | None = None) -> bool:
 
 def held_row_bytes(batch: int, kv_heads: int, dk: int, dv: int, dtype: torch.dtype) -> int:
     """Bytes the gathered backward holds per received row (Note [TASP backward at short chunks]): the row of K and
-    V, every call's partials of it, their sum and what comes home, in the inputs' dtype - as they are on exact links
-    (a link that is not exact carries the last two in the wire's dtype, twice the bytes in bf16)."""
+    V, every call's partials of it, their sum and what comes home, each counted in the inputs' dtype. Exact links
+    hold no sum (their partials go as they are: Note [TASP K and V apart]), so there it is a bound; a link that is
+    not exact holds the last two in the wire's dtype (twice the bytes in bf16) - the count kept since the limit
+    (``GATHER_BYTES``) was set."""
     return batch * kv_heads * (dk + dv) * 4 * (torch.finfo(dtype).bits // 8)
 
 
