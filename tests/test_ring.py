@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 from conftest import assert_all_ok, run_cases
 
 from seqpar.testing import Case
@@ -76,3 +77,17 @@ def test_head_chunks_bound_memory_and_match(pools):
     cases = [Case(layout=lay, seq_len=32, heads=8, kv_heads=4, head_dim=8, options=(("head_chunks", c),),
                   lse_grad=lse) for lay, c, lse in grid]
     assert_all_ok(run_cases(pools(4), cases))
+
+
+def test_partials_home_is_decided_by_bytes():
+    """Note [Partials home]: the partials go home while W of them, each element the wider of the inputs' and the
+    wire's dtype, fit ``HOME_BYTES`` - MHA (32 heads of 128) in bf16 over 8 ranks with an fp32 wire keeps exactly
+    the old 8192 local rows, GQA 8 goes home at 16K (the packed rows), a bf16 wire doubles the rows."""
+    from seqpar.methods._passkv import partials_home
+
+    def kv(rows, heads):
+        return (torch.empty(1, rows, heads, 128, dtype=torch.bfloat16, device="meta") for _ in range(2))
+
+    assert partials_home(*kv(8192, 32), 8, torch.float32) and not partials_home(*kv(8193, 32), 8, torch.float32)
+    assert partials_home(*kv(16384, 8), 8, torch.float32) and not partials_home(*kv(32769, 8), 8, torch.float32)
+    assert partials_home(*kv(16384, 32), 8, torch.bfloat16) and not partials_home(*kv(16385, 32), 8, torch.bfloat16)
