@@ -49,7 +49,7 @@ import torch
 from ..masks import Band, Mask, Varlen, bottom_right_window
 from ..numerics import acc_dtype
 from ..types import AttnOutput
-from . import combine
+from . import combine, long_docs
 from .base import Kernel, KernelCall, band_of, register
 from .combine import host_table
 
@@ -270,7 +270,29 @@ class FlashKernel(Kernel):
         return aten._flash_attention_forward(q, k, v, None, None, m, n, 0.0, causal, False, scale=scale,
                                              window_size_left=wl, window_size_right=wr)[0]
 
+    @staticmethod
+    def _cut(mask: Mask, q: torch.Tensor) -> long_docs.Cut | None:
+        """A varlen call's long documents cut in few heads (Note [Long documents in few heads])."""
+        if not isinstance(mask, Varlen):
+            return None
+        n = long_docs.slots(q.device)
+        return long_docs.plan(mask, q.shape[2], n) if n else None
+
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
+        cut = self._cut(mask, q)
+        if cut is not None:
+            return long_docs.forward(lambda *a: self._forward(*a, scale), q, k, v, cut)
+        return self._forward(q, k, v, mask, scale)
+
+    def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
+                 deterministic=False):
+        cut = self._cut(mask, q)
+        if cut is not None:
+            return long_docs.backward(lambda *a: self._backward(*a, scale, deterministic), do, q, k, v, out, lse,
+                                      cut)
+        return self._backward(do, q, k, v, out, lse, mask, scale, deterministic)
+
+    def _forward(self, q, k, v, mask: Mask, scale: float) -> AttnOutput:
         B, m, H, _ = q.shape
         n, dv = k.shape[1], v.shape[-1]
         causal, wl, wr = self._window(mask, m, n)
@@ -286,8 +308,7 @@ class FlashKernel(Kernel):
         lse = lse.reshape(H, B, m).permute(1, 0, 2).nan_to_num_(nan=_NAN, posinf=-_INF, neginf=-_INF)  # no keys: -inf
         return AttnOutput(o.reshape(B, m, H, -1)[..., :dv], lse)
 
-    def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
-                 deterministic=False):
+    def _backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, deterministic: bool):
         B, m, H, d = q.shape
         n, dv = k.shape[1], v.shape[-1]
         causal, wl, wr = self._window(mask, m, n)
