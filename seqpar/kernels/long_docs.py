@@ -135,14 +135,19 @@ def _join(side: torch.cuda.Stream | None, made: list[torch.Tensor]) -> None:
         t.record_stream(cur)
 
 
-def forward(fwd: Callable[..., AttnOutput], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cut: Cut
-            ) -> AttnOutput:
-    """``fwd(q, k, v, mask) -> AttnOutput`` (the kernel, uncut) over ``cut``: the varlen call here, the side
-    blocks on the second stream, the back rows merged. q ``(B, S, H, D)``, k and v ``(B, S, Hkv, D)``."""
+def forward(fwd: Callable[..., AttnOutput], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cut: Cut, *,
+            side_first: bool = True) -> AttnOutput:
+    """``fwd(q, k, v, mask) -> AttnOutput`` (the kernel, uncut) over ``cut``: the side blocks on the second
+    stream, the varlen call on this one, the back rows merged. q ``(B, S, H, D)``, k and v ``(B, S, Hkv, D)``.
+    ``side_first``: launch the side blocks before the varlen call (Note [Long documents in few heads]; False is
+    the order ``benchmarks/gpu/probe_long_docs.py`` compares it with)."""
     side = _beside(q.device)
-    o, lse = fwd(q, k, v, cut.main)
+    if not side_first:
+        o, lse = fwd(q, k, v, cut.main)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         parts = [fwd(q[:, a:b], k[:, c:d], v[:, c:d], FULL) for a, b, c, d in cut.sides]
+    if side_first:
+        o, lse = fwd(q, k, v, cut.main)
     _join(side, [t for p in parts for t in p])
     for (a, b, _, _), (po, pl) in zip(cut.sides, parts):
         rows = slice(0, b - a)
@@ -154,15 +159,19 @@ def forward(fwd: Callable[..., AttnOutput], q: torch.Tensor, k: torch.Tensor, v:
 
 
 def backward(bwd: Callable[..., tuple[torch.Tensor, ...]], do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cut: Cut
+             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, cut: Cut, *, side_first: bool = True
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``bwd(do, q, k, v, out, lse, mask) -> (dq, dk, dv)`` (the kernel, uncut) over ``cut``, from the call's
-    final ``out`` and ``lse``: the varlen call's gradients with the side blocks' added."""
+    final ``out`` and ``lse``: the varlen call's gradients with the side blocks' added (``side_first`` as in
+    ``forward``)."""
     side = _beside(q.device)
-    dq, dk, dv = bwd(do, q, k, v, out, lse, cut.main)
+    if not side_first:
+        dq, dk, dv = bwd(do, q, k, v, out, lse, cut.main)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         parts = [bwd(do[:, a:b], q[:, a:b], k[:, c:d], v[:, c:d], out[:, a:b], lse[:, :, a:b], FULL)
                  for a, b, c, d in cut.sides]
+    if side_first:
+        dq, dk, dv = bwd(do, q, k, v, out, lse, cut.main)
     _join(side, [t for p in parts for t in p])
     for (a, b, c, d), (gq, gk, gv) in zip(cut.sides, parts):
         dq[:, a:b] += gq
