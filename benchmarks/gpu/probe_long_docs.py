@@ -17,11 +17,12 @@ import argparse
 import itertools
 import json
 import sys
+import time
 
 import torch
 
 from seqpar.bench.packing import packed_row
-from seqpar.bench.timing import burst_ms
+from seqpar.bench.timing import burst_ms, host_profile
 from seqpar.kernels import long_docs
 from seqpar.kernels.base import KERNELS
 from seqpar.masks.forms import Band, Varlen
@@ -142,6 +143,16 @@ def main() -> None:
                 if ref is not None and name.endswith("fwd+bwd") and fn is not ref:
                     diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(fn(), ref()))
                     print(f"{name}: largest difference from uncut {diff:.3g}", flush=True)
+            for name, fn in fns.items():                 # host time a call, launched back to back
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    fn()
+                host = (time.perf_counter() - t0) / 20 * 1e3
+                torch.cuda.synchronize()
+                print(f"{name}: host {host:.3f} ms a call", flush=True)
+            if "main-first fwd" in fns:
+                host_profile(fns["main-first fwd"], dev).sort_stats("tottime").print_stats(12)
             ms = burst_ms(fns, dev)
             if heads == 32:
                 ms = {name.replace("uncut ", ""): t / 8 for name, t in ms.items()}
