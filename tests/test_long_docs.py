@@ -28,11 +28,11 @@ def _visible(mask: Varlen, rows: int, keys: int) -> torch.Tensor:
     return vis
 
 
-def _cut_visible(cut: long_docs.Cut, rows: int, keys: int) -> torch.Tensor:
-    """What the cut call shows, counting each cell as often as a piece shows it."""
-    vis = _visible(cut.main, rows, keys).int()
-    for a, b, c, d in cut.sides:
-        vis[a:b, c:d] += 1
+def _alone_visible(alone: long_docs.Alone, rows: int, keys: int) -> torch.Tensor:
+    """What the varlen call and the documents alone show, counting each cell as often as a piece shows it."""
+    vis = _visible(alone.main, rows, keys).int()
+    for a, b, c, d in alone.docs:
+        vis[a:b, c:d] += dense(Band(None, 0), b - a, d - c, "cpu").int()
     return vis
 
 
@@ -41,61 +41,59 @@ def _docs(lengths: list[int]) -> Varlen:
     return Varlen(cu, cu, (-1, 0))
 
 
-def test_plan_cuts_the_long_document_in_few_heads_only():
+def test_plan_takes_the_long_document_out_in_few_heads_only():
     # the bench's 32K lognormal row's longest document (6656) among shorter ones, 4 heads vs all 32 (H100: 264)
     mask = _docs([1200, 6656, 900, 3000, 2048, 1800, 700, 2500, 4096, 1500, 1100, 2400, 1800, 2968])
     rows = mask.cu_q[-1]
     assert long_docs.plan(mask, 32, 264) is None
-    cut = long_docs.plan(mask, 4, 264)
-    assert cut is not None and cut.sides == ((1200 + 3328, 1200 + 6656, 1200, 1200 + 3328),)
-    # the cut shows every visible cell exactly once: nothing lost, nothing twice
-    assert torch.equal(_cut_visible(cut, rows, rows), _visible(mask, rows, rows).int())
-    # no segment of the varlen call keeps more than half the long document's keys
-    assert cut.main.max_k == 4096 and max(b - a for a, b in itertools.pairwise(cut.main.cu_k)) == 4096
+    alone = long_docs.plan(mask, 4, 264)
+    assert alone is not None and alone.docs == ((1200, 7856, 1200, 7856),)
+    # every visible cell shown exactly once: nothing lost, nothing twice
+    assert torch.equal(_alone_visible(alone, rows, rows), _visible(mask, rows, rows).int())
+    segs = zip(itertools.pairwise(alone.main.cu_q), itertools.pairwise(alone.main.cu_k))
+    assert max(min(q1 - q0, k1 - k0) for (q0, q1), (k0, k1) in segs) == 4096    # rows with keys: 4096 at most
 
 
-def test_plan_leaves_windows_full_segments_and_cpu_alone():
+def test_plan_leaves_windows_full_segments_rectangles_and_cpu_alone():
     cu = (0, 8192, 8704)
     assert long_docs.plan(Varlen(cu, cu, (-1, -1)), 1, 264) is None
     assert long_docs.plan(Varlen(cu, cu, (255, 0)), 1, 264) is None
     assert long_docs.plan(Varlen(cu, cu, (-1, 0)), 1, 0) is None
     assert long_docs.slots(torch.device("cpu")) == 0
-
-
-def test_plan_covers_rectangles_and_gaps():
-    # all-gather's pieces: few rows against many keys, a gap segment with keys and no rows, one with rows only
-    mask = Varlen((0, 512, 512, 1024, 1100, 1300), (0, 6000, 6500, 8000, 8000, 8400), (-1, 0))
-    cut = long_docs.plan(mask, 1, 1000)
-    assert cut is not None
-    assert (0, 512, 0, 6000 - 512) in cut.sides          # n >= 2m: every row against the fully visible keys
-    assert torch.equal(_cut_visible(cut, 1300, 8400), _visible(mask, 1300, 8400).int())
+    # all-gather's pieces (few rows against many keys) stay in the call; gap segments are kept as they are
+    mask = Varlen((0, 512, 512, 1024, 1100, 1400), (0, 6000, 6500, 8000, 8000, 8300), (-1, 0))
+    alone = long_docs.plan(mask, 1, 1000)
+    assert alone is not None and alone.docs == ((1100, 1400, 8000, 8300),)
+    assert torch.equal(_alone_visible(alone, 1400, 8300), _visible(mask, 1400, 8300).int())
 
 
 @pytest.mark.parametrize("kv_heads", [4, 1])
-def test_cut_call_equals_the_uncut_call(kv_heads):
+def test_documents_alone_equal_one_call(kv_heads):
     torch.manual_seed(0)
-    mask = Varlen((0, 300, 300, 700, 1000, 1010, 1400), (0, 300, 700, 1200, 1500, 1600, 1990), (-1, 0))
-    cut = long_docs.plan(mask, 4, 10**6)
-    assert cut is not None and len(cut.sides) >= 3
+    mask = Varlen((0, 300, 300, 700, 1000, 1010, 1400), (0, 300, 700, 1100, 1400, 1500, 1890), (-1, 0))
+    alone = long_docs.plan(mask, 4, 10**6)
+    assert alone is not None and len(alone.docs) == 4               # the square ones
     B, S, N, H, D = 2, mask.cu_q[-1], mask.cu_k[-1], 4, 16
     q = torch.randn(B, S, H, D, dtype=torch.float64)
     k, v = (torch.randn(B, N, kv_heads, D, dtype=torch.float64) for _ in range(2))
     do = torch.randn(B, S, H, D, dtype=torch.float64)
     scale = D ** -0.5
+    fwd = lambda *a: REF.forward(*a, scale)                     # noqa: E731
+    bwd = lambda *a: REF.backward(*a, scale)                    # noqa: E731
     o, lse = REF.forward(q, k, v, mask, scale)
-    co, clse = long_docs.forward(lambda *a: REF.forward(*a, scale), q, k, v, cut)
-    torch.testing.assert_close(co, o, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(clse, lse, rtol=1e-12, atol=1e-12)
+    ao, alse = long_docs.forward(fwd, fwd, q, k, v, alone)
+    torch.testing.assert_close(ao, o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(alse, lse, rtol=1e-12, atol=1e-12)
     g = REF.backward(do, q, k, v, o, lse, mask, scale)
-    cg = long_docs.backward(lambda *a: REF.backward(*a, scale), do, q, k, v, o, lse, cut)
-    for x, y in zip(cg, g):
+    for x, y in zip(long_docs.backward(bwd, bwd, do, q, k, v, o, lse, alone), g):
         torch.testing.assert_close(x, y, rtol=1e-11, atol=1e-11)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_heads", [1, 4])
-def test_flash_cut_matches_flash_uncut(monkeypatch, kv_heads):
-    """FA2 on the GPU: the cut call (side stream, merge, adds) against FA2 uncut, bf16, both against fp32."""
+def test_flash_with_documents_alone_matches_one_call(monkeypatch, kv_heads):
+    """FA2 on the GPU: the long document alone (cuDNN, second stream) against FA2 in one call, bf16, both against
+    fp32; and the plan takes it out on its own here."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.manual_seed(0)
@@ -106,16 +104,20 @@ def test_flash_cut_matches_flash_uncut(monkeypatch, kv_heads):
     k, v = (torch.randn(1, S, kv_heads, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     do = torch.randn_like(q)
     scale = D ** -0.5
-    assert long_docs.plan(mask, H, long_docs.slots(q.device)) is not None      # it cuts on its own here
-    cut_o, cut_lse = flash.forward(q, k, v, mask, scale)
-    cut_g = flash.backward(do, q, k, v, cut_o, cut_lse, mask, scale)
+    assert long_docs.plan(mask, H, long_docs.slots(q.device)) is not None
+    results = []
+    for deterministic in (False, True):                 # cuDNN beside the call, then FA2 (deterministic)
+        a_o, a_lse = flash.forward(q, k, v, mask, scale)
+        results.append((a_o, a_lse, flash.backward(do, q, k, v, a_o, a_lse, mask, scale,
+                                                   deterministic=deterministic)))
     monkeypatch.setattr(long_docs, "slots", lambda device: 0)
     o, lse = flash.forward(q, k, v, mask, scale)
     g = flash.backward(do, q, k, v, o, lse, mask, scale)
     f32 = [x.float() for x in (q, k, v, do)]
     ro, rlse = REF.forward(*f32[:3], mask, scale)
     rg = REF.backward(f32[3], *f32[:3], ro, rlse, mask, scale)
-    torch.testing.assert_close(cut_lse, lse, rtol=0, atol=1e-4)
-    for cut_x, x, ref in [(cut_o, o, ro), *zip(cut_g, g, rg)]:
-        err_cut, err = (cut_x.float() - ref).abs().max().item(), (x.float() - ref).abs().max().item()
-        assert err_cut <= 2 * err + 1e-3, (err_cut, err)
+    for a_o, a_lse, a_g in results:
+        torch.testing.assert_close(a_lse, lse, rtol=0, atol=2e-2)
+        for a_x, x, ref in [(a_o, o, ro), *zip(a_g, g, rg)]:
+            err_a, err = (a_x.float() - ref).abs().max().item(), (x.float() - ref).abs().max().item()
+            assert err_a <= 2 * err + 1e-3, (err_a, err)

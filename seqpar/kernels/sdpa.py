@@ -230,6 +230,11 @@ def _rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.zeros(2, dtype=torch.int64, device=device), torch.empty(0, device=device)
 
 
+@functools.lru_cache(maxsize=64)
+def _serves(kernel: Kernel, call: KernelCall) -> bool:
+    return not kernel.not_supported_reasons(call)
+
+
 class FlashKernel(Kernel):
     """FlashAttention-2 inside PyTorch (``aten._flash_attention_forward``): bands, varlen, GQA native."""
 
@@ -271,25 +276,33 @@ class FlashKernel(Kernel):
                                              window_size_left=wl, window_size_right=wr)[0]
 
     @staticmethod
-    def _cut(mask: Mask, q: torch.Tensor) -> long_docs.Cut | None:
-        """A varlen call's long documents cut in few heads (Note [Long documents in few heads])."""
+    def _alone(mask: Mask, q: torch.Tensor) -> long_docs.Alone | None:
+        """A varlen call's long documents, to run alone beside it (Note [Long documents in few heads])."""
         if not isinstance(mask, Varlen):
             return None
         n = long_docs.slots(q.device)
         return long_docs.plan(mask, q.shape[2], n) if n else None
 
+    def _beside(self, q: torch.Tensor, k: torch.Tensor, deterministic: bool) -> Kernel:
+        """The kernel of the documents alone: cuDNN where it serves their causal blocks, else this one."""
+        return _CUDNN if _serves(_CUDNN, KernelCall.of(q, k, Band(None, 0), deterministic)) else self
+
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
-        cut = self._cut(mask, q)
-        if cut is not None:
-            return long_docs.forward(lambda *a: self._forward(*a, scale), q, k, v, cut)
+        alone = self._alone(mask, q)
+        if alone is not None:
+            side = self._beside(q, k, False)
+            return long_docs.forward(lambda *a: self._forward(*a, scale), lambda *a: side.forward(*a, scale),
+                                     q, k, v, alone)
         return self._forward(q, k, v, mask, scale)
 
     def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
                  deterministic=False):
-        cut = self._cut(mask, q)
-        if cut is not None:
-            return long_docs.backward(lambda *a: self._backward(*a, scale, deterministic), do, q, k, v, out, lse,
-                                      cut)
+        alone = self._alone(mask, q)
+        if alone is not None:
+            side = self._beside(q, k, deterministic)
+            return long_docs.backward(lambda *a: self._backward(*a, scale, deterministic),
+                                      lambda *a: side.backward(*a, scale, deterministic=deterministic),
+                                      do, q, k, v, out, lse, alone)
         return self._backward(do, q, k, v, out, lse, mask, scale, deterministic)
 
     def _forward(self, q, k, v, mask: Mask, scale: float) -> AttnOutput:
@@ -385,6 +398,6 @@ class EfficientKernel(Kernel):
         return split_backward(lambda *a: self._bwd(*a, scale), do, q, k, v, out, lse, band_of(mask))
 
 
-register(CudnnKernel())
+_CUDNN = register(CudnnKernel())
 register(FlashKernel())
 register(EfficientKernel())
