@@ -32,7 +32,7 @@ def _alone_visible(alone: long_docs.Alone, rows: int, keys: int) -> torch.Tensor
     """What the varlen call and the documents alone show, counting each cell as often as a piece shows it."""
     vis = _visible(alone.main, rows, keys).int()
     for a, b, c, d in alone.docs:
-        vis[a:b, c:d] += dense(Band(None, 0), b - a, d - c, "cpu").int()
+        vis[a:b, c:d] += dense(Band(None, (d - c) - (b - a)), b - a, d - c, "cpu").int()
     return vis
 
 
@@ -54,25 +54,29 @@ def test_plan_takes_the_long_document_out_in_few_heads_only():
     assert max(min(q1 - q0, k1 - k0) for (q0, q1), (k0, k1) in segs) == 4096    # rows with keys: 4096 at most
 
 
-def test_plan_leaves_windows_full_segments_rectangles_and_cpu_alone():
+def test_plan_leaves_windows_full_segments_and_cpu_alone():
     cu = (0, 8192, 8704)
     assert long_docs.plan(Varlen(cu, cu, (-1, -1)), 1, 264) is None
     assert long_docs.plan(Varlen(cu, cu, (255, 0)), 1, 264) is None
     assert long_docs.plan(Varlen(cu, cu, (-1, 0)), 1, 0) is None
     assert long_docs.slots(torch.device("cpu")) == 0
-    # all-gather's pieces (few rows against many keys) stay in the call; gap segments are kept as they are
-    mask = Varlen((0, 512, 512, 1024, 1100, 1400), (0, 6000, 6500, 8000, 8000, 8300), (-1, 0))
+
+
+def test_plan_takes_pieces_against_earlier_keys():
+    # all-gather's pieces (few rows against many keys) go alone too; gap segments (keys and no rows, rows and no
+    # keys) and a segment with more rows than keys stay
+    mask = Varlen((0, 512, 512, 1024, 1100, 1400, 1900), (0, 6000, 6500, 8000, 8000, 8300, 8600), (-1, 0))
     alone = long_docs.plan(mask, 1, 1000)
-    assert alone is not None and alone.docs == ((1100, 1400, 8000, 8300),)
-    assert torch.equal(_alone_visible(alone, 1400, 8300), _visible(mask, 1400, 8300).int())
+    assert alone is not None and alone.docs == ((0, 512, 0, 6000), (512, 1024, 6500, 8000), (1100, 1400, 8000, 8300))
+    assert torch.equal(_alone_visible(alone, 1900, 8600), _visible(mask, 1900, 8600).int())
 
 
 @pytest.mark.parametrize("kv_heads", [4, 1])
 def test_documents_alone_equal_one_call(kv_heads):
     torch.manual_seed(0)
-    mask = Varlen((0, 300, 300, 700, 1000, 1010, 1400), (0, 300, 700, 1100, 1400, 1500, 1890), (-1, 0))
+    mask = Varlen((0, 300, 300, 700, 1000, 1010, 1400, 1700), (0, 300, 700, 1100, 1400, 1500, 1890, 2090), (-1, 0))
     alone = long_docs.plan(mask, 4, 10**6)
-    assert alone is not None and len(alone.docs) == 4               # the square ones
+    assert alone is not None and len(alone.docs) == 4    # not the gap, the 10-row piece's 100 keys, 300 rows on 200
     B, S, N, H, D = 2, mask.cu_q[-1], mask.cu_k[-1], 4, 16
     q = torch.randn(B, S, H, D, dtype=torch.float64)
     k, v = (torch.randn(B, N, kv_heads, D, dtype=torch.float64) for _ in range(2))
@@ -89,19 +93,27 @@ def test_documents_alone_equal_one_call(kv_heads):
         torch.testing.assert_close(x, y, rtol=1e-11, atol=1e-11)
 
 
+_PIECES = [1200, 6656, 900, 3000]
+"""All-gather's rank under ``balanced``: the last eighth of each document against all of its keys."""
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_heads", [1, 4])
-def test_flash_with_documents_alone_matches_one_call(monkeypatch, kv_heads):
-    """FA2 on the GPU: the long document alone (cuDNN, second stream) against FA2 in one call, bf16, both against
-    fp32; and the plan takes it out on its own here."""
+@pytest.mark.parametrize("case", ["docs-4-heads-kv1", "docs-4-heads-kv4", "pieces-32-heads-kv8"])
+def test_flash_with_documents_alone_matches_one_call(monkeypatch, case):
+    """FA2 on the GPU: the long document (or piece) alone (cuDNN, second stream; FA2 when deterministic) against
+    FA2 in one call, bf16, both against fp32; and the plan takes it out on its own here."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.manual_seed(0)
     flash = KERNELS["flash"]
-    mask = _docs([1200, 6656, 900, 3000, 2048, 1800, 700, 2500, 4096, 1500])
-    S, H, D = mask.cu_q[-1], 4, 128
+    if case.startswith("docs"):
+        mask, H, kv_heads = _docs([1200, 6656, 900, 3000, 2048, 1800, 700, 2500, 4096, 1500]), 4, int(case[-1])
+    else:
+        cu_q = tuple(itertools.accumulate([0, *(n // 8 for n in _PIECES)]))
+        mask, H, kv_heads = Varlen(cu_q, tuple(itertools.accumulate([0, *_PIECES])), (-1, 0)), 32, 8
+    S, N, D = mask.cu_q[-1], mask.cu_k[-1], 128
     q = torch.randn(1, S, H, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(1, S, kv_heads, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, N, kv_heads, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     do = torch.randn_like(q)
     scale = D ** -0.5
     assert long_docs.plan(mask, H, long_docs.slots(q.device)) is not None

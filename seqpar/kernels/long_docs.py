@@ -14,14 +14,16 @@ Note [Long documents in few heads]
     block slot of the GPU, so the call lasts about as long as that one tile (FA2 varlen: 468 us for 4 heads where
     the 32-head call takes 2421, 1.55x its share).
 
-    ``plan`` takes every square causal segment whose last tile outweighs the call's visible cells per slot (cells
-    x heads / ``slots``) out of the varlen call - its rows there see no key, its keys serve no row - and the
-    document runs alone as a causal block on a second stream, launched first, beside the varlen call; its rows of
-    out, lse and dq and its keys' dk and dv are copied over the call's (which are 0 and -inf there). The side
-    kernel is cuDNN where it serves the block (about 1.7x FA2 per cell on Hopper, so its long tile ends well
-    inside the call), else FA2 itself. Measured on one H100 (``benchmarks/gpu/probe_long_docs.py``, the 32K
-    lognormal row at 4 heads, 1 KV head): FA2 alone 0.48 / 1.68 ms forward / forward+backward, the long document
-    alone on cuDNN 0.39 / 1.22, on FA2 0.48 / 1.57; one eighth of the 32-head call 0.30 / 1.25.
+    ``plan`` takes every causal segment with at least as many keys as rows (a document; under all-gather, a rank's
+    piece of one against all its earlier keys) whose last tile outweighs the call's visible cells per slot (cells
+    x heads / ``slots``) out of the varlen call - its rows there see no key, its keys serve no row - and runs it
+    alone as a causal block aligned bottom-right on a second stream, launched first, beside the varlen call; its
+    rows of out, lse and dq and its keys' dk and dv are copied over the call's (which are 0 and -inf there). The
+    side kernel is cuDNN where it serves the block (about 1.7x FA2 per cell on Hopper, so its long tile ends well
+    inside the call; a piece with earlier keys runs as cuDNN's full block and causal diagonal, merged), else FA2
+    itself. Measured on one H100 (``benchmarks/gpu/probe_long_docs.py``, the 32K lognormal row at 4 heads, 1 KV
+    head): FA2 alone 0.49 / 1.68 ms forward / forward+backward, the long document alone on cuDNN 0.40 / 1.26, on
+    FA2 0.46 / 1.53; one eighth of the 32-head call 0.30 / 1.23.
 
     Two designs measured before this one lost: cutting the long document in halves (the back half's rows
     against the front half's keys as a full block, merged with the varlen call's back rows) sped the varlen
@@ -31,7 +33,7 @@ Note [Long documents in few heads]
     left the forward host-bound (0.64-0.69 ms of host time a call).
 
     With all heads on one GPU nothing is taken out (the same row: 852K cells in the last tile against 4.6M per
-    slot); windows, non-causal calls and segments whose keys outnumber their rows stay in the call. Off CUDA
+    slot); windows, non-causal calls and segments with fewer keys than rows stay in the call. Off CUDA
     nothing is taken out (``slots`` is 0): the CPU tests run the same composition with the reference kernel and
     a forced slot count.
 """
@@ -56,13 +58,18 @@ TILE_ROWS = 128
 CTAS_PER_SM = 2
 """Thread blocks of a varlen forward one SM runs at once (FA2 at head dim 128 on an H100, about)."""
 
-CAUSAL = Band(None, 0)
+
+
+def _band(q0: int, q1: int, k0: int, k1: int) -> Band:
+    """A document's causal block, aligned bottom-right: its rows see every key up to their own."""
+    return Band(None, (k1 - k0) - (q1 - q0))
 
 
 @dataclass(frozen=True)
 class Alone:
     """``main``: the varlen call with the long documents' rows seeing no key; ``docs``: those documents as
-    ``(q0, q1, k0, k1)`` in the call's rows, each square and causal (Note [Long documents in few heads])."""
+    ``(q0, q1, k0, k1)`` in the call's rows, each causal, aligned bottom-right (Note [Long documents in few
+    heads])."""
 
     main: Varlen
     docs: tuple[tuple[int, int, int, int], ...]
@@ -77,16 +84,17 @@ def _cells(m: int, n: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def plan(mask: Varlen, heads: int, slots: int) -> Alone | None:
-    """The long square causal segments of ``mask`` taken out, for a call of ``heads`` query heads on a device
-    running ``slots`` thread blocks at once; None when no segment's last tile outweighs a slot's share."""
+    """The long causal segments of ``mask`` (at least as many keys as rows) taken out, for a call of ``heads``
+    query heads on a device running ``slots`` thread blocks at once; None when no segment's last tile outweighs a
+    slot's share."""
     if mask.window != (-1, 0) or slots <= 0:
         return None
     segs = list(zip(itertools.pairwise(mask.cu_q), itertools.pairwise(mask.cu_k)))
     per_slot = heads * sum(_cells(q1 - q0, k1 - k0) for (q0, q1), (k0, k1) in segs) / slots
     cu_q, cu_k, docs = [mask.cu_q[0]], [mask.cu_k[0]], []
     for (q0, q1), (k0, k1) in segs:
-        n = k1 - k0
-        if q1 - q0 == n >= 2 * TILE_ROWS and n * TILE_ROWS > per_slot:
+        m, n = q1 - q0, k1 - k0
+        if 0 < m <= n and n >= 2 * TILE_ROWS and n * TILE_ROWS > per_slot:
             docs.append((q0, q1, k0, k1))
             cu_q += [q1, q1]                 # its rows with no keys, then its keys with no rows
             cu_k += [k0, k1]
@@ -137,7 +145,7 @@ def forward(fwd: Callable[..., AttnOutput], side_fwd: Callable[..., AttnOutput],
     (on the second stream, launched first). q ``(B, S, H, D)``, k and v ``(B, S, Hkv, D)``."""
     side = _beside(q.device)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        parts = [side_fwd(q[:, a:b], k[:, c:d], v[:, c:d], CAUSAL) for a, b, c, d in alone.docs]
+        parts = [side_fwd(q[:, a:b], k[:, c:d], v[:, c:d], _band(a, b, c, d)) for a, b, c, d in alone.docs]
     o, lse = fwd(q, k, v, alone.main)
     _join(side, [t for p in parts for t in p])
     for (a, b, _, _), (po, pl) in zip(alone.docs, parts):
@@ -153,8 +161,8 @@ def backward(bwd: Callable[..., tuple[torch.Tensor, ...]], side_bwd: Callable[..
     kernel, as in ``forward``; from the call's final ``out`` and ``lse``."""
     side = _beside(q.device)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        parts = [side_bwd(do[:, a:b], q[:, a:b], k[:, c:d], v[:, c:d], out[:, a:b], lse[:, :, a:b], CAUSAL)
-                 for a, b, c, d in alone.docs]
+        parts = [side_bwd(do[:, a:b], q[:, a:b], k[:, c:d], v[:, c:d], out[:, a:b], lse[:, :, a:b],
+                          _band(a, b, c, d)) for a, b, c, d in alone.docs]
     dq, dk, dv = bwd(do, q, k, v, out, lse, alone.main)
     _join(side, [t for p in parts for t in p])
     for (a, b, c, d), (gq, gk, gv) in zip(alone.docs, parts):
