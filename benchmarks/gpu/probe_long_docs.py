@@ -4,7 +4,8 @@
 
 For the bench's packed rows (seed 7, documents rounded to 16) at the heads one rank of 8 runs under Ulysses (GQA
 32/8: 4 query heads, 1 KV head), times ``KERNELS["flash"]`` forward and forward+backward on the whole row: in one
-call, with its long documents alone beside it on cuDNN (what the kernel does on its own), and alone on FA2; beside
+call, with its long documents alone beside it on cuDNN (what the kernel does on its own; also launched after the
+call, and with either stream at high priority), and alone on FA2; beside
 them, one eighth of the 32-head call on the same row (the efficiency's ideal). Each variant's gradients are first
 checked against the one call's (largest absolute difference printed) and its host time a call printed (20 calls
 back to back). Then bursts of 10 back-to-back calls, the variants interleaved round by round, median of 7.
@@ -29,6 +30,28 @@ from seqpar.masks.forms import Varlen
 D = 128
 
 
+def ordered_fwd(fwd, side_fwd, q, k, v, alone: long_docs.Alone, side_first: bool, side: torch.cuda.Stream,
+                main: torch.cuda.Stream):
+    """``long_docs.forward`` with the launch order and the two streams given (their priorities): on ``main``."""
+    with torch.cuda.stream(main):
+        side.wait_stream(main)
+        if not side_first:
+            o, lse = fwd(q, k, v, alone.main)
+        with torch.cuda.stream(side):
+            parts = [side_fwd(q[:, a:b], k[:, c:d], v[:, c:d], long_docs._band(a, b, c, d))
+                     for a, b, c, d in alone.docs]
+        if side_first:
+            o, lse = fwd(q, k, v, alone.main)
+        main.wait_stream(side)
+        for (a, b, _, _), (po, pl) in zip(alone.docs, parts):
+            po.record_stream(main)
+            pl.record_stream(main)
+            o[:, a:b].copy_(po)
+            lse[:, :, a:b].copy_(pl)
+    torch.cuda.current_stream().wait_stream(main)
+    return o, lse
+
+
 def variants(q, k, v, do, mask: Varlen, scale: float) -> dict[str, object]:
     """Forward and forward+backward of FA2 on the whole row: in one call, and with its long documents alone
     beside it on cuDNN (the kernel's own choice) or on FA2."""
@@ -42,6 +65,14 @@ def variants(q, k, v, do, mask: Varlen, scale: float) -> dict[str, object]:
                                   lambda o: flash.backward(do, q, k, v, *o, mask, scale))
         runs["alone on FA2"] = (lambda: long_docs.forward(fwd, fwd, q, k, v, alone),
                                 lambda o: long_docs.backward(bwd, bwd, do, q, k, v, *o, alone))
+        cfwd = lambda *a: KERNELS["cudnn"].forward(*a, scale)                            # noqa: E731
+        lib_bwd = lambda o: flash.backward(do, q, k, v, *o, mask, scale)                  # noqa: E731
+        cur, hi, lo = torch.cuda.current_stream(), torch.cuda.Stream(priority=-1), torch.cuda.Stream()
+        for name, first, side, main in [("cuDNN, main first", False, lo, cur),
+                                        ("cuDNN, side first at high priority", True, hi, cur),
+                                        ("cuDNN, side first, main at high priority", True, lo, hi)]:
+            runs[name] = ((lambda first=first, side=side, main=main: ordered_fwd(fwd, cfwd, q, k, v, alone, first,
+                                                                                side, main)), lib_bwd)
     fns = {}
     for name, (f, b) in runs.items():
         fns[f"{name} fwd"] = f
