@@ -52,6 +52,41 @@ def ordered_fwd(fwd, side_fwd, q, k, v, alone: long_docs.Alone, side_first: bool
     return o, lse
 
 
+def host_breakdown(q, k, v, mask: Varlen, scale: float, calls: int = 50) -> None:
+    """Host microseconds a call of each step of the forward with the documents alone on cuDNN, launched back to
+    back (the device runs behind; nothing synchronises inside the loop)."""
+    flash, cudnn = KERNELS["flash"], KERNELS["cudnn"]
+    alone = long_docs.plan(mask, q.shape[2], long_docs.slots(q.device))
+    a, b, c, d = alone.docs[0]
+    band = long_docs._band(a, b, c, d)
+    side = long_docs._side_stream(q.device)
+    o, lse = flash._forward(q, k, v, alone.main, scale)
+    po, pl = cudnn.forward(q[:, a:b], k[:, c:d], v[:, c:d], band, scale)
+    steps = {
+        "plan (slots, cached plan)": lambda: long_docs.plan(mask, q.shape[2], long_docs.slots(q.device)),
+        "side kernel choice": lambda: flash._beside(q, k, False),
+        "side.wait_stream(current)": lambda: long_docs._beside(q.device),
+        "enter and leave torch.cuda.stream(side)": lambda: torch.cuda.stream(side).__enter__() or
+        torch.cuda.set_stream(torch.cuda.default_stream(q.device)),
+        "cuDNN forward of the document": lambda: cudnn.forward(q[:, a:b], k[:, c:d], v[:, c:d], band, scale),
+        "FA2 varlen forward (the call)": lambda: flash._forward(q, k, v, alone.main, scale),
+        "join (wait_stream, record_stream x2)": lambda: long_docs._join(side, [po, pl]),
+        "two copies": lambda: (o[:, a:b].copy_(po), lse[:, :, a:b].copy_(pl)),
+        "the whole forward": lambda: flash.forward(q, k, v, mask, scale),
+        "FA2 one call (uncut)": lambda: flash._forward(q, k, v, mask, scale),
+    }
+    for name, fn in steps.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        us = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+        print(f"host {name:<42} {us:8.1f} us", flush=True)
+
+
 def variants(q, k, v, do, mask: Varlen, scale: float) -> dict[str, object]:
     """Forward and forward+backward of FA2 on the whole row: in one call, and with its long documents alone
     beside it on cuDNN (the kernel's own choice) or on FA2."""
@@ -96,6 +131,8 @@ def main() -> None:
             fns = variants(q, k, v, do, mask, D ** -0.5) if heads == 4 else {
                 f"32 heads / 8 {m}": f for m, f in variants(q, k, v, do, mask, D ** -0.5).items()
                 if m.startswith("one call")}
+            if heads == 4 and long_docs.plan(mask, heads, long_docs.slots(dev)) is not None:
+                host_breakdown(q, k, v, mask, D ** -0.5)
             ref = fns.get("one call fwd+bwd")
             for name, fn in fns.items():
                 if ref is not None and name.endswith("fwd+bwd") and fn is not ref:

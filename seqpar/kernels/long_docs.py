@@ -106,6 +106,7 @@ def plan(mask: Varlen, heads: int, slots: int) -> Alone | None:
     return Alone(Varlen(tuple(cu_q), tuple(cu_k), mask.window), tuple(docs))
 
 
+@functools.lru_cache(maxsize=16)
 def slots(device: torch.device) -> int:
     """Thread blocks a varlen forward runs at once on ``device``; 0 off CUDA (no kernel there runs one tile's keys
     on one core while others idle) or where no CUDA device answers (a plan made for one on a CPU machine)."""
