@@ -23,7 +23,10 @@ Note [Long documents in few heads]
     inside the call; a piece with earlier keys runs as cuDNN's full block and causal diagonal, merged), else FA2
     itself. Measured on one H100 (``benchmarks/gpu/probe_long_docs.py``, the 32K lognormal row at 4 heads, 1 KV
     head): FA2 alone 0.49 / 1.68 ms forward / forward+backward, the long document alone on cuDNN 0.40 / 1.26, on
-    FA2 0.46 / 1.53; one eighth of the 32-head call 0.30 / 1.23.
+    FA2 0.46 / 1.53; one eighth of the 32-head call 0.30 / 1.23. The price is host time: about 265 us a forward
+    against 58 for one FA2 call (the side call, the fork and join, the copies; ``benchmarks/results/2026-11-27-
+    h100-long-docs``), so on a slow host, calls timed back to back with nothing else to hide them can lose the
+    forward's gain (0.53 against 0.48 ms on one machine; the backward still gained there).
 
     Two designs measured before this one lost: cutting the long document in halves (the back half's rows
     against the front half's keys as a full block, merged with the varlen call's back rows) sped the varlen
