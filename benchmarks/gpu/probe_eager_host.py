@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile, schedule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import seqpar
-from seqpar.bench.timing import host_profile
+from seqpar.bench.timing import back_to_back_ms, host_profile
 
 
 def main() -> None:
@@ -46,13 +46,7 @@ def main() -> None:
 
     for _ in range(8):
         call()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        call()
-    host = (time.perf_counter() - t0) / 20 * 1e3
-    torch.cuda.synchronize()
-    gpu = (time.perf_counter() - t0) / 20 * 1e3
+    host, gpu = back_to_back_ms(call, torch.device("cuda"))
     print(f"{args.method} kv{args.kv_heads} graphs={args.graphs}: host {host:.3f} ms per call back to back, "
           f"{gpu:.3f} ms per call with the GPU", flush=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],

@@ -17,12 +17,11 @@ import argparse
 import itertools
 import json
 import sys
-import time
 
 import torch
 
 from seqpar.bench.packing import packed_row
-from seqpar.bench.timing import burst_ms
+from seqpar.bench.timing import back_to_back_ms, burst_ms
 from seqpar.kernels import long_docs
 from seqpar.kernels.base import KERNELS
 from seqpar.masks.forms import Varlen
@@ -78,13 +77,7 @@ def host_breakdown(q, k, v, mask: Varlen, scale: float, calls: int = 50) -> None
     for name, fn in steps.items():
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        us = (time.perf_counter() - t0) / calls * 1e6
-        torch.cuda.synchronize()
-        print(f"host {name:<42} {us:8.1f} us", flush=True)
+        print(f"host {name:<42} {back_to_back_ms(fn, q.device, calls=calls)[0] * 1e3:8.1f} us", flush=True)
 
 
 def variants(q, k, v, do, mask: Varlen, scale: float) -> dict[str, object]:
@@ -139,13 +132,7 @@ def main() -> None:
                     diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(fn(), ref()))
                     print(f"{name}: largest difference from one call {diff:.3g}", flush=True)
             for name, fn in fns.items():                 # host time a call, launched back to back
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(20):
-                    fn()
-                host = (time.perf_counter() - t0) / 20 * 1e3
-                torch.cuda.synchronize()
-                print(f"{name}: host {host:.3f} ms a call", flush=True)
+                print(f"{name}: host {back_to_back_ms(fn, dev)[0]:.3f} ms a call", flush=True)
             ms = burst_ms(fns, dev)
             if heads == 32:
                 ms = {name.replace("one call ", ""): t / 8 for name, t in ms.items()}

@@ -10,6 +10,8 @@ calls between events, the functions interleaved round by round so clocks and nei
 compute kernel overlapped.
 ``call_profile(fn)`` is what an emulated rank reports besides its time: host time of one call, GPU operations
 per call and the GPU's busy time inside it.
+``back_to_back_ms(fn)`` is the host time a call takes launched back to back, and the wall time a call once the
+device has caught up.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["SEED_FRACTION", "burst_ms", "call_profile", "exposed_comm_ms", "free_cached", "host_profile", "kernel_ms",
-           "peak_mem_gib", "rank_median_ms", "reset_peak", "time_ms"]
+__all__ = ["SEED_FRACTION", "back_to_back_ms", "burst_ms", "call_profile", "exposed_comm_ms", "free_cached",
+           "host_profile", "kernel_ms", "peak_mem_gib", "rank_median_ms", "reset_peak", "time_ms"]
 
 
 def _sync(device: torch.device) -> None:
@@ -260,6 +262,18 @@ def _kernel_class(name: str) -> str:
     if "elementwise" in n or "reduce" in n or "triton_poi" in n or "triton_red" in n:
         return "elementwise"
     return "other"
+
+
+def back_to_back_ms(fn: Callable[[], object], device: torch.device, *, calls: int = 20) -> tuple[float, float]:
+    """``(host, wall)`` milliseconds a call over ``calls`` calls launched back to back from a synchronised device:
+    the host's time to launch them, and the time until the device has run them all."""
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) / calls * 1e3
+    _sync(device)
+    return host, (time.perf_counter() - t0) / calls * 1e3
 
 
 def host_profile(fn: Callable[[], object], device: torch.device, *, calls: int = 20):
