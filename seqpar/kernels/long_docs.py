@@ -62,7 +62,6 @@ CTAS_PER_SM = 2
 """Thread blocks of a varlen forward one SM runs at once (FA2 at head dim 128 on an H100, about)."""
 
 
-
 def _band(q0: int, q1: int, k0: int, k1: int) -> Band:
     """A document's causal block, aligned bottom-right: its rows see every key up to their own."""
     return Band(None, (k1 - k0) - (q1 - q0))
