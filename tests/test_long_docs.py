@@ -7,6 +7,7 @@ runs here with the reference kernel and a forced slot count, against the same ke
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -93,6 +94,54 @@ def test_documents_alone_equal_one_call(kv_heads):
         torch.testing.assert_close(x, y, rtol=1e-11, atol=1e-11)
 
 
+def test_buckets_round_up_by_at_most_an_eighth():
+    assert [long_docs.bucket(n) for n in (256, 300, 2048, 2049, 6656, 6700, 8192, 100_000)] == \
+        [256, 384, 2048, 2304, 6656, 7168, 8192, 106_496]
+    for n in range(256, 70_000, 37):
+        b = long_docs.bucket(n)
+        assert n <= b <= n + max(long_docs.TILE_ROWS, n // 8) and b % long_docs.TILE_ROWS == 0
+    assert len({long_docs.bucket(n) for n in range(4097, 8193)}) == 8             # 8 an octave
+
+
+def test_plan_squares_only():
+    mask = Varlen((0, 512, 512, 1024, 1100, 1400), (0, 6000, 6500, 8000, 8000, 8300), (-1, 0))
+    alone = long_docs.plan(mask, 1, 1000, True)
+    assert alone is not None and alone.docs == ((1100, 1400, 8000, 8300),)
+
+
+@pytest.mark.parametrize("m", [300, 384, 1000])
+def test_padded_document_equals_the_document(m):
+    torch.manual_seed(m)
+    q, do = torch.randn(2, m, 4, 16, dtype=torch.float64), torch.randn(2, m, 4, 16, dtype=torch.float64)
+    k, v = (torch.randn(2, m, 2, 16, dtype=torch.float64) for _ in range(2))
+    fwd = lambda *a: REF.forward(*a, 0.25)                      # noqa: E731
+    bwd = lambda *a: REF.backward(*a, 0.25)                     # noqa: E731
+    seen = []
+    o, lse = REF.forward(q, k, v, Band(None, 0), 0.25)
+    po, plse = long_docs.padded_forward(lambda *a: seen.append(a[0].shape[1]) or fwd(*a), q, k, v)
+    assert seen == [long_docs.bucket(m)]
+    torch.testing.assert_close(po, o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(plse, lse, rtol=1e-12, atol=1e-12)
+    g = REF.backward(do, q, k, v, o, lse, Band(None, 0), 0.25)
+    for x, y in zip(long_docs.padded_backward(bwd, do, q, k, v, o, lse), g):
+        assert x.shape == y.shape
+        torch.testing.assert_close(x, y, rtol=1e-11, atol=1e-11)
+
+
+def test_flash_variants_by_call():
+    """Under auto the long documents may go to cuDNN (exact shapes where they recur, buckets where they vary);
+    named "flash", the call stays on FA2."""
+    from seqpar.kernels.base import KernelCall, select
+
+    call = KernelCall("cuda", torch.bfloat16, 128, 4, 1, "varlen", arch=90)
+    flash = KERNELS["flash"]
+    assert flash.for_call(call).beside == "cudnn"
+    assert flash.for_call(replace(call, shapes_vary=True)).beside == "cudnn-buckets"
+    assert flash.for_call(call, named=True) is flash and flash.beside == "flash"
+    if torch.cuda.is_available():
+        assert select("flash", call) is flash
+
+
 _PIECES = [1200, 6656, 900, 3000]
 """All-gather's rank under ``balanced``: the last eighth of each document against all of its keys."""
 
@@ -100,14 +149,15 @@ _PIECES = [1200, 6656, 900, 3000]
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["docs-4-heads-kv1", "docs-4-heads-kv4", "pieces-32-heads-kv8"])
 def test_flash_with_documents_alone_matches_one_call(monkeypatch, case):
-    """FA2 on the GPU: the long document (or piece) alone (cuDNN, second stream; FA2 when deterministic) against
-    FA2 in one call, bf16, both against fp32; and the plan takes it out on its own here."""
+    """FA2 on the GPU: the long document (or piece) alone on a second stream - on cuDNN by exact shape, on cuDNN
+    in buckets (pieces stay in the call), on FA2 (named), on FA2 for a deterministic backward - against FA2 in one
+    call, bf16, all against fp32; and the plan takes it out on its own here."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     torch.manual_seed(0)
     flash = KERNELS["flash"]
-    if case.startswith("docs"):
-        mask, H, kv_heads = _docs([1200, 6656, 900, 3000, 2048, 1800, 700, 2500, 4096, 1500]), 4, int(case[-1])
+    if case.startswith("docs"):       # the long document off its bucket (6700 -> 7168): padded under buckets
+        mask, H, kv_heads = _docs([1200, 6700, 900, 3000, 2048, 1800, 700, 2500, 4096, 1500]), 4, int(case[-1])
     else:
         cu_q = tuple(itertools.accumulate([0, *(n // 8 for n in _PIECES)]))
         mask, H, kv_heads = Varlen(cu_q, tuple(itertools.accumulate([0, *_PIECES])), (-1, 0)), 32, 8
@@ -116,12 +166,16 @@ def test_flash_with_documents_alone_matches_one_call(monkeypatch, case):
     k, v = (torch.randn(1, N, kv_heads, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     do = torch.randn_like(q)
     scale = D ** -0.5
-    assert long_docs.plan(mask, H, long_docs.slots(q.device)) is not None
+    from seqpar.kernels.base import KernelCall
+
+    call = KernelCall.of(q, k, mask)
+    assert long_docs.plan(mask, H, long_docs.slots(q.device), case.startswith("docs")) is not None
     results = []
-    for deterministic in (False, True):                 # cuDNN beside the call, then FA2 (deterministic)
-        a_o, a_lse = flash.forward(q, k, v, mask, scale)
-        results.append((a_o, a_lse, flash.backward(do, q, k, v, a_o, a_lse, mask, scale,
-                                                   deterministic=deterministic)))
+    for kern, deterministic in [(flash.for_call(call), False), (flash.for_call(replace(call, shapes_vary=True)),
+                                                                 False), (flash, False), (flash.for_call(call), True)]:
+        a_o, a_lse = kern.forward(q, k, v, mask, scale)        # cuDNN exact, cuDNN in buckets, FA2, FA2 (bwd)
+        results.append((a_o, a_lse, kern.backward(do, q, k, v, a_o, a_lse, mask, scale,
+                                                  deterministic=deterministic)))
     monkeypatch.setattr(long_docs, "slots", lambda device: 0)
     o, lse = flash.forward(q, k, v, mask, scale)
     g = flash.backward(do, q, k, v, o, lse, mask, scale)

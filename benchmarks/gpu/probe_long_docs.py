@@ -4,8 +4,9 @@
 
 For the bench's packed rows (seed 7, documents rounded to 16) at the heads one rank of 8 runs under Ulysses (GQA
 32/8: 4 query heads, 1 KV head), times ``KERNELS["flash"]`` forward and forward+backward on the whole row: in one
-call, with its long documents alone beside it on cuDNN (what the kernel does on its own; also launched after the
-call, and with either stream at high priority), and alone on FA2; beside
+call, with its long documents alone beside it on cuDNN (what ``auto`` runs where block shapes recur; also launched
+after the call, and with either stream at high priority), on cuDNN in buckets (where they vary), and alone on FA2
+(the kernel named); beside
 them, one eighth of the 32-head call on the same row (the efficiency's ideal). Each variant's gradients are first
 checked against the one call's (largest absolute difference printed) and its host time a call printed (20 calls
 back to back). Then bursts of 10 back-to-back calls, the variants interleaved round by round, median of 7.
@@ -17,13 +18,14 @@ import argparse
 import itertools
 import json
 import sys
+from dataclasses import replace
 
 import torch
 
 from seqpar.bench.packing import packed_row
 from seqpar.bench.timing import back_to_back_ms, burst_ms
 from seqpar.kernels import long_docs
-from seqpar.kernels.base import KERNELS
+from seqpar.kernels.base import KERNELS, KernelCall
 from seqpar.masks.forms import Varlen
 
 D = 128
@@ -54,7 +56,7 @@ def ordered_fwd(fwd, side_fwd, q, k, v, alone: long_docs.Alone, side_first: bool
 def host_breakdown(q, k, v, mask: Varlen, scale: float, calls: int = 50) -> None:
     """Host microseconds a call of each step of the forward with the documents alone on cuDNN, launched back to
     back (the device runs behind; nothing synchronises inside the loop)."""
-    flash, cudnn = KERNELS["flash"], KERNELS["cudnn"]
+    flash, cudnn = KERNELS["flash"].for_call(KernelCall.of(q, k, mask)), KERNELS["cudnn"]
     alone = long_docs.plan(mask, q.shape[2], long_docs.slots(q.device))
     a, b, c, d = alone.docs[0]
     band = long_docs._band(a, b, c, d)
@@ -63,7 +65,7 @@ def host_breakdown(q, k, v, mask: Varlen, scale: float, calls: int = 50) -> None
     po, pl = cudnn.forward(q[:, a:b], k[:, c:d], v[:, c:d], band, scale)
     steps = {
         "plan (slots, cached plan)": lambda: long_docs.plan(mask, q.shape[2], long_docs.slots(q.device)),
-        "side kernel choice": lambda: flash._beside(q, k, False),
+        "side kernel choice": lambda: flash._side(q, k, False),
         "side.wait_stream(current)": lambda: long_docs._beside(q.device),
         "enter and leave torch.cuda.stream(side)": lambda: torch.cuda.stream(side).__enter__() or
         torch.cuda.set_stream(torch.cuda.default_stream(q.device)),
@@ -89,12 +91,16 @@ def variants(q, k, v, do, mask: Varlen, scale: float) -> dict[str, object]:
     bwd = lambda *a: flash._backward(*a, scale, False)                                # noqa: E731
     runs = {"one call": (lambda: fwd(q, k, v, mask), lambda o: bwd(do, q, k, v, *o, mask))}
     if alone is not None:
-        runs["alone on cuDNN"] = (lambda: flash.forward(q, k, v, mask, scale),
-                                  lambda o: flash.backward(do, q, k, v, *o, mask, scale))
+        call = KernelCall.of(q, k, mask)
+        exact, buckets = flash.for_call(call), flash.for_call(replace(call, shapes_vary=True))
+        runs["alone on cuDNN"] = (lambda: exact.forward(q, k, v, mask, scale),
+                                  lambda o: exact.backward(do, q, k, v, *o, mask, scale))
+        runs["alone on cuDNN in buckets"] = (lambda: buckets.forward(q, k, v, mask, scale),
+                                             lambda o: buckets.backward(do, q, k, v, *o, mask, scale))
         runs["alone on FA2"] = (lambda: long_docs.forward(fwd, fwd, q, k, v, alone),
                                 lambda o: long_docs.backward(bwd, bwd, do, q, k, v, *o, alone))
         cfwd = lambda *a: KERNELS["cudnn"].forward(*a, scale)                            # noqa: E731
-        lib_bwd = lambda o: flash.backward(do, q, k, v, *o, mask, scale)                  # noqa: E731
+        lib_bwd = lambda o: exact.backward(do, q, k, v, *o, mask, scale)                  # noqa: E731
         cur, hi, lo = torch.cuda.current_stream(), torch.cuda.Stream(priority=-1), torch.cuda.Stream()
         for name, first, side, main in [("cuDNN, main first", False, lo, cur),
                                         ("cuDNN, side first at high priority", True, hi, cur),

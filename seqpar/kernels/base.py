@@ -132,9 +132,11 @@ class Kernel(ABC):
         call's device; a kernel measured faster for some calls says so here (Note [Bands on flex])."""
         return self.auto_rank.get(call.device)
 
-    def for_call(self, call: KernelCall) -> Kernel:
+    def for_call(self, call: KernelCall, *, named: bool = False) -> Kernel:
         """The instance that runs ``call``: this one, or a variant of it configured by the call (flex compiled for
-        every shape where shapes recur or vary: Note [Flex recompiles] in ``seqpar.kernels.flex``)."""
+        every shape where shapes recur or vary: Note [Flex recompiles] in ``seqpar.kernels.flex``; FA2's long
+        documents beside it on cuDNN: Note [Long documents in few heads] in ``seqpar.kernels.long_docs``).
+        ``named``: the caller asked for this kernel by its name (no other kernel may serve any of the call)."""
         return self
 
     @abstractmethod
@@ -220,7 +222,7 @@ def select(name: str, call: KernelCall) -> Kernel:
             log.info("kernel=%s -> %s for %s", name, kernel.name, call)
             if name == "auto" and reasons and call.device != "cpu":     # CPU runs are for correctness
                 _warn_slower(kernel, call, reasons)
-            return kernel.for_call(call)
+            return kernel.for_call(call, named=name == kernel.name)
         reasons[kernel.name] = why
     if not reasons:
         reasons[name] = [f"no kernel is ranked for device {call.device!r}"]

@@ -319,7 +319,7 @@ class FlexKernel(Kernel):
             return BAND_RANK
         return super().rank(call)
 
-    def for_call(self, call: KernelCall) -> FlexKernel:
+    def for_call(self, call: KernelCall, *, named: bool = False) -> FlexKernel:
         """Compiled for every shape (``dynamic=True``) where a call's shapes need not recur: calls without a
         backward (serving's prefill meets every prompt length) and blocks shaped by the batch (Note [Flex
         recompiles])."""

@@ -35,6 +35,23 @@ Note [Long documents in few heads]
     the kernel with the full block beside the call the merge's host work (its table, a Triton launch, two copies)
     left the forward host-bound (0.64-0.69 ms of host time a call).
 
+    Which kernel runs them (``FlashKernel.for_call``): cuDNN under ``kernel="auto"`` or ``"sdpa"`` where it serves;
+    FA2 itself when the call named ``"flash"`` (no other kernel may serve any of it), for a deterministic backward,
+    or where cuDNN does not serve. cuDNN takes pieces with earlier keys only when the call's block shapes recur
+    (Note [Plans per shape] in ``seqpar.kernels.executor``); the other two take square documents only (FA2 alone
+    on pieces was not measured).
+
+Note [Documents alone in buckets]
+    cuDNN builds and keeps an execution plan per shape, and PyTorch never evicts them (Note [Plans per shape]):
+    a stream of packed batches, each with new document lengths, would build a plan for every long document it
+    meets. Where block shapes vary batch to batch, a square document therefore runs at its ``bucket`` length -
+    zero rows and keys appended after its own (later than every real row, so none sees them), the result cut
+    back - so the plans stay about 8 per octave of lengths (at most 1/8 more rows; the bench's 6656-token
+    document is its own bucket). A piece with earlier keys cannot be bucketed so: its rows and keys must grow by
+    the same number to keep its bottom-right offset (its count of earlier keys), so at most one of its lengths
+    lands on a bucket, and keys put in front would be seen by every row; under varying shapes pieces stay in the
+    varlen call.
+
     With all heads on one GPU nothing is taken out (the same row: 852K cells in the last tile against 4.6M per
     slot); windows, non-causal calls and segments with fewer keys than rows stay in the call. Off CUDA
     nothing is taken out (``slots`` is 0): the CPU tests run the same composition with the reference kernel and
@@ -50,11 +67,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..masks.forms import Band, Varlen
 from ..types import AttnOutput
 
-__all__ = ["CTAS_PER_SM", "TILE_ROWS", "Alone", "backward", "forward", "plan", "slots"]
+__all__ = ["CTAS_PER_SM", "TILE_ROWS", "Alone", "backward", "bucket", "forward", "padded_backward", "padded_forward",
+           "plan", "slots"]
 
 TILE_ROWS = 128
 """Query rows of one thread block of FA2's varlen forward at head dim 128 (Note [Long documents in few heads])."""
@@ -85,10 +104,10 @@ def _cells(m: int, n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def plan(mask: Varlen, heads: int, slots: int) -> Alone | None:
-    """The long causal segments of ``mask`` (at least as many keys as rows) taken out, for a call of ``heads``
-    query heads on a device running ``slots`` thread blocks at once; None when no segment's last tile outweighs a
-    slot's share."""
+def plan(mask: Varlen, heads: int, slots: int, squares: bool = False) -> Alone | None:
+    """The long causal segments of ``mask`` (at least as many keys as rows; ``squares``: as many) taken out, for a
+    call of ``heads`` query heads on a device running ``slots`` thread blocks at once; None when no segment's last
+    tile outweighs a slot's share."""
     if mask.window != (-1, 0) or slots <= 0:
         return None
     segs = list(zip(itertools.pairwise(mask.cu_q), itertools.pairwise(mask.cu_k)))
@@ -96,7 +115,7 @@ def plan(mask: Varlen, heads: int, slots: int) -> Alone | None:
     cu_q, cu_k, docs = [mask.cu_q[0]], [mask.cu_k[0]], []
     for (q0, q1), (k0, k1) in segs:
         m, n = q1 - q0, k1 - k0
-        if 0 < m <= n and n >= 2 * TILE_ROWS and n * TILE_ROWS > per_slot:
+        if 0 < m <= n and (m == n or not squares) and n >= 2 * TILE_ROWS and n * TILE_ROWS > per_slot:
             docs.append((q0, q1, k0, k1))
             cu_q += [q1, q1]                 # its rows with no keys, then its keys with no rows
             cu_k += [k0, k1]
@@ -173,3 +192,41 @@ def backward(bwd: Callable[..., tuple[torch.Tensor, ...]], side_bwd: Callable[..
         dk[:, c:d].copy_(gk)
         dv[:, c:d].copy_(gv)
     return dq, dk, dv
+
+
+def bucket(n: int) -> int:
+    """``n`` rounded up to a multiple of ``TILE_ROWS`` and of an eighth of the power of two at or below ``n``: at
+    most 1/8 more rows, and about 8 lengths per octave (Note [Documents alone in buckets])."""
+    g = max(TILE_ROWS, 1 << max(0, n.bit_length() - 4))
+    return -(-n // g) * g
+
+
+def _padded(x: torch.Tensor, rows: int, value: float = 0.0) -> torch.Tensor:
+    """``x`` with ``rows`` more rows of ``value`` at the end of dim 1."""
+    return F.pad(x, (0, 0) * (x.dim() - 2) + (0, rows), value=value)
+
+
+def padded_forward(fwd: Callable[..., AttnOutput], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                   ) -> AttnOutput:
+    """A square causal document's ``fwd(q, k, v, causal)`` at its ``bucket`` length (Note [Documents alone in
+    buckets]): zero rows and keys appended after its own, which none of its rows sees; the result cut back."""
+    m = q.shape[1]
+    pad = bucket(m) - m
+    if pad == 0:
+        return fwd(q, k, v, _band(0, m, 0, m))
+    o, lse = fwd(_padded(q, pad), _padded(k, pad), _padded(v, pad), _band(0, m, 0, m))
+    return AttnOutput(o[:, :m], lse[:, :, :m])
+
+
+def padded_backward(bwd: Callable[..., tuple[torch.Tensor, ...]], do: torch.Tensor, q: torch.Tensor,
+                    k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward of ``padded_forward``: the appended rows carry zero queries, outputs and output gradients and
+    an lse of 0 (every weight they give is exp(0 - 0) = 1, finite, and multiplies a zero), so they add nothing to
+    any key's gradient; the gradients cut back."""
+    m = q.shape[1]
+    pad = bucket(m) - m
+    if pad == 0:
+        return bwd(do, q, k, v, out, lse, _band(0, m, 0, m))
+    dq, dk, dv = bwd(*(_padded(x, pad) for x in (do, q, k, v, out)), F.pad(lse, (0, pad)), _band(0, m, 0, m))
+    return dq[:, :m], dk[:, :m], dv[:, :m]

@@ -275,35 +275,55 @@ class FlashKernel(Kernel):
         return aten._flash_attention_forward(q, k, v, None, None, m, n, 0.0, causal, False, scale=scale,
                                              window_size_left=wl, window_size_right=wr)[0]
 
+    beside: str = "flash"
+    """The kernel of a varlen call's long documents (Note [Long documents in few heads]): "flash" (this one),
+    "cudnn" (block shapes recur) or "cudnn-buckets" (square documents at bucket lengths, Note [Documents alone in
+    buckets]); ``for_call`` picks the variant."""
+
+    def for_call(self, call: KernelCall, *, named: bool = False) -> FlashKernel:
+        """Under ``auto`` or ``sdpa`` the variant whose long documents may run on cuDNN (by exact shape where the
+        call's block shapes recur, in buckets where they vary); named, this one: no other kernel serves any of
+        the call."""
+        if named:
+            return self
+        return _FLASH_BUCKETS if call.shapes_vary else _FLASH_CUDNN
+
+    def _side(self, q: torch.Tensor, k: torch.Tensor, deterministic: bool) -> str:
+        """"cudnn", "cudnn-buckets" or "flash": what runs this call's documents alone."""
+        if self.beside != "flash" and _serves(_CUDNN, KernelCall.of(q, k, Band(None, 0), deterministic)):
+            return self.beside
+        return "flash"
+
     @staticmethod
-    def _alone(mask: Mask, q: torch.Tensor) -> long_docs.Alone | None:
+    def _alone(mask: Mask, q: torch.Tensor, side: str) -> long_docs.Alone | None:
         """A varlen call's long documents, to run alone beside it (Note [Long documents in few heads])."""
         if not isinstance(mask, Varlen):
             return None
         n = long_docs.slots(q.device)
-        return long_docs.plan(mask, q.shape[2], n) if n else None
-
-    def _beside(self, q: torch.Tensor, k: torch.Tensor, deterministic: bool) -> Kernel:
-        """The kernel of the documents alone: cuDNN where it serves their causal blocks, else this one."""
-        return _CUDNN if _serves(_CUDNN, KernelCall.of(q, k, Band(None, 0), deterministic)) else self
+        return long_docs.plan(mask, q.shape[2], n, side != "cudnn") if n else None
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
-        alone = self._alone(mask, q)
-        if alone is not None:
-            side = self._beside(q, k, False)
-            return long_docs.forward(lambda *a: self._forward(*a, scale), lambda *a: side.forward(*a, scale),
-                                     q, k, v, alone)
-        return self._forward(q, k, v, mask, scale)
+        side = self._side(q, k, False)
+        alone = self._alone(mask, q, side)
+        if alone is None:
+            return self._forward(q, k, v, mask, scale)
+        fa2 = lambda *a: self._forward(*a, scale)                                          # noqa: E731
+        cudnn = lambda *a: _CUDNN.forward(*a, scale)                                        # noqa: E731
+        beside = {"flash": fa2, "cudnn": cudnn,
+                  "cudnn-buckets": lambda q_, k_, v_, band: long_docs.padded_forward(cudnn, q_, k_, v_)}[side]
+        return long_docs.forward(fa2, beside, q, k, v, alone)
 
     def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
                  deterministic=False):
-        alone = self._alone(mask, q)
-        if alone is not None:
-            side = self._beside(q, k, deterministic)
-            return long_docs.backward(lambda *a: self._backward(*a, scale, deterministic),
-                                      lambda *a: side.backward(*a, scale, deterministic=deterministic),
-                                      do, q, k, v, out, lse, alone)
-        return self._backward(do, q, k, v, out, lse, mask, scale, deterministic)
+        side = self._side(q, k, deterministic)
+        alone = self._alone(mask, q, side)
+        if alone is None:
+            return self._backward(do, q, k, v, out, lse, mask, scale, deterministic)
+        fa2 = lambda *a: self._backward(*a, scale, deterministic)                           # noqa: E731
+        cudnn = lambda *a: _CUDNN.backward(*a, scale)                                       # noqa: E731
+        beside = {"flash": fa2, "cudnn": cudnn,
+                  "cudnn-buckets": lambda *a: long_docs.padded_backward(cudnn, *a[:6])}[side]
+        return long_docs.backward(fa2, beside, do, q, k, v, out, lse, alone)
 
     def _forward(self, q, k, v, mask: Mask, scale: float) -> AttnOutput:
         B, m, H, _ = q.shape
@@ -401,3 +421,15 @@ class EfficientKernel(Kernel):
 _CUDNN = register(CudnnKernel())
 register(FlashKernel())
 register(EfficientKernel())
+
+
+class _FlashBeside(FlashKernel):
+    """``FlashKernel`` whose long documents may run alone on cuDNN (``FlashKernel.for_call``; not registered: the
+    same kernel, named "flash")."""
+
+    def __init__(self, beside: str):
+        self.beside = beside
+
+
+_FLASH_CUDNN = _FlashBeside("cudnn")
+_FLASH_BUCKETS = _FlashBeside("cudnn-buckets")
