@@ -138,8 +138,8 @@ def test_flash_variants_by_call():
     assert flash.for_call(call).beside == "cudnn"
     assert flash.for_call(replace(call, shapes_vary=True)).beside == "cudnn-buckets"
     assert flash.for_call(call, named=True) is flash and flash.beside == "flash"
-    if torch.cuda.is_available():
-        assert select("flash", call) is flash
+    assert select("flash", call) is flash                     # selection never touches the device
+    assert select("auto", call).beside == "cudnn" and select("sdpa", call).beside == "cudnn"
 
 
 _PIECES = [1200, 6656, 900, 3000]
