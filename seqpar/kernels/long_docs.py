@@ -1,8 +1,10 @@
 """A varlen call's long documents run alone beside it, on a second stream, on the fastest dense kernel.
 
-    plan(mask, heads, slots)                              Varlen -> Alone | None (host ints only; cached)
+    plan(mask, heads, slots, squares)                     Varlen -> Alone | None (host ints only; cached)
     forward(fwd, side_fwd, q, k, v, alone)                the call's AttnOutput, the same rows as one call
     backward(bwd, side_bwd, do, q, k, v, out, lse, alone) its dq, dk, dv
+    padded_forward / padded_backward(...)                 a square document at its bucket length
+    bucket(n)                                             that length: n rounded up by at most 1/8
     slots(device)                                         thread blocks a varlen forward runs at once (0 off CUDA)
 
 Note [Long documents in few heads]
@@ -41,6 +43,11 @@ Note [Long documents in few heads]
     (Note [Plans per shape] in ``seqpar.kernels.executor``); the other two take square documents only (FA2 alone
     on pieces was not measured).
 
+    With all heads on one GPU nothing is taken out (the same row: 852K cells in the last tile against 4.6M per
+    slot); windows, non-causal calls and segments with fewer keys than rows stay in the call. Off CUDA
+    nothing is taken out (``slots`` is 0): the CPU tests run the same composition with the reference kernel and
+    a forced slot count.
+
 Note [Documents alone in buckets]
     cuDNN builds and keeps an execution plan per shape, and PyTorch never evicts them (Note [Plans per shape]):
     a stream of packed batches, each with new document lengths, would build a plan for every long document it
@@ -51,11 +58,6 @@ Note [Documents alone in buckets]
     the same number to keep its bottom-right offset (its count of earlier keys), so at most one of its lengths
     lands on a bucket, and keys put in front would be seen by every row; under varying shapes pieces stay in the
     varlen call.
-
-    With all heads on one GPU nothing is taken out (the same row: 852K cells in the last tile against 4.6M per
-    slot); windows, non-causal calls and segments with fewer keys than rows stay in the call. Off CUDA
-    nothing is taken out (``slots`` is 0): the CPU tests run the same composition with the reference kernel and
-    a forced slot count.
 """
 
 from __future__ import annotations
