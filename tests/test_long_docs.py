@@ -142,6 +142,29 @@ def test_flash_variants_by_call():
     assert select("auto", call).beside == "cudnn" and select("sdpa", call).beside == "cudnn"
 
 
+def test_flash_takes_out_what_its_side_kernel_may_run(monkeypatch):
+    """FA2 (named, or where cuDNN does not serve) and cuDNN in buckets take square documents only; cuDNN by exact
+    shape takes pieces with earlier keys too; a call with nothing long, or not varlen, takes nothing out."""
+    from seqpar.kernels import sdpa
+    from seqpar.kernels.base import KernelCall
+
+    monkeypatch.setattr(long_docs, "slots", lambda device: 1000)
+    mask = Varlen((0, 512, 512, 1024, 1100, 1400), (0, 6000, 6500, 8000, 8000, 8300), (-1, 0))
+    q, k = torch.zeros(1, 1400, 1, 8), torch.zeros(1, 8300, 1, 8)
+    flash, call = KERNELS["flash"], KernelCall("cuda", torch.bfloat16, 8, 1, 1, "varlen", arch=90)
+    square = ((1100, 1400, 8000, 8300),)
+    assert (lambda a, side: (a.docs, side))(*flash._alone(mask, q, k, False)) == (square, "flash")
+    assert flash.for_call(call)._alone(mask, q, k, False)[1] == "flash"        # CPU tensors: cuDNN does not serve
+    monkeypatch.setattr(sdpa, "_serves", lambda kernel, call: True)
+    alone, side = flash.for_call(call)._alone(mask, q, k, False)
+    assert side == "cudnn" and len(alone.docs) == 3
+    alone, side = flash.for_call(replace(call, shapes_vary=True))._alone(mask, q, k, False)
+    assert side == "cudnn-buckets" and alone.docs == square
+    assert flash._alone(Band(None, 0), q, k, False) == (None, "flash")
+    monkeypatch.setattr(long_docs, "slots", lambda device: 1)
+    assert flash.for_call(call)._alone(mask, q, k, False) == (None, "flash")
+
+
 _PIECES = [1200, 6656, 900, 3000]
 """All-gather's rank under ``balanced``: the last eighth of each document against all of its keys."""
 

@@ -64,8 +64,7 @@ def host_breakdown(q, k, v, mask: Varlen, scale: float, calls: int = 50) -> None
     o, lse = flash._forward(q, k, v, alone.main, scale)
     po, pl = cudnn.forward(q[:, a:b], k[:, c:d], v[:, c:d], band, scale)
     steps = {
-        "plan (slots, cached plan)": lambda: long_docs.plan(mask, q.shape[2], long_docs.slots(q.device)),
-        "side kernel choice": lambda: flash._side(q, k, False),
+        "plan and side kernel": lambda: flash._alone(mask, q, k, False),
         "side.wait_stream(current)": lambda: long_docs._beside(q.device),
         "enter and leave torch.cuda.stream(side)": lambda: torch.cuda.stream(side).__enter__() or
         torch.cuda.set_stream(torch.cuda.default_stream(q.device)),

@@ -288,23 +288,22 @@ class FlashKernel(Kernel):
             return self
         return _FLASH_BUCKETS if call.shapes_vary else _FLASH_CUDNN
 
-    def _side(self, q: torch.Tensor, k: torch.Tensor, deterministic: bool) -> str:
-        """"cudnn", "cudnn-buckets" or "flash": what runs this call's documents alone."""
+    def _alone(self, mask: Mask, q: torch.Tensor, k: torch.Tensor, deterministic: bool
+               ) -> tuple[long_docs.Alone | None, str]:
+        """A varlen call's long documents, to run alone beside it (Note [Long documents in few heads]), and what
+        runs them: "cudnn", "cudnn-buckets" (both: ``beside``, where cuDNN serves) or "flash". A call with nothing
+        to take out pays two cache lookups."""
+        n = long_docs.slots(q.device) if isinstance(mask, Varlen) else 0
+        alone = long_docs.plan(mask, q.shape[2], n) if n else None
+        if alone is None:
+            return None, "flash"
+        side = "flash"
         if self.beside != "flash" and _serves(_CUDNN, KernelCall.of(q, k, Band(None, 0), deterministic)):
-            return self.beside
-        return "flash"
-
-    @staticmethod
-    def _alone(mask: Mask, q: torch.Tensor, side: str) -> long_docs.Alone | None:
-        """A varlen call's long documents, to run alone beside it (Note [Long documents in few heads])."""
-        if not isinstance(mask, Varlen):
-            return None
-        n = long_docs.slots(q.device)
-        return long_docs.plan(mask, q.shape[2], n, side != "cudnn") if n else None
+            side = self.beside
+        return (alone if side == "cudnn" else long_docs.plan(mask, q.shape[2], n, True)), side
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
-        side = self._side(q, k, False)
-        alone = self._alone(mask, q, side)
+        alone, side = self._alone(mask, q, k, False)
         if alone is None:
             return self._forward(q, k, v, mask, scale)
         fa2 = lambda *a: self._forward(*a, scale)                                          # noqa: E731
@@ -315,8 +314,7 @@ class FlashKernel(Kernel):
 
     def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
                  deterministic=False):
-        side = self._side(q, k, deterministic)
-        alone = self._alone(mask, q, side)
+        alone, side = self._alone(mask, q, k, deterministic)
         if alone is None:
             return self._backward(do, q, k, v, out, lse, mask, scale, deterministic)
         fa2 = lambda *a: self._backward(*a, scale, deterministic)                           # noqa: E731
