@@ -292,8 +292,8 @@ class FlashKernel(Kernel):
                ) -> tuple[long_docs.Alone | None, str]:
         """A varlen call's long documents, to run alone beside it (Note [Long documents in few heads]), and what
         runs them: "cudnn", "cudnn-buckets" (both: ``beside``, where cuDNN serves) or "flash". A call with nothing
-        to take out pays two cache lookups."""
-        n = long_docs.slots(q.device) if isinstance(mask, Varlen) else 0
+        to take out pays two cache lookups (a windowed or non-varlen one, none: ``plan``'s key hashes the offsets)."""
+        n = long_docs.slots(q.device) if isinstance(mask, Varlen) and mask.window == (-1, 0) else 0
         alone = long_docs.plan(mask, q.shape[2], n) if n else None
         if alone is None:
             return None, "flash"
