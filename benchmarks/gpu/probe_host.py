@@ -4,9 +4,10 @@
         [--graphs off] [--kv-heads 32]
 
 For each case (method/layout x mode): the host milliseconds of one call from an idle GPU (median of 10), the call's
-total time, the GPU operations it launches (name and microseconds, from torch.profiler), and cProfile's top
-functions by own time and by cumulative time over 20 calls: all in DIR/host.txt, with a summary line per case on
-stdout. The packed rows are the bench's (``seqpar.bench.packing``, seed 7, documents rounded to 2W).
+total time, the GPU operations it launches (name, microseconds and the idle time before each, from
+torch.profiler), and cProfile's top functions by own time and by cumulative time over 20 calls: all in
+DIR/host.txt, with a summary line per case on stdout. The packed rows are the bench's (``seqpar.bench.packing``,
+seed 7, documents rounded to 2W).
 """
 
 from __future__ import annotations
@@ -64,17 +65,25 @@ def probe(name: str, fn, out: Path) -> str:
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         fn()
         torch.cuda.synchronize()
-    ops = [(ev.name, ev.time_range.elapsed_us()) for ev in prof.events()
-           if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.elapsed_us() > 0]
+    evs = sorted((ev for ev in prof.events()
+                  if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.elapsed_us() > 0),
+                 key=lambda ev: ev.time_range.start)
+    ops, end = [], None                 # (name, us, idle us before it: from the latest end of the ops before)
+    for ev in evs:
+        gap = 0.0 if end is None else max(0.0, ev.time_range.start - end)
+        ops.append((ev.name, ev.time_range.elapsed_us(), gap))
+        end = ev.time_range.end if end is None else max(end, ev.time_range.end)
     buf = io.StringIO()
     st = host_profile(fn, torch.device("cuda"))
     st.stream = buf
     st.sort_stats("tottime").print_stats(35)
     st.sort_stats("cumtime").print_stats(45)
     line = (f"{name}: host {statistics.median(host):.3f} ms, call {statistics.median(total):.3f} ms, "
-            f"{len(ops)} GPU ops, {sum(u for _, u in ops) / 1e3:.3f} ms of GPU op time")
+            f"{len(ops)} GPU ops, {sum(u for _, u, _ in ops) / 1e3:.3f} ms of GPU op time, "
+            f"{sum(g for _, _, g in ops) / 1e3:.3f} ms idle between them")
     with (out / "host.txt").open("a") as f:
-        f.write(f"\n{'=' * 100}\n" + line + "\n\nGPU ops:\n" + "\n".join(f"  {u:8.1f} us  {n[:150]}" for n, u in ops))
+        listing = "\n".join(f"  {u:8.1f} us  after {g:7.1f} us idle  {n[:130]}" for n, u, g in ops)
+        f.write(f"\n{'=' * 100}\n" + line + "\n\nGPU ops:\n" + listing)
         f.write("\n\ncProfile, 20 calls:\n" + buf.getvalue())
         f.write("\n\nprofiler CPU table:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
     return line
