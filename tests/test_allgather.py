@@ -203,6 +203,23 @@ def test_first_touch_copies_where_no_call_wrote_and_zeroes_the_rest():
         assert sum(z - a for a, z in zero) == 2 * world * h - sum(z - a for p in touch for a, z, add in p if not add)
 
 
+def test_overlapping_calls_sum_in_one_pass_within_the_accumulators_memory():
+    """Note [Overlapping calls in one pass]: only where some call adds to rows an earlier one wrote, and only while
+    the calls' gradients take no more memory than the fp32 accumulator; disjoint calls stay first touch. The
+    bf16 balanced case of ``test_selective_gather_matches_oracle`` takes this path (its fp32 twin does not)."""
+    from seqpar.methods.allgather import _in_one_pass
+
+    full = Band(None, None)
+    overlap = (Task(0, 4, 0, 40, full), Task(4, 8, 10, 60, full))          # 90 key rows of 64
+    disjoint = (Task(0, 4, 0, 30, full), Task(4, 8, 30, 64, full))
+    assert _in_one_pass(overlap, 64, 2, 4)                                  # bf16 grads: 180 <= 256 bytes
+    assert not _in_one_pass(overlap, 64, 4, 4)                              # fp32 grads: 360 > 256
+    assert not _in_one_pass(disjoint, 64, 2, 4)
+    assert not _in_one_pass(overlap[:1], 64, 2, 4)
+    many = tuple(Task(i, i + 1, 0, 64, full) for i in range(3))            # 3 x 64 rows of bf16 > 64 of fp32
+    assert _in_one_pass(many[:2], 64, 2, 4) and not _in_one_pass(many, 64, 2, 4)
+
+
 def test_zigzag_balances_causal_work_contiguous_does_not():
     """PEERS §1 defect 7: llama3's contiguous split is causally imbalanced; zigzag is exact."""
     world, seq = 4, 32

@@ -138,7 +138,7 @@ def test_row_sum_in_one_pass(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_triton_merge_and_sum_equal_the_torch_pass(dtype):
     """The Triton pass (CUDA) against the same arithmetic in torch on the same partials, strided ones included,
-    and the fold of an fp32 accumulator with partials of another dtype."""
+    the fold of an fp32 accumulator with partials of another dtype, and a sum into a strided view."""
     from seqpar.kernels import combine
 
     shape = (2, 96, 3, 128)
@@ -156,6 +156,13 @@ def test_triton_merge_and_sum_equal_the_torch_pass(dtype):
     s = combine.sum_parts([(r, o) for r, o, _ in parts], shape, torch.float32)
     s_ref = combine.sum_parts([(r, o.cpu().float()) for r, o, _ in parts], shape, torch.float32)
     torch.testing.assert_close(s.cpu(), s_ref, rtol=1e-5, atol=1e-5)
+    # into half of a (S, B, H, 2D) fp32 buffer seen as (B, S, H, D), as all-gather sums dK (Note [Overlapping
+    # calls in one pass]); the other half untouched
+    buf = torch.full((shape[1], shape[0], shape[2], 2 * shape[3]), 7.0, device="cuda")
+    into = buf[..., :shape[3]].transpose(0, 1)
+    combine.sum_parts([(r, o) for r, o, _ in parts], shape, torch.float32, out=into)
+    torch.testing.assert_close(into.cpu(), s_ref, rtol=1e-5, atol=1e-5)
+    assert bool((buf[..., shape[3]:] == 7.0).all())
 
 
 # ------------------------------------------------------------------ covered rows (Note [Covered rows])

@@ -60,6 +60,17 @@ Note [First touch]
     rows no call writes are zeroed (zigzag by parts: the back chunks of the ranks below, which this rank's
     queries never see). The sums are the same, bit for bit: the first add to a zero is exact.
 
+Note [Overlapping calls in one pass]
+    Where calls overlap on keys (a packed row on a balanced layout: a rank's two chunks hold pieces of the same
+    documents, and their calls both reach back over the gathered keys), first touch still copies one call's
+    gradient and adds the next: 6 + 10 bytes per element over the overlap, in two strided kernels per tensor -
+    at 4K tokens per rank over 8, four kernels of 111-148 us each of a 4.5 ms backward (one H100,
+    ``probe_host.py``). When some call adds and the calls' gradients together take no more memory than the fp32
+    accumulator itself (``_in_one_pass``), the round holds them and ``combine.sum_parts`` writes each tensor's
+    accumulator once - every row summed in fp32 in the calls' order, the rows no call reaches zeroed, in one
+    kernel: 2 bytes per element per call read, 4 written. Past the bound (many calls, or long calls that each
+    span most keys) the calls stay first touch, each call's gradients freed before the next runs.
+
 Note [Chunk copies]
     The permutation moves 2W chunks of up to tens of MiB each. ``index_select`` with so few indices runs CUDA's
     small-index kernel, which reads a huge row with a handful of blocks: 504 us for the 256 MiB of an MHA KV
@@ -668,6 +679,15 @@ def _first_touch(tasks: tuple[Task, ...], rows: int
 
 
 @functools.lru_cache(maxsize=32)
+def _in_one_pass(tasks: tuple[Task, ...], rows: int, grad_bytes: int, acc_bytes: int) -> bool:
+    """Note [Overlapping calls in one pass]: some call adds to rows an earlier one wrote, and the calls'
+    gradients (``grad_bytes`` an element) fit in the accumulator's ``rows`` (``acc_bytes`` an element)."""
+    touch, _ = _first_touch(tasks, rows)
+    adds = any(add for pieces in touch for _, _, add in pieces)
+    return adds and sum(t.cols for t in tasks) * grad_bytes <= rows * acc_bytes
+
+
+@functools.lru_cache(maxsize=32)
 def _disjoint(tasks: tuple[Task, ...]) -> bool:
     """No query row is in two calls (always so for a global-order plan unless varlen packing interleaves)."""
     spans = sorted((t.q_start, t.q_stop) for t in tasks)
@@ -773,6 +793,7 @@ class _Engine:
         dq = torch.empty_like(q)       # each round's dQ partials summed into its heads in one pass
         tasks = runner.prepare(self.gp.tasks, q[:, :, : stride * G], k[:, :, :stride])
         touch, zero = _first_touch(tasks, gathered.rows)
+        one_pass = _in_one_pass(tasks, gathered.rows, k.element_size(), acc_dtype(k.dtype).itemsize)
         with Loop() as loop:
             grads = gathered.grads(self.grad_dtype, loop)
             handles = [loop.post(gathered.post(0))]
@@ -784,12 +805,16 @@ class _Engine:
                 hrows = GradRows(rows.do[:, :, qh], rows.out[:, :, qh], None if rows.dlse is None
                                  else rows.dlse[:, qh])
                 dkv = grads.start(c)
-                for a, z in zero:
-                    dkv[a:z].zero_()
-                dqs = []
+                if not one_pass:
+                    for a, z in zero:
+                        dkv[a:z].zero_()
+                dqs, held = [], []
                 for t, pieces in zip(tasks, touch):
                     gq, gk, gv = runner.backward(hrows, q[:, :, qh], kc, vc, b.lse[:, qh], t)
                     dqs.append((t.q, gq))
+                    if one_pass:
+                        held.append((t.k, gk, gv))
+                        continue
                     for a, z, add in pieces:
                         for part, g in ((dkv[a:z, ..., :d], gk), (dkv[a:z, ..., d:], gv)):
                             g = g[:, a - t.k_start:z - t.k_start].transpose(0, 1)
@@ -797,6 +822,10 @@ class _Engine:
                                 part.add_(g)
                             else:
                                 part.copy_(g)
+                if held:
+                    for i, part in ((1, dkv[..., :d]), (2, dkv[..., d:])):
+                        out = part.transpose(0, 1)                  # (rows, B, Hkv, .) as (B, rows, Hkv, .)
+                        combine.sum_parts([(h[0], h[i]) for h in held], tuple(out.shape), out.dtype, out=out)
                 dq_c = dq[:, :, qh]
                 combine.sum_parts(dqs, tuple(dq_c.shape), q.dtype, out=dq_c)
 
