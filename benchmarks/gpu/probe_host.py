@@ -1,7 +1,7 @@
 """Where a call's host time goes: rank r of W on a fake group, one GPU (emulated, communication free).
 
     python3 benchmarks/gpu/probe_host.py --out DIR [--world 8] [--rank 0] [--cases packed32,packed128,dense16]
-        [--graphs off] [--kv-heads 32]
+        [--graphs off] [--kv-heads 32] [--dense-methods M/L,..] [--packed-methods M/L,..]
 
 For each case (method/layout x mode): the host milliseconds of one call from an idle GPU (median of 10), the call's
 total time, the GPU operations it launches (name, microseconds and the idle time before each, from
@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8, help="KV heads of the 32 query heads (32: MHA)")
     ap.add_argument("--dense-methods", default="ring/zigzag,ulysses/contiguous",
                     help="method/layout pairs of the dense cases")
+    ap.add_argument("--packed-methods", default="ulysses/contiguous,ring/zigzag,ring/balanced,allgather/balanced",
+                    help="method/layout pairs of the packed cases")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,7 +111,7 @@ def main() -> None:
         if case.startswith("packed"):
             total = int(case[6:]) * 1024
             cu = packed_row(total, "lognormal", seed=7, multiple=2 * W)
-            configs = [("ulysses", "contiguous"), ("ring", "zigzag"), ("ring", "balanced"), ("allgather", "balanced")]
+            configs = [tuple(c.split("/")) for c in args.packed_methods.split(",")]
         else:
             total, cu = int(case[5:]) * 1024, None
             configs = [tuple(c.split("/")) for c in args.dense_methods.split(",")]
