@@ -8,8 +8,9 @@ Rank r of W on a fake group (one GPU) runs ``seqpar.attention`` forward once per
 each captured call: its rows, segments, longest segment and cells (visible pairs), and the forward and
 forward+backward time of FA2 on it as one call, and with its longest segments alone beside it
 (``long_docs.plan`` with 1x, 4x and 16x the device's thread-block slots, so ever shorter segments qualify) on
-cuDNN and on FA2; beside them its ideal: the one-GPU FA2 varlen call on the whole row, times the call's share of
-the row's cells. Bursts of 10, the variants interleaved, median of 7.
+cuDNN and on FA2, and on flex (its own autograd: the forward's lse reused, dK/dV per KV head); beside them
+its ideal: the one-GPU FA2 varlen call on the whole row, times the call's share of the row's cells. Bursts of
+10, the variants interleaved, median of 7.
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ def variants(q, k, v, mask: Varlen) -> dict:
     for name, (f, b) in runs.items():
         fns[f"{name} fwd"] = f
         fns[f"{name} fwd+bwd"] = lambda f=f, b=b: b(f())
+    flex = KERNELS["flex"]
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    fns["flex fwd"] = lambda: flex.forward(q, k, v, mask, SCALE)
+    fns["flex fwd+bwd"] = lambda: torch.autograd.grad(flex.autograd_forward(*leaves, mask, SCALE), leaves, do)
     return fns
 
 
