@@ -25,6 +25,7 @@ import torch
 from seqpar.bench.packing import packed_row
 from seqpar.bench.timing import back_to_back_ms, burst_ms
 from seqpar.kernels import long_docs
+from seqpar.kernels import side as side_mod
 from seqpar.kernels.base import KERNELS, KernelCall
 from seqpar.masks.forms import Varlen
 
@@ -60,17 +61,17 @@ def host_breakdown(q, k, v, mask: Varlen, scale: float, calls: int = 50) -> None
     alone = long_docs.plan(mask, q.shape[2], long_docs.slots(q.device))
     a, b, c, d = alone.docs[0]
     band = long_docs._band(a, b, c, d)
-    side = long_docs._side_stream(q.device)
+    side = side_mod._stream(q.device)
     o, lse = flash._forward(q, k, v, alone.main, scale)
     po, pl = cudnn.forward(q[:, a:b], k[:, c:d], v[:, c:d], band, scale)
     steps = {
         "plan and side kernel": lambda: flash._alone(mask, q, k, False),
-        "side.wait_stream(current)": lambda: long_docs._beside(q.device),
+        "side.wait_stream(current)": lambda: side_mod.beside(q.device),
         "enter and leave torch.cuda.stream(side)": lambda: torch.cuda.stream(side).__enter__() or
         torch.cuda.set_stream(torch.cuda.default_stream(q.device)),
         "cuDNN forward of the document": lambda: cudnn.forward(q[:, a:b], k[:, c:d], v[:, c:d], band, scale),
         "FA2 varlen forward (the call)": lambda: flash._forward(q, k, v, alone.main, scale),
-        "join (wait_stream, record_stream x2)": lambda: long_docs._join(side, [po, pl]),
+        "join (wait_stream, record_stream x2)": lambda: side_mod.join(side, [po, pl]),
         "two copies": lambda: (o[:, a:b].copy_(po), lse[:, :, a:b].copy_(pl)),
         "the whole forward": lambda: flash.forward(q, k, v, mask, scale),
         "FA2 one call (uncut)": lambda: flash._forward(q, k, v, mask, scale),

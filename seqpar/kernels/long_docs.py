@@ -62,7 +62,6 @@ Note [Documents alone in buckets]
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 from collections.abc import Callable
@@ -73,6 +72,7 @@ import torch.nn.functional as F
 
 from ..masks.forms import Band, Varlen
 from ..types import AttnOutput
+from .side import beside, join, on
 
 __all__ = ["CTAS_PER_SM", "TILE_ROWS", "Alone", "backward", "bucket", "forward", "padded_backward", "padded_forward",
            "plan", "slots"]
@@ -138,40 +138,15 @@ def slots(device: torch.device) -> int:
     return CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    return torch.cuda.Stream(device)
-
-
-def _beside(device: torch.device) -> torch.cuda.Stream | None:
-    """The second stream, made to wait for the current one's work so far; None off CUDA (run in order)."""
-    if device.type != "cuda":
-        return None
-    side = _side_stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    return side
-
-
-def _join(side: torch.cuda.Stream | None, made: list[torch.Tensor]) -> None:
-    """The current stream waits for ``side``; tensors made there are marked as used here, so their memory is not
-    handed to the side stream's next work before this stream is done with them."""
-    if side is None:
-        return
-    cur = torch.cuda.current_stream(side.device)
-    cur.wait_stream(side)
-    for t in made:
-        t.record_stream(cur)
-
-
 def forward(fwd: Callable[..., AttnOutput], side_fwd: Callable[..., AttnOutput], q: torch.Tensor,
             k: torch.Tensor, v: torch.Tensor, alone: Alone) -> AttnOutput:
     """``fwd(q, k, v, mask) -> AttnOutput``: the varlen kernel; ``side_fwd``: the kernel of the documents alone
     (on the second stream, launched first). q ``(B, S, H, D)``, k and v ``(B, S, Hkv, D)``."""
-    side = _beside(q.device)
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+    side = beside(q.device)
+    with on(side):
         parts = [side_fwd(q[:, a:b], k[:, c:d], v[:, c:d], _band(a, b, c, d)) for a, b, c, d in alone.docs]
     o, lse = fwd(q, k, v, alone.main)
-    _join(side, [t for p in parts for t in p])
+    join(side, [t for p in parts for t in p])
     for (a, b, _, _), (po, pl) in zip(alone.docs, parts):
         o[:, a:b].copy_(po)
         lse[:, :, a:b].copy_(pl)
@@ -183,12 +158,12 @@ def backward(bwd: Callable[..., tuple[torch.Tensor, ...]], side_bwd: Callable[..
              lse: torch.Tensor, alone: Alone) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``bwd(do, q, k, v, out, lse, mask) -> (dq, dk, dv)``: the varlen kernel; ``side_bwd``: the documents'
     kernel, as in ``forward``; from the call's final ``out`` and ``lse``."""
-    side = _beside(q.device)
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+    side = beside(q.device)
+    with on(side):
         parts = [side_bwd(do[:, a:b], q[:, a:b], k[:, c:d], v[:, c:d], out[:, a:b], lse[:, :, a:b],
                           _band(a, b, c, d)) for a, b, c, d in alone.docs]
     dq, dk, dv = bwd(do, q, k, v, out, lse, alone.main)
-    _join(side, [t for p in parts for t in p])
+    join(side, [t for p in parts for t in p])
     for (a, b, c, d), (gq, gk, gv) in zip(alone.docs, parts):
         dq[:, a:b].copy_(gq)
         dk[:, c:d].copy_(gk)
