@@ -61,14 +61,14 @@ Note [First touch]
     queries never see). The sums are the same, bit for bit: the first add to a zero is exact.
 
 Note [All-gather calls side by side]
-    A round's calls read the same gathered keys and, where no query row is in two of them (``_disjoint``), write
-    disjoint rows of the output: in the forward, and in the backward where the round's dK/dV are held and summed
-    once (Note [Overlapping calls in one pass]). There the calls but the largest (by rows x keys) run on the side
-    stream, launched first, and the largest on the current stream (Note [Calls side by side] in
-    ``seqpar.kernels.side``): at 4K tokens per rank a balanced rank's packed documents make two varlen calls,
-    one of the long pieces' rows against all their earlier keys (0.47 ms forward for 0.26 ms of its share of the
-    one-GPU call) and one of every short document's rows (0.13 ms for 0.02 ms), each leaving the GPU partly idle.
-    The backward's dQ rows and held gradients join the current stream before they are summed.
+    A round's calls read the same gathered keys and share no output until they are merged or summed: in the
+    forward always, in the backward where the round's dK/dV are held and summed once (Note [Overlapping calls
+    in one pass]; first touch writes them call by call). So the calls but the largest (by rows x keys) run on
+    the side stream, launched first, and the largest on the current stream (Note [Calls side by side] in
+    ``seqpar.kernels.side``); their results join the current stream, which merges, writes or sums them. At 4K
+    tokens per rank a balanced rank's packed documents make two varlen calls, one of the long pieces' rows
+    against all their earlier keys (0.47 ms forward for 0.26 ms of its share of the one-GPU call) and one of
+    every short document's rows (0.13 ms for 0.02 ms), each leaving the GPU partly idle.
 
 Note [Overlapping calls in one pass]
     Where calls overlap on keys (a packed row on a balanced layout: a rank's two chunks hold pieces of the same
@@ -706,6 +706,22 @@ def _side_by_side(tasks: tuple[Task, ...]) -> tuple[tuple[int, ...], int]:
     return tuple(i for i in range(len(tasks)) if i != main), main
 
 
+def _beside_largest(tasks: tuple[Task, ...], fn, device: torch.device) -> list:
+    """``fn(task)`` for every task, in task order (Note [All-gather calls side by side]): the largest on the
+    current stream, the others launched first on the side stream; what they return joins the current stream."""
+    if len(tasks) < 2:
+        return [fn(t) for t in tasks]
+    rest, main = _side_by_side(tasks)
+    res: list = [None] * len(tasks)
+    side = beside(device)
+    with on(side):
+        for i in rest:
+            res[i] = fn(tasks[i])
+    res[main] = fn(tasks[main])
+    join(side, [x for i in rest for x in res[i]])
+    return res
+
+
 @functools.lru_cache(maxsize=32)
 def _disjoint(tasks: tuple[Task, ...]) -> bool:
     """No query row is in two calls (always so for a global-order plan unless varlen packing interleaves)."""
@@ -781,25 +797,14 @@ class _Engine:
                 qh = self._heads(c)
                 qc = q[:, :, qh]
 
-                def write(t: Task) -> None:
-                    o, l = runner.forward(qc, kc, vc, t)
-                    out[:, t.q, qh] = o
-                    lse[:, qh, t.q] = l
-
-                if direct and not alone:        # Note [All-gather calls side by side]
-                    rest, main = _side_by_side(tasks)
-                    side = beside(q.device)
-                    with on(side):
-                        for i in rest:
-                            write(tasks[i])
-                    write(tasks[main])
-                    join(side, [])
-                    return
                 parts = Accumulator(qc, v.shape[-1], defer=True)     # rows in two calls: one merge per round
-                for t in tasks:
-                    o, l = runner.forward(qc, kc, vc, t)
+                results = _beside_largest(tasks, lambda t: runner.forward(qc, kc, vc, t), q.device)
+                for t, (o, l) in zip(tasks, results):
                     if alone:
                         out, lse = o.to(q.dtype), l.to(acc)
+                    elif direct:
+                        out[:, t.q, qh] = o
+                        lse[:, qh, t.q] = l
                     else:
                         parts.add(t.q, o, l, t.covered)
                 if whole:
@@ -836,17 +841,11 @@ class _Engine:
                 hrows = GradRows(rows.do[:, :, qh], rows.out[:, :, qh], None if rows.dlse is None
                                  else rows.dlse[:, qh])
                 dkv = grads.start(c)
-                if one_pass:                    # Note [All-gather calls side by side]
-                    rest, main = _side_by_side(tasks)
-                    grads_of = {}
-                    side = beside(q.device)
-                    with on(side):
-                        for i in rest:
-                            grads_of[i] = runner.backward(hrows, q[:, :, qh], kc, vc, b.lse[:, qh], tasks[i])
-                    grads_of[main] = runner.backward(hrows, q[:, :, qh], kc, vc, b.lse[:, qh], tasks[main])
-                    join(side, [x for i in rest for x in grads_of[i]])
-                    dqs = [(t.q, grads_of[i][0]) for i, t in enumerate(tasks)]
-                    held = [(t.k, grads_of[i][1], grads_of[i][2]) for i, t in enumerate(tasks)]
+                if one_pass:                    # every call's gradients held, then summed once
+                    res = _beside_largest(tasks, lambda t: runner.backward(hrows, q[:, :, qh], kc, vc,
+                                                                           b.lse[:, qh], t), q.device)
+                    dqs = [(t.q, g[0]) for t, g in zip(tasks, res)]
+                    held = [(t.k, g[1], g[2]) for t, g in zip(tasks, res)]
                     for i, part in ((1, dkv[..., :d]), (2, dkv[..., d:])):
                         out = part.transpose(0, 1)              # (rows, B, Hkv, .) as (B, rows, Hkv, .)
                         combine.sum_parts([(h[0], h[i]) for h in held], tuple(out.shape), out.dtype, out=out)
