@@ -108,3 +108,19 @@ def test_auto_plans_a_fake_group_on_cuda_with_free_links():
         assert auto_profile(SeqParallelGroups.resolve(None, 1), cuda) is None
     finally:
         dist.destroy_process_group()
+
+
+def test_probe_records_name_their_device_and_command(tmp_path):
+    """``write_probe``: a header line (device, torch, argv, what the probe adds), then one line per row; no path,
+    no file."""
+    import json
+
+    from seqpar.bench.report import load, write_probe
+
+    path = tmp_path / "probe.jsonl"
+    write_probe(path, [{"variant": "a", "ms": 1.5}, {"variant": "b", "ms": 2.0}], whole_row_ms={"fwd": 3.0})
+    head, *rows = load([path])
+    assert head["device"] and head["torch"] == torch.__version__ and isinstance(head["argv"], list)
+    assert head["whole_row_ms"] == {"fwd": 3.0} and [r["variant"] for r in rows] == ["a", "b"]
+    write_probe(None, [{"x": 1}])
+    assert json.loads(path.read_text().splitlines()[1])["ms"] == 1.5 and len(list(tmp_path.iterdir())) == 1

@@ -13,11 +13,10 @@ GPU kernel time of each (from a profile), so a tail (the GPU idle at the end of 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import torch
 
+from seqpar.bench.report import write_probe
 from seqpar.bench.timing import burst_ms, kernel_ms
 from seqpar.kernels import combine
 from seqpar.kernels.base import KERNELS
@@ -80,12 +79,7 @@ def main() -> None:
             rows.append(row)
             print(f"S {S:>6} W {W} causal {causal!s:<5} {name:<48} {row['ms']:9.3f} ms  kernels {row['kernel_ms']}",
                   flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                "argv": sys.argv}) + "\n")
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    write_probe(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ same shapes and strides; prints each captured input's statistics per rank slot (
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import seqpar
+from seqpar.bench.report import write_probe
 from seqpar.bench.timing import burst_ms, free_cached
 from seqpar.kernels.sdpa import CudnnKernel
 
@@ -84,12 +83,7 @@ def main() -> None:
     for name, t in ms.items():
         print(f"{name:<34} {t:9.3f} ms", flush=True)
         rows.append({"variant": name, "ms": round(t, 4)})
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                "argv": sys.argv}) + "\n")
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    write_probe(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import sys
 from dataclasses import replace
 
 import torch
 
 from seqpar.bench.packing import packed_row
+from seqpar.bench.report import write_probe
 from seqpar.bench.timing import back_to_back_ms, burst_ms
 from seqpar.kernels import long_docs
 from seqpar.kernels import side as side_mod
@@ -149,12 +148,7 @@ def main() -> None:
                     "ms": round(t, 4), "alone": None if alone is None else alone.docs}
                 rows.append(row)
                 print(f"{row['row']:>15} H{heads:<3} {name:<28} {t:8.3f} ms", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                "argv": sys.argv}) + "\n")
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    write_probe(args.out, rows)
 
 
 if __name__ == "__main__":

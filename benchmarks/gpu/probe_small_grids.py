@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -26,6 +25,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import seqpar
 from seqpar.bench.packing import packed_row
+from seqpar.bench.report import write_probe
 from seqpar.bench.timing import burst_ms
 from seqpar.kernels import long_docs
 from seqpar.kernels.base import KERNELS
@@ -136,12 +136,7 @@ def main() -> None:
                            efficiency=round(ideal / t, 3))
                 rows.append(rec)
                 print(f"  {name:<40} {t:8.3f} ms  ideal {ideal:7.3f}  eff {ideal / t:.2f}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                "argv": sys.argv, "whole_row_ms": whole}) + "\n")
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    write_probe(args.out, rows, whole_row_ms=whole)
 
 
 if __name__ == "__main__":

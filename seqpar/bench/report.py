@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..planner.validate import is_auto
 
-__all__ = ["best_rows", "console_table", "emulated_table", "load", "plot", "readme_table"]
+__all__ = ["best_rows", "console_table", "emulated_table", "load", "plot", "readme_table", "write_probe"]
 
 
 def load(paths: Iterable[str | Path]) -> list[dict]:
@@ -26,6 +26,22 @@ def load(paths: Iterable[str | Path]) -> list[dict]:
             if line.strip():
                 rows.append(json.loads(line))
     return rows
+
+
+def write_probe(path: str | Path | None, rows: Iterable[dict], **meta) -> None:
+    """A probe's records (``benchmarks/gpu/probe_*.py``) as JSON lines: a header naming the device, torch and the
+    command line (and ``meta``), then one line per row; nothing where ``path`` is None."""
+    if path is None:
+        return
+    import sys
+
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    with open(path, "w") as f:
+        f.write(json.dumps({"device": device, "torch": torch.__version__, "argv": sys.argv, **meta}) + "\n")
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
 
 
 def _ok(r: dict) -> bool:
