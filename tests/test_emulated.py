@@ -382,16 +382,20 @@ def test_bench_emulated_world_smoke(tmp_path):
 
 def test_bench_emulated_packed_smoke(tmp_path):
     """The packed suite emulated (CPU, 1/64 sizes): the single-GPU varlen limit is this process's own (a fake
-    group broadcasts nothing), records carry packed, row and the busiest rank."""
+    group broadcasts nothing), records carry packed, row and the busiest rank; ``method="auto"`` on a balanced
+    layout names what it ran (Note [Auto rows])."""
     cmd = [sys.executable, "-m", "seqpar.bench", "--emulate-world", "4", "--preset", "packed", "--small", "--device",
-           "cpu", "--methods", "ring/balanced", "--modes", "fwd", "--warmup", "0", "--iters", "1", "--out",
-           str(tmp_path)]
+           "cpu", "--methods", "ring/balanced,auto/balanced", "--modes", "fwd", "--warmup", "0", "--iters", "1",
+           "--out", str(tmp_path)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-2000:]
     recs = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
-    rows = [r for r in recs if r.get("method") == "ring/balanced"]
-    assert len(rows) == 4 and all(r["packed"] and r["row"].startswith("packed-") and r["emulated_world"] == 4
-                                  and r["compute_efficiency"] > 0 for r in rows), rows
+    for label in ("ring/balanced", "auto/balanced"):
+        rows = [r for r in recs if r.get("method") == label]
+        assert len(rows) == 4 and all(r["packed"] and r["row"].startswith("packed-") and r["emulated_world"] == 4
+                                      and r["compute_efficiency"] > 0 for r in rows), rows
+    picks = {r.get("auto_pick") for r in recs if r.get("method") == "auto/balanced"}
+    assert picks and None not in picks and all(p.split()[0] in seqpar.methods.available() for p in picks), picks
 
 
 def test_bench_emulated_mask_smoke(tmp_path):

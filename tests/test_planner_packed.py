@@ -219,3 +219,25 @@ def test_allgather_on_documents_prices_the_selective_gather():
     assert packed.comm_bytes == pytest.approx(dense.comm_bytes * foreign / ((W - 1) * S / W))
     assert packed.peak_mem_bytes < dense.peak_mem_bytes
     assert any("selective gather" in n for n in packed.notes), packed.notes
+
+
+def test_document_layouts_over_one_document_are_their_plain_counterparts():
+    """``layouts.ONE_DOCUMENT``: each document layout places one causal document where its plain counterpart puts
+    the same tokens, so the planner (whose ``Problem`` keeps no documents for one) ranks it as that layout, and
+    ``method="auto"`` on a document layout over one document picks a method that takes it (before: no candidate,
+    an empty reason)."""
+    from seqpar.layouts import DOCUMENT_LAYOUTS, ONE_DOCUMENT
+
+    for name in DOCUMENT_LAYOUTS:
+        for W in (2, 3, 4, 8):
+            S = 2 * W * 24
+            doc, plain = make_layout(name, W, (0, S)), make_layout(ONE_DOCUMENT[name], W)
+            for r in range(W):
+                mine = [p for run in doc.segments(r, S).runs for p in range(run.glob, run.glob + run.length)]
+                theirs = [p for run in plain.segments(r, S).runs for p in range(run.glob, run.glob + run.length)]
+                assert mine == theirs, (name, W, r)
+        method, _, reason = choose((1, 128, 4, 16), 1, True, (-1, -1), 4, 1, name, device="cpu", mode="fwd",
+                                   cu_seqlens=(0, 512))
+        assert name in seqpar.methods.get(method).layouts and reason, (name, method, reason)
+    empty = plan(seq_len=512, heads=4, kv_heads=1, world=4, head_dim=16, methods=["ulysses"], layout="zigzag")
+    assert empty.best is None and "no method offers a configuration" in empty.reason

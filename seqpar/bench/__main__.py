@@ -379,22 +379,24 @@ class Bench:
 
     def _auto_runner(self, preset: Preset, layout: str, extra: dict):
         """``ours_runner`` for ``method="auto"`` on ``layout``, whose first call in each mode records the pick."""
-        picks = _AutoPicks()
         runner = ours_runner(MethodSpec("auto", layout), preset, self.device, check_ranks=self.check_ranks,
                              graphs=GRAPHS[self.args.graphs])
+        return {mode: self.watch_auto(fn, extra) for mode, fn in runner.items()}
 
-        def picked(fn):
-            mine: dict = {}
+    @staticmethod
+    def watch_auto(fn, extra: dict):
+        """``fn`` (a call of ``method="auto"``) whose first call records in ``extra["auto_pick"]`` the method auto
+        ran (Note [Auto rows])."""
+        picks, mine = _AutoPicks(), {}
 
-            def call():                     # the mode's first call plans (and logs); later ones run as they are
-                if mine:
-                    return fn()
-                with picks:
-                    got = fn()
-                mine["pick"] = extra["auto_pick"] = picks.last
-                return got
-            return call
-        return {mode: picked(fn) for mode, fn in runner.items()}
+        def call():                         # a mode's first call plans (and logs); later ones run as they are
+            if mine:
+                return fn()
+            with picks:
+                got = fn()
+            mine["pick"] = extra["auto_pick"] = picks.last
+            return got
+        return call
 
     def run_scaling(self) -> None:
         """Strong: global 128K on 1, 2, N GPUs; weak: 32K per GPU. ring/zigzag and allgather/zigzag."""
@@ -451,7 +453,8 @@ class _AutoPicks(logging.Handler):
     Note [Auto rows]
         Every preset also times ``method="auto"`` through ``seqpar.attention`` as a user calls it, once per layout a
         user would shard by ("auto/zigzag", "auto/contiguous": auto never re-shards, so the layout bounds its
-        choice - Ulysses takes contiguous tokens only); its records say which method auto ran, per mode (a
+        choice - Ulysses takes contiguous tokens only; a packed row: contiguous, "balanced" and "balanced_whole",
+        ``suites.PACKED_CONFIGS``); its records say which method auto ran, per mode (a
         forward and a training call are planned apart). In an emulated world auto plans with free transfers
         (Note [Auto on an emulated world] in ``seqpar.comm.link``), so its rows are the check that the best
         method is what auto picks. Only a mode's first call is watched (it plans); a pick of None means its plan

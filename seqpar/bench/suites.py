@@ -236,6 +236,13 @@ def _mode(mode: str, call: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.
     return lambda: torch.autograd.grad(call(*leaves), leaves, do)
 
 
+PACKED_CONFIGS = (("ring", "zigzag"), ("ring", "balanced"), ("ring", "balanced_whole"), ("allgather", "zigzag"),
+                  ("allgather", "balanced"), ("allgather", "balanced_whole"), ("ulysses", "contiguous"),
+                  ("auto", "contiguous"), ("auto", "balanced"), ("auto", "balanced_whole"))
+"""The packed suite's rows: each method on the layouts it takes packed, and ``method="auto"`` on each layout a
+caller would shard a packed batch by, its record naming what auto ran (Note [Auto rows])."""
+
+
 def _packed_at(bench: Any, total: int, dist_name: str) -> None:
     import seqpar
 
@@ -246,9 +253,7 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
     preset = f"packed-{total // 1024}k-{dist_name}"
     limit = _varlen_limit(bench, total, cu, H, Hkv, D)
     keep = _wanted(bench.args.methods)
-    for method, layout in (("ring", "zigzag"), ("ring", "balanced"), ("ring", "balanced_whole"),
-                           ("allgather", "zigzag"), ("allgather", "balanced"), ("allgather", "balanced_whole"),
-                           ("ulysses", "contiguous")):
+    for method, layout in PACKED_CONFIGS:
         if keep and method not in keep and f"{method}/{layout}" not in keep:
             continue
         where = {"method": method, "layout": layout, "cu_seqlens": cu}
@@ -258,17 +263,18 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
             imbalance = max(per_rank) * W / max(sum(per_rank), 1)
         if bench.emulated:                              # time the busiest rank (Note [Emulated world])
             bench.emulate_as(0 if method == "ulysses" else bench.busiest(make_layout(layout, W, cu), total, True, cu))
+        extra = {"work_max_over_mean": imbalance, "documents": len(cu) - 1, "packed": True, "row": preset,
+                 "seq_len": total}
 
-        def build(mode: str, where=where):
+        def build(mode: str, where=where, extra=extra):
             full = [_randn((1, total, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv, H))]
             q, k, v, do = (seqpar.shard(t, **where) for t in full)
             del full
             kw = {"method": where["method"], "layout": where["layout"], "cu_seqlens": cu_t,
                   "check_ranks": W == 1 and bench.check_ranks}
-            return _mode(mode, lambda q, k, v: seqpar.attention(q, k, v, **kw), q, k, v, do)
-        _time_rows(bench, preset, f"{method}/{layout}", build, limit,
-                   {"work_max_over_mean": imbalance, "documents": len(cu) - 1, "packed": True, "row": preset,
-                    "seq_len": total})
+            fn = _mode(mode, lambda q, k, v: seqpar.attention(q, k, v, **kw), q, k, v, do)
+            return bench.watch_auto(fn, extra) if where["method"] == "auto" else fn
+        _time_rows(bench, preset, f"{method}/{layout}", build, limit, extra)
     if bench.args.peers:
         for label, factory in _peer_varlen(bench, total, cu, H, Hkv, D).items():
             if keep and label not in keep:

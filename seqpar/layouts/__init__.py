@@ -20,7 +20,8 @@ from .documents import Balanced, BalancedWhole, DocContiguous, DocumentLayout, D
 from .stripe import Stripe
 from .zigzag import Zigzag
 
-__all__ = ["ALL_LAYOUT_NAMES", "BALANCED_LAYOUTS", "DOCUMENT_LAYOUTS", "LAYOUTS", "Balanced", "BalancedWhole",
+__all__ = ["ALL_LAYOUT_NAMES", "BALANCED_LAYOUTS", "DOCUMENT_LAYOUTS", "LAYOUTS", "ONE_DOCUMENT", "Balanced",
+           "BalancedWhole",
            "Contiguous", "DocContiguous", "DocZigzag", "DocumentLayout", "Layout", "Nested", "Rule", "Run",
            "Segments", "Stripe", "Task", "Zigzag", "group_varlen", "make_layout", "plan"]
 
@@ -32,6 +33,9 @@ DOCUMENT_LAYOUTS: dict[str, type[DocumentLayout]] = {"balanced": Balanced, "bala
 #: layouts that balance work (and, with a named mask, the mask's work): ``rule`` is theirs
 BALANCED_LAYOUTS: tuple[str, ...] = ("balanced", "balanced_whole")
 ALL_LAYOUT_NAMES: tuple[str, ...] = (*LAYOUTS, *DOCUMENT_LAYOUTS)
+#: the plain layout that places one causal document as each document layout does (``cu_seqlens = (0, S)``)
+ONE_DOCUMENT: dict[str, str] = {"balanced": "zigzag", "balanced_whole": "zigzag", "doc_zigzag": "zigzag",
+                                "doc_contiguous": "contiguous"}
 
 
 def make_layout(name: str, world: int, cu_seqlens: Sequence[int] | torch.Tensor | None = None,

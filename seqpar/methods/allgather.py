@@ -796,7 +796,6 @@ class _Engine:
                 kc, vc = gathered.kv(c)
                 qh = self._heads(c)
                 qc = q[:, :, qh]
-
                 parts = Accumulator(qc, v.shape[-1], defer=True)     # rows in two calls: one merge per round
                 results = _beside_largest(tasks, lambda t: runner.forward(qc, kc, vc, t), q.device)
                 for t, (o, l) in zip(tasks, results):

@@ -38,7 +38,7 @@ from ..cost.model import Candidate, Machine, Prediction, Problem, single_gpu_ms
 from ..cost.profile import Profile, load_profile
 from ..cost.topology import Network, Topology, get_topology
 from ..groups import GroupSizes
-from ..layouts import LAYOUTS
+from ..layouts import DOCUMENT_LAYOUTS, LAYOUTS, ONE_DOCUMENT
 from ..methods import Method
 from .inference import InferenceCase, inference_case
 
@@ -189,7 +189,8 @@ def plan(*, seq_len: int, heads: int, world: int, kv_heads: int | None = None, h
             the profile's host, which needs ``world <= profile.gpus_per_node``.
         kernel: the local kernel (default: the profile's ``default_kernel``, what "auto" runs).
         methods: names to consider; None, "all" or "available" = every registered method with a cost model.
-        layout: only candidates with this token layout (USP: the ring layout).
+        layout: only candidates with this token layout (USP: the ring layout); a document layout over one
+            document is ranked as the plain layout that places it alike (``layouts.ONE_DOCUMENT``).
         ulysses: only 2D methods with this Ulysses degree (a fixed 2D mesh).
         memory_gib: per-device memory limit (default: the profile's).
         features: features the call needs ("window", "varlen", "padding", ...); methods that lack one
@@ -214,6 +215,8 @@ def plan(*, seq_len: int, heads: int, world: int, kv_heads: int | None = None, h
     problem = Problem(seq_len=seq_len, heads=heads, kv_heads=kv_heads or heads, head_dim=head_dim, batch=batch,
                       world=world, causal=causal, window=tuple(window), dtype_bytes=_bytes(dtype),
                       grad_bytes=_bytes(grad_dtype), documents=documents)
+    if layout in DOCUMENT_LAYOUTS and problem.documents is None:
+        layout = ONE_DOCUMENT[layout]       # one document (a Problem keeps none): placed as its plain counterpart
     ranking = _plan(problem, mode, prof, topology, kernel or prof.default_kernel, _declarations(methods), layout,
                     ulysses, memory_gib if memory_gib is not None else prof.memory_gib, needs, pad)
     if cached is None:
@@ -294,6 +297,8 @@ def _length_rules(c: Candidate, m: Method, p: Problem, pad: bool) -> list[str]:
 
 def _reason(entries: list[Entry], mode: str) -> str:
     ok = [e for e in entries if e.ok]
+    if not entries:
+        return "no method offers a configuration for this problem (its layout, mesh and methods)"
     if not ok:
         return "no candidate can run: " + " | ".join(f"{e.label}: {'; '.join(e.why_not)}" for e in entries[:6])
     best = ok[0]
