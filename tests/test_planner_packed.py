@@ -239,5 +239,8 @@ def test_document_layouts_over_one_document_are_their_plain_counterparts():
         method, _, reason = choose((1, 128, 4, 16), 1, True, (-1, -1), 4, 1, name, device="cpu", mode="fwd",
                                    cu_seqlens=(0, 512))
         assert name in seqpar.methods.get(method).layouts and reason, (name, method, reason)
+        ranked = plan(seq_len=512, heads=4, kv_heads=1, world=4, head_dim=16, layout=name, cu_seqlens=(0, 512))
+        assert ranked.entries and all(name in seqpar.methods.get(e.candidate.method).layouts
+                                      for e in ranked.entries), name    # TASP takes zigzag, not a document layout
     empty = plan(seq_len=512, heads=4, kv_heads=1, world=4, head_dim=16, methods=["ulysses"], layout="zigzag")
     assert empty.best is None and "no method offers a configuration" in empty.reason

@@ -190,7 +190,8 @@ def plan(*, seq_len: int, heads: int, world: int, kv_heads: int | None = None, h
         kernel: the local kernel (default: the profile's ``default_kernel``, what "auto" runs).
         methods: names to consider; None, "all" or "available" = every registered method with a cost model.
         layout: only candidates with this token layout (USP: the ring layout); a document layout over one
-            document is ranked as the plain layout that places it alike (``layouts.ONE_DOCUMENT``).
+            document: the methods that take it, ranked on the plain layout that places it alike
+            (``layouts.ONE_DOCUMENT``; the table names that layout).
         ulysses: only 2D methods with this Ulysses degree (a fixed 2D mesh).
         memory_gib: per-device memory limit (default: the profile's).
         features: features the call needs ("window", "varlen", "padding", ...); methods that lack one
@@ -215,9 +216,12 @@ def plan(*, seq_len: int, heads: int, world: int, kv_heads: int | None = None, h
     problem = Problem(seq_len=seq_len, heads=heads, kv_heads=kv_heads or heads, head_dim=head_dim, batch=batch,
                       world=world, causal=causal, window=tuple(window), dtype_bytes=_bytes(dtype),
                       grad_bytes=_bytes(grad_dtype), documents=documents)
+    declared = _declarations(methods)
     if layout in DOCUMENT_LAYOUTS and problem.documents is None:
-        layout = ONE_DOCUMENT[layout]       # one document (a Problem keeps none): placed as its plain counterpart
-    ranking = _plan(problem, mode, prof, topology, kernel or prof.default_kernel, _declarations(methods), layout,
+        # one document (a Problem keeps none): the methods that take the layout, ranked on its plain counterpart
+        declared = tuple(m for m in declared if layout in m.layouts)
+        layout = ONE_DOCUMENT[layout]
+    ranking = _plan(problem, mode, prof, topology, kernel or prof.default_kernel, declared, layout,
                     ulysses, memory_gib if memory_gib is not None else prof.memory_gib, needs, pad)
     if cached is None:
         return ranking
