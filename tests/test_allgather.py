@@ -218,6 +218,12 @@ def test_overlapping_calls_sum_in_one_pass_within_the_accumulators_memory():
     assert not _in_one_pass(overlap[:1], 64, 2, 4)
     many = tuple(Task(i, i + 1, 0, 64, full) for i in range(3))            # 3 x 64 rows of bf16 > 64 of fp32
     assert _in_one_pass(many[:2], 64, 2, 4) and not _in_one_pass(many, 64, 2, 4)
+    for world in (2, 3, 4, 8):          # the oracle's bf16 balanced case reaches the path on some rank (a split
+        case = _selective_cases(world)[-1]                     # band's two tasks keep its keys and its overlaps)
+        assert case.layout == "balanced" and case.dtype == "bfloat16"
+        lay, rule = make_layout("balanced", world, case.cu_seqlens), Rule(True)
+        plans = [gather_plan(lay, r, case.seq_len, rule, case.cu_seqlens, None) for r in range(world)]
+        assert any(_in_one_pass(gp.tasks, gp.selection.rows, 2, 4) for gp in plans), world
 
 
 def test_zigzag_balances_causal_work_contiguous_does_not():
