@@ -136,3 +136,26 @@ def _share(q, k, v, do, out, lse, vis, scale):
     dk = torch.einsum("bhqk,bqhd->bkhd", ds, q).unflatten(2, (k.shape[2], g)).sum(3) * scale
     dv = torch.einsum("bhqk,bqhd->bkhd", p, do).unflatten(2, (k.shape[2], g)).sum(3)
     return dq, dk, dv
+
+
+def test_long_causal_forward_in_halves_matches_one_call():
+    """Note [Long causal calls in halves]: a square causal block of ``HALVES_ROWS`` rows on cuDNN runs as three
+    calls on two streams, merged to the one call's out and lse within bf16's rounding."""
+    from seqpar.kernels import combine
+    from seqpar.kernels.executor import HALVES_ROWS, TaskRunner
+    from seqpar.layouts.blocks import Task
+
+    S = HALVES_ROWS
+    torch.manual_seed(0)
+    q = torch.randn(1, S, 2, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, S, 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    runner, task = TaskRunner("auto", 0.125), Task(0, S, 0, S, Band(None, 0))
+    assert runner.kernel_for(q, k, task).name == "cudnn"
+    each = runner.forward_each((task,), q, k, v)
+    assert [t.rows * t.cols for t, _ in each] == [S * S // 4] * 3
+    out, lse = combine.merge_parts([(t.q, *r) for t, r in each], tuple(q.shape), q.dtype)
+    one = runner.forward(q, k, v, task)
+    assert (lse - one.lse).abs().max().item() < 1e-3
+    assert (out.float() - one.out.float()).abs().max().item() < 2e-2
+    short = Task(0, S // 2, 0, S // 2, Band(None, 0))
+    assert [t for t, _ in runner.forward_each((short,), q[:, :S // 2], k[:, :S // 2], v[:, :S // 2])] == [short]

@@ -206,3 +206,43 @@ def test_folding_the_lse_gradient_is_exact_in_fp64():
         torch.testing.assert_close(y, x, atol=1e-12, rtol=1e-10)
     arrived = GradRows.given(rows.folded[0], folded=rows.folded)      # pass-Q's bundle, to a kernel taking Delta
     torch.testing.assert_close(arrived.delta, rows.delta, atol=1e-12, rtol=1e-10)
+
+
+def test_causal_halves_cover_the_causal_block_once():
+    """Note [Long causal calls in halves]: the three blocks see exactly the causal block's pairs, each pair once,
+    and merged they give the one call's out and lse (reference kernel, fp64); other blocks stay whole, and off
+    CUDA ``forward_each`` never cuts."""
+    from seqpar.kernels import combine
+    from seqpar.kernels.executor import HALVES_ROWS, TaskRunner, halves
+    from seqpar.layouts.blocks import Task
+
+    for q0, k0, n in ((0, 0, 10), (3, 5, 9)):
+        t = Task(q0, q0 + n, k0, k0 + n, Band(None, 0))
+        seen = torch.zeros(n, n, dtype=torch.int64)
+        parts = halves(t)
+        assert len(parts) == 3
+        for p in parts:
+            d = torch.arange(p.cols)[None] - torch.arange(p.rows)[:, None]
+            vis = torch.ones(p.rows, p.cols, dtype=torch.bool)
+            if p.mask.hi is not None:
+                vis &= d <= p.mask.hi
+            seen[p.q_start - q0:p.q_stop - q0, p.k_start - k0:p.k_stop - k0] += vis
+        assert torch.equal(seen, torch.ones(n, n, dtype=torch.int64).tril())
+    for other in (Task(0, 8, 0, 8, Band()), Task(0, 8, 0, 12, Band(None, 4)), Task(0, 8, 0, 8, Band(-3, 0))):
+        assert halves(other) == (other,)
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 12, 4, 16, dtype=torch.float64)
+    k, v = (torch.randn(2, 12, 2, 16, dtype=torch.float64) for _ in range(2))
+    runner, whole = TaskRunner("reference", 0.25), Task(0, 12, 0, 12, Band(None, 0))
+    one = runner.forward(q, k, v, whole)
+    out, lse = combine.merge_parts([(p.q, *runner.forward(q, k, v, p)) for p in halves(whole)], tuple(q.shape),
+                                   q.dtype)
+    torch.testing.assert_close(out, one.out)
+    torch.testing.assert_close(lse, one.lse)
+    big = Task(0, HALVES_ROWS, 0, HALVES_ROWS, Band(None, 0))
+    qb = torch.zeros(1, HALVES_ROWS, 1, 8)
+    called = []
+    runner.forward = lambda q_, k_, v_, t: called.append(t)
+    runner.forward_each((big,), qb, qb, qb)
+    assert called == [big]

@@ -96,6 +96,18 @@ Note [Bands on flex]
     4095-row band against its neighbour's keys; with ``WIDE_ROWS`` at 2048 that band ran on flex and the rank's
     forward went 3.84 -> 3.64 ms but its forward+backward 18.2 -> 22.6 ms (a band apart from its step's other
     blocks is a flex call of its own, whose backward recomputes its forward), so 4096 stays.
+
+Note [Long causal calls in halves]
+    Ulysses runs one causal call of H / U heads over the whole sequence. At 128K tokens cuDNN's causal forward is
+    not at its best as one call: as three - rows [0, h) against keys [0, h) causal, rows [h, S) against keys
+    [0, h) full, rows [h, S) against keys [h, S) causal, h = S / 2 - with the full block (half the work) on the
+    current stream and the two causal halves launched first beside it (Note [Calls side by side] in
+    ``seqpar.kernels.side``), each stream fills the other's idle end, and the full block runs without a mask.
+    One H100, 128K, bf16, D 128 (``benchmarks/gpu/probe_dense_tail.py``, the merge of the back rows included):
+    4 / 1 heads 30.3 -> 28.8 ms, 8 / 2 heads 63.9 -> 58.4 ms; at 32K nothing moved. So a square causal block of
+    ``HALVES_ROWS`` rows or more whose kernel is cuDNN runs its forward in halves (``TaskRunner.forward_each``);
+    its backward stays one call, exact from the final rows. The three partials cost 1.5x the block's output
+    until the call's one merge (Note [One merge per call]).
 """
 
 from __future__ import annotations
@@ -111,9 +123,10 @@ from ..masks.forms import Band, Joined, Modded, Varlen
 from ..numerics import GradRows, acc_dtype
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, device_arch, mask_kind, select
+from .side import beside_largest
 
-__all__ = ["GROUP_AT", "GROUP_ROWS", "JOIN_KEYS", "JOIN_PAIRS", "MEMO_SIZE", "VARLEN_BWD_ROWS", "WIDE_ROWS",
-           "TaskRunner", "row_groups"]
+__all__ = ["GROUP_AT", "GROUP_ROWS", "HALVES_ROWS", "JOIN_KEYS", "JOIN_PAIRS", "MEMO_SIZE", "VARLEN_BWD_ROWS",
+           "WIDE_ROWS", "TaskRunner", "halves", "row_groups"]
 
 GROUP_AT = 3
 """Tasks of one step from which ``TaskRunner.prepare`` packs them into varlen calls."""
@@ -133,6 +146,9 @@ WIDE_ROWS = 4096
 """Query rows from which a block is wide (``KernelCall.wide``): a windowed band that wide runs on flex in an sm90
 training call, a narrower one keeps FA2 (Note [Bands on flex]: bands of 255 and 511 rows lost on flex, of 16380
 and more won; ``GROUP_ROWS``, from which a block keeps its own call)."""
+HALVES_ROWS = 1 << 16
+"""Rows from which a square causal block on cuDNN runs its forward as three calls on two streams (Note [Long causal
+calls in halves]: 128K gained 5-9%, 32K nothing)."""
 
 Sig = tuple[int, int, int, torch.dtype, torch.device]
 """What a kernel choice depends on besides the block: (heads, KV heads, head dim, dtype, device)."""
@@ -152,6 +168,17 @@ def split_band(t: Task) -> bool:
     bands as tasks])."""
     m = t.mask
     return type(m) is Band and m.lo is None and m.hi is not None and 0 < m.hi < t.cols
+
+
+def halves(t: Task) -> tuple[Task, ...]:
+    """A square causal block as its front rows causal, its back rows against the front keys (full) and its back rows
+    causal (Note [Long causal calls in halves]); any other block as itself."""
+    m = t.mask
+    if type(m) is not Band or m.lo is not None or m.hi != 0 or t.rows != t.cols or t.rows < 2:
+        return (t,)
+    q, k, h = t.q_start, t.k_start, t.rows // 2
+    return (Task(q, q + h, k, k + h, m), Task(q + h, t.q_stop, k, k + h, Band()),
+            Task(q + h, t.q_stop, k + h, t.k_stop, m))
 
 
 def row_groups(task: Task, most: int) -> tuple[Task, ...]:
@@ -363,6 +390,17 @@ class TaskRunner:
         ks, vs = (k, v) if task.k_start == 0 and task.k_stop == k.shape[1] else (k[:, task.k], v[:, task.k])
         return self.kernel_for(qs, ks, task, v.shape[-1]).forward(qs, ks, vs, task.mask, self.scale,
                                                                    softcap=self.softcap)
+
+    def forward_each(self, tasks: tuple[Task, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                     ) -> list[tuple[Task, AttnOutput]]:
+        """Every call of ``tasks`` (``prepare``) with its partial; a lone square causal block of ``HALVES_ROWS`` rows
+        or more on cuDNN runs as three calls on two streams (Note [Long causal calls in halves])."""
+        tasks = self.prepare(tasks, q, k)
+        if len(tasks) == 1 and q.device.type == "cuda" and tasks[0].rows >= HALVES_ROWS:
+            cut = halves(tasks[0])
+            if len(cut) > 1 and self.kernel_for(q, k, tasks[0], v.shape[-1]).name == "cudnn":
+                return list(zip(cut, beside_largest(cut, lambda t: self.forward(q, k, v, t), q.device)))
+        return [(t, self.forward(q, k, v, t)) for t in tasks]
 
     def backward(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                  task: Task) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -5,6 +5,8 @@
         ...                          # work launched first, beside what the current stream runs next
     join(side, made)                 # the current stream waits for it; ``made`` there is marked as used here
 
+    beside_largest(tasks, fn, device)  # fn(task) for each: the largest on the current stream, the rest beside it
+
 Note [Calls side by side]
     A kernel call of a few thousand query rows leaves the GPU partly idle at its end: its last thread blocks run
     while the rest of the GPU waits (FA2's varlen forward over a balanced rank's pieces of documents: 0.47 ms for
@@ -13,8 +15,9 @@ Note [Calls side by side]
     that share no output run on two streams, the smaller ones launched first: each fills the other's idle
     end. Long documents alone beside a varlen call (Note [Long documents in few heads] in ``long_docs``) and
     all-gather's calls of one round (Note [All-gather calls side by side] in ``seqpar.methods.allgather``) fork
-    here. One stream per device, made once: under graph capture the fork and join are recorded like any stream
-    wait.
+    here (``beside_largest``), and so does a long causal call cut in three (Note [Long causal calls in halves] in
+    ``seqpar.kernels.executor``). One stream per device, made once: under graph capture the fork and join are
+    recorded like any stream wait.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import functools
 
 import torch
 
-__all__ = ["beside", "join", "on"]
+__all__ = ["beside", "beside_largest", "join", "on"]
 
 
 @functools.cache
@@ -55,3 +58,21 @@ def join(side: torch.cuda.Stream | None, made: list[torch.Tensor]) -> None:
     cur.wait_stream(side)
     for t in made:
         t.record_stream(cur)
+
+
+def beside_largest(tasks, fn, device: torch.device) -> list:
+    """``fn(task)`` for every task (blocks with ``rows`` and ``cols``), in task order: the largest (by rows x keys)
+    on the current stream, the others launched first on the side stream; what they return (tuples of tensors)
+    joins the current stream."""
+    if len(tasks) < 2:
+        return [fn(t) for t in tasks]
+    main = max(range(len(tasks)), key=lambda i: tasks[i].rows * tasks[i].cols)
+    rest = [i for i in range(len(tasks)) if i != main]
+    res: list = [None] * len(tasks)
+    side = beside(device)
+    with on(side):
+        for i in rest:
+            res[i] = fn(tasks[i])
+    res[main] = fn(tasks[main])
+    join(side, [x for i in rest for x in res[i]])
+    return res

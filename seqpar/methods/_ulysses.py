@@ -190,8 +190,8 @@ class LocalEngine:
 
     def forward(self, q, k, v):
         acc = Accumulator(q, v.shape[-1], defer=True)
-        for t in self.runner.prepare(self.tasks, q, k):
-            acc.add(t.q, *self.runner.forward(q, k, v, t), t.covered)
+        for t, res in self.runner.forward_each(self.tasks, q, k, v):
+            acc.add(t.q, *res, t.covered)
         return acc.result(q.dtype)
 
     def backward(self, rows, q, k, v, lse):

@@ -145,7 +145,7 @@ from ..errors import rank_suffix
 from ..kernels import combine
 from ..kernels.executor import TaskRunner, split_band
 from ..kernels.merge import Accumulator
-from ..kernels.side import beside, join, on
+from ..kernels.side import beside_largest
 from ..layouts import Layout, make_layout
 from ..layouts.blocks import Rule, Run, Segments, Task, plan
 from ..memo import batch_memo
@@ -699,30 +699,6 @@ def _in_one_pass(tasks: tuple[Task, ...], rows: int, grad_bytes: int, acc_bytes:
 
 
 @functools.lru_cache(maxsize=32)
-def _side_by_side(tasks: tuple[Task, ...]) -> tuple[tuple[int, ...], int]:
-    """Note [All-gather calls side by side]: the indices of the calls launched first beside the largest (by rows x
-    keys), and the largest's."""
-    main = max(range(len(tasks)), key=lambda i: tasks[i].rows * tasks[i].cols)
-    return tuple(i for i in range(len(tasks)) if i != main), main
-
-
-def _beside_largest(tasks: tuple[Task, ...], fn, device: torch.device) -> list:
-    """``fn(task)`` for every task, in task order (Note [All-gather calls side by side]): the largest on the
-    current stream, the others launched first on the side stream; what they return joins the current stream."""
-    if len(tasks) < 2:
-        return [fn(t) for t in tasks]
-    rest, main = _side_by_side(tasks)
-    res: list = [None] * len(tasks)
-    side = beside(device)
-    with on(side):
-        for i in rest:
-            res[i] = fn(tasks[i])
-    res[main] = fn(tasks[main])
-    join(side, [x for i in rest for x in res[i]])
-    return res
-
-
-@functools.lru_cache(maxsize=32)
 def _disjoint(tasks: tuple[Task, ...]) -> bool:
     """No query row is in two calls (always so for a global-order plan unless varlen packing interleaves)."""
     spans = sorted((t.q_start, t.q_stop) for t in tasks)
@@ -797,7 +773,7 @@ class _Engine:
                 qh = self._heads(c)
                 qc = q[:, :, qh]
                 parts = Accumulator(qc, v.shape[-1], defer=True)     # rows in two calls: one merge per round
-                results = _beside_largest(tasks, lambda t: runner.forward(qc, kc, vc, t), q.device)
+                results = beside_largest(tasks, lambda t: runner.forward(qc, kc, vc, t), q.device)
                 for t, (o, l) in zip(tasks, results):
                     if alone:
                         out, lse = o.to(q.dtype), l.to(acc)
@@ -841,7 +817,7 @@ class _Engine:
                                  else rows.dlse[:, qh])
                 dkv = grads.start(c)
                 if one_pass:                    # every call's gradients held, then summed once
-                    res = _beside_largest(tasks, lambda t: runner.backward(hrows, q[:, :, qh], kc, vc,
+                    res = beside_largest(tasks, lambda t: runner.backward(hrows, q[:, :, qh], kc, vc,
                                                                            b.lse[:, qh], t), q.device)
                     dqs = [(t.q, g[0]) for t, g in zip(tasks, res)]
                     held = [(t.k, g[1], g[2]) for t, g in zip(tasks, res)]
