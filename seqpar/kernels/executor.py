@@ -103,11 +103,14 @@ Note [Long causal calls in halves]
     [0, h) full, rows [h, S) against keys [h, S) causal, h = S / 2 - with the full block (half the work) on the
     current stream and the two causal halves launched first beside it (Note [Calls side by side] in
     ``seqpar.kernels.side``), each stream fills the other's idle end, and the full block runs without a mask.
-    One H100, 128K, bf16, D 128 (``benchmarks/gpu/probe_dense_tail.py``, the merge of the back rows included):
-    4 / 1 heads 30.3 -> 28.8 ms, 8 / 2 heads 63.9 -> 58.4 ms; at 32K nothing moved. So a square causal block of
-    ``HALVES_ROWS`` rows or more whose kernel is cuDNN runs its forward in halves (``TaskRunner.forward_each``);
-    its backward stays one call, exact from the final rows. The three partials cost 1.5x the block's output
-    until the call's one merge (Note [One merge per call]).
+    One H100, bf16, D 128, the merge included (``benchmarks/gpu/probe_causal_split.py``,
+    ``benchmarks/results/2026-11-27-h100-twentieth/halves``): at 128K the forward gained 6.2% with 4 / 1 heads,
+    2.8% with 8 / 2, 5.9% with 16 / 4 and 7.4% with 32 / 8; at 64K -3% to +1.4% and at 32K -5% to +3%. The
+    backward cut the same way (the back rows' dQ and the front keys' dK/dV summed in fp32) moved -1.3% to +2.8% at
+    128K and nothing shorter, so it stays one call, exact from the final rows. Hence a square causal block of
+    ``HALVES_ROWS`` rows or more whose kernel is cuDNN runs its forward in halves (``TaskRunner.forward_each``):
+    Ulysses' forward at 128K, emulated W = 8 and 4, went from 0.89-0.96 to 0.98-1.05 of the one-GPU call's share.
+    The three partials hold 1.5x the block's output until the call's one merge (Note [One merge per call]).
 """
 
 from __future__ import annotations
@@ -146,9 +149,9 @@ WIDE_ROWS = 4096
 """Query rows from which a block is wide (``KernelCall.wide``): a windowed band that wide runs on flex in an sm90
 training call, a narrower one keeps FA2 (Note [Bands on flex]: bands of 255 and 511 rows lost on flex, of 16380
 and more won; ``GROUP_ROWS``, from which a block keeps its own call)."""
-HALVES_ROWS = 1 << 16
+HALVES_ROWS = 1 << 17
 """Rows from which a square causal block on cuDNN runs its forward as three calls on two streams (Note [Long causal
-calls in halves]: 128K gained 5-9%, 32K nothing)."""
+calls in halves]: 128K gained 3-7%, 64K nothing)."""
 
 Sig = tuple[int, int, int, torch.dtype, torch.device]
 """What a kernel choice depends on besides the block: (heads, KV heads, head dim, dtype, device)."""
