@@ -7,7 +7,8 @@ For each case (method/layout x mode): the host milliseconds of one call from an 
 total time, the GPU operations it launches (name, microseconds and the idle time before each, from
 torch.profiler), and cProfile's top functions by own time and by cumulative time over 20 calls: all in
 DIR/host.txt, with a summary line per case on stdout. The packed rows are the bench's (``seqpar.bench.packing``,
-seed 7, documents rounded to 2W).
+seed 7, documents rounded to 2W). The allocator's pool is seeded with random data before each case, as the bench
+seeds it (Note [Emulated data]).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import seqpar
 from seqpar.bench.packing import packed_row
-from seqpar.bench.timing import host_profile
+from seqpar.bench.timing import free_cached, host_profile
 
 H, D = 32, 128
 
@@ -35,8 +36,10 @@ def case_fn(method: str, layout: str, mode: str, total: int, cu: tuple[int, ...]
     where = {"method": method, "layout": layout}
     if cu is not None:
         where["cu_seqlens"] = cu
+    free_cached(dev, seed=True)       # received buffers hold data, not zeros (Note [Emulated data])
     full = [torch.randn(1, total, h, D, device=dev, dtype=torch.bfloat16) for h in (H, HKV, HKV, H)]
     q, k, v, do = (seqpar.shard(t, **where) for t in full)
+    del full
     kw = dict(where, check_ranks=False, graphs=graphs)
     if cu is not None:
         kw["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32)
