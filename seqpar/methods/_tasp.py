@@ -81,15 +81,6 @@ Note [TASP K and V apart]
     forward+backward 4.37 -> 4.13 ms there, 2.58 -> 2.34 ms at 2K tokens per rank over 8
     (``benchmarks/results/2026-11-27-h100-tasp-kv-apart``).
 
-Note [TASP calls side by side]
-    A rank between the ends runs two calls a round - for zigzag causal, all its queries against lower ranks' front
-    pieces ("M") and its back queries against higher ranks' pieces ("P") - where the ring runs one on the same
-    cells: at 128K over 8 (GQA, one H100, rank 1) a round's two forward calls took 2.94 + 0.58 ms against the ring's
-    3.28-3.41 ms a step. A round's calls share no output until the merge (forward) or the round's one sum (backward:
-    the calls' dK/dV cover disjoint pieces, their dQ is held), so they run as all-gather's do: the smaller launched
-    first on the side stream, the larger on the current one (``kernels.side.beside_largest``). The receive buffers
-    they read are written again two rounds later, by a transfer posted after this round's join.
-
 Note [TASP sums]
     The backward's dQ partials are fresh kernel outputs, held and summed once (``RowSum``, Note [One merge per
     call] in ``seqpar.kernels.combine``), and a round's dK/dV partials are summed straight into that round's fp32
@@ -116,7 +107,6 @@ from ..comm.ring import Exchange
 from ..kernels import combine
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator, RowSum
-from ..kernels.side import beside_largest
 from ..layouts.blocks import Band, Rule, Task, plan, slice_rows
 from ..layouts.subchunks import Subchunked
 from ..memo import batch_memo
@@ -509,9 +499,8 @@ class Tasp:
             else:
                 kb, vb = (bshd(x) for x in bufs[s % 2])
                 tasks = self._round(s).tasks
-            tasks = runner.prepare(tasks, q, kb)     # side by side (Note [TASP calls side by side])
-            for t, res in zip(tasks, beside_largest(tasks, lambda t: runner.forward(q, kb, vb, t), q.device)):
-                acc.add(t.q, *res, t.covered)
+            for t in runner.prepare(tasks, q, kb):
+                acc.add(t.q, *runner.forward(q, kb, vb, t), t.covered)
 
         run_steps(W, post=post, compute=compute)
         return acc.result(q.dtype)
@@ -537,14 +526,8 @@ class Tasp:
                 dv_sum.add(t.k, gv)
 
         def round_sums(tasks, kb, vb, dkv) -> None:
-            """A round's dK/dV written once into its (fp32) buffer rows: no zeroing, no adds; its calls side by side
-            (Note [TASP calls side by side])."""
-            tasks = runner.prepare(tasks, q, kb)
-            parts = []
-            for t, (gq, gk, gv) in zip(tasks, beside_largest(
-                    tasks, lambda t: runner.backward(rows, q, kb, vb, lse, t), q.device)):
-                dq.add(t.q, gq, t.covered)
-                parts.append((t.k, gk, gv))
+            """A round's dK/dV written once into its (fp32) buffer rows: no zeroing, no adds."""
+            parts = [(t.k, gk, gv) for t, gk, gv in grads(tasks, kb, vb)]
             for view, i in zip((bshd(x) for x in unpack_kv(dkv, d)), (1, 2)):
                 combine.sum_parts([(p[0], p[i]) for p in parts], tuple(view.shape), acc, out=view)
 
