@@ -410,3 +410,32 @@ def test_bench_emulated_mask_smoke(tmp_path):
     assert [r["method"] for r in recs if r.get("method", "").startswith("limit")] == ["limit:flex-1gpu"]
     ours = [r for r in recs if r.get("method") in ("ring/contiguous", "ulysses")]
     assert len(ours) == 2 and all(r["mask"] == "tree" and r["compute_efficiency"] > 0 for r in ours), ours
+
+
+def test_packed_limit_runs_in_head_groups_when_the_whole_call_does_not_fit(monkeypatch):
+    """Note [The limit in head groups]: the single-GPU varlen limit retries on H / g heads run g times where the
+    whole call runs out of memory, and its records name g; g calls are timed back to back."""
+    from types import SimpleNamespace
+
+    from seqpar.bench import suites
+
+    recs, tried = [], []
+    bench = SimpleNamespace(measures_limit=True, emulated=True, device=torch.device("cpu"), write=recs.append,
+                            args=SimpleNamespace(modes=""))
+
+    def fake(bench_, total, cu, H, Hkv, D, groups):
+        tried.append((H, Hkv, groups))
+        if groups < 4:
+            raise torch.OutOfMemoryError("out of memory")
+        return {"fwd": 1.0, "fwd+bwd": 3.0}
+    monkeypatch.setattr(suites, "_time_limit", fake)
+    assert suites._varlen_limit(bench, 64, (0, 40, 64), 32, 8, 16) == {"fwd": 1.0, "fwd+bwd": 3.0}
+    assert tried == [(32, 8, 1), (16, 4, 2), (8, 2, 4)]
+    assert {r["head_groups"] for r in recs} == {4} and len(recs) == 2
+    monkeypatch.undo()
+
+    calls = []
+    monkeypatch.setattr(suites, "_reference_varlen", lambda *a: (lambda: calls.append("f"), lambda: calls.append("b")))
+    monkeypatch.setattr(suites, "time_ms", lambda fn, dev, **kw: fn() or 0.5)
+    assert suites._time_limit(bench, 64, (0, 40, 64), 8, 2, 16, 3) == {"fwd": 0.5, "fwd+bwd": 0.5}
+    assert calls == ["f"] * 3 + ["b"] * 3
