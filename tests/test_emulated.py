@@ -432,6 +432,8 @@ def test_packed_limit_runs_in_head_groups_when_the_whole_call_does_not_fit(monke
     assert suites._varlen_limit(bench, 64, (0, 40, 64), 32, 8, 16) == {"fwd": 1.0, "fwd+bwd": 3.0}
     assert tried == [(32, 8, 1), (16, 4, 2), (8, 2, 4)]
     assert {r["head_groups"] for r in recs} == {4} and len(recs) == 2
+    with pytest.raises(torch.OutOfMemoryError):              # 12 / 6 heads: groups 1 and 2 only, both too large
+        suites._varlen_limit(bench, 64, (0, 40, 64), 12, 6, 16)
     monkeypatch.undo()
 
     calls = []

@@ -307,13 +307,14 @@ def _varlen_limit(bench: Any, total: int, cu: tuple[int, ...], H: int, Hkv: int,
         # the earlier rows' plans hold graph pools: FA2's varlen backward at 1M tokens needs most of an 80 GB GPU
         # (it ran out of memory after the 128K rows on 4 H100s, 2026-11-26)
         _call.cache_clear()
-        for groups in (g for g in LIMIT_HEAD_GROUPS if H % g == 0 and Hkv % g == 0):
+        tries = [g for g in LIMIT_HEAD_GROUPS if H % g == 0 and Hkv % g == 0]
+        for groups in tries:
             _empty_cache(bench)
             try:
                 res = _time_limit(bench, total, cu, H // groups, Hkv // groups, D, groups)
                 break
             except torch.OutOfMemoryError:
-                if groups == LIMIT_HEAD_GROUPS[-1]:
+                if groups == tries[-1]:
                     raise
         _empty_cache(bench)
     res = res if bench.emulated else _broadcast(res, bench.device)   # emulated: measured here (no peers)
