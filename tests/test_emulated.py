@@ -413,27 +413,30 @@ def test_bench_emulated_mask_smoke(tmp_path):
 
 
 def test_packed_limit_runs_in_head_groups_when_the_whole_call_does_not_fit(monkeypatch):
-    """Note [The limit in head groups]: the single-GPU varlen limit retries on H / g heads run g times where the
-    whole call runs out of memory, and its records name g; g calls are timed back to back."""
+    """Note [The limit in head groups]: the single-GPU varlen limit runs on H / g heads g times, g the least whose
+    estimated memory fits the free memory (the 1M row: 77 GB at 32 / 8 heads, so two groups on an 80 GB GPU); its
+    records name g; g calls are timed back to back."""
     from types import SimpleNamespace
 
     from seqpar.bench import suites
 
-    recs, tried = [], []
+    GiB = 2**30
+    assert suites.limit_bytes(1 << 20, 32, 8, 128) == 72 * GiB                 # about 77 GB: the real run's count
+    assert suites.limit_head_groups(1 << 20, 32, 8, 128, 79 * GiB) == 2
+    assert suites.limit_head_groups(1 << 20, 32, 8, 128, 100 * GiB) == 1
+    assert suites.limit_head_groups(1 << 20, 32, 8, 128, 20 * GiB) == 4
+    assert suites.limit_head_groups(1 << 20, 32, 8, 128, None) == 1            # CPU: no bound
+    with pytest.raises(MemoryError, match="no head group"):                    # 12 / 6 heads: groups 1 and 2 only
+        suites.limit_head_groups(1 << 20, 12, 6, 128, 10 * GiB)
+
+    recs, seen = [], []
     bench = SimpleNamespace(measures_limit=True, emulated=True, device=torch.device("cpu"), write=recs.append,
                             args=SimpleNamespace(modes=""))
-
-    def fake(bench_, total, cu, H, Hkv, D, groups):
-        tried.append((H, Hkv, groups))
-        if groups < 4:
-            raise torch.OutOfMemoryError("out of memory")
-        return {"fwd": 1.0, "fwd+bwd": 3.0}
-    monkeypatch.setattr(suites, "_time_limit", fake)
+    monkeypatch.setattr(suites, "limit_head_groups", lambda *a: 4)
+    monkeypatch.setattr(suites, "_time_limit", lambda b, total, cu, H, Hkv, D, g: seen.append((H, Hkv, g))
+                        or {"fwd": 1.0, "fwd+bwd": 3.0})
     assert suites._varlen_limit(bench, 64, (0, 40, 64), 32, 8, 16) == {"fwd": 1.0, "fwd+bwd": 3.0}
-    assert tried == [(32, 8, 1), (16, 4, 2), (8, 2, 4)]
-    assert {r["head_groups"] for r in recs} == {4} and len(recs) == 2
-    with pytest.raises(torch.OutOfMemoryError):              # 12 / 6 heads: groups 1 and 2 only, both too large
-        suites._varlen_limit(bench, 64, (0, 40, 64), 12, 6, 16)
+    assert seen == [(8, 2, 4)] and {r["head_groups"] for r in recs} == {4} and len(recs) == 2
     monkeypatch.undo()
 
     calls = []

@@ -289,33 +289,53 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
 LIMIT_HEAD_GROUPS = (1, 2, 4, 8)
 """Head groups the single-GPU varlen limit may be timed in when the whole call does not fit (Note [The limit in head
 groups])."""
+LIMIT_MEMORY_FRACTION = 0.9
+"""Of the GPU's free memory, what the limit's call may be estimated to take (``limit_bytes``)."""
+
+
+def limit_bytes(total: int, H: int, Hkv: int, D: int) -> int:
+    """Bytes FA2's varlen forward+backward holds on ``total`` tokens in bf16 (Note [The limit in head groups]): q, dO,
+    out, dQ and GQA's expanded dK and dV per query head, K, V, dK and dV per KV head, and the fp32 dQ accumulator."""
+    return total * D * (2 * (6 * H + 4 * Hkv) + 4 * H)
+
+
+def limit_head_groups(total: int, H: int, Hkv: int, D: int, free_bytes: int | None) -> int:
+    """The least head group count of ``LIMIT_HEAD_GROUPS`` (dividing both head counts) whose call fits
+    ``LIMIT_MEMORY_FRACTION`` of ``free_bytes`` (None: no bound, one group); raises MemoryError where none does."""
+    tries = [g for g in LIMIT_HEAD_GROUPS if H % g == 0 and Hkv % g == 0]
+    if free_bytes is None:
+        return 1
+    for g in tries:
+        if limit_bytes(total, H // g, Hkv // g, D) <= LIMIT_MEMORY_FRACTION * free_bytes:
+            return g
+    need = limit_bytes(total, H, Hkv, D) / 2**30
+    raise MemoryError(f"the single-GPU varlen limit on {total} tokens needs {need:.1f} GiB in one call and no head "
+                      f"group of {tries} fits {free_bytes / 2**30:.1f} GiB free")
 
 
 def _varlen_limit(bench: Any, total: int, cu: tuple[int, ...], H: int, Hkv: int, D: int) -> dict[str, float]:
     """The single-GPU FA2 varlen kernel on the whole row (rank 0 times it, every rank gets it), per mode.
 
     Note [The limit in head groups]
-        FA2's varlen backward on a 1M-token row with 32 / 8 heads of 128 needs about 77 GB with its inputs, so on an
-        80 GB GPU the packed suite's 1M row stopped at its own yardstick (four H100s, 2026-11-26 and 2026-11-27).
-        Heads are independent and every head of a row costs the same, so where the whole call runs out of memory
-        the limit is the same call on H / g query and Hkv / g KV heads, run g times back to back (the least g of
-        ``LIMIT_HEAD_GROUPS`` that fits): one GPU doing the row's whole work, one head group at a time. Records
-        name g (``head_groups``)."""
+        FA2's varlen backward on a 1M-token row with 32 / 8 heads of 128 needs about 77 GB with its inputs
+        (``limit_bytes``), so on an 80 GB GPU the packed suite's 1M row stopped at its own yardstick (four H100s,
+        2026-11-26 and 2026-11-27). Heads are independent and every head of a row costs the same, so the limit is
+        the same call on H / g query and Hkv / g KV heads, run g times back to back, for the least g of
+        ``LIMIT_HEAD_GROUPS`` whose estimate fits the free memory: one GPU doing the row's whole work, one head
+        group at a time. Records name g (``head_groups``). g is chosen by the estimate, not by catching an
+        out-of-memory error: a first version tried the whole call and retried on OOM, which on one H100 (pool
+        seeded) ran 16 heads after 32 ran out, but on four H100s (a real group) left the context broken - an
+        illegal memory access reported at the next ``empty_cache`` - so no call is launched that may not fit."""
     res: dict[str, float] = {}
     groups = 1
     if bench.measures_limit:
         # the earlier rows' plans hold graph pools: FA2's varlen backward at 1M tokens needs most of an 80 GB GPU
         # (it ran out of memory after the 128K rows on 4 H100s, 2026-11-26)
         _call.cache_clear()
-        tries = [g for g in LIMIT_HEAD_GROUPS if H % g == 0 and Hkv % g == 0]
-        for groups in tries:
-            _empty_cache(bench)
-            try:
-                res = _time_limit(bench, total, cu, H // groups, Hkv // groups, D, groups)
-                break
-            except torch.OutOfMemoryError:
-                if groups == tries[-1]:
-                    raise
+        _empty_cache(bench)
+        free = torch.cuda.mem_get_info(bench.device)[0] if bench.device.type == "cuda" else None
+        groups = limit_head_groups(total, H, Hkv, D, free)
+        res = _time_limit(bench, total, cu, H // groups, Hkv // groups, D, groups)
         _empty_cache(bench)
     res = res if bench.emulated else _broadcast(res, bench.device)   # emulated: measured here (no peers)
     for mode, t in res.items():
