@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
+from seqpar.bench.packing import packed_row
 from seqpar.kernels import combine, merge
 from seqpar.kernels.executor import TaskRunner, split_band
 from seqpar.layouts import make_layout
@@ -394,6 +395,11 @@ def test_bench_emulated_packed_smoke(tmp_path):
         rows = [r for r in recs if r.get("method") == label]
         assert len(rows) == 4 and all(r["packed"] and r["row"].startswith("packed-") and r["emulated_world"] == 4
                                       and r["compute_efficiency"] > 0 for r in rows), rows
+        # issue 23's record fields, and the row named well enough to regenerate it
+        for r in rows:
+            assert (r["heads"], r["kv_heads"], r["causal"]) == (32, 8, True) and r["tokens_per_rank"] > 0, r
+            cu = packed_row(r["seq_len"], r["distribution"], seed=r["packing_seed"], multiple=r["packing_multiple"])
+            assert len(cu) - 1 == r["documents"] and cu[-1] <= r["seq_len"], r
     picks = {r.get("auto_pick") for r in recs if r.get("method") == "auto/balanced"}
     assert picks and None not in picks and all(p.split()[0] in seqpar.methods.available() for p in picks), picks
 

@@ -17,7 +17,9 @@ packed    packed training: rows of 128K and 1M tokens (``seqpar.bench.packing``:
           row divided by W; per-rank work max/mean; peak memory; the peers' varlen paths with ``--peers``.
 
 Records are the benchmark's JSON lines (``preset``, ``method``, ``mode``, ``time_ms``, ``limit_ms``, ...) plus
-suite fields (``host_us``, ``ratio``, ``work_max_over_mean``).
+suite fields (``host_us``, ``ratio``, ``work_max_over_mean``); a packed row's also carry ``packed``, ``row``,
+``documents``, the shape (``heads``, ``kv_heads``, ``head_dim``, ``causal``) and what regenerates the row
+(``distribution``, ``packing_seed``, ``packing_multiple``); its limit's, ``head_groups``.
 """
 
 from __future__ import annotations
@@ -236,6 +238,10 @@ def _mode(mode: str, call: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.
     return lambda: torch.autograd.grad(call(*leaves), leaves, do)
 
 
+PACKING_SEED = 7
+"""The packed suite's rows are ``packed_row(total, distribution, seed=PACKING_SEED, multiple=2 W)``, named so in its
+records."""
+
 PACKED_CONFIGS = (("ring", "zigzag"), ("ring", "balanced"), ("ring", "balanced_whole"), ("allgather", "zigzag"),
                   ("allgather", "balanced"), ("allgather", "balanced_whole"), ("ulysses", "contiguous"),
                   ("auto", "contiguous"), ("auto", "balanced"), ("auto", "balanced_whole"))
@@ -248,10 +254,13 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
 
     dev, W = bench.device, bench.world
     H, Hkv, D = 32, 8, 128
-    cu = packed_row(total, dist_name, seed=7, multiple=2 * W)
+    cu = packed_row(total, dist_name, seed=PACKING_SEED, multiple=2 * W)
     cu_t = torch.tensor(cu, dtype=torch.int32)
     preset = f"packed-{total // 1024}k-{dist_name}"
     limit = _varlen_limit(bench, total, cu, H, Hkv, D)
+    # what a record needs to be read back alone: the shape, and the row (``packed_row`` regenerates it exactly)
+    shape = {"heads": H, "kv_heads": Hkv, "head_dim": D, "causal": True, "distribution": dist_name,
+             "packing_seed": PACKING_SEED, "packing_multiple": 2 * W}
     keep = _wanted(bench.args.methods)
     for method, layout in PACKED_CONFIGS:
         if keep and method not in keep and f"{method}/{layout}" not in keep:
@@ -264,7 +273,7 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
         if bench.emulated:                              # time the busiest rank (Note [Emulated world])
             bench.emulate_as(0 if method == "ulysses" else bench.busiest(make_layout(layout, W, cu), total, True, cu))
         extra = {"work_max_over_mean": imbalance, "documents": len(cu) - 1, "packed": True, "row": preset,
-                 "seq_len": total}
+                 "seq_len": total, **shape}
 
         def build(mode: str, where=where, extra=extra):
             full = [_randn((1, total, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv, H))]
@@ -283,7 +292,7 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
                 lay = "doc_zigzag" if "zigzag" in label else "contiguous"
                 bench.emulate_as(bench.busiest(make_layout(lay, W, cu), total, True, cu))
             _time_rows(bench, preset, label, factory, limit, {"documents": len(cu) - 1, "packed": True, "row": preset,
-                                                              "seq_len": total})
+                                                              "seq_len": total, **shape})
 
 
 LIMIT_HEAD_GROUPS = (1, 2, 4, 8)
