@@ -244,3 +244,23 @@ def test_document_layouts_over_one_document_are_their_plain_counterparts():
                                       for e in ranked.entries), name    # TASP takes zigzag, not a document layout
     empty = plan(seq_len=512, heads=4, kv_heads=1, world=4, head_dim=16, methods=["ulysses"], layout="zigzag")
     assert empty.best is None and "no method offers a configuration" in empty.reason
+
+
+def test_validate_predicts_packed_records_with_their_documents():
+    """A packed-suite record is predicted with its row's documents: regenerated from the fields it names, or - for
+    records written before it named them - from its row's name and the suite's shape; a packed row costs less than
+    the dense one of its length (every token sees only its document)."""
+    from seqpar.bench.packing import packed_row
+    from seqpar.planner.validate import packed_documents, predict_record
+
+    old = {"method": "ring/balanced", "world_size": 8, "seq_len": 32768, "packed": True,
+           "row": "packed-32k-lognormal", "gpu": "NVIDIA H100 80GB HBM3", "mode": "fwd", "time_ms": 1.0}
+    new = old | {"heads": 32, "kv_heads": 8, "head_dim": 128, "causal": True, "distribution": "lognormal",
+                 "packing_seed": 7, "packing_multiple": 16}
+    cu = packed_row(32768, "lognormal", seed=7, multiple=16)
+    assert packed_documents(old) == packed_documents(new) == cu
+    assert packed_documents({"method": "ring", "seq_len": 8}) is None
+    packed = predict_record(new).time_ms("fwd")
+    assert predict_record(old).time_ms("fwd") == packed
+    dense = predict_record({k: v for k, v in new.items() if k != "packed"} | {"method": "ring/zigzag"})
+    assert 0 < packed < dense.time_ms("fwd")

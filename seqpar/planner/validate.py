@@ -124,14 +124,35 @@ def modelled(rec: dict[str, Any]) -> bool:
     return not (method.startswith("peer:") or is_auto(method))
 
 
+PACKED_SUITE_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128, "causal": True, "packing_seed": 7}
+"""The packed suite's shape and seed, for its records written before they named them (``seqpar.bench.suites``)."""
+
+
+def packed_documents(rec: dict[str, Any]) -> tuple[int, ...] | None:
+    """A packed-suite record's ``cu_seqlens``, regenerated (``seqpar.bench.packing.packed_row``) from its
+    ``distribution``, ``packing_seed`` and ``packing_multiple`` - for older records, from its row's name
+    ("packed-32k-lognormal"), the suite's seed and 2 x its world size; None for a record of no packed row."""
+    if not rec.get("packed"):
+        return None
+    from ..bench.packing import packed_row
+
+    dist = rec.get("distribution") or str(rec["row"]).split("-", 2)[2]
+    multiple = int(rec.get("packing_multiple", 2 * int(rec["world_size"])))
+    return packed_row(int(rec["seq_len"]), dist, seed=int(rec.get("packing_seed", PACKED_SUITE_SHAPE["packing_seed"])),
+                      multiple=multiple)
+
+
 def predict_record(rec: dict[str, Any], prof: Profile | None = None, kernel: str | None = None) -> Prediction:
-    """The cost model's prediction for one benchmark record of a seqpar method."""
+    """The cost model's prediction for one benchmark record of a seqpar method (a packed row's with its
+    documents, Note [Packed batches] in ``seqpar.cost.model``)."""
     method, W = str(rec["method"]), int(rec["world_size"])
     profile = profile_for(rec, prof)
+    if rec.get("packed"):
+        rec = PACKED_SUITE_SHAPE | rec
     causal = bool(rec.get("causal", True))
     p = Problem(seq_len=int(rec["seq_len"]), heads=int(rec["heads"]), kv_heads=int(rec.get("kv_heads", rec["heads"])),
                 head_dim=int(rec.get("head_dim", 128)), batch=int(rec.get("batch", 1)), world=W, causal=causal,
-                dtype_bytes=DTYPE_BYTES[str(rec.get("dtype", "bfloat16"))])
+                dtype_bytes=DTYPE_BYTES[str(rec.get("dtype", "bfloat16"))], documents=packed_documents(rec))
     topo = get_topology(None if W <= profile.gpus_per_node else "nvswitch", profile)
     kern = kernel or rec.get("kernel") or profile.default_kernel
     return predict(p, parse_method(method, W, causal), Machine(profile, Network(topo, profile), kern))
