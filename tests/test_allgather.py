@@ -310,7 +310,7 @@ def test_selection_on_a_packed_row_moves_a_fraction_of_the_sequence(layout, shar
     """The bench's 128K lognormal row (seed 0) at W = 8: the busiest reader needs a quarter (zigzag) or half
     (balanced: long documents are split over every rank, so their last chunks read the whole document) of the
     keys; the full all-gather moves every rank the whole sequence."""
-    from seqpar.bench.packing import packed_row
+    from seqpar.layouts.packing import packed_row
 
     S = 1 << 17
     cu = packed_row(S, "lognormal", seed=0)

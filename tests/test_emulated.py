@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.bench.packing import packed_row
 from seqpar.kernels import combine, merge
 from seqpar.kernels.executor import TaskRunner, split_band
 from seqpar.layouts import make_layout
 from seqpar.layouts.blocks import Band, Rule, Task
+from seqpar.layouts.packing import packed_row
 from seqpar.methods import _passq
 from seqpar.methods._shared import split_own
 from seqpar.runtime import call as _call

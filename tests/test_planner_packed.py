@@ -206,7 +206,7 @@ def test_inference_cases():
 
 def test_allgather_on_documents_prices_the_selective_gather():
     """Note [Selective gather]: the planner's bytes and gathered memory are the busiest reader's share."""
-    from seqpar.bench.packing import packed_row
+    from seqpar.layouts.packing import packed_row
     from seqpar.methods.allgather import selected_rows
 
     S, W = 1 << 17, 8
@@ -250,7 +250,7 @@ def test_validate_predicts_packed_records_with_their_documents():
     """A packed-suite record is predicted with its row's documents: regenerated from the fields it names, or - for
     records written before it named them - from its row's name and the suite's shape; a packed row costs less than
     the dense one of its length (every token sees only its document)."""
-    from seqpar.bench.packing import packed_row
+    from seqpar.layouts.packing import packed_row
     from seqpar.planner.validate import packed_documents, predict_record
 
     old = {"method": "ring/balanced", "world_size": 8, "seq_len": 32768, "packed": True,

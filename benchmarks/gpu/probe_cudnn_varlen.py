@@ -2,7 +2,7 @@
 
     python3 benchmarks/gpu/probe_cudnn_varlen.py [--rows 32768,131072] [--heads 4/1,32/8]
 
-For each packed row (``seqpar.bench.packing.packed_row``, lognormal, seed 7) and head count (query/KV heads: 4/1 is
+For each packed row (``seqpar.layouts.packing.packed_row``, lognormal, seed 7) and head count (query/KV heads: 4/1 is
 Ulysses' share of GQA 32/8 over 8 ranks): ``aten._cudnn_attention_forward`` / ``_backward`` with ``cum_seq_q/k``
 (the nested-tensor path, THD layout) against ``aten._flash_attention_forward`` / ``_backward`` with the same
 ``cu_seqlens``, causal: the largest differences of out, lse and the gradients, and ms per call (CUDA events,
@@ -16,8 +16,8 @@ import itertools
 
 import torch
 
-from seqpar.bench.packing import packed_row
 from seqpar.bench.timing import rank_median_ms
+from seqpar.layouts.packing import packed_row
 
 aten = torch.ops.aten
 

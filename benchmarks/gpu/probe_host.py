@@ -6,7 +6,7 @@
 For each case (method/layout x mode): the host milliseconds of one call from an idle GPU (median of 10), the call's
 total time, the GPU operations it launches (name, microseconds and the idle time before each, from
 torch.profiler), and cProfile's top functions by own time and by cumulative time over 20 calls: all in
-DIR/host.txt, with a summary line per case on stdout. The packed rows are the bench's (``seqpar.bench.packing``,
+DIR/host.txt, with a summary line per case on stdout. The packed rows are the bench's (``seqpar.layouts.packing``,
 seed 7, documents rounded to 2W). The allocator's pool is seeded with random data before each case, as the bench
 seeds it (Note [Emulated data]).
 """
@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import seqpar
-from seqpar.bench.packing import packed_row
 from seqpar.bench.timing import free_cached, host_profile
+from seqpar.layouts.packing import packed_row
 
 H, D = 32, 128
 

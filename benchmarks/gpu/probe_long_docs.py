@@ -20,12 +20,12 @@ from dataclasses import replace
 
 import torch
 
-from seqpar.bench.packing import packed_row
 from seqpar.bench.report import write_probe
 from seqpar.bench.timing import back_to_back_ms, burst_ms
 from seqpar.kernels import long_docs
 from seqpar.kernels import side as side_mod
 from seqpar.kernels.base import KERNELS, KernelCall
+from seqpar.layouts.packing import packed_row
 from seqpar.masks.forms import Varlen
 
 D = 128

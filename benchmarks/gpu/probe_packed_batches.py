@@ -27,7 +27,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import seqpar
 from seqpar.bench.inference import parse_tokens
-from seqpar.bench.packing import packed_row
+from seqpar.layouts.packing import packed_row
 from seqpar.runtime import call
 
 METHODS = {"ring": "balanced", "allgather": "balanced", "ulysses": "contiguous"}

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import seqpar
-from seqpar.bench.packing import packed_row
+from seqpar.layouts.packing import packed_row
 
 aten = torch.ops.aten
 

@@ -10,7 +10,7 @@ the fraction of the one-GPU cuDNN call on the full sequence divided by W (the be
 - ``ring-zigzag``: one causal 2L x 2L-chunk call and W - 1 full calls of half the rows or half the keys;
 - ``allgather-zigzag``: the front chunk's causal call, and the back chunk against every key (full keys + causal
   square on cuDNN, or one bottom-right causal call on FA2).
-With ``--packed``: the bench's packed rows (``seqpar.bench.packing``, seed 7, documents rounded to 2W; 32K and 128K
+With ``--packed``: the bench's packed rows (``seqpar.layouts.packing``, seed 7, documents rounded to 2W; 32K and 128K
 lognormal, W = 8 and 4) on FA2 varlen, the one-GPU kernel of the packed presets: the whole row with all heads / W
 against Ulysses' call, the whole row with H/W query and Hkv/W KV heads (``ulysses-varlen``).
 Forward and backward are timed apart; DIR/shapes.jsonl has one record per line printed.
@@ -80,7 +80,7 @@ def varlen(cu: tuple[int, ...], hq: int, hkv: int, bwd: bool):
 
 
 def packed(out: Path) -> None:
-    from seqpar.bench.packing import packed_row
+    from seqpar.layouts.packing import packed_row
     for total in (32768, 131072):
         for W in (8, 4):
             cu = packed_row(total, "lognormal", seed=7, multiple=2 * W)

@@ -24,11 +24,11 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import seqpar
-from seqpar.bench.packing import packed_row
 from seqpar.bench.report import write_probe
 from seqpar.bench.timing import burst_ms
 from seqpar.kernels import long_docs
 from seqpar.kernels.base import KERNELS
+from seqpar.layouts.packing import packed_row
 from seqpar.masks.forms import Varlen
 
 H, HKV, D = 32, 8, 128

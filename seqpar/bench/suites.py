@@ -12,7 +12,7 @@ heads     head shapes: D in {64, 80, 96, 128, 192, 256} and (Dqk, Dv) = (192, 12
           gradient through lse, 16K tokens per GPU (GQA 32/8, bf16, causal), forward+backward, against the
           fastest of PyTorch's fused kernels on the same shape (F.sdpa with cuDNN or FA2), interleaved bursts,
           with each call's GPU kernel time and kernels. Target: <= 1.05x.
-packed    packed training: rows of 128K and 1M tokens (``seqpar.bench.packing``: lognormal and long-tail, fixed
+packed    packed training: rows of 128K and 1M tokens (``seqpar.layouts.packing``: lognormal and long-tail, fixed
           seeds) on zigzag and balanced layouts against the single-GPU varlen kernel (FA2 varlen) on the whole
           row divided by W; per-rank work max/mean; peak memory; the peers' varlen paths with ``--peers``.
 
@@ -35,9 +35,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..layouts import Rule, make_layout
+from ..layouts.packing import DISTRIBUTIONS, packed_row
 from ..layouts.work import work
 from ..runtime import call as _call
-from .packing import DISTRIBUTIONS, packed_row
 from .timing import burst_ms, free_cached, kernel_ms, peak_mem_gib, reset_peak, time_ms
 
 __all__ = ["SUITES", "forget_groups", "host_us", "run_heads", "run_overhead", "run_packed"]

@@ -39,6 +39,7 @@ from ..cost.model import Candidate, Machine, Prediction, Problem
 from ..cost.profile import Profile, load_profile
 from ..cost.topology import Network, get_topology
 from ..layouts import ALL_LAYOUT_NAMES
+from ..layouts.packing import packed_row
 from .search import DTYPE_BYTES, predict
 
 __all__ = ["Row", "check", "in_fit_set", "is_auto", "main", "modelled", "parse_method", "predict_record", "profile_for",
@@ -129,13 +130,11 @@ PACKED_SUITE_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128, "causal": Tru
 
 
 def packed_documents(rec: dict[str, Any]) -> tuple[int, ...] | None:
-    """A packed-suite record's ``cu_seqlens``, regenerated (``seqpar.bench.packing.packed_row``) from its
+    """A packed-suite record's ``cu_seqlens``, regenerated (``seqpar.layouts.packing.packed_row``) from its
     ``distribution``, ``packing_seed`` and ``packing_multiple`` - for older records, from its row's name
     ("packed-32k-lognormal"), the suite's seed and 2 x its world size; None for a record of no packed row."""
     if not rec.get("packed"):
         return None
-    from ..bench.packing import packed_row
-
     dist = rec.get("distribution") or str(rec["row"]).split("-", 2)[2]
     multiple = int(rec.get("packing_multiple", 2 * int(rec["world_size"])))
     return packed_row(int(rec["seq_len"]), dist, seed=int(rec.get("packing_seed", PACKED_SUITE_SHAPE["packing_seed"])),

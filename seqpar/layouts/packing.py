@@ -1,4 +1,6 @@
-"""Packed rows for the benchmarks: document lengths from two stated distributions, from a fixed seed.
+"""Packed rows: document lengths from two stated distributions, from a fixed seed. The bench's packed suite draws
+its rows here, and the planner's validator regenerates a record's row from what the record names (layouts, not
+bench: the planner may not import the bench).
 
   lognormal   lognormal lengths with mean about 2K tokens (mu = ln 2048 - 1/2, sigma 1); the row's end cuts the
               last document;
