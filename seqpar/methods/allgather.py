@@ -820,26 +820,24 @@ class _Engine:
                     res = beside_largest(tasks, lambda t: runner.backward(hrows, q[:, :, qh], kc, vc,
                                                                            b.lse[:, qh], t), q.device)
                     dqs = [(t.q, g[0]) for t, g in zip(tasks, res)]
-                    held = [(t.k, g[1], g[2]) for t, g in zip(tasks, res)]
                     for i, part in ((1, dkv[..., :d]), (2, dkv[..., d:])):
                         out = part.transpose(0, 1)              # (rows, B, Hkv, .) as (B, rows, Hkv, .)
-                        combine.sum_parts([(h[0], h[i]) for h in held], tuple(out.shape), out.dtype, out=out)
-                    dq_c = dq[:, :, qh]
-                    combine.sum_parts(dqs, tuple(dq_c.shape), q.dtype, out=dq_c)
-                    return
-                for a, z in zero:
-                    dkv[a:z].zero_()
-                dqs = []
-                for t, pieces in zip(tasks, touch):
-                    gq, gk, gv = runner.backward(hrows, q[:, :, qh], kc, vc, b.lse[:, qh], t)
-                    dqs.append((t.q, gq))
-                    for a, z, add in pieces:
-                        for part, g in ((dkv[a:z, ..., :d], gk), (dkv[a:z, ..., d:], gv)):
-                            g = g[:, a - t.k_start:z - t.k_start].transpose(0, 1)
-                            if add:
-                                part.add_(g)
-                            else:
-                                part.copy_(g)
+                        combine.sum_parts([(t.k, g[i]) for t, g in zip(tasks, res)], tuple(out.shape), out.dtype,
+                                          out=out)
+                else:                           # first touch: each call's dK/dV copied or added, then freed
+                    for a, z in zero:
+                        dkv[a:z].zero_()
+                    dqs = []
+                    for t, pieces in zip(tasks, touch):
+                        gq, gk, gv = runner.backward(hrows, q[:, :, qh], kc, vc, b.lse[:, qh], t)
+                        dqs.append((t.q, gq))
+                        for a, z, add in pieces:
+                            for part, g in ((dkv[a:z, ..., :d], gk), (dkv[a:z, ..., d:], gv)):
+                                g = g[:, a - t.k_start:z - t.k_start].transpose(0, 1)
+                                if add:
+                                    part.add_(g)
+                                else:
+                                    part.copy_(g)
                 dq_c = dq[:, :, qh]
                 combine.sum_parts(dqs, tuple(dq_c.shape), q.dtype, out=dq_c)
 
