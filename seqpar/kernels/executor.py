@@ -400,9 +400,10 @@ class TaskRunner:
         or more on cuDNN runs as three calls on two streams (Note [Long causal calls in halves])."""
         tasks = self.prepare(tasks, q, k)
         if len(tasks) == 1 and q.device.type == "cuda" and tasks[0].rows >= HALVES_ROWS:
-            cut = halves(tasks[0])
-            if len(cut) > 1 and self.kernel_for(q, k, tasks[0], v.shape[-1]).name == "cudnn":
-                return list(zip(cut, beside_largest(cut, lambda t: self.forward(q, k, v, t), q.device)))
+            t = tasks[0]
+            cut = self._memoized(("halves", t), lambda: halves(t))
+            if len(cut) > 1 and self.kernel_for(q, k, t, v.shape[-1]).name == "cudnn":
+                return list(zip(cut, beside_largest(cut, lambda c: self.forward(q, k, v, c), q.device)))
         return [(t, self.forward(q, k, v, t)) for t in tasks]
 
     def backward(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
