@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..layouts import Rule, make_layout
-from ..layouts.packing import DISTRIBUTIONS, packed_row
+from ..layouts.packing import DISTRIBUTIONS, SEED, packed_row
 from ..layouts.work import work
 from ..runtime import call as _call
 from .timing import burst_ms, free_cached, kernel_ms, peak_mem_gib, reset_peak, time_ms
@@ -238,10 +238,6 @@ def _mode(mode: str, call: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.
     return lambda: torch.autograd.grad(call(*leaves), leaves, do)
 
 
-PACKING_SEED = 7
-"""The packed suite's rows are ``packed_row(total, distribution, seed=PACKING_SEED, multiple=2 W)``, named so in its
-records."""
-
 PACKED_CONFIGS = (("ring", "zigzag"), ("ring", "balanced"), ("ring", "balanced_whole"), ("allgather", "zigzag"),
                   ("allgather", "balanced"), ("allgather", "balanced_whole"), ("ulysses", "contiguous"),
                   ("auto", "contiguous"), ("auto", "balanced"), ("auto", "balanced_whole"))
@@ -254,13 +250,13 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
 
     dev, W = bench.device, bench.world
     H, Hkv, D = 32, 8, 128
-    cu = packed_row(total, dist_name, seed=PACKING_SEED, multiple=2 * W)
+    cu = packed_row(total, dist_name, seed=SEED, multiple=2 * W)
     cu_t = torch.tensor(cu, dtype=torch.int32)
     preset = f"packed-{total // 1024}k-{dist_name}"
     limit = _varlen_limit(bench, total, cu, H, Hkv, D)
     # what a record needs to be read back alone: the shape, and the row (``packed_row`` regenerates it exactly)
     shape = {"heads": H, "kv_heads": Hkv, "head_dim": D, "causal": True, "distribution": dist_name,
-             "packing_seed": PACKING_SEED, "packing_multiple": 2 * W}
+             "packing_seed": SEED, "packing_multiple": 2 * W}
     keep = _wanted(bench.args.methods)
     for method, layout in PACKED_CONFIGS:
         if keep and method not in keep and f"{method}/{layout}" not in keep:
@@ -311,9 +307,9 @@ def limit_bytes(total: int, H: int, Hkv: int, D: int) -> int:
 def limit_head_groups(total: int, H: int, Hkv: int, D: int, free_bytes: int | None) -> int:
     """The least head group count of ``LIMIT_HEAD_GROUPS`` (dividing both head counts) whose call fits
     ``LIMIT_MEMORY_FRACTION`` of ``free_bytes`` (None: no bound, one group); raises MemoryError where none does."""
-    tries = [g for g in LIMIT_HEAD_GROUPS if H % g == 0 and Hkv % g == 0]
     if free_bytes is None:
         return 1
+    tries = [g for g in LIMIT_HEAD_GROUPS if H % g == 0 and Hkv % g == 0]
     for g in tries:
         if limit_bytes(total, H // g, Hkv // g, D) <= LIMIT_MEMORY_FRACTION * free_bytes:
             return g

@@ -21,9 +21,8 @@ from .stripe import Stripe
 from .zigzag import Zigzag
 
 __all__ = ["ALL_LAYOUT_NAMES", "BALANCED_LAYOUTS", "DOCUMENT_LAYOUTS", "LAYOUTS", "ONE_DOCUMENT", "Balanced",
-           "BalancedWhole",
-           "Contiguous", "DocContiguous", "DocZigzag", "DocumentLayout", "Layout", "Nested", "Rule", "Run",
-           "Segments", "Stripe", "Task", "Zigzag", "group_varlen", "make_layout", "plan"]
+           "BalancedWhole", "Contiguous", "DocContiguous", "DocZigzag", "DocumentLayout", "Layout", "Nested", "Rule",
+           "Run", "Segments", "Stripe", "Task", "Zigzag", "group_varlen", "make_layout", "plan"]
 
 #: plain layouts: the placement is a function of the global length alone
 LAYOUTS: dict[str, type[Layout]] = {"contiguous": Contiguous, "zigzag": Zigzag, "stripe": Stripe}

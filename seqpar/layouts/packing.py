@@ -16,9 +16,12 @@ from __future__ import annotations
 import math
 import random
 
-__all__ = ["DISTRIBUTIONS", "packed_row"]
+__all__ = ["DISTRIBUTIONS", "SEED", "packed_row"]
 
 DISTRIBUTIONS = ("lognormal", "long-tail")
+SEED = 7
+"""The seed of the bench's packed rows (``packed_row(total, distribution, SEED, multiple=2 W)``), named in its
+records as ``packing_seed``."""
 
 
 def packed_row(seq_len: int, distribution: str, seed: int, multiple: int = 1) -> tuple[int, ...]:

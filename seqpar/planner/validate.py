@@ -39,7 +39,7 @@ from ..cost.model import Candidate, Machine, Prediction, Problem
 from ..cost.profile import Profile, load_profile
 from ..cost.topology import Network, get_topology
 from ..layouts import ALL_LAYOUT_NAMES
-from ..layouts.packing import packed_row
+from ..layouts.packing import SEED, packed_row
 from .search import DTYPE_BYTES, predict
 
 __all__ = ["Row", "check", "in_fit_set", "is_auto", "main", "modelled", "parse_method", "predict_record", "profile_for",
@@ -125,8 +125,8 @@ def modelled(rec: dict[str, Any]) -> bool:
     return not (method.startswith("peer:") or is_auto(method))
 
 
-PACKED_SUITE_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128, "causal": True, "packing_seed": 7}
-"""The packed suite's shape and seed, for its records written before they named them (``seqpar.bench.suites``)."""
+PACKED_SUITE_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128, "causal": True}
+"""The packed suite's shape (``seqpar.bench.suites._packed_at``), for its records written before they named it."""
 
 
 def packed_documents(rec: dict[str, Any]) -> tuple[int, ...] | None:
@@ -137,8 +137,7 @@ def packed_documents(rec: dict[str, Any]) -> tuple[int, ...] | None:
         return None
     dist = rec.get("distribution") or str(rec["row"]).split("-", 2)[2]
     multiple = int(rec.get("packing_multiple", 2 * int(rec["world_size"])))
-    return packed_row(int(rec["seq_len"]), dist, seed=int(rec.get("packing_seed", PACKED_SUITE_SHAPE["packing_seed"])),
-                      multiple=multiple)
+    return packed_row(int(rec["seq_len"]), dist, seed=int(rec.get("packing_seed", SEED)), multiple=multiple)
 
 
 def predict_record(rec: dict[str, Any], prof: Profile | None = None, kernel: str | None = None) -> Prediction:
