@@ -109,6 +109,36 @@ def test_sink_window_is_one_flex_call_on_sm90(sm90, S):
     assert sorted(k for *_, k in chosen(tasks, S, kernel="sdpa")) == ["cudnn", "cudnn", "flash"]
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2, 4, 8])
+def test_band_backward_on_few_kv_heads_leaves_flex(sm90, kv_heads):
+    """Note [Band backward on few KV heads]: a wide band of a training call with at most ``BAND_BWD_KV_HEADS`` KV
+    heads keeps flex for its forward and runs its backward on FA2; the sink window at Ulysses' share (4 query heads
+    a KV head) is then one joined flex call forward, no direct path, and its backward runs its blocks apart."""
+    heads, few = 4 * kv_heads, kv_heads <= flex_mod.BAND_BWD_KV_HEADS
+    band = KernelCall("cuda", BF16, D, heads, kv_heads, "band", arch=90, training=True, wide=True)
+    assert select("auto", band).name == "flex"
+    assert select("auto", KernelCall(**{**band.__dict__, "backward": True})).name == ("flash" if few else "flex")
+    S = 16384
+    tasks = steps(S, False, masks.sink_window(4095, 4))[0]
+    r, cuda = TaskRunner("auto", 0.1, training=True), torch.device("cuda")
+    assert [(type(t.mask).__name__, k) for t, k in r.kernels(tasks, (1, S, heads, D), (1, S, kv_heads, D), BF16,
+                                                              cuda)] == [("Joined", "flex")]
+    sig = (heads, kv_heads, D, BF16, cuda)
+    joined = r._prepare(tasks, sig)[0]
+    apart = r._apart(joined, sig, D)
+    assert (apart is not None) is few
+    direct = r.direct(tasks, (1, S, heads, D), (1, S, kv_heads, D), (1, S, kv_heads, D), BF16, cuda)
+    assert (direct is None) is few
+    if few:
+        assert sorted(t.rows for t in apart) == sorted(t.rows for t in tasks)
+        assert sorted(r._kernel(t, sig, D, backward=True).name for t in apart) == ["cudnn", "cudnn", "flash"]
+    window = steps(S, True, window=(4095, 0))[0]          # a plain window: the same band, one block
+    direct = r.direct(window, (1, S, heads, D), (1, S, kv_heads, D), (1, S, kv_heads, D), BF16, cuda)
+    assert (direct is None) is few
+    no_grad = TaskRunner("auto", 0.1, training=False)    # no backward follows: the direct path stays
+    assert no_grad.direct(tasks, (1, S, heads, D), (1, S, kv_heads, D), (1, S, kv_heads, D), BF16, cuda) is not None
+
+
 def test_plain_window_and_windowed_spans_on_sm90(sm90):
     S = 16384
     assert chosen(steps(S, True, window=(4095, 0))[0], S) == [("Band", S, S, "flex")]
@@ -223,6 +253,43 @@ def test_a_joined_step_computes_what_its_blocks_do(monkeypatch, case):
     assert isinstance(prepared[0].mask, Joined) and len(prepared) < len(tasks)
     joined = _run(runner, tasks, q, k, v, do)
     for a, b in zip((apart[0], apart[1], *apart[2]), (joined[0], joined[1], *joined[2])):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["sink_window", "ring_step"])
+def test_a_joined_step_whose_backward_runs_apart_computes_what_its_blocks_do(monkeypatch, case):
+    """Note [Band backward on few KV heads]: the forward joined (the reference kernel made to join), the backward's
+    band on a kernel that does not join, so the joined task's gradients are its blocks' own calls summed: the same
+    out, lse and gradients as block by block (fp64), in the accumulation dtype."""
+    S = 96
+    if case == "sink_window":
+        tasks = steps(S, False, masks.sink_window(17, 3))[0]
+    else:
+        tasks = steps(S, False, masks.sink_window(13, 2), world=4, layout="zigzag", rank=1)[1]
+    g = torch.Generator().manual_seed(7)
+    L = max(max(t.q_stop for t in tasks), max(t.k_stop for t in tasks))
+    q, do = (torch.randn(1, L, 4, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    k, v = (torch.randn(1, L, 2, 8, dtype=torch.float64, generator=g) for _ in range(2))
+    want = _run(TaskRunner("reference", 0.3), tasks, q, k, v, do)
+    ref = type(KERNELS["reference"])
+    monkeypatch.setattr(ref, "joins", True)
+
+    class Apart(ref):
+        joins = False
+    runner, apart_kernel = TaskRunner("reference", 0.3), Apart()
+    own = runner._kernel
+
+    def kernel(task, sig, dv=None, *, wide=None, backward=False):
+        if backward and isinstance(task.mask, Band) and task.mask.lo is not None:
+            return apart_kernel
+        return own(task, sig, dv, wide=wide, backward=backward)
+    monkeypatch.setattr(runner, "_kernel", kernel)
+    prepared = runner.prepare(tasks, q, k)
+    assert isinstance(prepared[0].mask, Joined)
+    sig = (4, 2, 8, torch.float64, q.device)
+    assert runner._apart(prepared[0], sig, 8) is not None and not runner.grads_in_input_dtype(q, k, prepared[0], 8)
+    got = _run(runner, tasks, q, k, v, do)
+    for a, b in zip((want[0], want[1], *want[2]), (got[0], got[1], *got[2])):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 

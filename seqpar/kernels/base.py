@@ -68,6 +68,8 @@ class KernelCall:
     #                             whose signature - and, without ``shapes_vary``, block shapes - recur step after step
     wide: bool = False          # the block has at least ``executor.WIDE_ROWS`` query rows (``TaskRunner``): large
     #                             enough that per-cell speed, not a call's fixed cost, decides (Note [Bands on flex])
+    backward: bool = False      # the block's backward: a kernel may be preferred for one direction only (Note
+    #                             [Band backward on few KV heads] in ``seqpar.kernels.executor``)
 
     @property
     def dv(self) -> int:

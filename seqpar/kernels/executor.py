@@ -238,25 +238,51 @@ class TaskRunner:
                 self._memo.popitem(last=False)
         return hit
 
-    def kernel_for(self, q: torch.Tensor, k: torch.Tensor, task: Task, dv: int | None = None) -> Kernel:
-        """The kernel for this kind of block (``dv``: the value head dim, default q's)."""
-        return self._kernel(task, _sig(q, k), dv)
+    def kernel_for(self, q: torch.Tensor, k: torch.Tensor, task: Task, dv: int | None = None, *,
+                   backward: bool = False) -> Kernel:
+        """The kernel for this kind of block (``dv``: the value head dim, default q's), of its forward or its
+        ``backward``."""
+        return self._kernel(task, _sig(q, k), dv, backward=backward)
 
-    def _kernel(self, task: Task, sig: Sig, dv: int | None = None, *, wide: bool | None = None) -> Kernel:
+    def _kernel(self, task: Task, sig: Sig, dv: int | None = None, *, wide: bool | None = None,
+                backward: bool = False) -> Kernel:
         """The kernel of ``task``'s kind of block; ``wide`` (default: from its rows, ``WIDE_ROWS``) overrides the
-        block's size class (``takes_delta`` asks for both)."""
+        block's size class (``takes_delta`` asks for both); ``backward``: the kernel of its backward pass."""
         single = task.rows == 1 and task.cols == 1
         wide = task.rows >= WIDE_ROWS if wide is None else wide
         kind = mask_kind(task.mask)
         heads, kv_heads, head_dim, dtype, device = sig
-        key = (kind, single, wide, heads, kv_heads, head_dim, dv, dtype, device.type)
+        key = (kind, single, wide, backward, heads, kv_heads, head_dim, dv, dtype, device.type)
         kern = self._chosen.get(key)
         if kern is None:
             call = KernelCall(device.type, dtype, head_dim, heads, kv_heads, kind, self.deterministic, single,
                               0 if dv is None or dv == head_dim else dv, self.softcap > 0, self.shapes_vary,
-                              device_arch(device), self.training, wide)
+                              device_arch(device), self.training, wide, backward)
             kern = self._chosen[key] = select(self.kernel, call)
         return kern
+
+    def _apart(self, task: Task, sig: Sig, dv: int | None) -> tuple[Task, ...] | None:
+        """The blocks a ``Joined`` task's backward runs as, each on its own backward kernel, when a band it joined
+        is not on a joining kernel in the backward (Note [Band backward on few KV heads]); else None."""
+        m = task.mask
+        if not isinstance(m, Joined):
+            return None
+
+        def members() -> tuple[Task, ...] | None:
+            parts = tuple(Task(task.q_start + q0, task.q_start + q1, task.k_start + k0, task.k_start + k1, band)
+                          for q0, q1, k0, k1, band in m.parts)
+            bands = [t for t in parts if _is_band(t)]
+            if all(self._kernel(t, sig, dv, backward=True).joins for t in bands):
+                return None
+            return parts
+        return self._memoized(("apart", task, sig, dv), members)
+
+    def grads_in_input_dtype(self, q: torch.Tensor, k: torch.Tensor, task: Task, dv: int | None = None) -> bool:
+        """Whether ``backward`` returns ``task``'s gradients in the inputs' dtype (``Kernel.grads_in_input_dtype``);
+        a joined block run apart sums its blocks in the accumulation dtype."""
+        if self._apart(task, _sig(q, k), dv) is not None:
+            return False
+        return self.kernel_for(q, k, task, dv, backward=True).grads_in_input_dtype
 
     def kernels(self, tasks: tuple[Task, ...], q_shape, k_shape, dtype: torch.dtype, device: torch.device
                 ) -> tuple[tuple[Task, str], ...]:
@@ -284,6 +310,9 @@ class TaskRunner:
             return None
         if not kern.direct(t.mask) or (dv != q_shape[-1] and kern.name not in ("cudnn", "flex")):
             return None
+        if self.training and (self._kernel(t, sig, dv, backward=True).name != kern.name
+                              or self._apart(t, sig, dv) is not None):
+            return None                 # the backward runs elsewhere (Note [Band backward on few KV heads])
         if self.softcap and not kern.direct_softcap:
             return None
         mask, scale, cap = t.mask, self.scale, self.softcap
@@ -384,7 +413,7 @@ class TaskRunner:
             else:
                 m, n, lo, hi = probe[kind]
                 task = Task(0, m, 0, n, Band(lo, hi))
-            if not all(self._kernel(task, _sig(q, k), dv, wide=w).takes_delta for w in (False, True)):
+            if not all(self._kernel(task, _sig(q, k), dv, wide=w, backward=True).takes_delta for w in (False, True)):
                 return False
         return True
 
@@ -409,9 +438,12 @@ class TaskRunner:
     def backward(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                  task: Task) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One task's (dq, dk, dv) from the final rows ``rows`` (full local rows; sliced here)."""
+        apart = self._apart(task, _sig(q, k), v.shape[-1])
+        if apart is not None:
+            return self._backward_apart(rows, q, k, v, lse, task, apart)
         sq, sk = task.q, task.k
         qs, ks, vs = q[:, sq], k[:, sk], v[:, sk]
-        kern = self.kernel_for(qs, ks, task, v.shape[-1])
+        kern = self.kernel_for(qs, ks, task, v.shape[-1], backward=True)
         if kern.takes_delta:
             do, out, delta = rows.do[:, sq], None, rows.delta[:, :, sq]
         else:
@@ -419,6 +451,24 @@ class TaskRunner:
             do, out, delta = do_f[:, sq], out_f[:, sq], None
         return kern.backward(do, qs, ks, vs, out, lse[:, :, sq], task.mask, self.scale, delta=delta,
                              softcap=self.softcap, deterministic=self.deterministic)
+
+    def _backward_apart(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
+                        task: Task, members: tuple[Task, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A joined task's gradients as the sum of its blocks' own backward calls (accumulation dtype, the joined
+        task's rows and keys)."""
+        acc = acc_dtype(q.dtype)
+        B = q.shape[0]
+        dq = torch.zeros((B, task.rows, *q.shape[2:]), dtype=acc, device=q.device)
+        dk = torch.zeros((B, task.cols, *k.shape[2:]), dtype=acc, device=q.device)
+        dv = torch.zeros((B, task.cols, *v.shape[2:]), dtype=acc, device=q.device)
+        for t in members:
+            gq, gk, gv = self.backward(rows, q, k, v, lse, t)
+            rq, rk = slice(t.q_start - task.q_start, t.q_stop - task.q_start), slice(t.k_start - task.k_start,
+                                                                                     t.k_stop - task.k_start)
+            dq[:, rq] += gq
+            dk[:, rk] += gk
+            dv[:, rk] += gv
+        return dq, dk, dv
 
     def backward_all(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                      tasks: tuple[Task, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

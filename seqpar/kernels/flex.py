@@ -32,8 +32,8 @@ from ..masks.forms import Band, Joined, Mask, Modded
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, register
 
-__all__ = ["BAND_ARCHS", "BAND_MASKS", "BAND_RANK", "MASK_BYTES", "MOD_MASKS", "RECOMPILES", "SPARSE_BLOCK",
-           "STATIC_SHAPES", "VARLEN_MASKS", "FlexKernel"]
+__all__ = ["BAND_ARCHS", "BAND_BWD_KV_HEADS", "BAND_MASKS", "BAND_RANK", "MASK_BYTES", "MOD_MASKS", "RECOMPILES",
+           "SPARSE_BLOCK", "STATIC_SHAPES", "VARLEN_MASKS", "FlexKernel"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -295,6 +295,9 @@ BAND_ARCHS = frozenset({90})
 unmeasured)."""
 BAND_RANK = 85
 """Flex's rank for such a band: above both FA2s (``flash_attn`` 80, ``flash`` 70); cuDNN serves no window."""
+BAND_BWD_KV_HEADS = 2
+"""KV heads up to which a wide band's backward leaves flex for FA2 while its forward stays (Note [Band backward on few
+KV heads] in ``seqpar.kernels.executor``)."""
 
 
 class FlexKernel(Kernel):
@@ -313,9 +316,11 @@ class FlexKernel(Kernel):
         with fixed block shapes (compiled once per block shape, which a training run pays once) or of a call
         without a backward (compiled once for every shape: ``for_call``), Note [Bands on flex]: flex wins only
         where a band is large enough to repay its call; narrow bands (an image's or a frame's diagonal piece),
-        training blocks shaped by the batch and deterministic calls keep FA2."""
+        training blocks shaped by the batch and deterministic calls keep FA2, and so does the backward of a band with
+        at most ``BAND_BWD_KV_HEADS`` KV heads (Note [Band backward on few KV heads])."""
         if (call.mask == "band" and call.wide and call.arch in BAND_ARCHS and not call.deterministic
-                and (not call.training or not call.shapes_vary)):
+                and (not call.training or not call.shapes_vary)
+                and not (call.backward and call.kv_heads <= BAND_BWD_KV_HEADS)):
             return BAND_RANK
         return super().rank(call)
 

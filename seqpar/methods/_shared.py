@@ -65,7 +65,7 @@ def exact_partial(runner, tasks, spans, q: torch.Tensor, k: torch.Tensor, dv: in
     ordered = sorted(spans)
     if any(b > c for (_, b), (c, _) in itertools.pairwise(ordered)):
         return False
-    return q.dtype == acc_dtype(q.dtype) or all(runner.kernel_for(q, k, t, dv).grads_in_input_dtype for t in tasks)
+    return q.dtype == acc_dtype(q.dtype) or all(runner.grads_in_input_dtype(q, k, t, dv) for t in tasks)
 
 
 def shift(tasks: tuple[Task, ...], dq: int = 0, dk: int = 0) -> tuple[Task, ...]:
