@@ -109,12 +109,13 @@ def test_sink_window_is_one_flex_call_on_sm90(sm90, S):
     assert sorted(k for *_, k in chosen(tasks, S, kernel="sdpa")) == ["cudnn", "cudnn", "flash"]
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2, 4, 8])
-def test_band_backward_on_few_kv_heads_leaves_flex(sm90, kv_heads):
-    """Note [Band backward on few KV heads]: a wide band of a training call with at most ``BAND_BWD_KV_HEADS`` KV
-    heads keeps flex for its forward and runs its backward on FA2; the sink window at Ulysses' share (4 query heads
-    a KV head) is then one joined flex call forward, no direct path, and its backward runs its blocks apart."""
-    heads, few = 4 * kv_heads, kv_heads <= flex_mod.BAND_BWD_KV_HEADS
+@pytest.mark.parametrize("heads, kv_heads", [(4, 1), (8, 2), (16, 4), (32, 8), (4, 4), (16, 16)])
+def test_band_backward_on_few_kv_heads_leaves_flex(sm90, heads, kv_heads):
+    """Note [Band backward on few KV heads]: a wide band of a grouped-query training call with at most
+    ``BAND_BWD_KV_HEADS`` (4) KV heads keeps flex for its forward and runs its backward on FA2 (MHA keeps flex: its
+    backward won there); the sink window at Ulysses' share of GQA 32/8 (4/1 heads over 8 ranks, 8/2 over 4) is then
+    one joined flex call forward, no direct path, and its backward runs its blocks apart."""
+    few = kv_heads < heads and kv_heads <= 4
     band = KernelCall("cuda", BF16, D, heads, kv_heads, "band", arch=90, training=True, wide=True)
     assert select("auto", band).name == "flex"
     assert select("auto", KernelCall(**{**band.__dict__, "backward": True})).name == ("flash" if few else "flex")

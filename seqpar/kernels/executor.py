@@ -97,6 +97,30 @@ Note [Bands on flex]
     forward went 3.84 -> 3.64 ms but its forward+backward 18.2 -> 22.6 ms (a band apart from its step's other
     blocks is a flex call of its own, whose backward recomputes its forward), so 4096 stays.
 
+Note [Band backward on few KV heads]
+    Flex's backward of a grouped-query band loses where the KV heads are few: Ulysses hands each rank H / U query
+    heads and Hkv / U KV heads, 4 / 1 for GQA 32/8 over 8. The sink window (4095 + 4 sinks) at W = 1 on one H100,
+    forward+backward in ms, flex's own op -> flex forward with the backward on FA2
+    (``benchmarks/gpu/probe_band_backward.py``, ``benchmarks/results/2026-11-27-h100-twenty-first/band-backward``):
+    at 128K, 4/1 30.6 -> 18.6 (FA2 both ways 24.0), 8/2 40.5 -> 31.8, 16/4 62.7 -> 57.9, 32/8 107.0 -> 111.9; at
+    16K, 4/1 4.03 -> 3.47, 8/2 4.97 -> 4.79, 16/4 7.51 -> 7.20, 32/8 12.3 -> 13.3; MHA keeps flex ahead (128K, 4/4
+    15.1 -> 19.5, 16/16 47.7 -> 61.1). Flex's forward stays ahead of FA2's everywhere (3.3 against 4.5 ms at 4/1).
+    So a wide band's backward has a kernel of its own: ``KernelCall.backward`` marks the backward's choice, and
+    flex declines a grouped-query band's backward with at most ``BAND_BWD_KV_HEADS`` (4) KV heads
+    (``FlexKernel.rank``), which goes to FA2. Forward and backward are independent calls already (a block's
+    backward reads the final out and lse, whichever kernel made them), so:
+    1. a plain wide band runs its forward on flex and its backward on FA2;
+    2. a joined step (Note [Bands on flex]) runs its forward as one flex call and its backward apart
+       (``_apart``): each block it joined on its own backward kernel (the band on FA2, the sink columns on
+       cuDNN), their gradients summed into the joined block's rows and keys in the accumulation dtype
+       (``grads_in_input_dtype`` says so, for the pass-KV family's exact partials);
+    3. a training call whose backward would leave its forward's kernel takes no direct path (flex's own op
+       differentiates with flex).
+    Under Ulysses at 128K, emulated (rank 0, fake group, the pool seeded), the sink window's forward+backward went
+    from 0.37 to 0.69 of the one-GPU call's share over 8 and from 0.52 to 0.82 over 4; its training forward from
+    0.78 to 0.73 over 8 (the engine path's flex call in place of flex's own op) and 0.88 to 0.89 over 4. Causal,
+    in the same run: 1.09-1.11 / 1.00-1.02 over 8, 1.12 / 1.04-1.05 over 4.
+
 Note [Long causal calls in halves]
     Ulysses runs one causal call of H / U heads over the whole sequence. At 128K tokens cuDNN's causal forward is
     not at its best as one call: as three - rows [0, h) against keys [0, h) causal, rows [h, S) against keys

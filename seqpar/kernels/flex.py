@@ -295,9 +295,9 @@ BAND_ARCHS = frozenset({90})
 unmeasured)."""
 BAND_RANK = 85
 """Flex's rank for such a band: above both FA2s (``flash_attn`` 80, ``flash`` 70); cuDNN serves no window."""
-BAND_BWD_KV_HEADS = 2
-"""KV heads up to which a wide band's backward leaves flex for FA2 while its forward stays (Note [Band backward on few
-KV heads] in ``seqpar.kernels.executor``)."""
+BAND_BWD_KV_HEADS = 4
+"""KV heads up to which a grouped-query (GQA/MQA) wide band's backward leaves flex for FA2 while its forward stays
+(Note [Band backward on few KV heads] in ``seqpar.kernels.executor``)."""
 
 
 class FlexKernel(Kernel):
@@ -316,11 +316,11 @@ class FlexKernel(Kernel):
         with fixed block shapes (compiled once per block shape, which a training run pays once) or of a call
         without a backward (compiled once for every shape: ``for_call``), Note [Bands on flex]: flex wins only
         where a band is large enough to repay its call; narrow bands (an image's or a frame's diagonal piece),
-        training blocks shaped by the batch and deterministic calls keep FA2, and so does the backward of a band with
-        at most ``BAND_BWD_KV_HEADS`` KV heads (Note [Band backward on few KV heads])."""
+        training blocks shaped by the batch and deterministic calls keep FA2, and so does the backward of a
+        grouped-query band with at most ``BAND_BWD_KV_HEADS`` KV heads (Note [Band backward on few KV heads])."""
         if (call.mask == "band" and call.wide and call.arch in BAND_ARCHS and not call.deterministic
                 and (not call.training or not call.shapes_vary)
-                and not (call.backward and call.kv_heads <= BAND_BWD_KV_HEADS)):
+                and not (call.backward and call.kv_heads < call.heads and call.kv_heads <= BAND_BWD_KV_HEADS)):
             return BAND_RANK
         return super().rank(call)
 
