@@ -117,9 +117,9 @@ Note [Band backward on few KV heads]
     3. a training call whose backward would leave its forward's kernel takes no direct path (flex's own op
        differentiates with flex).
     Under Ulysses at 128K, emulated (rank 0, fake group, the pool seeded), the sink window's forward+backward went
-    from 0.37 to 0.69 of the one-GPU call's share over 8 and from 0.52 to 0.82 over 4; its training forward from
-    0.78 to 0.73 over 8 (the engine path's flex call in place of flex's own op) and 0.88 to 0.89 over 4. Causal,
-    in the same run: 1.09-1.11 / 1.00-1.02 over 8, 1.12 / 1.04-1.05 over 4.
+    from 0.37 to 0.69 of the one-GPU call's share over 8 and from 0.52 to 0.82 over 4. The training forward runs the
+    same calls both ways (Ulysses over several ranks has no direct path): 0.78 and 0.73 over 8, 0.88 and 0.89 over
+    4, one run each. Causal, in the same run: 1.09-1.11 / 1.00-1.02 over 8, 1.12 / 1.04-1.05 over 4.
 
 Note [Long causal calls in halves]
     Ulysses runs one causal call of H / U heads over the whole sequence. At 128K tokens cuDNN's causal forward is
