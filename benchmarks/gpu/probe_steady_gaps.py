@@ -1,0 +1,108 @@
+"""Where the GPU idles while calls run back to back: rank r of W on a fake group (one GPU, emulated), dense rows.
+
+    python3 benchmarks/gpu/probe_steady_gaps.py --out FILE [--world 8] [--rank 1] [--seq 131072] [--kv-heads 8]
+        [--configs tasp/zigzag,ring/zigzag] [--modes fwd,fwd+bwd]
+
+For each configuration and mode: the median ms of a call timed back to back (10 calls between two synchronizations,
+after 8 warm-up calls), the GPU time of its operations and the GPU's idle time per call from torch.profiler over 3
+back-to-back calls, the largest idle gaps with the operations on either side, and the synchronizations
+``torch.cuda.set_sync_debug_mode`` reports during one call. One JSON line per case (``write_probe``); a summary line
+per case on stdout. The allocator's pool is seeded as the bench seeds it (Note [Emulated data]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_host import case_fn
+
+from seqpar.bench.report import write_probe
+
+
+def gaps(fn, calls: int = 3) -> dict:
+    """GPU op time and idle time per call over ``calls`` back-to-back calls, and the 8 largest gaps."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    evs = sorted((ev for ev in prof.events()
+                  if ev.device_type == torch.autograd.DeviceType.CUDA and ev.time_range.elapsed_us() > 0),
+                 key=lambda ev: ev.time_range.start)
+    busy, idle, found, end, before = 0.0, 0.0, [], None, ""
+    for ev in evs:
+        if end is not None and ev.time_range.start > end:
+            gap = ev.time_range.start - end
+            idle += gap
+            found.append((round(gap, 1), before[:70], ev.name[:70]))
+        busy += ev.time_range.elapsed_us()
+        if end is None or ev.time_range.end > end:
+            end, before = ev.time_range.end, ev.name
+    found.sort(reverse=True)
+    return {"gpu_op_ms_per_call": round(busy / calls / 1e3, 3), "idle_ms_per_call": round(idle / calls / 1e3, 3),
+            "ops_per_call": len(evs) / calls, "largest_gaps_us": found[:8]}
+
+
+def syncs(fn) -> list[str]:
+    """The synchronizations one call makes, as ``set_sync_debug_mode("warn")`` reports them."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    return [str(w.message)[:160] for w in seen]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--world", type=int, default=8)
+    ap.add_argument("--rank", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=131072)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--configs", default="tasp/zigzag,ring/zigzag")
+    ap.add_argument("--modes", default="fwd,fwd+bwd")
+    args = ap.parse_args()
+    W, rows = args.world, []
+    dist.init_process_group("fake", rank=args.rank, world_size=W, store=FakeStore())
+    for config in args.configs.split(","):
+        method, layout = config.split("/")
+        for mode in args.modes.split(","):
+            fn = case_fn(method, layout, mode, args.seq, None, W, None, args.kv_heads)
+            for _ in range(8):
+                fn()
+            torch.cuda.synchronize()
+            steady = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for _ in range(10):
+                    fn()
+                torch.cuda.synchronize()
+                steady.append((time.perf_counter() - t0) * 1e2)
+            row = {"config": config, "mode": mode, "world": W, "rank": args.rank, "seq_len": args.seq,
+                   "kv_heads": args.kv_heads, "steady_ms": round(sorted(steady)[1], 3), **gaps(fn),
+                   "syncs": syncs(fn)}
+            rows.append(row)
+            print({k: row[k] for k in ("config", "mode", "steady_ms", "gpu_op_ms_per_call", "idle_ms_per_call")},
+                  row["largest_gaps_us"][:4], len(row["syncs"]), row["syncs"][:2], flush=True)
+            del fn
+            torch.cuda.empty_cache()
+    write_probe(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()
