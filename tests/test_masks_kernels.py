@@ -257,7 +257,7 @@ def test_a_joined_step_computes_what_its_blocks_do(monkeypatch, case):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("case", ["sink_window", "ring_step"])
+@pytest.mark.parametrize("case", ["sink_window", "spans_window", "ring_step"])
 def test_a_joined_step_whose_backward_runs_apart_computes_what_its_blocks_do(monkeypatch, case):
     """Note [Band backward on few KV heads]: the forward joined (the reference kernel made to join), the backward's
     band on a kernel that does not join, so the joined task's gradients are its blocks' own calls summed: the same
@@ -265,6 +265,8 @@ def test_a_joined_step_whose_backward_runs_apart_computes_what_its_blocks_do(mon
     S = 96
     if case == "sink_window":
         tasks = steps(S, False, masks.sink_window(17, 3))[0]
+    elif case == "spans_window":
+        tasks = steps(S, False, masks.spans([(5, 30), (40, 44), (60, 90)], window=9))[0]
     else:
         tasks = steps(S, False, masks.sink_window(13, 2), world=4, layout="zigzag", rank=1)[1]
     g = torch.Generator().manual_seed(7)

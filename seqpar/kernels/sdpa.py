@@ -46,15 +46,15 @@ from collections import OrderedDict
 
 import torch
 
-from ..masks import Band, Mask, Varlen, bottom_right_window
+from ..masks import Band, Mask, Varlen, bottom_right_window, fa2_exact
 from ..numerics import acc_dtype
 from ..types import AttnOutput
 from . import combine, long_docs
 from .base import Kernel, KernelCall, band_of, register
 from .combine import host_table
 
-__all__ = ["CudnnKernel", "EfficientKernel", "FlashKernel", "causal_parts", "cudnn_max_head_dim", "merge_parts",
-           "pad_dim", "split_backward"]
+__all__ = ["CudnnKernel", "EfficientKernel", "FlashKernel", "causal_parts", "cudnn_max_head_dim", "fa2_pieces",
+           "merge_parts", "pad_dim", "split_backward"]
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -124,6 +124,50 @@ def split_backward(fn, do, q, k, v, out, lse, band: Band):
     whole = slice(0, q.shape[1])
     dq = combine.sum_parts([(whole, g[0]) for g in grads], tuple(q.shape), acc_dtype(q.dtype))
     return dq, torch.cat([g[1] for g in grads], 1), torch.cat([g[2] for g in grads], 1)
+
+
+# Note [FA2's capped windows]
+#     FA2 clamps a window side to the key length: a side of ``n`` keys or more becomes unbounded (-1), and with the
+#     other side bounded an unbounded side becomes ``n`` (flash_api.cpp: ``window_size_right = seqlen_k``). Bottom-
+#     right alignment puts query i on key diagonal ``i + n - m``, so a right side of ``n`` reaches key ``i + 2n - m``:
+#     every key only when m <= n + 1. A trimmed band (``lo <= n - m <= hi``, Note [Block planning]) with more query
+#     rows than keys + 1 and a right side of ``n`` or more - a query run against a short key run to its left, under
+#     a window: a windowed span's image rows against the tokens before it - lost the keys beyond the clamp in its top
+#     rows (on an H100: rows 10-110 of a 100-token window against the 10 tokens before an image, out off by 3.3).
+#     Such a band runs as at most three row ranges, each a window FA2 keeps (``fa2_pieces``): the rows that see
+#     every key (one unwindowed call), the rows above them (their right side below the diagonal's reach) and the
+#     rows below (their left side); the ranges share no row, so outputs land in place and only dK/dV add up.
+
+
+def _trimmed(band: Band, r0: int, r1: int, n: int) -> tuple[int, int, int, int, Band] | None:
+    """Rows ``[r0, r1)`` of ``band`` (on n keys) cut to the rows and keys they see, the band in the cut's own
+    coordinates; None when they see nothing."""
+    lo, hi = band.lo, band.hi
+    if lo is not None:
+        r1 = min(r1, n - lo)                      # rows past it start beyond the last key
+    if hi is not None:
+        r0 = max(r0, -hi)                         # rows before it end before the first key
+    if r0 >= r1:
+        return None
+    k0 = 0 if lo is None else max(0, r0 + lo)
+    k1 = n if hi is None else min(n, r1 + hi)
+    d = r0 - k0
+    return r0, r1, k0, k1, Band(None if lo is None else lo + d, None if hi is None else hi + d)
+
+
+@functools.lru_cache(maxsize=256)
+def fa2_pieces(band: Band, m: int, n: int) -> tuple[tuple[int, int, int, int, Band], ...] | None:
+    """None when FA2 serves ``band`` on an m x n block as one call; else ``(r0, r1, k0, k1, band)`` row ranges,
+    disjoint, each a window FA2 serves (Note [FA2's capped windows])."""
+    if fa2_exact(band, m, n):
+        return None
+    f0 = 0 if band.hi is None else max(0, n - 1 - band.hi)      # the rows that see every key: [f0, f1)
+    f1 = m if band.lo is None else min(m, 1 - band.lo)
+    assert f0 < f1, (band, m, n)                    # a clamped trimmed band has such rows
+    out = [_trimmed(band, 0, f0, n), (f0, f1, 0, n, Band()), _trimmed(band, f1, m, n)]
+    pieces = tuple(p for p in out if p is not None)
+    assert all(fa2_exact(b, r1 - r0, k1 - k0) for r0, r1, k0, k1, b in pieces), (band, m, n, pieces)
+    return pieces
 
 
 @contextlib.contextmanager
@@ -271,6 +315,8 @@ class FlashKernel(Kernel):
         if q.shape[-1] != v.shape[-1]:
             raise NotImplementedError("FA2's differentiable op needs one head dim; use the kernel path")
         m, n = q.shape[1], k.shape[1]
+        if not fa2_exact(mask, m, n):
+            raise NotImplementedError(f"FA2's differentiable op cannot hold {mask} on {m} x {n}; use the kernel path")
         causal, wl, wr = self._window(mask, m, n)
         return aten._flash_attention_forward(q, k, v, None, None, m, n, 0.0, causal, False, scale=scale,
                                              window_size_left=wl, window_size_right=wr)[0]
@@ -327,6 +373,8 @@ class FlashKernel(Kernel):
         B, m, H, _ = q.shape
         n, dv = k.shape[1], v.shape[-1]
         causal, wl, wr = self._window(mask, m, n)
+        if isinstance(mask, Band) and (pieces := fa2_pieces(mask, m, n)) is not None:
+            return self._forward_pieces(q, k, v, pieces, scale)
         q, k, v = self._padded(q, k, v)
         if isinstance(mask, Band):
             o, lse, *_ = aten._flash_attention_forward(q, k, v, None, None, m, n, 0.0, causal, False, scale=scale,
@@ -339,9 +387,33 @@ class FlashKernel(Kernel):
         lse = lse.reshape(H, B, m).permute(1, 0, 2).nan_to_num_(nan=_NAN, posinf=-_INF, neginf=-_INF)  # no keys: -inf
         return AttnOutput(o.reshape(B, m, H, -1)[..., :dv], lse)
 
+    def _forward_pieces(self, q, k, v, pieces, scale: float) -> AttnOutput:
+        """A band FA2's clamped window cannot hold, as its row ranges (Note [FA2's capped windows])."""
+        B, m, H, _ = q.shape
+        out = q.new_zeros(B, m, H, v.shape[-1])
+        lse = torch.full((B, H, m), -_INF, dtype=torch.float32, device=q.device)
+        for r0, r1, k0, k1, band in pieces:
+            o, lp = self._forward(q[:, r0:r1], k[:, k0:k1], v[:, k0:k1], band, scale)
+            out[:, r0:r1], lse[:, :, r0:r1] = o, lp
+        return AttnOutput(out, lse)
+
+    def _backward_pieces(self, do, q, k, v, out, lse, pieces, scale: float, deterministic: bool):
+        dq = torch.zeros_like(q)
+        acc = acc_dtype(q.dtype)
+        dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
+        for r0, r1, k0, k1, band in pieces:
+            gq, gk, gv = self._backward(do[:, r0:r1], q[:, r0:r1], k[:, k0:k1], v[:, k0:k1], out[:, r0:r1],
+                                        lse[:, :, r0:r1], band, scale, deterministic)
+            dq[:, r0:r1] = gq
+            dk[:, k0:k1] += gk
+            dv[:, k0:k1] += gv
+        return dq, dk.to(k.dtype), dv.to(v.dtype)
+
     def _backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, deterministic: bool):
         B, m, H, d = q.shape
         n, dv = k.shape[1], v.shape[-1]
+        if isinstance(mask, Band) and (pieces := fa2_pieces(mask, m, n)) is not None:
+            return self._backward_pieces(do, q, k, v, out, lse, pieces, scale, deterministic)
         causal, wl, wr = self._window(mask, m, n)
         rng, unused = _rng(q.device)
         lse_k = lse.nan_to_num(nan=_NAN, posinf=_INF, neginf=_INF)      # one kernel: a row seeing nothing is +inf

@@ -50,7 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ..masks.forms import Band, Modded, Varlen, bottom_right_window
+from ..masks.forms import Band, Modded, Varlen, bottom_right_window, fa2_exact
 
 if TYPE_CHECKING:
     from ..masks.mod import ModMask
@@ -437,9 +437,10 @@ def _plan(q: Segments, k: Segments, rule: Rule, cap: tuple[int | None, int | Non
 def group_varlen(tasks: Sequence[Task]) -> tuple[Task, ...]:
     """Pack tasks into flash-attn varlen calls: same bottom-right window, disjoint increasing rows and keys.
 
-    Returns Band tasks unchanged where a group would hold a single task. Used by kernels with a varlen
-    path when a step has many small per-document tasks (one launch instead of one per document).
-    Each task joins the first open group it fits: O(T log T + T G) for T tasks and G calls out. When
+    Returns Band tasks unchanged where a group would hold a single task, and those whose window FA2 would clamp
+    (``fa2_exact``: they run as row ranges, Note [FA2's capped windows] in ``seqpar.kernels.sdpa``). Used by
+    kernels with a varlen path when a step has many small per-document tasks (one launch instead of one per
+    document). Each task joins the first open group it fits: O(T log T + T G) for T tasks and G calls out. When
     queries and keys are both in document order (every layout's own rows), a later document's task fits
     any group of its window, so G is bounded by the windows times the tasks of one document.
     """
@@ -448,7 +449,10 @@ def group_varlen(tasks: Sequence[Task]) -> tuple[Task, ...]:
     either = ((-1, -1), (-1, 0))
     groups: list[list] = []                     # [window or None, members]
     others = tuple(t for t in tasks if not isinstance(t.mask, Band))      # Modded blocks run alone
-    for t in sorted((t for t in tasks if isinstance(t.mask, Band)), key=lambda t: (t.q_start, t.k_start)):
+    bands = [t for t in tasks if isinstance(t.mask, Band)]
+    alone = tuple(t for t in bands if not fa2_exact(t.mask, t.rows, t.cols))   # Note [FA2's capped windows]
+    others = alone + others
+    for t in sorted((t for t in bands if t not in alone), key=lambda t: (t.q_start, t.k_start)):
         w = bottom_right_window(t.mask, t.rows, t.cols)
         w = None if w == (-1, -1) and t.rows == 1 else w
         for g in groups:

@@ -6,7 +6,7 @@ Note [Masks as pieces]) or any flex-style ``mask_mod(b, h, q_idx, kv_idx) -> boo
 (evaluated per planned block, Note [Generic mask_mod]).
 """
 
-from .forms import Band, Joined, Mask, Modded, Varlen, bottom_right_window, dense, run_positions
+from .forms import Band, Joined, Mask, Modded, Varlen, bottom_right_window, dense, fa2_exact, run_positions
 from .mod import ModMask
 from .named import (
                     BlockCausal,
@@ -26,5 +26,5 @@ from .named import (
 )
 
 __all__ = ["Band", "BlockCausal", "Chunked", "Joined", "Mask", "ModMask", "Modded", "PieceMask", "SinkWindow",
-           "Spans", "Tree", "Varlen", "block_causal", "bottom_right_window", "chunked", "dense", "from_spec",
-           "prefix_lm", "run_positions", "shared_prefix", "sink_window", "spans", "tree"]
+           "Spans", "Tree", "Varlen", "block_causal", "bottom_right_window", "chunked", "dense", "fa2_exact",
+           "from_spec", "prefix_lm", "run_positions", "shared_prefix", "sink_window", "spans", "tree"]

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Band", "Joined", "Mask", "Modded", "Varlen", "bottom_right_window", "dense", "run_positions"]
+__all__ = ["Band", "Joined", "Mask", "Modded", "Varlen", "bottom_right_window", "dense", "fa2_exact", "run_positions"]
 
 
 @dataclass(frozen=True)
@@ -190,3 +190,16 @@ def bottom_right_window(band: Band, m: int, n: int) -> tuple[int, int]:
     if left < -1 or right < -1 or (band.lo is not None and left < 0) or (band.hi is not None and right < 0):
         raise ValueError(f"band {band} on a {m}x{n} block is not trimmed; plan it with seqpar.layouts.blocks")
     return left, right
+
+
+def fa2_exact(band: Band, m: int, n: int) -> bool:
+    """Whether FA2's window, clamped as FA2 clamps it, equals ``band`` (trimmed) on an m x n block (Note [FA2's
+    capped windows] in ``seqpar.kernels.sdpa``). A left side clamped to ``n`` still starts before the first key, as
+    the band does."""
+    s = n - m
+    right = None if band.hi is None else band.hi - s
+    if band.lo is None or band.lo <= s - n:       # the left side dropped
+        if right is None or right >= n:           # and the right: FA2 runs every key
+            return band.hi is None or band.hi >= n - 1
+        return True
+    return (right is not None and right <= n) or m <= n + 1    # a right side clamped to n reaches key i + 2n - m
