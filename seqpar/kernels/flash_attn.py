@@ -23,7 +23,7 @@ import torch
 from ..masks import Mask, Varlen, bottom_right_window
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, band_of, register
-from .sdpa import pad_dim
+from .sdpa import fa2_pieces, pad_dim, pieces_backward, pieces_forward
 
 __all__ = ["FlashAttn3Kernel", "FlashAttnKernel"]
 
@@ -116,6 +116,8 @@ class FlashAttnKernel(Kernel):
         return _reasons(call, _fa2)
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
+        if (pieces := fa2_pieces(band_of(mask), q.shape[1], k.shape[1])) is not None:     # FA2's clamped windows
+            return pieces_forward(lambda *a: self.forward(*a, scale, softcap=softcap), q, k, v, pieces)
         iface, _ = _fa2()
         causal, left, right = _window(mask, q.shape[1], k.shape[1])
         dv = v.shape[-1]
@@ -125,6 +127,9 @@ class FlashAttnKernel(Kernel):
 
     def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
                  deterministic=False):
+        if (pieces := fa2_pieces(band_of(mask), q.shape[1], k.shape[1])) is not None:
+            return pieces_backward(lambda *a: self.backward(*a, scale, softcap=softcap, deterministic=deterministic),
+                                   do, q, k, v, out, lse, pieces)
         iface, _ = _fa2()
         causal, left, right = _window(mask, q.shape[1], k.shape[1])
         d, dv_ = q.shape[-1], v.shape[-1]

@@ -54,7 +54,7 @@ from .base import Kernel, KernelCall, band_of, register
 from .combine import host_table
 
 __all__ = ["CudnnKernel", "EfficientKernel", "FlashKernel", "causal_parts", "cudnn_max_head_dim", "fa2_pieces",
-           "merge_parts", "pad_dim", "split_backward"]
+           "merge_parts", "pad_dim", "pieces_backward", "pieces_forward", "split_backward"]
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -168,6 +168,32 @@ def fa2_pieces(band: Band, m: int, n: int) -> tuple[tuple[int, int, int, int, Ba
     pieces = tuple(p for p in out if p is not None)
     assert all(fa2_exact(b, r1 - r0, k1 - k0) for r0, r1, k0, k1, b in pieces), (band, m, n, pieces)
     return pieces
+
+
+def pieces_forward(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces) -> AttnOutput:
+    """A block as ``fa2_pieces``' row ranges, ``fn(q, k, v, band) -> AttnOutput`` on each: outputs in place, rows
+    no range holds at 0 and -inf."""
+    B, m, H, _ = q.shape
+    out = q.new_zeros(B, m, H, v.shape[-1])
+    lse = torch.full((B, H, m), -_INF, dtype=torch.float32, device=q.device)
+    for r0, r1, k0, k1, band in pieces:
+        o, lp = fn(q[:, r0:r1], k[:, k0:k1], v[:, k0:k1], band)
+        out[:, r0:r1], lse[:, :, r0:r1] = o, lp
+    return AttnOutput(out, lse)
+
+
+def pieces_backward(fn, do, q, k, v, out, lse, pieces) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``pieces_forward``'s block, ``fn(do, q, k, v, out, lse, band)`` on each range: dQ in place,
+    dK and dV summed in the accumulation dtype and returned in the inputs'."""
+    dq = torch.zeros_like(q)
+    acc = acc_dtype(q.dtype)
+    dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
+    for r0, r1, k0, k1, band in pieces:
+        gq, gk, gv = fn(do[:, r0:r1], q[:, r0:r1], k[:, k0:k1], v[:, k0:k1], out[:, r0:r1], lse[:, :, r0:r1], band)
+        dq[:, r0:r1] = gq
+        dk[:, k0:k1] += gk
+        dv[:, k0:k1] += gv
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 @contextlib.contextmanager
@@ -374,7 +400,7 @@ class FlashKernel(Kernel):
         n, dv = k.shape[1], v.shape[-1]
         causal, wl, wr = self._window(mask, m, n)
         if isinstance(mask, Band) and (pieces := fa2_pieces(mask, m, n)) is not None:
-            return self._forward_pieces(q, k, v, pieces, scale)
+            return pieces_forward(lambda *a: self._forward(*a, scale), q, k, v, pieces)
         q, k, v = self._padded(q, k, v)
         if isinstance(mask, Band):
             o, lse, *_ = aten._flash_attention_forward(q, k, v, None, None, m, n, 0.0, causal, False, scale=scale,
@@ -387,33 +413,11 @@ class FlashKernel(Kernel):
         lse = lse.reshape(H, B, m).permute(1, 0, 2).nan_to_num_(nan=_NAN, posinf=-_INF, neginf=-_INF)  # no keys: -inf
         return AttnOutput(o.reshape(B, m, H, -1)[..., :dv], lse)
 
-    def _forward_pieces(self, q, k, v, pieces, scale: float) -> AttnOutput:
-        """A band FA2's clamped window cannot hold, as its row ranges (Note [FA2's capped windows])."""
-        B, m, H, _ = q.shape
-        out = q.new_zeros(B, m, H, v.shape[-1])
-        lse = torch.full((B, H, m), -_INF, dtype=torch.float32, device=q.device)
-        for r0, r1, k0, k1, band in pieces:
-            o, lp = self._forward(q[:, r0:r1], k[:, k0:k1], v[:, k0:k1], band, scale)
-            out[:, r0:r1], lse[:, :, r0:r1] = o, lp
-        return AttnOutput(out, lse)
-
-    def _backward_pieces(self, do, q, k, v, out, lse, pieces, scale: float, deterministic: bool):
-        dq = torch.zeros_like(q)
-        acc = acc_dtype(q.dtype)
-        dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
-        for r0, r1, k0, k1, band in pieces:
-            gq, gk, gv = self._backward(do[:, r0:r1], q[:, r0:r1], k[:, k0:k1], v[:, k0:k1], out[:, r0:r1],
-                                        lse[:, :, r0:r1], band, scale, deterministic)
-            dq[:, r0:r1] = gq
-            dk[:, k0:k1] += gk
-            dv[:, k0:k1] += gv
-        return dq, dk.to(k.dtype), dv.to(v.dtype)
-
     def _backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, deterministic: bool):
         B, m, H, d = q.shape
         n, dv = k.shape[1], v.shape[-1]
         if isinstance(mask, Band) and (pieces := fa2_pieces(mask, m, n)) is not None:
-            return self._backward_pieces(do, q, k, v, out, lse, pieces, scale, deterministic)
+            return pieces_backward(lambda *a: self._backward(*a, scale, deterministic), do, q, k, v, out, lse, pieces)
         causal, wl, wr = self._window(mask, m, n)
         rng, unused = _rng(q.device)
         lse_k = lse.nan_to_num(nan=_NAN, posinf=_INF, neginf=_INF)      # one kernel: a row seeing nothing is +inf
