@@ -75,6 +75,17 @@ Note [Packed batches]
     their runs squared (a document split over every rank: 4 W^2; 64 sampled query ranks beyond 64 ranks),
     never O(S).
 
+Note [Query tiles of packed calls]
+    FA2's varlen call runs a document's query rows in tiles of ``TILE_ROWS`` (128), one thread block each per head,
+    whatever the rows: a balanced rank's pieces of ~100-400 rows pay whole tiles, and each tile a fixed cost beside
+    its pairs. On one H100 (``benchmarks/results/2026-11-27-h100-nineteenth/grids*.jsonl``, GQA 32/8) a balanced
+    ring's step - 3.6-3.9K rows in 23-27 segments of at most 416 - took 0.14 ms for 0.027 ms of its share of the
+    one-GPU call's time, and all-gather's call over 27 segments 0.53 ms for 0.29. So a packed call (a ``Block`` with
+    ``tiles``) is charged its pairs on whole tiles (``padded``: each run pair's pairs times its rows rounded up to
+    tiles, over its rows) at the kernel's rate, plus ``Profile.tile_cost_us`` per query tile and head. A run pair
+    counts its own tiles (a run seeing key runs of two ranks in one call counts twice: a bound); all-gather and
+    Ulysses count each query run once (its keys are one range in global order). Dense calls keep the dense model.
+
 Memory (``base_mem``, ``temps`` and each method's buffers) counts what one rank holds at the peak of the
 pass: inputs, outputs, the tensors autograd saves, and the method's buffers (ALGORITHMS.md §12.2 "Memory");
 kernel workspaces and the caching allocator's slack are not counted.
@@ -96,11 +107,11 @@ from .profile import Profile
 from .topology import Group, Network
 from .work import Block, causal_corner, gather_blocks, ring_steps, self_block
 
-__all__ = ["BWD_FLOPS", "PASSKV_EXPOSED_DKV", "PASSQ_PARTIAL_BYTES", "Candidate", "Cost", "Group", "Machine",
-           "Prediction", "Problem", "Tally", "a2a_in", "auto_head_chunks", "balance", "base_mem", "block_matrix", "ccr",
-           "gather_blocks_of", "head_chunk_valid", "head_chunks", "head_pipeline", "kv_wire_heads", "note_ccr",
-           "packed_steps", "pass_bytes", "passkv", "rank_work", "single_gpu_ms", "steps", "tallies", "temps",
-           "ulysses_mem", "ulysses_why_not", "whole"]
+__all__ = ["BWD_FLOPS", "PASSKV_EXPOSED_DKV", "PASSQ_PARTIAL_BYTES", "TILE_ROWS", "Candidate", "Cost", "Group",
+           "Machine", "Prediction", "Problem", "Tally", "a2a_in", "auto_head_chunks", "balance", "base_mem",
+           "block_matrix", "ccr", "gather_blocks_of", "head_chunk_valid", "head_chunks", "head_pipeline",
+           "kv_wire_heads", "note_ccr", "packed_steps", "pass_bytes", "passkv", "rank_work", "single_gpu_ms", "steps",
+           "tallies", "temps", "ulysses_mem", "ulysses_why_not", "whole"]
 
 #: pass-KV backward waits for the incoming dK/dV before the step's compute (``_passkv.backward``)
 PASSKV_EXPOSED_DKV = True
@@ -108,6 +119,8 @@ PASSKV_EXPOSED_DKV = True
 PASSQ_PARTIAL_BYTES: int | None = None
 #: backward FLOPs per forward FLOP (five GEMMs against two)
 BWD_FLOPS = 2.5
+#: query rows of one FA2 varlen tile at head dim 128 (Note [Query tiles of packed calls])
+TILE_ROWS = 128
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,12 +266,14 @@ class Machine:
         if blk is None or blk.pairs == 0:
             return 0.0
         parts = causal_corner(blk) or (blk,)
-        return sum(self._flops_ms(p, b, heads, direction) for b in parts) + self.profile.launch_us * 1e-3
+        tiles = self.profile.tile_cost_us(direction) * 1e-3 * blk.tiles * heads * p.batch
+        return sum(self._flops_ms(p, b, heads, direction) for b in parts) + self.profile.launch_us * 1e-3 + tiles
 
     def _flops_ms(self, p: Problem, blk: Block, heads: float, direction: str) -> float:
         mask = "causal" if blk.masked else "full"
         rate = self.profile.rate_tflops(self.kernel, mask, direction, blk.tokens)
-        flops = 4.0 * p.batch * blk.pairs * heads * p.head_dim * (BWD_FLOPS if direction == "bwd" else 1.0)
+        pairs = blk.padded or blk.pairs
+        flops = 4.0 * p.batch * pairs * heads * p.head_dim * (BWD_FLOPS if direction == "bwd" else 1.0)
         return flops / (rate * 1e12) * 1e3
 
     def hbm_ms(self, nbytes: float) -> float:
@@ -389,8 +404,9 @@ def packed_steps(p: Problem, layout: str, ranks: int, source: Callable[[int, int
     L = p.seq_len // ranks
     out: list[Block | None] = []
     for s in range(n):
-        pairs, rows, keys = max(tuple(int(x) for x in blocks[:, r, source(r, s)]) for r in _sample(ranks))
-        out.append(Block(min(rows, L), min(keys, L), pairs) if pairs else None)
+        pairs, rows, keys, tiles, padded = max(tuple(int(x) for x in blocks[:, r, source(r, s)])
+                                               for r in _sample(ranks))
+        out.append(Block(min(rows, L), min(keys, L), pairs, tiles, padded) if pairs else None)
     while trim and len(out) > 1 and out[-1] is None:
         out.pop()
     return tuple(out)
@@ -402,14 +418,28 @@ def gather_blocks_of(p: Problem, layout: str) -> tuple[Block, ...]:
     if p.documents is None:
         return gather_blocks(layout, p.world, p.seq_len, p.causal, p.window)
     w = rank_work(p, layout, p.world)
-    return (Block(p.seq_len // p.world, p.seq_len, max(w)),) if max(w) else ()
+    r = max(range(p.world), key=lambda i: w[i])
+    return (_tiled(p, layout, p.world, r, p.seq_len // p.world, p.seq_len, w[r]),) if w[r] else ()
 
 
 def whole(p: Problem) -> Block:
     """The whole sequence against itself: Ulysses' local call and the single-GPU yardstick."""
     if p.documents is None:
         return self_block(p.seq_len, p.causal, p.window)
-    return Block(p.seq_len, p.seq_len, sum(rank_work(p, "contiguous", 1)))
+    return _tiled(p, "contiguous", 1, 0, p.seq_len, p.seq_len, sum(rank_work(p, "contiguous", 1)))
+
+
+def _tiled(p: Problem, layout: str, ranks: int, r: int, rows: int, cols: int, pairs: int) -> Block:
+    """Rank r's one packed call over ``layout`` (its query runs each once: Note [Query tiles of packed calls])."""
+    n, tiles = _query_tiles(make_layout(layout, ranks, p.documents), p.seq_len, p.documents, r)
+    return Block(rows, cols, pairs, tiles, pairs * tiles * TILE_ROWS // n if n else pairs)
+
+
+@functools.lru_cache(maxsize=64)
+def _query_tiles(layout: Layout, seq_len: int, documents: tuple[int, ...], r: int) -> tuple[int, int]:
+    """``(rows, tiles)`` of rank r's runs in documents (padding excluded), each run in ``TILE_ROWS``-row tiles."""
+    runs = [run.length for run in layout.segments(r, seq_len).cut(documents).runs if run.doc >= 0]
+    return sum(runs), sum(-(-n // TILE_ROWS) for n in runs)
 
 
 def rank_work(p: Problem, layout: str, ranks: int) -> tuple[int, ...]:
@@ -439,7 +469,8 @@ def balance(p: Problem, layout: str, ranks: int, per_step: tuple[Block | None, .
 @functools.lru_cache(maxsize=32)
 def block_matrix(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int, ...]) -> torch.Tensor:
     """For rank r's queries against rank k's keys: ``[0, r, k]`` the visible (query, key) pairs, ``[1, r, k]``
-    the query rows and ``[2, r, k]`` the key rows that see any, int64 ``(3, W, W)`` (rows of ranks outside
+    the query rows and ``[2, r, k]`` the key rows that see any, ``[3, r, k]`` their query tiles and ``[4, r, k]``
+    the pairs on whole tiles (Note [Query tiles of packed calls]), int64 ``(5, W, W)`` (rows of ranks outside
     ``_sample`` are zero beyond 64 ranks).
 
     Every rank's runs cut at the documents; for each document, every (query run, key run) pair of it counted
@@ -451,7 +482,7 @@ def block_matrix(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int,
     W = layout.world
     runs = [(r, run.doc, run.glob, run.length) for r in range(W)
             for run in layout.segments(r, seq_len).cut(documents).runs if run.doc >= 0]
-    out = torch.zeros(3, W, W, dtype=torch.long)
+    out = torch.zeros(5, W, W, dtype=torch.long)
     if not runs:
         return out
     stride = layout.segments(0, seq_len).stride
@@ -464,8 +495,10 @@ def block_matrix(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int,
     n = count[q]                                                     # key runs (of its document) per query run
     qi = q.repeat_interleave(n)
     ki = first[qi] + torch.arange(int(n.sum())) - (torch.cumsum(n, 0) - n).repeat_interleave(n)
-    counts = _run_block_t(length[qi], length[ki], start[ki] - start[qi], stride, *rule.delta_bounds())
-    for i, c in enumerate(counts):
+    pairs, rows, keys = _run_block_t(length[qi], length[ki], start[ki] - start[qi], stride, *rule.delta_bounds())
+    tiles = -torch.div(-rows, TILE_ROWS, rounding_mode="floor")
+    padded = torch.where(rows > 0, pairs * tiles * TILE_ROWS // rows.clamp(min=1), 0)
+    for i, c in enumerate((pairs, rows, keys, tiles, padded)):
         out[i].index_put_((rank[qi], rank[ki]), c, accumulate=True)
     return out
 

@@ -149,6 +149,9 @@ class Profile:
     permute_gelems: float = 0.0
     """G elements per second of a row permute (``index_select``, all-gather's global order); 0: a copy of
     2-byte elements at ``hbm_gbps`` (``hbm_gbps / 4``)."""
+    varlen_tile_us: tuple[tuple[str, float], ...] = ()
+    """Per pass ("fwd", "bwd"): GPU microseconds one query tile of a packed call costs beyond its pairs, per head
+    (Note [Query tiles of packed calls] in ``model.py``); absent: 0."""
     host_overlap_loss: float = 1.0
     """κ: the part of the shorter of a pass's host time (fixed costs) and device time that does not overlap
     (Note [Step time] in ``model.py``); 1 adds the fixed costs to the device time."""
@@ -166,7 +169,8 @@ class Profile:
         for lk in self.links:
             if lk.pattern not in PATTERNS:
                 raise ValueError(f"link pattern must be one of {PATTERNS}, got {lk.pattern!r}")
-        for name, table, keys in (("call_us", self.call_us, DIRECTIONS), ("latency_us", self.latency_us, PATTERNS)):
+        for name, table, keys in (("call_us", self.call_us, DIRECTIONS), ("latency_us", self.latency_us, PATTERNS),
+                                  ("varlen_tile_us", self.varlen_tile_us, DIRECTIONS)):
             bad = [k for k, _ in table if k not in keys]
             if bad:
                 raise ValueError(f"{name} keys must be in {keys}, got {bad}")
@@ -177,7 +181,7 @@ class Profile:
             raise ValueError(f"permute_gelems must be >= 0, got {self.permute_gelems}")
         if not 0.0 <= self.host_overlap_loss <= 1.0:
             raise ValueError(f"host_overlap_loss must be in [0, 1], got {self.host_overlap_loss}")
-        for name in ("call_us", "step_us", "latency_us"):
+        for name in ("call_us", "step_us", "latency_us", "varlen_tile_us"):
             neg = [k for k, v in getattr(self, name) if not v >= 0]
             if neg:
                 raise ValueError(f"{name} values must be >= 0, got {dict(getattr(self, name))}")
@@ -230,6 +234,11 @@ class Profile:
         """Fixed microseconds of one call's ``direction`` pass (Note [Fixed costs])."""
         return dict(self.call_us).get(direction, 0.0)
 
+    def tile_cost_us(self, direction: str) -> float:
+        """GPU microseconds of one query tile (per head) of a packed call's ``direction`` pass beyond its pairs
+        (Note [Query tiles of packed calls])."""
+        return dict(self.varlen_tile_us).get(direction, 0.0)
+
     def overlap(self, pattern: str) -> float:
         return self._fallback(dict(self.overlap_loss), pattern, 0.0)
 
@@ -261,6 +270,7 @@ class Profile:
             "merge_passes": self.merge_passes, "overlap_loss": dict(self.overlap_loss),
             "memory_gib": self.memory_gib, "call_us": dict(self.call_us), "step_us": dict(self.step_us),
             "latency_us": dict(self.latency_us), "permute_gelems": self.permute_gelems,
+            "varlen_tile_us": dict(self.varlen_tile_us),
             "host_overlap_loss": self.host_overlap_loss, "source": self.source, "derived_from": self.derived_from,
             "meta": dict(self.meta),
         }
@@ -280,6 +290,7 @@ class Profile:
                 overlap_loss=tuple(sorted((str(k), float(v)) for k, v in d["overlap_loss"].items())),
                 memory_gib=float(d["memory_gib"]), call_us=_table(d.get("call_us")), step_us=_table(d.get("step_us")),
                 latency_us=_table(d.get("latency_us")), permute_gelems=float(d.get("permute_gelems", 0.0)),
+                varlen_tile_us=_table(d.get("varlen_tile_us")),
                 host_overlap_loss=float(d.get("host_overlap_loss", 1.0)),
                 source=str(d.get("source", "")),
                 derived_from=d.get("derived_from"),

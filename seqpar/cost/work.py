@@ -37,11 +37,15 @@ class Run:
 
 @dataclass(frozen=True)
 class Block:
-    """One kernel call: ``rows`` x ``cols`` with ``pairs`` visible; ``masked`` unless every pair is."""
+    """One kernel call: ``rows`` x ``cols`` with ``pairs`` visible; ``masked`` unless every pair is. A packed call
+    (documents) also counts its query tiles per head and its pairs on whole tiles (``tiles``, ``padded``: Note [Query
+    tiles of packed calls] in ``model.py``); 0 for a dense call."""
 
     rows: int
     cols: int
     pairs: int
+    tiles: int = 0
+    padded: int = 0
 
     @property
     def masked(self) -> bool:

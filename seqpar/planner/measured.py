@@ -132,6 +132,11 @@ STEP_US: dict[str, float] = {
     "tasp/fwd": 285.6, "tasp/bwd": 746.4, "double_ring/fwd": 118.3, "double_ring/bwd": 1.1,
 }
 HOST_OVERLAP_LOSS = 0.55
+#: µs per query tile and head of a packed call beyond its pairs (Note [Query tiles of packed calls] in
+#: ``seqpar.cost.model``): chosen on a grid against the twentieth session's packed rows, emulated W = 8 (median |error|
+#: 0.47 -> 0.33, largest 0.60 -> 0.47) and checked on four real H100s (0.40 -> 0.36, 0.52 -> 0.41);
+#: ``benchmarks/results/2026-11-27-h100-twenty-first/tile-fit``
+VARLEN_TILE_US: dict[str, float] = {"fwd": 0.09, "bwd": 0.2}
 
 
 # The emulated profile (Note [Auto on an emulated world] in seqpar.comm.link): the H100 profile with free transfers,
@@ -213,7 +218,9 @@ _SOURCE = ("kernels and links measured on a 4x H200 NVSwitch host (ALGORITHMS.md
            "fitted: call_us, step_us and host_overlap_loss by " + FIT_COMMAND + " (fit: the real W = 4 run's "
            f"{', '.join(FIT_PRESETS)} on four H100s; check: its gqa-causal-8k; "
            "benchmarks/results/2026-11-26-4x-real-run3/planner_fit.md); alpha_us=60 for methods the fit lacks; "
-           f"assumed: hbm 80% of datasheet, launch_us={LAUNCH_US}")
+           f"assumed: hbm 80% of datasheet, launch_us={LAUNCH_US}; varlen_tile_us chosen on a grid against the "
+           "packed rows of benchmarks/results/2026-11-27-h100-twentieth (emulated W = 8; checked on four real H100s): "
+           "benchmarks/results/2026-11-27-h100-twenty-first/tile-fit")
 
 
 def h200_profile() -> Profile:
@@ -224,7 +231,7 @@ def h200_profile() -> Profile:
         alpha_us=ALPHA_US, launch_us=LAUNCH_US, hbm_gbps=_H200_HBM_GBPS, merge_passes=MERGE_PASSES,
         overlap_loss=tuple(sorted(OVERLAP.items())), memory_gib=141.0, call_us=tuple(sorted(CALL_US.items())),
         step_us=tuple(sorted(STEP_US.items())), latency_us=tuple(sorted(_latency_us().items())),
-        permute_gelems=_permute_gelems(),
+        permute_gelems=_permute_gelems(), varlen_tile_us=tuple(sorted(VARLEN_TILE_US.items())),
         host_overlap_loss=HOST_OVERLAP_LOSS, source=_SOURCE,
         meta=(("host", "4x H200 NVSwitch"), ("nccl", "2.28.9"), ("torch", "2.11"),
               ("command", "python -m seqpar.planner.measured")))
