@@ -197,6 +197,9 @@ def test_takes_delta_asks_narrow_and_wide_blocks(sm90, monkeypatch):
     r, x = TaskRunner("auto", 0.1, training=True), torch.zeros(1)
     assert not r.takes_delta(x, x, frozenset({"band"}))
     assert r.takes_delta(x, x, frozenset({"joined"}))
+    monkeypatch.setattr(executor_mod, "_sig", lambda q, k: (8, 2, D, BF16, torch.device("cuda")))
+    r = TaskRunner("auto", 0.1, training=True)           # few KV heads: a joined step's backward runs apart
+    assert not r.takes_delta(x, x, frozenset({"joined"}))
 
 
 def test_chunked_at_128k_plans_per_chunk_causal_blocks_on_cudnn(sm90):

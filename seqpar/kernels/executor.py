@@ -425,8 +425,12 @@ class TaskRunner:
 
     def takes_delta(self, q: torch.Tensor, k: torch.Tensor, kinds: frozenset[str], dv: int | None = None) -> bool:
         """Whether the kernels of every mask kind in ``kinds``, narrow and wide blocks alike (a band's kernel
-        depends on its rows: Note [Bands on flex]), take a precomputed Delta (pass-Q's bundle)."""
+        depends on its rows: Note [Bands on flex]), take a precomputed Delta (pass-Q's bundle). A joined step whose
+        wide band's backward does not join runs its blocks apart (Note [Band backward on few KV heads]): no."""
         probe = {"full": (1, 1, None, None), "causal": (2, 2, None, 0), "band": (2, 2, 0, 0)}
+        band = Task(0, 2, 0, 2, Band(0, 0))
+        if "joined" in kinds and not self._kernel(band, _sig(q, k), dv, wide=True, backward=True).joins:
+            return False
         for kind in sorted(kinds):
             if kind == "varlen":
                 task = Task(0, 2, 0, 2, Varlen((0, 2), (0, 2)))
