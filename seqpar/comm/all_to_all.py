@@ -47,7 +47,7 @@ Note [Wide copies]
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -57,8 +57,9 @@ import torch.distributed as dist
 from ..errors import rank_suffix
 from . import link as _link
 
-__all__ = ["HeadSlots", "Pending", "contiguous", "heads_to_seq", "post_grads_heads_to_seq", "post_heads_to_seq",
-           "post_qkv_seq_to_heads", "post_seq_to_heads", "qkv_seq_to_heads", "seq_to_heads"]
+__all__ = ["HeadSlots", "Pending", "contiguous", "heads_to_seq", "pack_qkv", "packed_qkv_shape",
+           "post_grads_heads_to_seq", "post_heads_to_seq", "post_heads_to_seq_raw", "post_packed_qkv",
+           "post_qkv_seq_to_heads", "post_seq_to_heads", "qkv_seq_to_heads", "seq_to_heads", "unpack_heads"]
 
 T = TypeVar("T")
 
@@ -204,17 +205,44 @@ def post_qkv_seq_to_heads(q_BLHD: torch.Tensor, k_BLKD: torch.Tensor, v_BLKD: to
     Returns:
         Pending ``(q (B, U L, H/U, D), k (B, U L, Hkv_slot, D), v (B, U L, Hkv_slot, Dv))``, each contiguous.
     """
-    U = _size(group)
-    B, L, H, D = q_BLHD.shape
-    Hkv, Dv = k_BLKD.shape[2], v_BLKD.shape[-1]
-    if U == 1:
+    if _size(group) == 1:
         return Pending.done((q_BLHD, k_BLKD, v_BLKD))
+    return post_packed_qkv(pack_qkv(q_BLHD, k_BLKD, v_BLKD, group), q_BLHD.shape[2], k_BLKD.shape[2],
+                           D=q_BLHD.shape[-1], group=group)
+
+
+def packed_qkv_shape(q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int], U: int
+                     ) -> tuple[int, int, int, int]:
+    """``(U, B, L, F)``: the send buffer of ``pack_qkv`` for these local shapes over U ranks."""
+    B, L, H, D = q_shape
+    slots = HeadSlots(H, k_shape[2], U)
+    return U, B, L, slots.q_per_rank * D + slots.kv_per_rank * (k_shape[-1] + v_shape[-1])
+
+
+def pack_qkv(q_BLHD: torch.Tensor, k_BLKD: torch.Tensor, v_BLKD: torch.Tensor, group: dist.ProcessGroup | None, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """The send buffer of ``post_qkv_seq_to_heads`` (U > 1): every destination's query and KV heads side by side,
+    written into ``out`` (``packed_qkv_shape``) where given (Note [Staged calls] in ``seqpar.runtime.graphs``)."""
+    U = _size(group)
+    H, Hkv = q_BLHD.shape[2], k_BLKD.shape[2]
     slots = HeadSlots(H, Hkv, U)
     hq, hk, rep = slots.q_per_rank, slots.kv_per_rank, slots.replicas
-    send_UBLF = q_BLHD.new_empty(U, B, L, hq * D + hk * (D + Dv))
+    shape = packed_qkv_shape(q_BLHD.shape, k_BLKD.shape, v_BLKD.shape, U)
+    send_UBLF = q_BLHD.new_empty(shape) if out is None else out
     at = _slots_write(send_UBLF, 0, q_BLHD, H, hq, 1)
     at = _slots_write(send_UBLF, at, k_BLKD, Hkv, hk, rep)
     _slots_write(send_UBLF, at, v_BLKD, Hkv, hk, rep)
+    return send_UBLF
+
+
+def post_packed_qkv(send_UBLF: torch.Tensor, heads: int, kv_heads: int, *, D: int,
+                    group: dist.ProcessGroup | None) -> Pending[tuple[torch.Tensor, ...]]:
+    """Post ``pack_qkv``'s buffer (``heads`` / ``kv_heads`` globally, head dim ``D``): Pending ``(q, k, v)``
+    head-sharded, as ``post_qkv_seq_to_heads`` returns them."""
+    U, B, L, F = send_UBLF.shape
+    slots = HeadSlots(heads, kv_heads, U)
+    hq, hk = slots.q_per_rank, slots.kv_per_rank
+    Dv = (F - hq * D) // hk - D
     work, recv_UBLF = _post(send_UBLF, group)
 
     def finish() -> tuple[torch.Tensor, ...]:
@@ -290,17 +318,34 @@ def post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None, *, seq_d
 def post_heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None, *, seq_dim: int = 1,
                       head_dim: int = 2) -> Pending[torch.Tensor]:
     """Post the inverse of ``post_seq_to_heads``: ``U L`` rows and ``H/U`` heads -> L rows and H heads."""
-    U = _size(group)
-    if U == 1:
+    if _size(group) == 1:
         return Pending.done(x)
+    work, send, recv = _post_heads(x, group, seq_dim)
+    return Pending(work, lambda: contiguous(recv.movedim(0, head_dim)).flatten(head_dim, head_dim + 1), (send, recv))
+
+
+def post_heads_to_seq_raw(x: torch.Tensor, group: dist.ProcessGroup | None, *, seq_dim: int = 1
+                          ) -> Pending[torch.Tensor]:
+    """``post_heads_to_seq`` (U > 1) up to its receive buffer ``(U, ...)``, source-major, which ``unpack_heads`` lays
+    out (Note [Staged calls] in ``seqpar.runtime.graphs``)."""
+    work, send, recv = _post_heads(x, group, seq_dim)
+    return Pending(work, lambda: recv, (send, recv))
+
+
+def _post_heads(x: torch.Tensor, group: dist.ProcessGroup | None, seq_dim: int) -> tuple[Any, torch.Tensor,
+                                                                                          torch.Tensor]:
+    U = _size(group)
     _check_split(x, seq_dim, U, "sequence length")
     send = contiguous(x.unflatten(seq_dim, (U, x.shape[seq_dim] // U)).movedim(seq_dim, 0))
     work, recv = _post(send, group)             # recv[u'] = my rows of source u''s heads
+    return work, send, recv
 
-    def finish() -> torch.Tensor:
-        return contiguous(recv.movedim(0, head_dim)).flatten(head_dim, head_dim + 1)
 
-    return Pending(work, finish, (send, recv))
+def unpack_heads(recv: torch.Tensor, *, head_dim: int = 2) -> torch.Tensor:
+    """A ``post_heads_to_seq_raw`` receive buffer as L rows and H heads, always a new tensor (the buffer may be a
+    graph's, which its next replay overwrites)."""
+    return _copy(torch.empty(recv.movedim(0, head_dim).shape, dtype=recv.dtype, device=recv.device),
+                 recv.movedim(0, head_dim)).flatten(head_dim, head_dim + 1)
 
 
 class _QKVSeqToHeads(torch.autograd.Function):

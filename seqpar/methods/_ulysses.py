@@ -222,6 +222,7 @@ class Sandwich:
         self.u = dist.get_rank(group)
         self.parts = head_groups(call.q_shape[2], call.k_shape[2], chunks)
         self.kv_heads, self.grad_dtype = call.k_shape[2], call.cfg.grad_dtype
+        self.shapes = (tuple(call.q_shape), tuple(call.k_shape), tuple(call.v_shape))
 
     def direct(self, call: Call):
         """At Ulysses degree 1 (and one head group) the whole call is the inner engine's direct call."""
@@ -233,8 +234,44 @@ class Sandwich:
         """The Ulysses group (``groups.group`` for Ulysses, ``groups.ulysses`` for USP), looked up per call."""
         return getattr(self.groups, self.axis)
 
+    @property
+    def stages(self) -> bool:
+        """Whether a call's first and last copies can run outside its graph (Note [Staged calls] in
+        ``seqpar.runtime.graphs``): the plain sandwich over several ranks."""
+        return self.chunks == 1 and self.degree > 1
+
+    def stage_shape(self) -> tuple[int, ...]:
+        """The shape of ``stage``'s buffer."""
+        return a2a.packed_qkv_shape(*self.shapes, self.degree)
+
+    def stage(self, q, k, v, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q, k and v packed for the all-to-all (into ``out`` where given): the first copy of a staged call."""
+        return a2a.pack_qkv(q, k, v, self.group, out=out)
+
+    def forward_staged(self, send: torch.Tensor):
+        """``forward`` from ``stage``'s buffer up to out's receive buffer: ``(raw out, lse, saved)``."""
+        (_, _, H, D), (_, _, Hkv, _), _ = self.shapes
+        loop = Loop()
+        with loop:
+            ins = loop.post(a2a.post_packed_qkv(send, H, Hkv, D=D, group=self.group))
+            loop.wait(ins)
+            q_h, k_h, v_h = ins[0].result
+            out_h, lse_h = self.inner.forward(q_h, k_h, v_h)
+            outs = loop.post([a2a.post_heads_to_seq_raw(out_h, self.group),
+                              a2a.post_heads_to_seq(lse_h, self.group, seq_dim=2, head_dim=1)])
+            loop.wait(outs)
+            raw, lse = (p.result for p in outs)
+        return raw, lse, (q_h, k_h, v_h, out_h, lse_h)
+
+    def unstage(self, raw: torch.Tensor) -> torch.Tensor:
+        """out laid out from its receive buffer, a new tensor: the last copy of a staged call."""
+        return a2a.unpack_heads(raw)
+
     def forward(self, q, k, v):
         """``(out (B, L, H, Dv), lse (B, H, L), saved)``; saved: each group's head-sharded (q, k, v, out, lse)."""
+        if self.stages:
+            raw, lse, saved = self.forward_staged(self.stage(q, k, v))
+            return self.unstage(raw), lse, saved
         B, L, H, _ = q.shape
         out = q.new_empty(B, L, H, v.shape[-1]) if self.chunks > 1 else None
         lse = torch.empty(B, H, L, dtype=acc_dtype(q.dtype), device=q.device) if self.chunks > 1 else None
