@@ -219,11 +219,11 @@ def test_auto_times_both_ways_and_keeps_the_cheaper(monkeypatch, eager, graph, k
     made, resets, timings = [], [], []
 
     class Captured:
-        def __init__(self, fn, inputs, pool):
+        def __init__(self, fn, inputs, pool, **kw):
             made.append(fn)
             self.graph = type("Graph", (), {"reset": lambda _: resets.append(1)})()
 
-        def __call__(self, inputs):
+        def __call__(self, inputs, raw=frozenset()):
             return "replayed"
 
     times = iter([])
@@ -311,11 +311,11 @@ def test_release_all_destroys_the_graphs_and_a_plan_called_again_captures_anew(m
     resets, syncs = [], []
 
     class Captured:
-        def __init__(self, fn, inputs, pool):
+        def __init__(self, fn, inputs, pool, **kw):
             self.device = torch.device("cpu")
             self.graph = type("Graph", (), {"reset": lambda _: resets.append(1)})()
 
-        def __call__(self, inputs):
+        def __call__(self, inputs, raw=frozenset()):
             return "replayed"
 
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
@@ -428,6 +428,49 @@ def test_saved_slots_keep_every_forward_in_flight_and_are_reused_once_free(cpu_g
     assert slots[0].fwd.static[0] is slots[1].fwd.static[0]                    # static inputs shared by slots
     (c0,), (c1,) = (slots[i].bwd.values() for i in (0, 1))
     assert c0.static[0] is c1.static[0]
+
+
+class _StagingEngine(_SavingEngine):
+    """A saving engine that stages (Note [Staged calls]): q, k and v packed into one buffer first, its output laid
+    out of a receive buffer last."""
+
+    stages = True
+
+    def stage_shape(self):
+        return (3, 4, 3)
+
+    def stage(self, q, k, v, out=None):
+        out = torch.empty(self.stage_shape()) if out is None else out
+        out[0], out[1], out[2] = q, k, v
+        return out
+
+    def forward_staged(self, send):
+        q, k, v = send
+        recv = torch.cat([q + 1, k * 3])
+        return q * 2 + 0, q.sum(-1), (recv[: len(q)], recv[len(q):], q - v)
+
+    def unstage(self, raw):
+        return raw.flip(0).clone()
+
+    def forward(self, q, k, v):
+        raw, lse, saved = self.forward_staged(self.stage(q, k, v))
+        return self.unstage(raw), lse, saved
+
+
+@pytest.mark.parametrize("keep_saved", [True, False])
+def test_staged_calls_copy_nothing_in_and_clone_nothing_out(cpu_graphs, keep_saved):
+    """Note [Staged calls]: an engine that stages runs its first copy into the ``Graphed``'s one buffer, which its
+    graphs read where it lies (no copy in), and lays its output out of the graph's receive buffer itself (no clone
+    out); every call's output is its own (a later replay does not change it) and equals the eager engine's."""
+    g, made = cpu_graphs
+    engine = _StagingEngine()
+    graphed = g.Graphed(engine, required=True)
+    calls = [[torch.randn(4, 3) for _ in range(3)] for _ in range(4)]
+    outs = [graphed.forward(q, k, v, keep_saved=keep_saved) for q, k, v in calls]
+    for (q, k, v), got in zip(calls, outs):
+        want = engine.forward(q, k, v)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert made.made and all(c.static[0] is graphed._staged and c.in_place == frozenset({0}) for c in made.made)
 
 
 def test_no_graph_replays_over_a_slot_captured_after_it(cpu_graphs):
