@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import threading
 import traceback
-import warnings
 
 import pytest
 import torch
 
 import seqpar
+from seqpar.bench.timing import sync_warnings
 from seqpar.runtime import call
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -30,15 +30,7 @@ pytest.importorskip("transformers")
 
 def _syncs(fn) -> int:
     """How many synchronizing CUDA calls ``fn()`` makes (sync debug mode "warn" warns once per call)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing" in str(w.message) for w in seen)
+    return sum("synchronizing" in m for m in sync_warnings(fn))
 
 
 def _packed_steps(layers: int, backend: str, host_cu: bool) -> list[int]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_host import case_fn
 
 from seqpar.bench.report import write_probe
+from seqpar.bench.timing import sync_warnings
 
 
 def gaps(fn, calls: int = 3) -> dict:
@@ -55,16 +55,7 @@ def gaps(fn, calls: int = 3) -> dict:
 
 def syncs(fn) -> list[str]:
     """The synchronizations one call makes, as ``set_sync_debug_mode("warn")`` reports them."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
-    return [str(w.message)[:160] for w in seen]
+    return [m[:160] for m in sync_warnings(fn)]
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["SEED_FRACTION", "back_to_back_ms", "burst_ms", "call_profile", "exposed_comm_ms", "free_cached",
-           "host_profile", "kernel_ms", "peak_mem_gib", "rank_median_ms", "reset_peak", "time_ms"]
+           "host_profile", "kernel_ms", "peak_mem_gib", "rank_median_ms", "reset_peak", "sync_warnings", "time_ms"]
 
 
 def _sync(device: torch.device) -> None:
@@ -290,3 +290,20 @@ def host_profile(fn: Callable[[], object], device: torch.device, *, calls: int =
     pr.disable()
     _sync(device)
     return pstats.Stats(pr)
+
+
+def sync_warnings(fn: Callable[[], object]) -> list[str]:
+    """The messages ``torch.cuda.set_sync_debug_mode("warn")`` gives while ``fn()`` runs: one per synchronizing CUDA
+    call (and PyTorch's note that the mode is a prototype)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return [str(w.message) for w in seen]
