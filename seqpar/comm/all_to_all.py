@@ -58,9 +58,8 @@ from ..errors import rank_suffix
 from . import link as _link
 
 __all__ = ["HeadSlots", "Pending", "contiguous", "heads_to_seq", "pack_qkv", "packed_qkv_shape",
-           "post_grads_heads_to_seq", "post_grads_raw", "post_heads_to_seq", "post_heads_to_seq_raw", "post_packed_qkv",
-           "post_qkv_seq_to_heads", "post_seq_to_heads", "post_staged_seq_to_heads", "qkv_seq_to_heads",
-           "seq_to_heads", "seq_to_heads_send", "unpack_grads", "unpack_heads"]
+           "post_grads_heads_to_seq", "post_heads_to_seq", "post_heads_to_seq_raw", "post_packed_qkv",
+           "post_qkv_seq_to_heads", "post_seq_to_heads", "qkv_seq_to_heads", "seq_to_heads", "unpack_heads"]
 
 T = TypeVar("T")
 
@@ -272,24 +271,9 @@ def post_grads_heads_to_seq(dq_BSHD: torch.Tensor, dk_BSKD: torch.Tensor, dv_BSK
     U = _size(group)
     if U == 1:
         return Pending.done((dq_BSHD, dk_BSKD, dv_BSKD))
-    work, send, recv = _post_grads(dq_BSHD, dk_BSKD, dv_BSKD, group, wire_dtype)
-    shapes = (dq_BSHD.shape, dk_BSKD.shape, dv_BSKD.shape)
-    return Pending(work, lambda: unpack_grads(recv, shapes, kv_heads), (send, recv))
-
-
-def post_grads_raw(dq_BSHD: torch.Tensor, dk_BSKD: torch.Tensor, dv_BSKD: torch.Tensor,
-                   group: dist.ProcessGroup | None, wire_dtype: torch.dtype) -> Pending[torch.Tensor]:
-    """``post_grads_heads_to_seq`` (U > 1) up to its receive buffer ``(U, B, L, F)``, which ``unpack_grads`` lays
-    out (Note [Staged calls] in ``seqpar.runtime.graphs``)."""
-    work, send, recv = _post_grads(dq_BSHD, dk_BSKD, dv_BSKD, group, wire_dtype)
-    return Pending(work, lambda: recv, (send, recv))
-
-
-def _post_grads(dq_BSHD: torch.Tensor, dk_BSKD: torch.Tensor, dv_BSKD: torch.Tensor, group: dist.ProcessGroup | None,
-                wire_dtype: torch.dtype) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    U = _size(group)
     B, S, hq, D = dq_BSHD.shape
     hk, L, Dv = dk_BSKD.shape[2], S // U, dv_BSKD.shape[-1]
+    rep = U * hk // kv_heads
     send_UBLF = dq_BSHD.new_empty(U, B, L, hq * D + hk * (D + Dv), dtype=wire_dtype)
     at = 0
     for t_BShd in (dq_BSHD, dk_BSKD, dv_BSKD):
@@ -297,25 +281,18 @@ def _post_grads(dq_BSHD: torch.Tensor, dk_BSKD: torch.Tensor, dv_BSKD: torch.Ten
         _copy(send_UBLF[..., at:at + n * d].unflatten(-1, (n, d)), t_BShd.unflatten(1, (U, L)).movedim(1, 0))
         at += n * d
     work, recv_UBLF = _post(send_UBLF, group)
-    return work, send_UBLF, recv_UBLF
+    acc = torch.float64 if wire_dtype == torch.float64 else torch.float32
 
+    def finish() -> tuple[torch.Tensor, ...]:
+        dq = contiguous(recv_UBLF[..., : hq * D].unflatten(-1, (hq, D)).movedim(0, 2)).reshape(B, L, U * hq, D)
+        out = [dq]
+        for lo, d in ((hq * D, D), (hq * D + hk * D, Dv)):
+            part = recv_UBLF[..., lo:lo + hk * d].unflatten(-1, (hk, d)).unflatten(0, (kv_heads // hk, rep))
+            part = part.sum(1, dtype=acc) if rep > 1 else part.squeeze(1)         # adjoint of replication
+            out.append(contiguous(part.movedim(0, 2)).reshape(B, L, kv_heads, d))
+        return tuple(out)
 
-def unpack_grads(recv_UBLF: torch.Tensor, shapes: Sequence[Sequence[int]], kv_heads: int) -> tuple[torch.Tensor, ...]:
-    """``post_grads_raw``'s receive buffer as ``(dq (B, L, H, D), dk, dv)``, new tensors (``shapes``: the
-    head-sharded dq, dk, dv sent; dk/dv replica sums in fp32, fp64 for an fp64 wire)."""
-    (B, S, hq, D), (_, _, hk, _), (_, _, _, Dv) = shapes
-    U = recv_UBLF.shape[0]
-    L, rep = S // U, U * hk // kv_heads
-    acc = torch.float64 if recv_UBLF.dtype == torch.float64 else torch.float32
-    dq = recv_UBLF[..., : hq * D].unflatten(-1, (hq, D)).movedim(0, 2)
-    out = [_copy(torch.empty(dq.shape, dtype=dq.dtype, device=dq.device), dq).reshape(B, L, U * hq, D)]
-    for lo, d in ((hq * D, D), (hq * D + hk * D, Dv)):
-        part = recv_UBLF[..., lo:lo + hk * d].unflatten(-1, (hk, d)).unflatten(0, (kv_heads // hk, rep))
-        part = part.sum(1, dtype=acc) if rep > 1 else part.squeeze(1)         # adjoint of replication
-        part = part.movedim(0, 2)
-        out.append(_copy(torch.empty(part.shape, dtype=part.dtype, device=part.device), part).reshape(B, L, kv_heads,
-                                                                                                      d))
-    return tuple(out)
+    return Pending(work, finish, (send_UBLF, recv_UBLF))
 
 
 def post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None, *, seq_dim: int = 1,
@@ -325,24 +302,11 @@ def post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None, *, seq_d
     ``x`` has L rows at ``seq_dim`` and H heads at ``head_dim`` (e.g. dO ``(B, L, H, D)`` with the defaults,
     dlse ``(B, H, L)`` with ``seq_dim=2, head_dim=1``); the result has ``U L`` rows and ``H/U`` heads there.
     """
-    if _size(group) == 1:
-        return Pending.done(x)
-    return post_staged_seq_to_heads(seq_to_heads_send(x, group, head_dim=head_dim), group, seq_dim=seq_dim)
-
-
-def seq_to_heads_send(x: torch.Tensor, group: dist.ProcessGroup | None, *, head_dim: int = 2,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """The send buffer of ``post_seq_to_heads`` (U > 1): ``x``'s heads split by destination, first (into ``out``
-    where given: Note [Staged calls] in ``seqpar.runtime.graphs``)."""
     U = _size(group)
+    if U == 1:
+        return Pending.done(x)
     _check_split(x, head_dim, U, "heads")
-    src = x.unflatten(head_dim, (U, x.shape[head_dim] // U)).movedim(head_dim, 0)
-    return contiguous(src) if out is None else _copy(out, src)
-
-
-def post_staged_seq_to_heads(send: torch.Tensor, group: dist.ProcessGroup | None, *, seq_dim: int = 1
-                             ) -> Pending[torch.Tensor]:
-    """Post ``seq_to_heads_send``'s buffer: Pending head-sharded rows, as ``post_seq_to_heads`` returns them."""
+    send = contiguous(x.unflatten(head_dim, (U, x.shape[head_dim] // U)).movedim(head_dim, 0))
     work, recv = _post(send, group)             # recv[u'] = source u''s rows; seq dim sits at seq_dim + 1
 
     def finish() -> torch.Tensor:

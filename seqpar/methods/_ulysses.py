@@ -319,47 +319,8 @@ class Sandwich:
         n = (hq.stop - hq.start) // self.degree
         return slice(hq.start + self.u * n, hq.start + (self.u + 1) * n)
 
-    def stage_bwd_shape(self) -> tuple[int, ...]:
-        """The shape of ``stage_bwd``'s buffer."""
-        (B, L, H, _), _, (_, _, _, Dv) = self.shapes
-        return self.degree, B, L, H // self.degree, Dv
-
-    def stage_bwd(self, do: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """dO split by destination for the all-to-all (into ``out`` where given): the backward's first copy."""
-        return a2a.seq_to_heads_send(do, self.group, out=out)
-
-    def backward_staged(self, send: torch.Tensor, b: BackwardInputs) -> torch.Tensor:
-        """``backward`` from ``stage_bwd``'s buffer (``b.rows.do`` unread) up to the gradients' receive buffer."""
-        dlse = b.dlse
-        wire = _grad_wire(send.dtype, self.kv_heads, self.degree, self.grad_dtype)
-        loop = Loop()
-        with loop:
-            ins = loop.post([a2a.post_staged_seq_to_heads(send, self.group),
-                             None if dlse is None else a2a.post_seq_to_heads(dlse, self.group, seq_dim=2, head_dim=1)])
-            loop.wait(ins)
-            do_h, *dlse_h = (p.result for p in ins)
-            q_h, k_h, v_h, out_h, lse_h = b.saved
-            if b.sinks is not None:           # the final rows of these heads (Note [Attention sinks])
-                out_h, lse_h = apply_sinks(out_h, lse_h, b.sinks[self._local_heads(self.parts[0][0])])
-            grads = self.inner.backward(GradRows(do_h, out_h, dlse_h[0] if dlse_h else None), q_h, k_h, v_h, lse_h)
-            outs = loop.post(a2a.post_grads_raw(*grads, self.group, wire))
-            loop.wait(outs)
-            raw = outs[0].result
-        return raw
-
-    def unstage_bwd(self, raw: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """dq, dk and dv laid out from their receive buffer, new tensors in ``dtype``: the backward's last copy."""
-        (B, L, H, D), _, (_, _, _, Dv) = self.shapes
-        U = self.degree
-        hk = raw.shape[-1] - H // U * D
-        hk //= D + Dv
-        sent = ((B, U * L, H // U, D), (B, U * L, hk, D), (B, U * L, hk, Dv))
-        return tuple(g.to(dtype) for g in a2a.unpack_grads(raw, sent, self.kv_heads))
-
     def backward(self, b: BackwardInputs):
         """From the final rows: dO (and dlse when lse is returned) to head-sharded, the inner backward, back."""
-        if self.stages:
-            return self.unstage_bwd(self.backward_staged(self.stage_bwd(b.rows.do), b), b.rows.do.dtype)
         do, dlse = b.rows.do, b.dlse
         B, L, H, Dv = do.shape
         D = b.saved[0].shape[-1]

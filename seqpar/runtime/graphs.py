@@ -491,7 +491,6 @@ class Graphed:
         self._seq = 0                                # captures so far: each graph's ``seq`` (Note [Slots and scratch])
         self._slotted = True                         # False once a slot turned out unusable for this engine
         self._staged: torch.Tensor | None = None     # the buffer a staging engine's graphs read (Note [Staged calls])
-        self._staged_bwd: torch.Tensor | None = None # the same for its backward
         self.retired = False
         _LIVE.add(self)
 
@@ -554,8 +553,6 @@ class Graphed:
         return (eng.unstage(res[0]), *res[1:])
 
     def backward(self, b: BackwardInputs):
-        if getattr(self.engine, "stages", False):
-            return self._backward_staged(b)
         r = b.rows
         out = None if self.saves else r.out           # an engine that saves reads dO and dlse of the rows only
         inputs = [r.do, out, r.dlse, b.lse, b.q, b.k, b.v, b.sinks, *b.saved]
@@ -570,30 +567,6 @@ class Graphed:
         if slot is not None and not slot.owns(b.saved):
             slot = None
         return self._run(key, bwd, inputs, None if slot is None else self._from_slot(slot, key, bwd))
-
-    def _backward_staged(self, b: BackwardInputs):
-        """``backward`` of an engine that stages (Note [Staged calls]): dO split into this ``Graphed``'s buffer, the
-        graph from there to the gradients' receive buffer, the gradients laid out of it."""
-        shape = tuple(self.engine.stage_bwd_shape())
-        r = b.rows
-        if self._staged_bwd is None or tuple(self._staged_bwd.shape) != shape:
-            self._staged_bwd = r.do.new_empty(shape)
-        send = self.engine.stage_bwd(r.do, out=self._staged_bwd)
-        inputs = [send, None, r.dlse, b.lse, b.q, b.k, b.v, b.sinks, *b.saved]
-        n_saved, lse_grad, eng = len(b.saved), b.lse_grad, self.engine
-
-        def bwd(send, out, dlse, lse, q, k, v, sinks, *saved):
-            assert len(saved) == n_saved
-            return (eng.backward_staged(send, BackwardInputs(GradRows(send, out, dlse), lse, q, k, v, tuple(saved),
-                                                             sinks, lse_grad)),)
-        key = ("bwd", tuple(x is None for x in inputs))
-        slot = self._by_saved.get(b.saved[0].data_ptr()) if b.saved else None
-        if slot is not None and not slot.owns(b.saved):
-            slot = None
-        here, raw = frozenset({0}), frozenset({0})
-        res = self._run(key, bwd, inputs, None if slot is None else self._from_slot(slot, key, bwd, here, raw),
-                        in_place=here, raw=raw)
-        return eng.unstage_bwd(res[0], r.do.dtype)
 
     def _capture(self, fn: Callable[..., Any], inputs: Sequence[torch.Tensor | None], **kw: Any) -> _Captured:
         _guard_shutdown()
@@ -665,8 +638,7 @@ class Graphed:
             return lambda: slot.forward(inputs, raw)
         return prepare
 
-    def _from_slot(self, slot: _Slot, key: Any, bwd: Callable[..., Any], in_place: frozenset[int] = frozenset(),
-                   raw: frozenset[int] = frozenset()) -> Callable[[list], Callable[[], Any]]:
+    def _from_slot(self, slot: _Slot, key: Any, bwd: Callable[..., Any]) -> Callable[[list], Callable[[], Any]]:
         """The backward of a forward replayed into ``slot``: a graph of the slot's that reads its saved tensors
         where they lie (its other static inputs shared by every slot's graph of this kind)."""
         def prepare(inputs: list) -> Callable[[], Any]:
@@ -675,8 +647,8 @@ class Graphed:
                 n = len(inputs) - len(slot.saved)
                 shared = next((s.bwd[key].static for s in self._slots if key in s.bwd), None)
                 g = slot.bwd[key] = self._capture(bwd, [*inputs[:n], *slot.saved], shared=shared,
-                                                  in_place=frozenset(range(n, len(inputs))) | in_place)
-            return lambda: g(inputs, raw)
+                                                  in_place=frozenset(range(n, len(inputs))))
+            return lambda: g(inputs)
         return prepare
 
     def _drop(self, key: Any) -> None:
