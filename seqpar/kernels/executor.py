@@ -149,6 +149,7 @@ from ..layouts.blocks import Task, group_varlen
 from ..masks.forms import Band, Joined, Modded, Varlen
 from ..numerics import GradRows, acc_dtype
 from ..types import AttnOutput
+from . import combine
 from .base import Kernel, KernelCall, device_arch, mask_kind, select
 from .side import beside_largest
 
@@ -482,21 +483,15 @@ class TaskRunner:
 
     def _backward_apart(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                         task: Task, members: tuple[Task, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A joined task's gradients as the sum of its blocks' own backward calls (accumulation dtype, the joined
-        task's rows and keys)."""
-        acc = acc_dtype(q.dtype)
-        B = q.shape[0]
-        dq = torch.zeros((B, task.rows, *q.shape[2:]), dtype=acc, device=q.device)
-        dk = torch.zeros((B, task.cols, *k.shape[2:]), dtype=acc, device=q.device)
-        dv = torch.zeros((B, task.cols, *v.shape[2:]), dtype=acc, device=q.device)
-        for t in members:
-            gq, gk, gv = self.backward(rows, q, k, v, lse, t)
-            rq, rk = slice(t.q_start - task.q_start, t.q_stop - task.q_start), slice(t.k_start - task.k_start,
-                                                                                     t.k_stop - task.k_start)
-            dq[:, rq] += gq
-            dk[:, rk] += gk
-            dv[:, rk] += gv
-        return dq, dk, dv
+        """A joined task's gradients as the sum of its blocks' own backward calls, summed once each
+        (``combine.sum_parts``, the accumulation dtype, the joined task's rows and keys)."""
+        grads = [(t, self.backward(rows, q, k, v, lse, t)) for t in members]
+        acc, B = acc_dtype(q.dtype), q.shape[0]
+        q0, k0 = task.q_start, task.k_start
+        return (combine.sum_parts([(slice(t.q_start - q0, t.q_stop - q0), g[0]) for t, g in grads],
+                                  (B, task.rows, *q.shape[2:]), acc),
+                *(combine.sum_parts([(slice(t.k_start - k0, t.k_stop - k0), g[i]) for t, g in grads],
+                                    (B, task.cols, *x.shape[2:]), acc) for i, x in ((1, k), (2, v))))
 
     def backward_all(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                      tasks: tuple[Task, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
