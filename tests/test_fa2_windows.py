@@ -83,6 +83,25 @@ def test_the_window_that_was_wrong_on_an_h100():
     assert fa2_pieces(band, m, n) == ((0, 91, 0, 10, Band()), (91, 100, 1, 10, Band(0, None)))
 
 
+@pytest.mark.parametrize("m, n, band", [(100, 10, Band(-90, None)), (64, 16, Band(None, 0)), (100, 10, Band(-95, 5))])
+def test_row_ranges_assemble_the_block(m, n, band):
+    """``pieces_forward`` / ``pieces_backward`` (FA2's path for such bands) with the reference kernel on each range:
+    out, lse, dq, dk and dv of the whole block, fp64, in the inputs' dtype."""
+    from seqpar.kernels import KERNELS
+    from seqpar.kernels.sdpa import pieces_backward, pieces_forward
+
+    ref, pieces = KERNELS["reference"], fa2_pieces(band, m, n)
+    g = torch.Generator().manual_seed(m + n)
+    q, do = (torch.randn(1, m, 4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(1, n, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    o, lse = ref.forward(q, k, v, band, 0.3)
+    got = pieces_forward(lambda *a: ref.forward(*a, 0.3), q, k, v, pieces)
+    grads = pieces_backward(lambda *a: ref.backward(*a, 0.3), do, q, k, v, o, lse, pieces)
+    for x, y in zip((*got, *grads), (o, lse, *ref.backward(do, q, k, v, o, lse, band, 0.3))):
+        assert x.dtype == y.dtype
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+
+
 def test_varlen_groups_leave_clamped_windows_alone():
     """A varlen call holds one window for all its documents, so a task FA2 would clamp stays a call of its own (and
     runs as row ranges); the others still pack."""

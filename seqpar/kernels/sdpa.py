@@ -175,7 +175,7 @@ def pieces_forward(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces
     no range holds at 0 and -inf."""
     B, m, H, _ = q.shape
     out = q.new_zeros(B, m, H, v.shape[-1])
-    lse = torch.full((B, H, m), -_INF, dtype=torch.float32, device=q.device)
+    lse = torch.full((B, H, m), -_INF, dtype=acc_dtype(q.dtype), device=q.device)
     for r0, r1, k0, k1, band in pieces:
         o, lp = fn(q[:, r0:r1], k[:, k0:k1], v[:, k0:k1], band)
         out[:, r0:r1], lse[:, :, r0:r1] = o, lp
@@ -183,17 +183,13 @@ def pieces_forward(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces
 
 
 def pieces_backward(fn, do, q, k, v, out, lse, pieces) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of ``pieces_forward``'s block, ``fn(do, q, k, v, out, lse, band)`` on each range: dQ in place,
-    dK and dV summed in the accumulation dtype and returned in the inputs'."""
-    dq = torch.zeros_like(q)
-    acc = acc_dtype(q.dtype)
-    dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v))
-    for r0, r1, k0, k1, band in pieces:
-        gq, gk, gv = fn(do[:, r0:r1], q[:, r0:r1], k[:, k0:k1], v[:, k0:k1], out[:, r0:r1], lse[:, :, r0:r1], band)
-        dq[:, r0:r1] = gq
-        dk[:, k0:k1] += gk
-        dv[:, k0:k1] += gv
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    """The gradients of ``pieces_forward``'s block, ``fn(do, q, k, v, out, lse, band)`` on each range, summed once
+    each (``combine.sum_parts``: dQ's ranges are disjoint, dK's and dV's overlap) in the inputs' dtypes."""
+    grads = [((r0, r1, k0, k1), fn(do[:, r0:r1], q[:, r0:r1], k[:, k0:k1], v[:, k0:k1], out[:, r0:r1],
+                                   lse[:, :, r0:r1], band)) for r0, r1, k0, k1, band in pieces]
+    return (combine.sum_parts([(slice(r0, r1), g[0]) for (r0, r1, _, _), g in grads], tuple(q.shape), q.dtype),
+            *(combine.sum_parts([(slice(k0, k1), g[i]) for (_, _, k0, k1), g in grads], tuple(x.shape), x.dtype)
+              for i, x in ((1, k), (2, v))))
 
 
 @contextlib.contextmanager
