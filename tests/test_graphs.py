@@ -471,6 +471,8 @@ def test_staged_calls_copy_nothing_in_and_clone_nothing_out(cpu_graphs, keep_sav
         want = engine.forward(q, k, v)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert made.made and all(c.static[0] is graphed._staged and c.in_place == frozenset({0}) for c in made.made)
+    graphed.retire()                                 # a batch gone: its plan keeps no buffer
+    assert graphed._staged is None
 
 
 def test_no_graph_replays_over_a_slot_captured_after_it(cpu_graphs):

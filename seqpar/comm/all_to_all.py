@@ -227,8 +227,7 @@ def pack_qkv(q_BLHD: torch.Tensor, k_BLKD: torch.Tensor, v_BLKD: torch.Tensor, g
     H, Hkv = q_BLHD.shape[2], k_BLKD.shape[2]
     slots = HeadSlots(H, Hkv, U)
     hq, hk, rep = slots.q_per_rank, slots.kv_per_rank, slots.replicas
-    shape = packed_qkv_shape(q_BLHD.shape, k_BLKD.shape, v_BLKD.shape, U)
-    send_UBLF = q_BLHD.new_empty(shape) if out is None else out
+    send_UBLF = q_BLHD.new_empty(packed_qkv_shape(q_BLHD.shape, k_BLKD.shape, v_BLKD.shape, U)) if out is None else out
     at = _slots_write(send_UBLF, 0, q_BLHD, H, hq, 1)
     at = _slots_write(send_UBLF, at, k_BLKD, Hkv, hk, rep)
     _slots_write(send_UBLF, at, v_BLKD, Hkv, hk, rep)

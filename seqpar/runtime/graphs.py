@@ -519,6 +519,7 @@ class Graphed:
         self._graphs.clear()
         self._slots.clear()
         self._by_saved.clear()
+        self._staged = None                          # a retired batch's plan keeps no buffer
         for memo in (self._seen, self._timed, self._replays, self._kept):
             memo.clear()
         return n
@@ -539,9 +540,8 @@ class Graphed:
     def _forward_staged(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep_saved: bool):
         """``forward`` of an engine that stages (Note [Staged calls]): its first copy into this ``Graphed``'s buffer,
         the graph (or the eager call) from there, its last copy out of the graph's receive buffer."""
-        shape = tuple(self.engine.stage_shape())
-        if self._staged is None or tuple(self._staged.shape) != shape:
-            self._staged = q.new_empty(shape)
+        if self._staged is None:                   # a plan's shapes are fixed: allocated at its first call
+            self._staged = q.new_empty(self.engine.stage_shape())
         send = self.engine.stage(q, k, v, out=self._staged)
         eng, here, raw = self.engine, frozenset({0}), frozenset({0})
         if self.saves and not keep_saved:
