@@ -155,12 +155,14 @@ def _trimmed(band: Band, r0: int, r1: int, n: int) -> tuple[int, int, int, int, 
     return r0, r1, k0, k1, Band(None if lo is None else lo + d, None if hi is None else hi + d)
 
 
-@functools.lru_cache(maxsize=256)
 def fa2_pieces(band: Band, m: int, n: int) -> tuple[tuple[int, int, int, int, Band], ...] | None:
-    """None when FA2 serves ``band`` on an m x n block as one call; else ``(r0, r1, k0, k1, band)`` row ranges,
-    disjoint, each a window FA2 serves (Note [FA2's capped windows])."""
-    if fa2_exact(band, m, n):
-        return None
+    """None when FA2 serves ``band`` on an m x n block as one call (the check every FA2 call makes: arithmetic only);
+    else ``(r0, r1, k0, k1, band)`` row ranges, disjoint, each a window FA2 serves (Note [FA2's capped windows])."""
+    return None if fa2_exact(band, m, n) else _ranges(band, m, n)
+
+
+@functools.lru_cache(maxsize=256)
+def _ranges(band: Band, m: int, n: int) -> tuple[tuple[int, int, int, int, Band], ...]:
     f0 = 0 if band.hi is None else max(0, n - 1 - band.hi)      # the rows that see every key: [f0, f1)
     f1 = m if band.lo is None else min(m, 1 - band.lo)
     assert f0 < f1, (band, m, n)                    # a clamped trimmed band has such rows
