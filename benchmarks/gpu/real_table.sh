@@ -18,6 +18,8 @@
 #   benchmarks/real_vs_emulated.py DIR emulated-link); TRAIN_SEQ (default 256K), TRAIN_EXTRA: more
 #   recipe arguments;
 #   PROFILE=" " drops the bench's --profile (exposed communication: extra timed calls per configuration);
+#   STEADY=" " drops the bench's --steady (the real rows' calls issued back to back too: steady_ms, steady_efficiency;
+#   `python -m seqpar.bench.report --steady --readme results/real/*.jsonl`);
 #   DRY=1: a CPU smoke run of the whole pipeline (gloo, tiny presets, no peers, a tiny model).
 #   SRC: a directory holding the seqpar package to time, e.g. a clean copy of a commit, made here with
 #     mkdir .seqpar-head && git archive HEAD seqpar examples | tar -x -C .seqpar-head; git rev-parse HEAD > .seqpar-head/COMMIT
@@ -36,10 +38,11 @@ SHORT=${SHORT:-"gqa-causal-4k gqa-causal-8k mha-causal-8k gqa-causal-16k mha-cau
 LONG=${LONG:-"gqa-causal-128k"}
 TRAIN_SEQ=${TRAIN_SEQ:-256K}; TRAIN_EXTRA=${TRAIN_EXTRA:-}
 if [ "$DRY" = 1 ]; then
-  SHORT="tiny-causal tiny-full"; LONG="tiny-causal"; DEV="--device cpu"; PEERS=""; PROFILE=""; ITERS="--warmup 1 --iters 2"
+  SHORT="tiny-causal tiny-full"; LONG="tiny-causal"; DEV="--device cpu"; PEERS=""; PROFILE=""; STEADY="--steady"
+  ITERS="--warmup 1 --iters 2"
   TRAIN="--preset cpu-tiny --steps 1"; TRAIN_SEQ=2K; LAUNCH="python3 examples/train_long_context.py --spawn $W"
 else
-  DEV=""; PEERS="--peers"; PROFILE=${PROFILE:---profile}; ITERS="--warmup 6 --iters 5"
+  DEV=""; PEERS="--peers"; PROFILE=${PROFILE:---profile}; STEADY=${STEADY:---steady}; ITERS="--warmup 6 --iters 5"
   TRAIN="--preset gpu-1m --model llama3-8b --tile-mlp --tile-norms --offload --no-keep-attention --warmup --steps 1"
   LAUNCH="torchrun --nproc-per-node $W examples/train_long_context.py"
 fi
@@ -85,7 +88,7 @@ if has real; then
     T=$(( $(left) - R ))
     if [ "$T" -lt 45 ]; then echo "== real $rows rows: skipped, ${T}s left" | tee -a "$OUT/bench_real.log"; continue; fi
     if [ "$DRY" = 1 ]; then L=(python3 -m torch.distributed.run --nproc-per-node "$W"); else L=(torchrun --nproc-per-node "$W"); fi
-    run "$OUT/bench_real.log" "$T" "${L[@]}" -m seqpar.bench $(presets $P) $PEERS $PROFILE \
+    run "$OUT/bench_real.log" "$T" "${L[@]}" -m seqpar.bench $(presets $P) $PEERS $PROFILE $STEADY \
       $DEV $ITERS --budget-s $(( T - 45 )) --out "$RES/real" --tag "real-w$W-$rows"
   done
   grep -E "^\[ *[0-9]+s\] (preset|budget)|FAILED|OutOfMemory" "$OUT/bench_real.log" | cut -c1-160 | head -n 40

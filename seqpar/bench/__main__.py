@@ -4,9 +4,12 @@
 For each preset, in one run: the single-GPU cuDNN kernel on the full sequence divided by N (the limit),
 every seqpar method, and (``--peers``) ring-flash-attn, yunchang and PyTorch's context parallel through
 ``.peers/``. Timing: warm-up, CUDA events, median of several, the slowest rank; peak GPU memory per rank;
-with ``--profile`` the exposed communication of each seqpar method from a profiler trace. Records are
-appended as JSON lines as they are measured (a killed run keeps what it measured), then a table and a
-PNG plot are written next to them.
+with ``--profile`` the exposed communication of each seqpar method from a profiler trace. A time is one call
+from an idle GPU, every rank entering it at once after a barrier; with ``--steady`` a real group's records also
+carry calls issued back to back, as a training step's layers issue them (``steady_ms``, ``steady_efficiency``;
+the peers alike), where the ranks' skew at the call's first transfer is paid once per burst rather than once
+per call. Records are appended as JSON lines as they are measured (a killed run keeps what it measured), then a
+table and a PNG plot are written next to them.
 
 Note [Emulated world]
     ``--emulate-world W`` runs ONE process as rank r of a W-rank group on torch's fake process group: every
@@ -56,7 +59,7 @@ from .. import methods
 from ..planner.search import AUTO_CHOICE
 from ..planner.validate import is_auto
 from .presets import MASKS, PRESETS, TABLE, MethodSpec, Preset, method_specs
-from .report import console_table, load, plot, readme_table, suite_table
+from .report import console_table, load, plot, readme_table, steady_rows, suite_table
 from .runners import limit_runner, ours_runner, peer_runners
 from .suites import SUITES
 from .timing import burst_ms, call_profile, exposed_comm_ms, free_cached, peak_mem_gib, reset_peak, time_ms
@@ -80,6 +83,9 @@ def _args(argv):
     ap.add_argument("--modes", default="", help="restrict modes, e.g. fwd+bwd")
     ap.add_argument("--scaling", action="store_true", help="strong (128K) and weak (32K/GPU) scaling on 1, 2, N GPUs")
     ap.add_argument("--profile", action="store_true", help="measure exposed communication of seqpar methods")
+    ap.add_argument("--steady", action="store_true",
+                    help="real groups: also time calls issued back to back, as a training step's layers issue them "
+                         "(steady_ms, steady_efficiency; emulated runs always record them)")
     ap.add_argument("--warmup", type=int, default=6,
                     help="untimed calls first (auto graphs: warm-up, two timed eager, capture, two timed replays)")
     ap.add_argument("--iters", type=int, default=5)
@@ -196,8 +202,7 @@ class Bench:
         if fn is not None and time_ms_ is not None:
             prof = call_profile(fn, self.device)
             rec.update(prof)
-            burst = max(1, min(10, int(STEADY_BUDGET_MS / 3 / max(time_ms_, 1e-3))))   # long calls: few
-            steady = burst_ms({"call": fn}, self.device, burst=burst, rounds=3, warmup=1)["call"]
+            steady = self.steady_ms(fn, time_ms_)
             rec["steady_ms"] = steady
             if limit_ms is not None:
                 key = "steady_predicted_efficiency" if self.link is not None else "steady_compute_efficiency"
@@ -206,6 +211,20 @@ class Bench:
                 rec["gpu_idle_fraction"] = max(0.0, 1.0 - prof["gpu_busy_ms"] / time_ms_)
                 rec["steady_gpu_idle_fraction"] = max(0.0, 1.0 - prof["gpu_busy_ms"] / steady)
         return rec
+
+    def steady_ms(self, fn, time_ms_: float, group=None) -> float:
+        """Milliseconds a call of ``fn`` takes issued back to back (``timing.burst_ms``: three bursts of up to 10
+        calls, fewer for calls of more than ``STEADY_BUDGET_MS`` / 30; the slowest rank's median on a real group)."""
+        burst = max(1, min(10, int(STEADY_BUDGET_MS / 3 / max(time_ms_, 1e-3))))   # long calls: few
+        return burst_ms({"call": fn}, self.device, burst=burst, rounds=3, warmup=1, group=group)["call"]
+
+    def steady(self, fn, time_ms_: float | None, limit_ms: float, group=None) -> dict:
+        """``--steady`` on a real group: a record's ``steady_ms`` and ``steady_efficiency`` (limit / steady_ms);
+        empty otherwise (an emulated record carries its own, ``emulation``)."""
+        if not self.args.steady or self.emulated or time_ms_ is None:
+            return {}
+        ms = self.steady_ms(fn, time_ms_, group)
+        return {"steady_ms": ms, "steady_efficiency": limit_ms / ms}
 
     def _meta(self) -> dict:
         cuda = self.device.type == "cuda"
@@ -309,6 +328,7 @@ class Bench:
             rec_extra = dict(extra or {})
             rec_extra["peak_mem_gib"] = peak_mem_gib(self.device, group)
             rec_extra.update(self.emulation(preset.seq_len, t, limit[mode] / world, runner[mode]))
+            rec_extra.update(self.steady(runner[mode], t, limit[mode] / world, group))
             if profile and self.args.profile:
                 comm, exposed, kernels = exposed_comm_ms(runner[mode], self.device)
                 rec_extra.update(comm_ms=comm, exposed_comm_ms=exposed, kernel_ms=kernels)
@@ -497,6 +517,11 @@ def _log_graph_decisions() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _args(argv)
     presets = _select(args.preset)
+    own = [n for n in args.preset if n in ("overhead", "heads", "inference")]
+    if args.steady and own:
+        raise SystemExit(f"--steady times the presets and the packed suite back to back; {', '.join(own)} cannot "
+                         f"take it (the overhead and heads suites time calls back to back themselves, inference "
+                         f"times its own steps): run them without --steady")
     if "RANK" not in os.environ and not args.emulate_world:
         raise SystemExit("launch with torchrun: torchrun --nproc-per-node N -m seqpar.bench ... (or emulate one rank: "
                          "python -m seqpar.bench --emulate-world W ...)")
@@ -532,9 +557,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = load([bench.path])
         table = console_table(rows) + "\n\n" + suite_table(rows)
         print(table)
+        readme = readme_table(rows)
+        if args.steady and not bench.emulated:        # the same table for calls issued back to back
+            readme += "\n\nCalls issued back to back (--steady):\n\n" + readme_table(steady_rows(rows))
         print()
-        print(readme_table(rows))
-        bench.path.with_suffix(".md").write_text(table + "\n\n" + readme_table(rows) + "\n")
+        print(readme)
+        bench.path.with_suffix(".md").write_text(table + "\n\n" + readme + "\n")
         msg = plot(rows, bench.path.with_suffix(".png"))
         print(msg or f"plot: {bench.path.with_suffix('.png')}")
         print(f"records: {bench.path}")

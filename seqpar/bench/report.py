@@ -2,6 +2,7 @@
 
     python -m seqpar.bench.report benchmarks/results/<run>.jsonl [--readme] [--plot out.png]
     python -m seqpar.bench.report --emulated <emulated runs>.jsonl [--before <baseline runs>.jsonl]
+    python -m seqpar.bench.report --steady <real run>.jsonl        (a run of the bench with --steady)
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 from ..planner.validate import is_auto
 
-__all__ = ["best_rows", "console_table", "emulated_table", "load", "plot", "readme_table", "write_probe"]
+__all__ = ["best_rows", "console_table", "emulated_table", "load", "plot", "readme_table", "steady_rows",
+           "write_probe"]
 
 
 def load(paths: Iterable[str | Path]) -> list[dict]:
@@ -92,6 +94,19 @@ def console_table(rows: list[dict]) -> str:
                      f"{r.get('efficiency', float('nan')):6.3f} {r.get('peak_mem_gib', 0.0):6.2f} "
                      f"{'' if exp is None else f'{exp:11.2f}'}")
     return "\n".join(lines)
+
+
+def steady_rows(rows: list[dict]) -> list[dict]:
+    """A real run's records as calls issued back to back (``--steady`` on the bench): each record that carries
+    ``steady_ms`` with that as its time and ``steady_efficiency`` as its efficiency; the limit rows as they are
+    (the one-GPU kernel's time from an idle GPU, as the efficiencies use it); the others dropped."""
+    out = []
+    for r in rows:
+        if r.get("method", "").startswith("limit"):
+            out.append(r)
+        elif r.get("steady_ms") is not None and not r.get("error"):
+            out.append({**r, "time_ms": r["steady_ms"], "efficiency": r["steady_efficiency"]})
+    return out
 
 
 def best_rows(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
@@ -234,9 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--emulated", action="store_true", help="print the emulated-world table (markdown)")
     ap.add_argument("--before", nargs="*", default=[], help="with --emulated: a baseline run's records")
     ap.add_argument("--steady", action="store_true",
-                    help="with --emulated: calls issued back to back (steady_* fields), not from an idle GPU")
+                    help="calls issued back to back (steady_* fields), not one from an idle GPU: emulated records, "
+                         "and a real run's records where the bench ran with --steady")
     args = ap.parse_args(argv)
     rows = load(args.files)
+    if args.steady and not args.emulated:
+        rows = steady_rows(rows)
     if args.emulated:
         print(emulated_table(rows, load(args.before) if args.before else None, steady=args.steady))
         return 0

@@ -476,7 +476,8 @@ def _time_rows(bench: Any, preset: str, label: str, build: Callable[[str], Calla
         if bench._agree(err is None):           # every rank built it: time it (collectives inside)
             try:
                 t = time_ms(fn, bench.device, warmup=bench.args.warmup, iters=5)
-                emulation = bench.emulation(extra.get("seq_len", 0), t, limit[mode] / W, fn)
+                emulation = {**bench.emulation(extra.get("seq_len", 0), t, limit[mode] / W, fn),
+                             **bench.steady(fn, t, limit[mode] / W)}
             except Exception as e:
                 err = f"{type(e).__name__}: {str(e)[:300]}"
         fn = None
