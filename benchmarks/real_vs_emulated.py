@@ -2,6 +2,11 @@
 
     python benchmarks/real_vs_emulated.py RESULTS_DIR [EMULATED]   # RESULTS_DIR/real/*.jsonl against
                                                                    # RESULTS_DIR/EMULATED/*.jsonl (emulated)
+    python benchmarks/real_vs_emulated.py RESULTS_DIR --steady --real A/real B/real   # calls back to back
+
+``--steady``: both sides' calls issued back to back (``steady_ms``; a real run of the bench with ``--steady``),
+against the same limits; records without a back-to-back time are left out. ``--real``: the real records' folders
+(relative to RESULTS_DIR; default ``real``).
 
 Both sides are ``seqpar.bench`` records of the same presets at the same W: real (``torchrun``, NCCL) and emulated
 (``--emulate-world W``: the busiest rank on a fake group). Prints, as markdown:
@@ -16,24 +21,33 @@ the same process).
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 
-def load(folder: Path) -> dict[tuple[str, str, str], dict]:
+def load(folders: list[Path], steady: bool = False) -> dict[tuple[str, str, str], dict]:
+    """(preset, mode, configuration) -> record; ``steady``: its back-to-back time as ``time_ms`` and efficiency."""
     rows = {}
-    for f in sorted(folder.glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            if r.get("efficiency") is not None and not r["method"].startswith("limit:"):
+    for folder in folders:
+        for f in sorted(folder.glob("*.jsonl")):
+            for line in f.read_text().splitlines():
+                r = json.loads(line)
+                if r.get("efficiency") is None or r["method"].startswith("limit:"):
+                    continue
+                if steady:
+                    if not r.get("steady_ms"):
+                        continue
+                    r = {**r, "time_ms": r["steady_ms"], "efficiency": r["limit_ms"] / r["steady_ms"]}
                 rows[(r["preset"], r["mode"], r["method"])] = r
     return rows
 
 
-def main(folder: str, emulated: str = "emulated") -> None:
-    real, emu = load(Path(folder) / "real"), load(Path(folder) / emulated)
+def main(folder: str, emulated: str = "emulated", real_dirs: tuple[str, ...] = ("real",),
+         steady: bool = False) -> None:
+    real = load([Path(folder) / d for d in real_dirs], steady)
+    emu = load([Path(folder) / emulated], steady)
     both = sorted(set(real) & set(emu))
     rel = lambda k: (emu[k]["efficiency"] - real[k]["efficiency"]) / real[k]["efficiency"]   # noqa: E731
     print("| row | mode | best seqpar, real | eff | emulated | err (rel) "
@@ -76,6 +90,10 @@ def main(folder: str, emulated: str = "emulated") -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3):
-        raise SystemExit(__doc__)
-    main(*sys.argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folder")
+    ap.add_argument("emulated", nargs="?", default="emulated")
+    ap.add_argument("--real", nargs="+", default=["real"])
+    ap.add_argument("--steady", action="store_true")
+    args = ap.parse_args()
+    main(args.folder, args.emulated, tuple(args.real), args.steady)

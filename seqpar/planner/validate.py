@@ -250,7 +250,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-STEADY_HELP = "time calls back to back: a record's steady_ms (emulated runs) where it has one"
+STEADY_HELP = "time calls back to back: a record's steady_ms (emulated runs; real runs of the bench with --steady) where it has one"
 
 
 def results(path: str | Path, steady: bool = False) -> list[dict[str, Any]]:
