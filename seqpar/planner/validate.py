@@ -250,12 +250,14 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-STEADY_HELP = "time calls back to back: a record's steady_ms (emulated runs; real runs of the bench with --steady) where it has one"
+STEADY_HELP = ("time calls back to back: a record's steady_ms (emulated runs; real runs of the bench with --steady) "
+               "where it has one")
 
 
 def results(path: str | Path, steady: bool = False) -> list[dict[str, Any]]:
     """The timed records of a benchmark file: single-GPU limit rows and failed runs left out. ``steady``: a
-    record's time is its back-to-back time (``steady_ms``, an emulated run's) where it has one."""
+    record's time is its back-to-back time (``steady_ms``: an emulated run's, or a real one's with ``--steady``) where
+    it has one."""
     out = [r for r in read_jsonl(path) if not str(r.get("method", "")).startswith("limit")
            and r.get("time_ms") is not None]
     return [r | {"time_ms": r["steady_ms"]} if steady and r.get("steady_ms") else r for r in out]
