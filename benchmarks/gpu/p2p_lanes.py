@@ -9,8 +9,15 @@ Per size, rank r sends S bytes to r+1 and receives S from r-1 (the ring's step),
             ranks, each its own NCCL communicator and stream), posted together;
   peers2    half the bytes to r+1 and half to r+2 (the double ring's concurrent inner and outer hops), one
             communicator each (W > 2);
-  allgather all_gather_into_tensor of S bytes per rank, for reference (NCCL's collective path).
-One JSON line per (pattern, size) on rank 0: GB/s = S / time (per direction, per rank).
+  allgather all_gather_into_tensor of S bytes per rank, for reference (NCCL's collective path);
+  symm_pull the step on copy engines, no NCCL kernel: the block sits in torch's symmetric memory
+            (``torch.distributed._symmetric_memory``), and each rank copies its upstream neighbour's block into its
+            own receive buffer (a peer-to-peer ``copy_``: the copy engine over NVLink), between two of the
+            symmetric memory's GPU-side barriers (the first says every block is ready, the second that every
+            reader is done) - what torch's low-contention all-gather does per peer. CUDA only; where the
+            symmetric memory cannot be set up, the record carries the error instead of a time.
+One JSON line per (pattern, size) on rank 0: GB/s = S / time (per direction, per rank). NCCL's knobs are read from
+the environment and recorded (``env``): ``benchmarks/gpu/p2p_knobs.sh`` runs this under several.
 """
 
 from __future__ import annotations
@@ -49,6 +56,28 @@ def timed(fn, dev: torch.device, iters: int = 20, warmup: int = 5) -> float:
     return float(t)
 
 
+def symm_pull(send: torch.Tensor, recv: torch.Tensor, rank: int, W: int):
+    """The ``symm_pull`` step for ``send``'s size (module docstring): a function, or why it cannot run."""
+    try:
+        import torch.distributed._symmetric_memory as symm
+
+        group = dist.group.WORLD
+        if hasattr(symm, "enable_symm_mem_for_group"):       # torch 2.11 needs it; later versions deprecate it
+            symm.enable_symm_mem_for_group(group.group_name)
+        block = symm.empty(send.shape, dtype=send.dtype, device=send.device)
+        block.copy_(send)
+        handle = symm.rendezvous(block, group.group_name)
+        upstream = handle.get_buffer((rank - 1) % W, tuple(send.shape), send.dtype)
+    except Exception as e:                                   # recorded, not fatal: the NCCL patterns still run
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+    def step():
+        handle.barrier()                                     # every rank's block is in place
+        recv.copy_(upstream)                                 # peer-to-peer: a copy engine, no SMs
+        handle.barrier()                                     # every reader is done: blocks may change again
+    return step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -63,7 +92,7 @@ def main() -> None:
         torch.cuda.set_device(dev)
     lanes = [int(x) for x in args.lanes.split(",")]
     groups = [dist.new_group(list(range(W))) for _ in range(max(lanes))]
-    env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+    env = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL_", "TORCH_SYMM_MEM_"))}
     recs = []
 
     def ring(send, recv, k):
@@ -91,12 +120,16 @@ def main() -> None:
         if W > 2:
             cases.append(("peers2", functools.partial(peers2, send, recv)))
         cases.append(("allgather", functools.partial(dist.all_gather_into_tensor, out, send)))
+        if cuda:
+            cases.append(("symm_pull", symm_pull(send, recv, rank, W)))
         for name, fn in cases:
-            ms = timed(fn, dev)
-            rec = {"pattern": name, "mib": mib, "ms": round(ms, 4), "gbps": round(n / ms / 1e6, 1), "world": W,
-                   "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-                   "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-                   "env": env}
+            base = {"pattern": name, "mib": mib, "world": W, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+                    "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None, "env": env}
+            if isinstance(fn, str):                       # the pattern could not be set up here: why
+                rec = {**base, "error": fn}
+            else:
+                ms = timed(fn, dev)
+                rec = {**base, "ms": round(ms, 4), "gbps": round(n / ms / 1e6, 1)}
             recs.append(rec)
             if rank == 0:
                 print(json.dumps(rec), flush=True)
