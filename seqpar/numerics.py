@@ -29,7 +29,10 @@ Note [Attention sinks]
     with the final ``(out, L)`` every block's gradient is exact (the virtual key contributes ``dS = -P_sink
     Delta`` to nothing but the sink), and ``d sink_h = -sum_i exp(sink_h - L_i) Delta_i`` over this rank's
     rows (a parameter gradient: the sequence-parallel gradient reduction sums it over ranks, like every other
-    parameter's).
+    parameter's). The rescale multiplies in lse's dtype and rounds once into out's: a low-precision row is rounded
+    twice in all (the kernel's output, then this product), where scaling by the factor rounded to bf16 first
+    rounded it three times - up to 2.2x a single-device computation's error on a row that sees one key
+    (found by the fuzz, 2026-11-27).
 """
 
 from __future__ import annotations
@@ -150,8 +153,13 @@ def apply_sinks(out_BSHD: torch.Tensor, lse_BHS: torch.Tensor, sinks_H: torch.Te
     """
     s = sinks_H.to(device=lse_BHS.device, dtype=lse_BHS.dtype).view(1, -1, 1)
     total = torch.logaddexp(lse_BHS, s)
-    scale = torch.exp(lse_BHS - total).nan_to_num_(0.0)
-    return (out_BSHD * scale.transpose(1, 2).unsqueeze(-1).to(out_BSHD.dtype)), total
+    scale = torch.exp(lse_BHS - total)
+    if torch.is_grad_enabled() and (out_BSHD.requires_grad or scale.requires_grad):    # autograd records it:
+        scale = scale.nan_to_num(0.0).transpose(1, 2).unsqueeze(-1)                    # nothing in place, no out=
+        return (out_BSHD.to(scale.dtype) * scale).to(out_BSHD.dtype), total
+    scale = scale.nan_to_num_(0.0).transpose(1, 2).unsqueeze(-1)
+    # computed in lse's dtype, rounded once into out's, with no out-sized copy in the wider dtype
+    return torch.mul(out_BSHD, scale, out=torch.empty_like(out_BSHD)), total
 
 
 def sink_grad(rows: GradRows, lse_BHS: torch.Tensor, sinks_H: torch.Tensor) -> torch.Tensor:

@@ -251,7 +251,8 @@ def check_case(case: Case, results: list[dict[str, Any]]) -> Report:
         if sinks.dtype != results[0]["dsinks"].dtype:
             report.problems.append(f"dsinks has dtype {results[0]['dsinks'].dtype}, want {sinks.dtype}")
         v = judge("dsinks", sum(r["dsinks"].double() for r in results), truth["dsinks"],
-                  None if base is None else base["dsinks"], case.dtype)
+                  None if base is None else base["dsinks"], case.dtype,
+                  scale=truth["dsinks_terms"].abs().max().item())      # a sum: its terms' scale (tolerances)
         if base is not None:      # each rank's share comes back rounded to the sinks' dtype (autograd's rule for a
             v = Verdict(v.error, v.limit + len(results) * torch.finfo(sinks.dtype).eps / 2, v.baseline, v.note)
         report.verdicts["dsinks"] = v          # replicated parameter): W roundings where one device has one
