@@ -4,7 +4,8 @@ A drawn call fixes the method (``seqpar.methods.available()``, ``seqpar.linear_m
 mesh (Ulysses degree and placement for 2D methods), heads and KV heads (valid for the method's head
 degree), head dim, length (a multiple of the layout's divisor), batch, documents (``cu_seqlens``, empty
 documents included), end padding, windows, causal, dtype, scale, gradient through lse, a value head dim
-other than the key's, attention sinks and softcapping; every field
+other than the key's, attention sinks, softcapping and a mask (a named mask of ``seqpar.masks`` with drawn
+parameters, or a seeded ``mask_mod``, ANDed with all the rest); every field
 the method declares in FEATURES is drawn, others are left at their defaults. The world size is a pytest
 parameter so each pool is started once and reused by every example.
 
@@ -36,9 +37,11 @@ from linear_cases import LinearCase, check_linear_case, run_linear_cases
 from reliability_methods import LINEAR, SETUP, SOFTMAX, length_divisor
 
 import seqpar
+from seqpar import masks
 from seqpar.layouts import DOCUMENT_LAYOUTS
 from seqpar.methods import causal_layouts, get
 from seqpar.testing import Case, WorkerError, check_case, run_case
+from seqpar.testing.cases import HashMask
 
 CI_WORLDS = [2, 3, 4]
 LONG_WORLDS = [1, 2, 3, 4, 6, 8]
@@ -85,6 +88,35 @@ def _documents(draw, end: int, required: bool = False, multiple: int = 1) -> tup
     return (0, *sorted(multiple * c for c in cuts), end)
 
 
+def _mask(draw, seq: int):
+    """A ``mask_mod`` for a drawn call: a named mask of ``seqpar.masks`` with drawn parameters (its pieces go to
+    the planner, Note [Masks as pieces]), or a seeded ``HashMask`` - per cell, or in blocks of ``period`` cells so
+    whole blocks come out empty or full (the generic path's block classification, Note [Generic mask_mod])."""
+    kind = draw(st.sampled_from(["hash", "chunked", "block_causal", "spans", "prefix_lm", "shared_prefix",
+                                 "sink_window"]))
+    if kind == "hash":
+        return HashMask(draw(st.integers(0, 2**16)), keep=draw(st.sampled_from([0.3, 0.6, 0.9])),
+                        period=draw(st.sampled_from([0, 2, 3])))
+    if kind in ("chunked", "block_causal"):
+        return getattr(masks, kind)(draw(st.integers(1, seq)))
+    if kind == "prefix_lm":
+        return masks.prefix_lm(draw(st.integers(1, seq)))
+    if kind == "sink_window":
+        return masks.sink_window(draw(st.integers(0, seq)), draw(st.integers(1, 3)))
+    if kind == "spans":
+        cuts = sorted(set(draw(st.lists(st.integers(0, seq), min_size=2, max_size=5))))
+        pairs = [(a, b) for a, b in zip(cuts[::2], cuts[1::2])] or [(0, 1)]
+        return masks.spans(pairs, draw(st.sampled_from([-1, -1, 0, 2])))
+    prompt = draw(st.integers(1, max(1, seq - 1)))
+    responses, room = [], max(1, seq - prompt)
+    for _ in range(draw(st.integers(1, 3))):
+        if room < 1:
+            break
+        responses.append(draw(st.integers(1, room)))
+        room -= responses[-1]
+    return masks.shared_prefix(prompt, responses)
+
+
 @st.composite
 def softmax_cases(draw, world: int) -> Case:
     method = draw(st.sampled_from(SOFTMAX))
@@ -109,6 +141,7 @@ def softmax_cases(draw, world: int) -> Case:
         window = (draw(st.integers(-1, seq)), draw(st.integers(-1, seq)))
     options = SETUP.get(method, lambda w: {})(world).get("options", ())
     causal = draw(st.booleans()) and layout in causal_layouts(module)
+    mask = _mask(draw, seq) if "mask" in feats and draw(st.integers(0, 2)) == 0 else None
     return Case(method=method, layout=layout, causal=causal, batch=draw(st.integers(1, 2)),
                 seq_len=seq, heads=heads, kv_heads=kv_heads, head_dim=draw(st.sampled_from([4, 8, 16])),
                 dtype=draw(st.sampled_from(["float32", "float32", "bfloat16", "float64", "float16"])),
@@ -117,7 +150,7 @@ def softmax_cases(draw, world: int) -> Case:
                 lse_grad="lse_grad" in feats and draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
                 value_dim=draw(st.sampled_from([None, None, 4, 12])) if "value_dim" in feats else None,
                 sinks="sinks" in feats and draw(st.booleans()),
-                softcap=draw(st.sampled_from([0.0, 0.0, 2.5])) if "softcap" in feats else 0.0)
+                softcap=draw(st.sampled_from([0.0, 0.0, 2.5])) if "softcap" in feats else 0.0, mask=mask)
 
 
 @st.composite
@@ -155,6 +188,8 @@ def _features(case) -> list[str]:
     f += ["value_dim"] if getattr(case, "value_dim", None) is not None else []
     f += ["sinks"] if getattr(case, "sinks", False) else []
     f += ["softcap"] if getattr(case, "softcap", 0.0) else []
+    mask = getattr(case, "mask", None)
+    f += [] if mask is None else [f"mask:{getattr(mask, 'name', type(mask).__name__)}"]
     return f
 
 
