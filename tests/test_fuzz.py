@@ -1,12 +1,12 @@
 """Property-based tests: random calls against the dense oracle, forward and backward (hypothesis).
 
-A drawn call fixes the method (``seqpar.methods.available()``, ``seqpar.linear_methods()``), its layout,
-mesh (Ulysses degree and placement for 2D methods), heads and KV heads (valid for the method's head
-degree), head dim, length (a multiple of the layout's divisor), batch, documents (``cu_seqlens``, empty
-documents included), end padding, windows, causal, dtype, scale, gradient through lse, a value head dim
-other than the key's, attention sinks, softcapping and a mask (a named mask of ``seqpar.masks`` with drawn
-parameters, or a seeded ``mask_mod``, ANDed with all the rest); every field
-the method declares in FEATURES is drawn, others are left at their defaults. The world size is a pytest
+A drawn call fixes the method (``seqpar.methods.available()`` and ``"auto"``, which picks among them;
+``seqpar.linear_methods()``), its layout, mesh (Ulysses degree and placement for 2D methods), heads and KV heads
+(valid for the method's head degree), head dim, length (a multiple of the layout's divisor), batch, documents
+(``cu_seqlens``, empty documents included), end padding, windows, causal, dtype, scale, gradient through lse, a
+value head dim other than the key's, attention sinks, softcapping and a mask (a named mask of ``seqpar.masks``
+with drawn parameters, or a seeded ``mask_mod``, ANDed with all the rest); every field the method declares in
+FEATURES is drawn, others are left at their defaults. The world size is a pytest
 parameter so each pool is started once and reused by every example.
 
 CI runs a bounded, derandomized sample (fixed examples, reproducible): 40 examples per world size, or
@@ -28,6 +28,7 @@ import collections
 import datetime
 import os
 import platform
+import types
 
 import pytest
 import torch
@@ -117,10 +118,19 @@ def _mask(draw, seq: int):
     return masks.shared_prefix(prompt, responses)
 
 
+def _auto():
+    """What ``method="auto"`` takes, for the draw: every method's layouts and features (it picks among the
+    methods that serve the call), one mesh dimension."""
+    mods = [get(m) for m in SOFTMAX]
+    return types.SimpleNamespace(layouts=tuple(dict.fromkeys(lay for m in mods for lay in m.layouts)),
+                                 features=frozenset().union(*(m.features for m in mods)), mesh_dims=1,
+                                 causal=frozenset(lay for m in mods for lay in causal_layouts(m)))
+
+
 @st.composite
 def softmax_cases(draw, world: int) -> Case:
-    method = draw(st.sampled_from(SOFTMAX))
-    module = get(method)
+    method = draw(st.sampled_from([*SOFTMAX, "auto"]))
+    module = get(method) if method != "auto" else _auto()
     layout = draw(st.sampled_from(module.layouts))
     ulysses = placement = None
     if module.mesh_dims == 2:
@@ -140,7 +150,7 @@ def softmax_cases(draw, world: int) -> Case:
     if "window" in feats and draw(st.booleans()):
         window = (draw(st.integers(-1, seq)), draw(st.integers(-1, seq)))
     options = SETUP.get(method, lambda w: {})(world).get("options", ())
-    causal = draw(st.booleans()) and layout in causal_layouts(module)
+    causal = draw(st.booleans()) and layout in (module.causal if method == "auto" else causal_layouts(module))
     mask = _mask(draw, seq) if "mask" in feats and draw(st.integers(0, 2)) == 0 else None
     return Case(method=method, layout=layout, causal=causal, batch=draw(st.integers(1, 2)),
                 seq_len=seq, heads=heads, kv_heads=kv_heads, head_dim=draw(st.sampled_from([4, 8, 16])),
