@@ -15,10 +15,8 @@ dv, dtypes). CI runs a derandomized sample; the long run draws fresh ones::
 
 from __future__ import annotations
 
-import os
-
+import fuzzing
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from reliability_methods import length_divisor
 from test_flash_api import LAYOUT, _judge
@@ -26,11 +24,6 @@ from test_flash_api import LAYOUT, _judge
 from seqpar.testing import Case
 
 EXAMPLES = 8
-SLOW_EXAMPLES = int(os.environ.get("SEQPAR_FUZZ_EXAMPLES", "100"))
-CI = settings(deadline=None, derandomize=True, database=None, print_blob=True, max_examples=EXAMPLES,
-              phases=[Phase.explicit, Phase.generate],
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
-LONG = settings(CI, max_examples=SLOW_EXAMPLES, derandomize=False)
 
 
 @st.composite
@@ -61,33 +54,17 @@ def calls(draw, world: int) -> tuple[Case, str]:
     return case, name
 
 
-def _failure(pools, world: int, case: Case, name: str) -> str | None:
-    report = _judge(pools(world), case, name)
-    return None if report.ok else f"W={world} {name} {case!r}\n{report}"
+def _check(pools, world: int, call: tuple[Case, str]) -> None:
+    report = _judge(pools(world), *call)
+    assert report.ok, f"W={world} {call[1]} {call[0]!r}\n{report}"
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_fuzz_flash_api(pools, world):
-    @CI
-    @given(call=calls(world))
-    def run(call):
-        failure = _failure(pools, world, *call)
-        assert failure is None, failure
-
-    run()
+    fuzzing.sample(calls(world), EXAMPLES, lambda call: _check(pools, world, call))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_fuzz_flash_api_long(pools, world):
-    failures = []
-
-    @LONG
-    @given(call=calls(world))
-    def run(call):
-        failure = _failure(pools, world, *call)
-        if failure:
-            failures.append(failure)
-
-    run()
-    assert not failures, "\n\n".join(failures)
+    fuzzing.long_run(calls(world), 100, lambda call: _check(pools, world, call), f"W={world}")

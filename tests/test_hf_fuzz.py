@@ -15,10 +15,8 @@ derandomized sample; the long run draws fresh ones::
 
 from __future__ import annotations
 
-import os
-
+import fuzzing
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
@@ -30,11 +28,6 @@ from test_hf import _check
 import seqpar
 
 EXAMPLES = 3
-SLOW_EXAMPLES = int(os.environ.get("SEQPAR_FUZZ_EXAMPLES", "20"))
-CI = settings(deadline=None, derandomize=True, database=None, print_blob=True, max_examples=EXAMPLES,
-              phases=[Phase.explicit, Phase.generate],
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
-LONG = settings(CI, max_examples=SLOW_EXAMPLES, derandomize=False)
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gpt_oss", "gemma2", "deepseek_v3")
 PLAIN = ("contiguous", "zigzag", "stripe")
 
@@ -72,26 +65,11 @@ def runs(draw, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [2])
 def test_fuzz_hf(pools, world):
-    @CI
-    @given(spec=runs(world))
-    def run(spec):
-        _check(pools(world).run(train_compare, spec), str(spec))
-
-    run()
+    fuzzing.sample(runs(world), EXAMPLES, lambda spec: _check(pools(world).run(train_compare, spec), str(spec)))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_fuzz_hf_long(pools, world):
-    failures = []
-
-    @LONG
-    @given(spec=runs(world))
-    def run(spec):
-        try:
-            _check(pools(world).run(train_compare, spec), str(spec))
-        except Exception as e:                          # kept, and the run goes on: the test fails at the end
-            failures.append(f"W={world} {spec}\n{str(e)[-1500:]}")
-
-    run()
-    assert not failures, "\n\n".join(failures)
+    fuzzing.long_run(runs(world), 20, lambda spec: _check(pools(world).run(train_compare, spec), str(spec)),
+                     f"W={world}")

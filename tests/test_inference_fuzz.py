@@ -12,10 +12,8 @@ across ranks. CI runs a derandomized sample (``EXAMPLES`` per world size); the l
 
 from __future__ import annotations
 
-import os
-
+import fuzzing
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
@@ -24,11 +22,6 @@ from _workers_inference import cache_run
 from test_inference import _check_cache
 
 EXAMPLES = 6
-SLOW_EXAMPLES = int(os.environ.get("SEQPAR_FUZZ_EXAMPLES", "100"))
-CI = settings(deadline=None, derandomize=True, database=None, print_blob=True, max_examples=EXAMPLES,
-              phases=[Phase.explicit, Phase.generate],
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
-LONG = settings(CI, max_examples=SLOW_EXAMPLES, derandomize=False)
 
 
 def _fills(world: int, mesh: int | None) -> list[dict]:
@@ -72,32 +65,17 @@ def sessions(draw, world: int) -> dict:
     return spec
 
 
-def _judge(pools, world: int, spec: dict) -> list[str]:
-    return _check_cache(spec, [r[0] for r in pools(world).run(cache_run, [spec])])
+def _check(pools, world: int, spec: dict) -> None:
+    problems = _check_cache(spec, [r[0] for r in pools(world).run(cache_run, [spec])])
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_fuzz_cache(pools, world):
-    @CI
-    @given(spec=sessions(world))
-    def run(spec):
-        problems = _judge(pools, world, spec)
-        assert not problems, f"{spec}\n" + "\n".join(problems)
-
-    run()
+    fuzzing.sample(sessions(world), EXAMPLES, lambda spec: _check(pools, world, spec))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8])
 def test_fuzz_cache_long(pools, world):
-    failures = []
-
-    @LONG
-    @given(spec=sessions(world))
-    def run(spec):
-        problems = _judge(pools, world, spec)
-        if problems:
-            failures.append(f"W={world} {spec}\n" + "\n".join(problems))
-
-    run()
-    assert not failures, "\n\n".join(failures)
+    fuzzing.long_run(sessions(world), 100, lambda spec: _check(pools, world, spec), f"W={world}")

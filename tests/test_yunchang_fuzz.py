@@ -14,23 +14,16 @@ CI runs a derandomized sample; the long run draws fresh ones::
 
 from __future__ import annotations
 
-import os
-
+import fuzzing
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from ports.test_compat import _inputs, _layer_case
 
 from seqpar.compat import yunchang as yc
 
 EXAMPLES = 6
-SLOW_EXAMPLES = int(os.environ.get("SEQPAR_FUZZ_EXAMPLES", "60"))
-CI = settings(deadline=None, derandomize=True, database=None, print_blob=True, max_examples=EXAMPLES,
-              phases=[Phase.explicit, Phase.generate],
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
-LONG = settings(CI, max_examples=SLOW_EXAMPLES, derandomize=False)
 _STATE = ("mesh", "ULYSSES_PG", "RING_PG", "ulysses_degree", "ring_degree", "use_ulysses_low")
 _GROUPS: dict[tuple, dict] = {}
 
@@ -70,26 +63,10 @@ def run_call(call: dict) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_fuzz_yunchang(pools, world):
-    @CI
-    @given(call=calls(world))
-    def run(call):
-        pools(world).run(run_call, call)
-
-    run()
+    fuzzing.sample(calls(world), EXAMPLES, lambda call: pools(world).run(run_call, call))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 8])
 def test_fuzz_yunchang_long(pools, world):
-    failures = []
-
-    @LONG
-    @given(call=calls(world))
-    def run(call):
-        try:
-            pools(world).run(run_call, call)
-        except Exception as e:                          # kept, and the run goes on: the test fails at the end
-            failures.append(f"W={world} {call}\n{str(e)[-1500:]}")
-
-    run()
-    assert not failures, "\n\n".join(failures)
+    fuzzing.long_run(calls(world), 60, lambda call: pools(world).run(run_call, call), f"W={world}")
