@@ -1,6 +1,7 @@
-"""What the fuzz tests of the integrations share (``tests/test_*_fuzz.py``): CI's derandomized sample, and the
-long run (``-m slow``, depth from ``SEQPAR_FUZZ_EXAMPLES``) that draws fresh examples and keeps going after a
-failure, failing at the end with every one. ``check(example)`` raises on a mismatch."""
+"""What the fuzz tests share: the hypothesis settings (``tests/test_fuzz.py`` too), and for the integrations'
+fuzzes (``tests/test_*_fuzz.py``) CI's derandomized sample and the long run (``-m slow``, depth from
+``SEQPAR_FUZZ_EXAMPLES``) that draws fresh examples and keeps going after a failure, failing at the end with every
+one. ``check(example)`` raises on a mismatch."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.strategies import SearchStrategy
 
 
-def _settings(examples: int, derandomize: bool) -> settings:
+def fuzz_settings(examples: int, derandomize: bool) -> settings:
+    """Every fuzz test's hypothesis settings: no deadline, no example database, the blob printed on failure."""
     return settings(deadline=None, derandomize=derandomize, database=None, print_blob=True, max_examples=examples,
                     phases=[Phase.explicit, Phase.generate],
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -21,7 +23,7 @@ def _settings(examples: int, derandomize: bool) -> settings:
 
 def sample(strategy: SearchStrategy, examples: int, check: Callable[[Any], None]) -> None:
     """CI: ``examples`` derandomized (reproducible) examples; the first failure fails the test."""
-    @_settings(examples, derandomize=True)
+    @fuzz_settings(examples, derandomize=True)
     @given(example=strategy)
     def run(example):
         check(example)
@@ -33,7 +35,7 @@ def long_run(strategy: SearchStrategy, default: int, check: Callable[[Any], None
     """The long run: ``SEQPAR_FUZZ_EXAMPLES`` (else ``default``) fresh examples, every failure kept."""
     failures: list[str] = []
 
-    @_settings(int(os.environ.get("SEQPAR_FUZZ_EXAMPLES", str(default))), derandomize=False)
+    @fuzz_settings(int(os.environ.get("SEQPAR_FUZZ_EXAMPLES", str(default))), derandomize=False)
     @given(example=strategy)
     def run(example):
         try:

@@ -30,9 +30,10 @@ import os
 import platform
 import types
 
+import fuzzing
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from linear_cases import LinearCase, check_linear_case, run_linear_cases
 from reliability_methods import LINEAR, SETUP, SOFTMAX, length_divisor
@@ -51,10 +52,8 @@ SLOW_EXAMPLES = int(os.environ.get("SEQPAR_FUZZ_EXAMPLES", "200"))
 STATS: collections.Counter = collections.Counter()
 FAILURES: list[str] = []
 
-CI = settings(deadline=None, derandomize=True, database=None, print_blob=True,
-              phases=[Phase.explicit, Phase.generate],
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
-LONG = settings(CI, max_examples=SLOW_EXAMPLES, derandomize=False)
+CI = fuzzing.fuzz_settings(40, derandomize=True)
+LONG = fuzzing.fuzz_settings(SLOW_EXAMPLES, derandomize=False)
 # the CI tests take their depth from --fuzz-examples (conftest)
 
 # query-head degree each method splits heads over (Ulysses-style methods); others take any head counts
