@@ -36,6 +36,9 @@ CASES = [
     ("cu_seqlens end", {"cu_seqlens": [0, 3, 5]}, OK, {}, "ValueError", ["cu_seqlens must end", "got 5"]),
     ("2D mesh for ring", {"mesh_2d": 2}, OK, {}, "ValueError", ["1D mesh", "2D mesh"]),
     ("head_chunks", {"head_chunks": 3}, OK, {}, "ValueError", ["head_chunks", "kv heads (2)", "got 3"]),
+    ("unknown transport", {"transport": "rdma"}, OK, {}, "ValueError", ["transport must be one of", "'rdma'"]),
+    ("copy engines on CPU", {"transport": "copy_engine"}, OK, {}, "ValueError",
+     ["transport='copy_engine' needs CUDA tensors on an NCCL group", "not on CUDA", "transport='nccl'"]),
 ]
 
 

@@ -110,24 +110,30 @@ class Double:
     """A double buffer: ``cur`` is computed on while ``nxt`` receives; ``swap()`` after the wait.
 
     ``borrowed``: ``first`` is the caller's tensor, sent as it lies and never received into - the first swap gives
-    ``nxt`` a buffer of its own (a travelling tensor needs no copy to start: Note [K and V apart] in
-    ``seqpar.methods.allgather``).
+    ``nxt`` a buffer of its own (``third``, else a new one; a travelling tensor needs no copy to start: Note [K and V
+    apart] in ``seqpar.methods.allgather``).
     """
 
-    def __init__(self, first: torch.Tensor, spare: torch.Tensor | None = None, *, borrowed: bool = False):
+    def __init__(self, first: torch.Tensor, spare: torch.Tensor | None = None, *, borrowed: bool = False,
+                 third: torch.Tensor | None = None):
         self.cur = first
         self.nxt = torch.empty_like(first) if spare is None else spare
         self.borrowed = borrowed
+        self._third = third
 
     @staticmethod
-    def starting(first: torch.Tensor) -> Double:
+    def starting(first: torch.Tensor, spares: list[torch.Tensor] | None = None) -> Double:
         """A double buffer whose first send is ``first`` itself when it is contiguous (borrowed: never received
-        into), else a contiguous copy of its own."""
+        into), else a contiguous copy of its own. ``spares``: the two buffers it receives into (a copy-engine
+        ring's, Note [Copy-engine ring] in ``seqpar.comm.symmetric``); then ``first`` is only ever sent."""
         own = first.contiguous()
+        if spares is not None:
+            return Double(own, spares[0], borrowed=True, third=spares[1])
         return Double(own, borrowed=own is first)
 
     def swap(self) -> None:
         if self.borrowed:
-            self.cur, self.nxt, self.borrowed = self.nxt, torch.empty_like(self.nxt), False
+            nxt = self._third if self._third is not None else torch.empty_like(self.nxt)
+            self.cur, self.nxt, self.borrowed, self._third = self.nxt, nxt, False, None
         else:
             self.cur, self.nxt = self.nxt, self.cur

@@ -6,7 +6,10 @@ current stream after them without synchronising the host on NCCL. Nothing here a
 preallocated double buffers and swap them after ``wait()``.
 
 ``Ring`` names a group's neighbours by group rank (never global rank, so nested groups - DP x CP,
-Ulysses x ring in either placement - are correct) and builds exchanges for rotations and direct sends.
+Ulysses x ring in either placement - are correct) and builds exchanges for rotations and direct sends. A ring
+with ``transport="copy_engine"`` moves a hop whose receive buffer is one of its ``buffers()`` on copy engines
+instead (a push into the peer's symmetric memory: Note [Copy-engine ring] in ``seqpar.comm.symmetric``); every
+other transfer, and every transfer of an NCCL ring, goes through ``batch_isend_irecv``.
 
     ring = Ring(group)
     ex = ring.send_recv(kv, kv_next)        # post: send kv to rank+1, receive from rank-1 into kv_next
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import link as _link
+from . import symmetric as _symmetric
 
 __all__ = ["Exchange", "Ring"]
 
@@ -33,6 +37,8 @@ class Exchange:
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
         self._ops: list[dist.P2POp] = []
+        self._pushes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._lane: _symmetric.Lane | None = None
         self._reqs: list = []
         self._posted = False
 
@@ -49,15 +55,25 @@ class Exchange:
         self._ops.append(dist.P2POp(dist.irecv, tensor, self._global(peer), self.group))
         return self
 
+    def push(self, tensor: torch.Tensor, remote: torch.Tensor, lane: _symmetric.Lane) -> Exchange:
+        """Queue a copy of ``tensor`` into ``remote``, a peer's buffer of ``lane`` (Note [Copy-engine ring])."""
+        if self._lane not in (None, lane):
+            raise RuntimeError("one exchange pushes on one lane")
+        self._lane = lane
+        self._pushes.append((tensor, remote))
+        return self
+
     @property
     def committed(self) -> bool:
         return self._posted
 
     def commit(self) -> Exchange:
-        """Post every queued operation (one batched launch)."""
+        """Post every queued operation (one batched launch; the pushes, one lane post)."""
         if self._posted:
             raise RuntimeError("this exchange was already committed")
         self._posted = True
+        if self._pushes:
+            self._reqs.append(self._lane.post(self._pushes))
         if self._ops:
             self._reqs = dist.batch_isend_irecv(self._ops)
             if _link.installed() is not None:           # Note [Modelled link]: the bytes this rank receives
@@ -83,10 +99,13 @@ class Ring:
     Holds the group by weak reference (planned calls keep rings; a cache must not keep a group alive).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None):
+    def __init__(self, group: dist.ProcessGroup | None, transport: str = "nccl"):
         self._group = None if group is None else weakref.ref(group)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        self.transport = transport
+        self._lane: _symmetric.Lane | None = None
+        self._buffers: dict[tuple, tuple[_symmetric.Lane, list[torch.Tensor]]] = {}
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -101,14 +120,30 @@ class Ring:
         """The group rank ``offset`` hops downstream (negative: upstream)."""
         return (self.rank + offset) % self.world
 
+    def buffers(self, specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device
+                ) -> list[torch.Tensor] | None:
+        """Receive buffers of ``specs`` (shape, dtype) that hops reach on copy engines, or None on an NCCL ring
+        (callers allocate their own). The first call for a size makes the lane: a collective of the group."""
+        if self.transport == "nccl" or self.world == 1:
+            return None
+        key = (tuple(specs), device)
+        if key not in self._buffers:
+            lane = _symmetric.lane(self.group, device, specs)
+            self._buffers[key] = (lane, lane.carve(specs))
+        self._lane, bufs = self._buffers[key]
+        return bufs
+
     def send_recv(self, send: torch.Tensor, recv: torch.Tensor, hops: int = 1,
                   exchange: Exchange | None = None) -> Exchange:
         """Queue: send ``send`` ``hops`` ranks downstream, receive ``recv`` from ``hops`` ranks upstream.
 
-        Pass ``exchange`` to add to an existing batch (e.g. KV and dK/dV rotations posted together).
+        Pass ``exchange`` to add to an existing batch (e.g. KV and dK/dV rotations posted together). When
+        ``recv`` is one of ``buffers()``, every rank's ``send`` is pushed into its downstream peer's ``recv``.
         """
         ex = exchange or Exchange(self.group)
         if self.world == 1 or hops % self.world == 0:
             recv.copy_(send)
             return ex
+        if self._lane is not None and self._lane.holds(recv):
+            return ex.push(send, self._lane.remote(recv, self.peer(hops)), self._lane)
         return ex.send(send, self.peer(hops)).recv(recv, self.peer(-hops))

@@ -102,7 +102,7 @@ def build(call) -> PassKV:
     cfg = call.cfg
     sched = schedule(call.layout, call.index, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
     runner = TaskRunner.of(call)
-    return PassKV(Ring(call.groups.group), sched, runner, cfg.grad_dtype)
+    return PassKV(Ring(call.groups.group, cfg.option("transport", "nccl")), sched, runner, cfg.grad_dtype)
 
 
 class HeadChunks:
@@ -158,10 +158,13 @@ class OneRank(HeadChunks):
 class _Rotating:
     """K and V rotating around the ring as two messages of one exchange, ``cur`` computed on while ``nxt``
     receives; the first hop sends the caller's tensors as they lie, with no pack (Note [K and V apart] in
-    ``seqpar.methods.allgather``)."""
+    ``seqpar.methods.allgather``). On a copy-engine ring they receive into the ring's own buffers (Note
+    [Copy-engine ring] in ``seqpar.comm.symmetric``)."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = Double.starting(k), Double.starting(v)
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, ring: Ring):
+        bufs = ring.buffers([(tuple(k.shape), k.dtype)] * 2 + [(tuple(v.shape), v.dtype)] * 2, k.device)
+        self.k = Double.starting(k, None if bufs is None else bufs[:2])
+        self.v = Double.starting(v, None if bufs is None else bufs[2:])
 
     @property
     def cur(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,7 +214,7 @@ class PassKV:
             for t in runner.prepare(steps[0], q, k):
                 acc.add(t.q, *runner.forward(q, k, v, t), t.covered)
             return acc.result(q.dtype)
-        kv = _Rotating(k, v)
+        kv = _Rotating(k, v, self.ring)
 
         def compute(s: int) -> None:
             kc, vc = kv.cur
@@ -240,7 +243,7 @@ class PassKV:
         acc = acc_dtype(q.dtype)
         wire = wire_dtype(self.grad_dtype, q.dtype)
         dq = RowSum(q.shape, acc, q.device)                     # the steps' dQ partials, summed once
-        kv = _Rotating(k, v)
+        kv = _Rotating(k, v, self.ring)
         shape = _packed_shape(k, v)
         dkv = Double(torch.empty(shape, dtype=wire, device=q.device))  # send (cur) / receive (nxt)
         # the running sum of the block held: the wire buffer itself when the wire is fp32, else an fp32 one
@@ -291,7 +294,7 @@ class PassKV:
         acc = acc_dtype(q.dtype)
         wire = wire_dtype(self.grad_dtype, q.dtype)
         dq, dk, dv = (RowSum(x.shape, acc, q.device) for x in (q, k, v))
-        kv = _Rotating(k, v)
+        kv = _Rotating(k, v, self.ring)
         out: list = [None]                  # step s's partial ((a, b), dk rows, dv rows), sent home at step s + 1
         got: list = [None]                  # the receipt in flight, the same form
 

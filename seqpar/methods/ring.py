@@ -6,15 +6,17 @@ queries see of the visiting block (Note [Zigzag load balance], Note [Block plann
 Backward sends dK/dV one step behind their KV and accumulates them in fp32 (``grad_dtype`` on the wire).
 
 GQA/MQA: K and V travel with their own Hkv heads; kernels map query heads to KV heads. Never replicated.
-``head_chunks=c`` runs the ring c times, each on Hkv/c KV heads and their query heads, so every fp32
-buffer (output accumulator, dq, travelling dK/dV) shrinks c-fold: how 1M-token sequences stay near the
-minimum memory. Transfers per step shrink c-fold too, so use it only where steps stay compute-bound.
-Windows and documents: the planner skips blocks nobody sees and ends the ring early when a window is
-shorter than the ring (Note [Ring truncation] in ``_passkv``).
+``transport="copy_engine"`` moves the K/V hops on copy engines through torch's symmetric memory instead of NCCL
+(one host, CUDA: Note [Copy-engine ring] in ``seqpar.comm.symmetric``). ``head_chunks=c`` runs the ring c times,
+each on Hkv/c KV heads and their query heads, so every fp32 buffer (output accumulator, dq, travelling dK/dV)
+shrinks c-fold: how 1M-token sequences stay near the minimum memory. Transfers per step shrink c-fold too, so
+use it only where steps stay compute-bound. Windows and documents: the planner skips blocks nobody sees and ends
+the ring early when a window is shorter than the ring (Note [Ring truncation] in ``_passkv``).
 """
 
 from __future__ import annotations
 
+from ..comm import symmetric
 from ..cost import model
 from ..errors import rank_suffix
 from . import _passkv
@@ -28,6 +30,7 @@ def _check(call: Call) -> None:
     if isinstance(c, bool) or not isinstance(c, int) or c < 1 or call.k_shape[2] % c:
         raise ValueError(f"head_chunks must be a positive int dividing kv heads ({call.k_shape[2]}), got {c!r}"
                          f"{rank_suffix()}")
+    symmetric.check(call.cfg.option("transport", "nccl"), call.groups.group, call.device)
 
 
 def _engine(call: Call) -> _passkv.HeadChunks:
@@ -43,10 +46,13 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
 
 def _bench_specs(preset, world: int) -> list:
     """Every plain layout when causal (contiguous shows the imbalance), contiguous when not; at 1M tokens
-    and beyond one KV head per pass (the memory-bounded variant)."""
+    and beyond one KV head per pass (the memory-bounded variant). Where the default group could move hops on copy
+    engines (NCCL on CUDA: Note [Copy-engine ring]), the zigzag ring (contiguous when not causal) that way too."""
     if preset.seq_len >= LONG_CONTEXT:
         return [("zigzag", (("head_chunks", preset.kv_heads),), None)]
-    return [(lay, (), None) for lay in (("contiguous", "zigzag", "stripe") if preset.causal else ("contiguous",))]
+    lays = ("contiguous", "zigzag", "stripe") if preset.causal else ("contiguous",)
+    copy = [("zigzag" if preset.causal else "contiguous", (("transport", "copy_engine"),), None)]
+    return [(lay, (), None) for lay in lays] + (copy if symmetric.usable() else [])
 
 
 def _demo_cases(world: int, seq_len: int, documents: tuple[int, ...]) -> list:
@@ -58,7 +64,7 @@ METHOD = Method(
     name="ring",
     summary="K, V around a ring (pass-KV), dK/dV one step behind",
     layouts=("contiguous", "zigzag", "stripe", "balanced", "balanced_whole", "doc_zigzag", "doc_contiguous"),
-    options={"head_chunks": 1},
+    options={"head_chunks": 1, "transport": "nccl"},
     features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "mask",
                         "document_layouts"}),
     check=_check,

@@ -77,6 +77,8 @@ class Case:
     """``mask_mod=``: a named mask of ``seqpar.masks`` or a picklable function such as ``HashMask``."""
     balance: str | None = None
     """``balance=`` ("causal": balanced places by causal work whatever the mask; shards made without the mask)."""
+    graphs: bool | None = None
+    """``graphs=`` (CUDA graphs of the planned call; None: auto)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -164,7 +166,7 @@ def run_case(case: Case) -> dict[str, Any]:
     res = seqpar.attention(ql, kl, vl, causal=case.causal, window_size=case.window, cu_seqlens=case.cu_seqlens,
                            seq_len=case.valid_len, kernel=case.kernel, softmax_scale=case.scale, return_lse=True,
                            deterministic=case.deterministic, sinks=sinks, softcap=case.softcap, **where,
-                           mask_mod=case.mask, balance=case.balance, **dict(case.options))
+                           mask_mod=case.mask, balance=case.balance, graphs=case.graphs, **dict(case.options))
     t1 = time.perf_counter()
     loss = (res.out.float() * dol.float()).sum()
     if case.lse_grad:

@@ -1,0 +1,179 @@
+"""Ring hops on copy engines: receive buffers in torch's symmetric memory, written by the upstream rank's ``copy_``.
+
+    ring = Ring(group, transport="copy_engine")
+    a, b = ring.buffers([(k.shape, k.dtype)] * 2)     # collective on the first call: a lane of this size
+    ring.send_recv(k, a).commit().wait()              # k lands in rank + 1's ``a``: a copy engine, no NCCL kernel
+
+Note [Copy-engine ring]
+    At 1-4K tokens per GPU the real ring is bound by its transfers, not by its compute path: on four H100s (NV18)
+    NCCL moved a ring step's block to the neighbour at 111 GB/s (64 MiB; 66 GB/s at 16 MiB, 17 at 4 MiB), while a
+    peer-to-peer ``copy_`` between two of torch's symmetric-memory barriers moved it at 300 GB/s (187 at 16 MiB, 58
+    at 4 MiB; ``benchmarks/results/2026-11-27-4xh100-p2p-knobs/``, ``benchmarks/gpu/p2p_lanes.py``). None of
+    NCCL's settings tried came near (registered buffers, 32 channels, the Simple protocol, NCCL's own copy-engine
+    P2P: 96-239 GB/s at 64-256 MiB). The copy also runs on a copy engine, not on SMs, so the attention beside it
+    keeps the whole GPU.
+
+    ``transport="copy_engine"`` (a ring option) runs the ring's K/V hops that way:
+
+    * A ``Lane`` is one allocation of torch's symmetric memory per (group, device, size), rendezvoused once (a
+      collective: every rank reaches it at the same call, the plan's first) and kept for the process: the plan's
+      receive buffers are views into it, at the same offsets on every rank.
+    * A hop *pushes*: rank r copies its block (any local tensor - the caller's own K on the first hop) into rank
+      r + 1's copy of the receive buffer. Only receive buffers must be symmetric, so the first hop still sends
+      the caller's tensor as it lies (Note [K and V apart] in ``seqpar.methods.allgather``).
+    * On a stream of the lane's own, after the posting stream's work so far: a barrier of the group (every rank
+      has finished what it posted before this hop - the compute that read the buffers now written), the copies,
+      a second barrier (every rank's copies have landed). ``wait()`` makes the waiting stream wait for it. The
+      barriers are GPU-side (the symmetric memory's signal pads), so nothing blocks the host, and a planned call
+      captured as a CUDA graph replays them (Note [Graphed calls]).
+    * Every rank of the group posts the same hops in the same order (a ring's hops are lockstep), which is what
+      the barriers need. Other transfers of the same exchange (the backward's dK/dV) stay on NCCL.
+
+    What it needs, checked before any collective (``check``): CUDA tensors, an NCCL group, torch's symmetric
+    memory, and - checked when the lane is made, on every rank alike - every rank of the group on one host. It is
+    never chosen silently: ``transport="nccl"`` (the default) is the path measured everywhere else.
+"""
+
+from __future__ import annotations
+
+import socket
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import rank_suffix
+
+__all__ = ["ALIGN", "TRANSPORTS", "Lane", "check", "lane", "usable"]
+
+TRANSPORTS = ("nccl", "copy_engine")
+"""A ring's ``transport=`` values (Note [Copy-engine ring])."""
+
+ALIGN = 256
+"""Byte alignment of each buffer carved from a lane (the copy engines' and the kernels' friendly boundary)."""
+
+_LANES: dict[tuple[str, torch.device, int], Lane] = {}
+
+
+def _symm():
+    """torch's symmetric memory module, or None where this build has none."""
+    try:
+        import torch.distributed._symmetric_memory as symm
+    except ImportError:
+        return None
+    return symm if hasattr(symm, "rendezvous") and hasattr(symm, "empty") else None
+
+
+def usable(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``group`` (None: the default group) could run copy-engine hops: CUDA, an NCCL group, symmetric
+    memory in this torch build (one host is checked when a lane is made)."""
+    if not (torch.cuda.is_available() and dist.is_initialized() and _symm() is not None):
+        return False
+    return dist.get_backend(group) == "nccl"
+
+
+def check(transport: Any, group: dist.ProcessGroup | None, device: torch.device) -> None:
+    """Raise ``ValueError`` naming the value and the rank when ``transport`` cannot run on ``group``/``device``."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}{rank_suffix()}")
+    if transport == "nccl":
+        return
+    why = ("its tensors are not on CUDA" if device.type != "cuda" else
+           "this torch build has no symmetric memory" if _symm() is None else
+           f"its group's backend is {dist.get_backend(group)!r}, not 'nccl'" if dist.get_backend(group) != "nccl"
+           else None)
+    if why is not None:
+        raise ValueError(f"transport='copy_engine' needs CUDA tensors on an NCCL group with torch's symmetric "
+                         f"memory, but {why}: pass transport='nccl'{rank_suffix()}")
+
+
+class Lane:
+    """One symmetric allocation of ``nbytes`` on ``group``: receive buffers carved from it, pushes posted on it."""
+
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, nbytes: int):
+        symm = _symm()
+        group = group if group is not None else dist.group.WORLD
+        hosts: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        if len(set(hosts)) > 1:                      # every rank saw the same list: every rank raises
+            raise ValueError(f"transport='copy_engine' needs every rank of the group on one host, got hosts "
+                             f"{sorted(set(hosts))}: pass transport='nccl'{rank_suffix()}")
+        name = group.group_name
+        if hasattr(symm, "is_symm_mem_enabled_for_group") and not symm.is_symm_mem_enabled_for_group(name):
+            with warnings.catch_warnings():          # torch 2.11 needs it; later versions deprecate it
+                warnings.simplefilter("ignore", FutureWarning)
+                symm.enable_symm_mem_for_group(name)
+        self.device, self.nbytes, self.world = device, nbytes, dist.get_world_size(group)
+        self.buf = symm.empty(nbytes, dtype=torch.uint8, device=device)
+        self.handle = symm.rendezvous(self.buf, name)
+        self.stream = torch.cuda.Stream(device)
+        self._remote: dict[tuple, torch.Tensor] = {}
+
+    def carve(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+        """Contiguous tensors of ``specs`` at ``ALIGN``-aligned offsets, in order (the same on every rank)."""
+        out, at = [], 0
+        for shape, dtype in specs:
+            n = _nbytes(shape, dtype)
+            out.append(self.buf[at:at + n].view(dtype).view(shape))
+            at += -(-n // ALIGN) * ALIGN
+        return out
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lies in this lane's buffer (so its peers' copies of it can be written)."""
+        base = self.buf.data_ptr()
+        return t.device == self.device and base <= t.data_ptr() < base + self.nbytes
+
+    def remote(self, t: torch.Tensor, peer: int) -> torch.Tensor:
+        """Group rank ``peer``'s copy of ``t`` (a tensor this lane holds)."""
+        offset = t.data_ptr() - self.buf.data_ptr()
+        key = (peer, offset, tuple(t.shape), t.dtype)
+        if key not in self._remote:
+            if offset % t.element_size():
+                raise AssertionError(f"a lane's buffer at byte {offset} is not aligned for {t.dtype}")
+            self._remote[key] = self.handle.get_buffer(peer, tuple(t.shape), t.dtype, offset // t.element_size())
+        return self._remote[key]
+
+    def post(self, pushes: list[tuple[torch.Tensor, torch.Tensor]]) -> _Pushed:
+        """Run ``pushes`` (source, a peer's buffer) between two barriers of the group, after the current stream's
+        work so far (Note [Copy-engine ring]); the handle whose ``wait()`` orders the current stream after them."""
+        here = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(here)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.stream):
+            self.handle.barrier(channel=0)
+            for src, dst in pushes:
+                dst.copy_(src)
+            self.handle.barrier(channel=0)
+            done.record(self.stream)
+        return _Pushed(done)
+
+
+class _Pushed:
+    """Posted pushes: ``wait()`` makes the current stream wait for them (the host never blocks)."""
+
+    def __init__(self, done: torch.cuda.Event):
+        self._done = done
+
+    def wait(self) -> bool:
+        torch.cuda.current_stream().wait_event(self._done)
+        return True
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return torch.Size(shape).numel() * dtype.itemsize
+
+
+def lane(group: dist.ProcessGroup | None, device: torch.device,
+         specs: list[tuple[tuple[int, ...], torch.dtype]]) -> Lane:
+    """The lane of ``group`` on ``device`` that holds ``specs`` (made on first use: a collective)."""
+    nbytes = sum(-(-_nbytes(s, d) // ALIGN) * ALIGN for s, d in specs)
+    name = (group if group is not None else dist.group.WORLD).group_name
+    key = (name, device, nbytes)
+    if key not in _LANES:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"transport='copy_engine' makes its buffers on a plan's first call, which must not be "
+                               f"captured: run the call once before capturing it{rank_suffix()}")
+        _LANES[key] = Lane(group, device, nbytes)
+    return _LANES[key]
+
