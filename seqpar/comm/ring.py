@@ -75,7 +75,7 @@ class Exchange:
         if self._pushes:
             self._reqs.append(self._lane.post(self._pushes))
         if self._ops:
-            self._reqs = dist.batch_isend_irecv(self._ops)
+            self._reqs += dist.batch_isend_irecv(self._ops)
             if _link.installed() is not None:           # Note [Modelled link]: the bytes this rank receives
                 got = sum(op.tensor.nbytes for op in self._ops if op.op is dist.irecv)
                 size = dist.get_world_size(self.group)

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from ..errors import rank_suffix
 
-__all__ = ["ALIGN", "TRANSPORTS", "Lane", "check", "lane", "usable"]
+__all__ = ["ALIGN", "TRANSPORTS", "Lane", "check", "lane", "span", "usable"]
 
 TRANSPORTS = ("nccl", "copy_engine")
 """A ring's ``transport=`` values (Note [Copy-engine ring])."""
@@ -164,10 +164,15 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return torch.Size(shape).numel() * dtype.itemsize
 
 
+def span(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """The bytes a lane needs to hold ``specs`` (each at an ``ALIGN``-aligned offset: ``Lane.carve``)."""
+    return sum(-(-_nbytes(s, d) // ALIGN) * ALIGN for s, d in specs)
+
+
 def lane(group: dist.ProcessGroup | None, device: torch.device,
          specs: list[tuple[tuple[int, ...], torch.dtype]]) -> Lane:
     """The lane of ``group`` on ``device`` that holds ``specs`` (made on first use: a collective)."""
-    nbytes = sum(-(-_nbytes(s, d) // ALIGN) * ALIGN for s, d in specs)
+    nbytes = span(specs)
     name = (group if group is not None else dist.group.WORLD).group_name
     key = (name, device, nbytes)
     if key not in _LANES:

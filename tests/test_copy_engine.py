@@ -1,0 +1,33 @@
+"""The copy-engine ring's CPU-side contract (Note [Copy-engine ring] in ``seqpar.comm.symmetric``); its transfers
+run on GPUs only: ``tests/test_gpu_copy_engine.py``."""
+
+import torch
+
+from seqpar.comm import symmetric
+
+
+def test_an_exchange_waits_for_its_pushes_and_its_p2p_alike(pools):
+    """A push posted beside send/recv pairs in one exchange is awaited too (its handle once went missing when the
+    pairs were posted after it: a capture then failed with unjoined work, and eager results raced)."""
+    from _workers_copy_engine import mixed_exchange
+
+    got = pools(2).run(mixed_exchange)
+    for rank, r in enumerate(got):
+        assert r["posted"] == 1 and r["waited"] == 1, r
+        assert r["got"] == [float(1 - rank)] * 2 and r["landed"] == [7.0] * 3, r
+
+
+def test_lane_buffers_are_carved_aligned_in_order():
+    """Receive buffers sit at ALIGN-aligned offsets, in the order asked, the same on every rank (a peer's copy of a
+    buffer is found at its offset): carved from a plain tensor, as ``Lane.carve`` carves the symmetric one."""
+    lane = symmetric.Lane.__new__(symmetric.Lane)
+    specs = [((1, 3, 2, 5), torch.bfloat16), ((7,), torch.float32), ((2, 2), torch.float64)]
+    nbytes = symmetric.span(specs)
+    assert nbytes == 3 * symmetric.ALIGN
+    lane.buf, lane.nbytes, lane.device = torch.zeros(nbytes, dtype=torch.uint8), nbytes, torch.device("cpu")
+    views = lane.carve(specs)
+    base = lane.buf.data_ptr()
+    assert [(tuple(v.shape), v.dtype) for v in views] == [(s, d) for s, d in specs]
+    assert [v.data_ptr() - base for v in views] == [0, 256, 512]
+    assert all(v.is_contiguous() for v in views)
+    assert all(lane.holds(v) for v in views) and not lane.holds(torch.zeros(3))
