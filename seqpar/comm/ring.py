@@ -37,8 +37,7 @@ class Exchange:
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
         self._ops: list[dist.P2POp] = []
-        self._pushes: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._lane: _symmetric.Lane | None = None
+        self._pushes: dict[_symmetric.Lane, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._reqs: list = []
         self._posted = False
 
@@ -56,11 +55,9 @@ class Exchange:
         return self
 
     def push(self, tensor: torch.Tensor, remote: torch.Tensor, lane: _symmetric.Lane) -> Exchange:
-        """Queue a copy of ``tensor`` into ``remote``, a peer's buffer of ``lane`` (Note [Copy-engine ring])."""
-        if self._lane not in (None, lane):
-            raise RuntimeError("one exchange pushes on one lane")
-        self._lane = lane
-        self._pushes.append((tensor, remote))
+        """Queue a copy of ``tensor`` into ``remote``, a peer's buffer of ``lane`` (Note [Copy-engine ring]); each
+        lane's pushes are posted together, on its own stream."""
+        self._pushes.setdefault(lane, []).append((tensor, remote))
         return self
 
     @property
@@ -72,8 +69,7 @@ class Exchange:
         if self._posted:
             raise RuntimeError("this exchange was already committed")
         self._posted = True
-        if self._pushes:
-            self._reqs.append(self._lane.post(self._pushes))
+        self._reqs += [lane.post(pushes) for lane, pushes in self._pushes.items()]
         if self._ops:
             self._reqs += dist.batch_isend_irecv(self._ops)
             if _link.installed() is not None:           # Note [Modelled link]: the bytes this rank receives
@@ -104,7 +100,6 @@ class Ring:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.transport = transport
-        self._lane: _symmetric.Lane | None = None
         self._buffers: dict[tuple, tuple[_symmetric.Lane, list[torch.Tensor]]] = {}
 
     @property
@@ -120,18 +115,30 @@ class Ring:
         """The group rank ``offset`` hops downstream (negative: upstream)."""
         return (self.rank + offset) % self.world
 
-    def buffers(self, specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device
+    def buffers(self, specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device, tag: str
                 ) -> list[torch.Tensor] | None:
         """Receive buffers of ``specs`` (shape, dtype) that hops reach on copy engines, or None on an NCCL ring
-        (callers allocate their own). The first call for a size makes the lane: a collective of the group."""
+        (callers allocate their own). ``tag`` names their use: buffers of one tag and specs are one lane's, shared
+        by every ring of the group (calls run one after another); the first call for them makes the lane, a
+        collective of the group."""
         if self.transport == "nccl" or self.world == 1:
             return None
-        key = (tuple(specs), device)
+        key = (tag, tuple(specs), device)
         if key not in self._buffers:
-            lane = _symmetric.lane(self.group, device, specs)
+            lane = _symmetric.lane(self.group, device, specs, tag)
             self._buffers[key] = (lane, lane.carve(specs))
-        self._lane, bufs = self._buffers[key]
-        return bufs
+        return self._buffers[key][1]
+
+    def _lane_of(self, t: torch.Tensor) -> _symmetric.Lane | None:
+        return next((lane for lane, _ in self._buffers.values() if lane.holds(t)), None)
+
+    def push(self, send: torch.Tensor, region: torch.Tensor, hops: int, exchange: Exchange) -> Exchange:
+        """Queue ``send`` into rank ``rank + hops``'s copy of ``region`` (one of ``buffers()``, its first bytes viewed
+        as ``send``'s shape and dtype): a receipt whose shape the receiver plans itself (``symmetric.region_view``)."""
+        lane = self._lane_of(region)
+        if lane is None:
+            raise RuntimeError("Ring.push needs a region of this ring's buffers()")
+        return exchange.push(send, lane.remote(region, self.peer(hops), like=send), lane)
 
     def send_recv(self, send: torch.Tensor, recv: torch.Tensor, hops: int = 1,
                   exchange: Exchange | None = None) -> Exchange:
@@ -144,6 +151,7 @@ class Ring:
         if self.world == 1 or hops % self.world == 0:
             recv.copy_(send)
             return ex
-        if self._lane is not None and self._lane.holds(recv):
-            return ex.push(send, self._lane.remote(recv, self.peer(hops)), self._lane)
+        lane = self._lane_of(recv) if self._buffers else None
+        if lane is not None:
+            return ex.push(send, lane.remote(recv, self.peer(hops)), lane)
         return ex.send(send, self.peer(hops)).recv(recv, self.peer(-hops))

@@ -1,7 +1,7 @@
 """Ring hops on copy engines: receive buffers in torch's symmetric memory, written by the upstream rank's ``copy_``.
 
     ring = Ring(group, transport="copy_engine")
-    a, b = ring.buffers([(k.shape, k.dtype)] * 2)     # collective on the first call: a lane of this size
+    a, b = ring.buffers([(k.shape, k.dtype)] * 2, k.device, "kv")   # the first call makes the lane: a collective
     ring.send_recv(k, a).commit().wait()              # k lands in rank + 1's ``a``: a copy engine, no NCCL kernel
 
 Note [Copy-engine ring]
@@ -27,7 +27,13 @@ Note [Copy-engine ring]
       barriers are GPU-side (the symmetric memory's signal pads), so nothing blocks the host, and a planned call
       captured as a CUDA graph replays them (Note [Graphed calls]).
     * Every rank of the group posts the same hops in the same order (a ring's hops are lockstep), which is what
-      the barriers need. Other transfers of the same exchange (the backward's dK/dV) stay on NCCL.
+      the barriers need. Each lane posts on its own stream, so two lanes' pushes of one exchange run side by side.
+    * The backward's dK/dV partials that go straight home (Note [Partials home] in ``seqpar.methods._passkv``) are
+      pushed too, into a lane of their own (``tag="home"``): per step a byte region of the whole block in the wider
+      dtype, since each rank's receipt has its own rows, and the regions must lie at the same offsets everywhere;
+      the receiver reads its receipt's shape from the front (``region_view``). They are held until the backward's
+      one sum, so a region is written once per call. Past ``COPY_HOME_BYTES`` of regions, and on the running-sums
+      path (long chunks), dK/dV travel on NCCL in the same exchange.
 
     Measured on four H100s, calls back to back (``benchmarks/results/2026-11-27-4xh100-copy-engine/``): the ring's
     forward 1.3-2.1x faster than on NCCL at 1-4K tokens per GPU (MHA 16K 0.36 -> 0.76, GQA 8K 0.46 -> 0.70), its
@@ -51,7 +57,7 @@ import torch.distributed as dist
 
 from ..errors import rank_suffix
 
-__all__ = ["ALIGN", "TRANSPORTS", "Lane", "check", "lane", "span", "usable"]
+__all__ = ["ALIGN", "TRANSPORTS", "Lane", "check", "lane", "region_view", "span", "usable"]
 
 TRANSPORTS = ("nccl", "copy_engine")
 """A ring's ``transport=`` values (Note [Copy-engine ring])."""
@@ -59,7 +65,7 @@ TRANSPORTS = ("nccl", "copy_engine")
 ALIGN = 256
 """Byte alignment of each buffer carved from a lane (the copy engines' and the kernels' friendly boundary)."""
 
-_LANES: dict[tuple[str, torch.device, int], Lane] = {}
+_LANES: dict[tuple, Lane] = {}
 
 
 def _symm():
@@ -130,14 +136,20 @@ class Lane:
         base = self.buf.data_ptr()
         return t.device == self.device and base <= t.data_ptr() < base + self.nbytes
 
-    def remote(self, t: torch.Tensor, peer: int) -> torch.Tensor:
-        """Group rank ``peer``'s copy of ``t`` (a tensor this lane holds)."""
+    def remote(self, t: torch.Tensor, peer: int, like: torch.Tensor | None = None) -> torch.Tensor:
+        """Group rank ``peer``'s copy of ``t`` (a tensor this lane holds), as ``like``'s shape and dtype (default
+        ``t``'s) from ``t``'s first byte."""
         offset = t.data_ptr() - self.buf.data_ptr()
-        key = (peer, offset, tuple(t.shape), t.dtype)
+        like = t if like is None else like
+        if like.numel() * like.element_size() > t.numel() * t.element_size():
+            raise AssertionError(f"{tuple(like.shape)} {like.dtype} does not fit a lane buffer of "
+                                 f"{t.numel() * t.element_size()} bytes")
+        key = (peer, offset, tuple(like.shape), like.dtype)
         if key not in self._remote:
-            if offset % t.element_size():
-                raise AssertionError(f"a lane's buffer at byte {offset} is not aligned for {t.dtype}")
-            self._remote[key] = self.handle.get_buffer(peer, tuple(t.shape), t.dtype, offset // t.element_size())
+            if offset % like.element_size():
+                raise AssertionError(f"a lane's buffer at byte {offset} is not aligned for {like.dtype}")
+            self._remote[key] = self.handle.get_buffer(peer, tuple(like.shape), like.dtype,
+                                                       offset // like.element_size())
         return self._remote[key]
 
     def post(self, pushes: list[tuple[torch.Tensor, torch.Tensor]]) -> _Pushed:
@@ -170,17 +182,23 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return torch.Size(shape).numel() * dtype.itemsize
 
 
+def region_view(region: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The first bytes of a byte ``region`` (a lane buffer of dtype uint8) as a contiguous ``shape`` of ``dtype``."""
+    return region[:_nbytes(shape, dtype)].view(dtype).view(shape)
+
+
 def span(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
     """The bytes a lane needs to hold ``specs`` (each at an ``ALIGN``-aligned offset: ``Lane.carve``)."""
     return sum(-(-_nbytes(s, d) // ALIGN) * ALIGN for s, d in specs)
 
 
 def lane(group: dist.ProcessGroup | None, device: torch.device,
-         specs: list[tuple[tuple[int, ...], torch.dtype]]) -> Lane:
-    """The lane of ``group`` on ``device`` that holds ``specs`` (made on first use: a collective)."""
+         specs: list[tuple[tuple[int, ...], torch.dtype]], tag: str) -> Lane:
+    """The lane of ``group`` on ``device`` that holds ``specs`` for the use ``tag`` names (made on first use: a
+    collective). Buffers of two uses never share a lane, so they never overlap."""
     nbytes = span(specs)
     name = (group if group is not None else dist.group.WORLD).group_name
-    key = (name, device, nbytes)
+    key = (name, device, tag, tuple(specs))
     if key not in _LANES:
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"transport='copy_engine' makes its buffers on a plan's first call, which must not be "

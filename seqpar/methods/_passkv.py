@@ -47,6 +47,7 @@ import torch
 
 from ..comm.loop import Double, Loop, run_steps
 from ..comm.ring import Exchange, Ring
+from ..comm.symmetric import region_view
 from ..kernels.executor import TaskRunner
 from ..kernels.merge import Accumulator, RowSum
 from ..layouts.base import Layout
@@ -65,8 +66,8 @@ from ._shared import (
     unpack_kv,
 )
 
-__all__ = ["BATCH_SCHEDULES", "HOME_BYTES", "HeadChunks", "OneRank", "PassKV", "Schedule", "build", "partials_home",
-           "schedule"]
+__all__ = ["BATCH_SCHEDULES", "COPY_HOME_BYTES", "HOME_BYTES", "HeadChunks", "OneRank", "PassKV", "Schedule", "build",
+           "partials_home", "schedule"]
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class _Rotating:
     [Copy-engine ring] in ``seqpar.comm.symmetric``)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, ring: Ring):
-        bufs = ring.buffers([(tuple(k.shape), k.dtype)] * 2 + [(tuple(v.shape), v.dtype)] * 2, k.device)
+        bufs = ring.buffers([(tuple(k.shape), k.dtype)] * 2 + [(tuple(v.shape), v.dtype)] * 2, k.device, "kv")
         self.k = Double.starting(k, None if bufs is None else bufs[:2])
         self.v = Double.starting(v, None if bufs is None else bufs[2:])
 
@@ -297,6 +298,7 @@ class PassKV:
         kv = _Rotating(k, v, self.ring)
         out: list = [None]                  # step s's partial ((a, b), dk rows, dv rows), sent home at step s + 1
         got: list = [None]                  # the receipt in flight, the same form
+        regions = self._home_regions(k, v, wire, n)
 
         def compute(s: int) -> None:
             parts = backward_parts(runner, rows, q, *kv.cur, lse, steps[s], dq)
@@ -311,7 +313,7 @@ class PassKV:
             if s + 1 < n:
                 kv.post(ring, ex)
             if s >= 2:
-                got[0] = self._return(ex, s - 1, out[0], q, k, v, wire)
+                got[0] = self._return(ex, s - 1, out[0], q, k, v, wire, regions)
             return ex
 
         def land(s: int) -> None:
@@ -321,7 +323,7 @@ class PassKV:
         with Loop() as loop:
             run_steps(n, post=post, compute=compute, land=land, loop=loop)
             ex = Exchange(ring.group)
-            got[0] = self._return(ex, n - 1, out[0], q, k, v, wire)
+            got[0] = self._return(ex, n - 1, out[0], q, k, v, wire, regions)
             loop.wait(loop.post(ex))
             land_home(got, dk, dv)
         return dq.result(dtypes[0]), dk.result(dtypes[1]), dv.result(dtypes[2])
@@ -339,12 +341,38 @@ class PassKV:
         return self._partials[key]
 
     def _return(self, ex: Exchange, t: int, partial, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                wire: torch.dtype):
+                wire: torch.dtype, regions: list[torch.Tensor] | None):
         """Queue step t's partial to its block's owner (t ranks upstream) and the receipt of this rank's own from t
         ranks downstream, whose rows and dtypes come from the sender's tasks (the same plan on both ends); returns
-        the receipt's ``((a, b), dk buffer, dv buffer)`` or None."""
-        return swap_partial(ex, partial, self.ring.peer(-t), self._shape("home", t, q, k, v), self.ring.peer(t), k, v,
-                            wire)
+        the receipt's ``((a, b), dk buffer, dv buffer)`` or None. With ``regions`` (a copy-engine ring's) the
+        partial is pushed into the owner's regions of step t and the receipt is read from this rank's own."""
+        theirs = self._shape("home", t, q, k, v)
+        if regions is None:
+            return swap_partial(ex, partial, self.ring.peer(-t), theirs, self.ring.peer(t), k, v, wire)
+        mine = regions[2 * (t - 1): 2 * t]
+        if partial is not None:
+            for x, region in zip(partial[1:], mine):
+                self.ring.push(x, region, -t, ex)
+        if theirs is None:
+            return None
+        (a, b), exact = theirs
+        return (a, b), *(region_view(r, (x.shape[0], b - a, *x.shape[2:]), x.dtype if exact else wire)
+                         for r, x in zip(mine, (k, v)))
+
+    def _home_regions(self, k: torch.Tensor, v: torch.Tensor, wire: torch.dtype, n: int) -> list[torch.Tensor] | None:
+        """On a copy-engine ring whose partials fit ``COPY_HOME_BYTES``: per step t = 1 .. n - 1, a byte region for
+        the dK and one for the dV partial that comes home at t, each the whole block in the wider of the inputs' and
+        the wire's dtype (every rank's receipts differ in rows; the regions lie at the same offsets everywhere).
+        Else None: the partials travel on NCCL (Note [Copy-engine ring] in ``seqpar.comm.symmetric``)."""
+        width = max(k.element_size(), wire.itemsize)
+        sizes = [x.numel() * width for x in (k, v)]
+        if self.ring.transport == "nccl" or (n - 1) * sum(sizes) > COPY_HOME_BYTES:
+            return None
+        return self.ring.buffers([((b,), torch.uint8) for b in sizes] * (n - 1), k.device, "home")
+
+COPY_HOME_BYTES = 1 << 30
+"""The most bytes of receive regions a copy-engine ring keeps for the partials that come home (``_home_regions``: the
+whole block per step, held for the process); past it they travel on NCCL."""
 
 HOME_BYTES = 2 << 30
 """The most bytes of dK/dV partials a pass-KV backward holds to send each step's straight home (Note [Partials
