@@ -23,8 +23,8 @@ if [ "$PEERS" = 1 ]; then
   export PYTHONPATH=$SRC:$REPO/.peers/site:$REPO/.peers/shim:$REPO/.peers
 fi
 cd "$SRC" || exit 1
-echo "timeout ${TEST_S:-200} python3 -m pytest -p no:warnings -m gpu $TESTS" >> "$RES/commands.txt"
-timeout "${TEST_S:-200}" python3 -m pytest -p no:warnings -m gpu $TESTS > "$RES/tests.log" 2>&1
+echo "timeout ${TEST_S:-200} python3 -u -m pytest -v -p no:warnings -m gpu $TESTS" >> "$RES/commands.txt"
+timeout "${TEST_S:-200}" python3 -u -m pytest -v -p no:warnings -m gpu $TESTS > "$RES/tests.log" 2>&1
 echo "rc=$?" >> "$RES/commands.txt"
 cmd=(torchrun --nproc-per-node "$W" -m seqpar.bench $(for p in $ROWS; do printf -- '--preset %s ' "$p"; done)
      --methods "$METHODS" --steady --budget-s "${BUDGET_S:-220}" --out "$RES/bench" --tag copy-engine)
