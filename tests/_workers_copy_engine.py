@@ -1,4 +1,4 @@
-"""Workers for tests/test_copy_engine.py (importable by the pool's processes)."""
+"""Workers for tests/test_copy_engine.py and tests/test_gpu_copy_engine.py (importable by the pool's processes)."""
 
 from __future__ import annotations
 
@@ -49,3 +49,36 @@ def run_calls(short: bool, case: Case, calls: int) -> list[dict]:
     _call.cache_clear()
     with mock.patch("seqpar.methods._passkv.HOME_BYTES", 1 << 62 if short else 0):
         return [run_case(case) for _ in range(calls)]
+
+
+class _FakeSymm:
+    """Stands in for torch's symmetric memory module: the allocation fails on ``bad_rank``; no rendezvous allowed."""
+
+    def __init__(self, bad_rank: int):
+        self.bad_rank = bad_rank
+
+    def is_symm_mem_enabled_for_group(self, name: str) -> bool:
+        return True
+
+    def empty(self, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if dist.get_rank() == self.bad_rank:
+            raise RuntimeError("CUDA driver error: operation not permitted (no IPC in this container)")
+        return torch.empty(n, dtype=dtype, device=device)
+
+    def rendezvous(self, *args) -> None:
+        raise AssertionError("the rendezvous ran although a rank's allocation failed")
+
+
+def lane_error(case: str) -> tuple[str, str]:
+    """Make a lane on CPU with torch's symmetric memory stood in for: ``case`` "alloc" (rank 1's allocation fails)
+    or "hosts" (each rank on a host of its own). The error this rank raised: ``(type name, message)``."""
+    from seqpar.comm import symmetric
+
+    host = f"host{dist.get_rank()}" if case == "hosts" else "one-host"
+    with mock.patch.object(symmetric, "_symm", lambda: _FakeSymm(1 if case == "alloc" else -1)), \
+            mock.patch.object(symmetric.socket, "gethostname", lambda: host):
+        try:
+            symmetric.Lane(None, torch.device("cpu"), 1024)
+        except Exception as e:
+            return type(e).__name__, str(e)
+    return "", ""

@@ -1,6 +1,7 @@
 """The copy-engine ring's CPU-side contract (Note [Copy-engine ring] in ``seqpar.comm.symmetric``); its transfers
 run on GPUs only: ``tests/test_gpu_copy_engine.py``."""
 
+import pytest
 import torch
 
 from seqpar.comm import symmetric
@@ -31,3 +32,20 @@ def test_lane_buffers_are_carved_aligned_in_order():
     assert [v.data_ptr() - base for v in views] == [0, 256, 512]
     assert all(v.is_contiguous() for v in views)
     assert all(lane.holds(v) for v in views) and not lane.holds(torch.zeros(3))
+
+
+@pytest.mark.parametrize("case, etype, words", [
+    ("alloc", "RuntimeError", ["could not allocate 1024 bytes of symmetric memory", "group rank(s) [1]",
+                               "no IPC in this container", "pass transport='nccl'"]),
+    ("hosts", "ValueError", ["needs every rank of the group on one host", "['host0', 'host1']",
+                             "pass transport='nccl'"]),
+])
+def test_a_lane_that_cannot_be_made_fails_on_every_rank_alike(pools, case, etype, words):
+    """A rank whose symmetric allocation fails, or a group over two hosts: every rank raises the same clear error
+    before the rendezvous (which would wait for the failed rank until the store times out)."""
+    from _workers_copy_engine import lane_error
+
+    for rank, (name, msg) in enumerate(pools(2).run(lane_error, case)):
+        assert name == etype, (rank, name, msg)
+        for w in [*words, f"rank {rank} of 2"]:
+            assert w in msg, (rank, w, msg)

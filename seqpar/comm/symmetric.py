@@ -103,20 +103,33 @@ class Lane:
     """One symmetric allocation of ``nbytes`` on ``group``: receive buffers carved from it, pushes posted on it."""
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, nbytes: int):
+        """Allocate and map: a collective of ``group``. The allocation's outcome and each rank's host are gathered
+        first, so a group that spans hosts, or a rank whose allocation failed, raises the same error on every rank
+        before the rendezvous (which would otherwise wait for the failed rank's handle until the store times out)."""
         symm = _symm()
         group = group if group is not None else dist.group.WORLD
-        hosts: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        if len(set(hosts)) > 1:                      # every rank saw the same list: every rank raises
-            raise ValueError(f"transport='copy_engine' needs every rank of the group on one host, got hosts "
-                             f"{sorted(set(hosts))}: pass transport='nccl'{rank_suffix()}")
         name = group.group_name
-        if hasattr(symm, "is_symm_mem_enabled_for_group") and not symm.is_symm_mem_enabled_for_group(name):
-            with warnings.catch_warnings():          # torch 2.11 needs it; later versions deprecate it
-                warnings.simplefilter("ignore", FutureWarning)
-                symm.enable_symm_mem_for_group(name)
+        error = None
+        try:
+            if hasattr(symm, "is_symm_mem_enabled_for_group") and not symm.is_symm_mem_enabled_for_group(name):
+                with warnings.catch_warnings():      # torch 2.11 needs it; later versions deprecate it
+                    warnings.simplefilter("ignore", FutureWarning)
+                    symm.enable_symm_mem_for_group(name)
+            self.buf = symm.empty(nbytes, dtype=torch.uint8, device=device)
+        except Exception as e:                       # reported on every rank below
+            error = f"{type(e).__name__}: {str(e)[:300]}"
+        infos: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(infos, (socket.gethostname(), error), group=group)
+        hosts = sorted({h for h, _ in infos})
+        if len(hosts) > 1:                           # every rank saw the same list: every rank raises
+            raise ValueError(f"transport='copy_engine' needs every rank of the group on one host, got hosts "
+                             f"{hosts}: pass transport='nccl'{rank_suffix()}")
+        failed = [(r, e) for r, (_, e) in enumerate(infos) if e is not None]
+        if failed:
+            raise RuntimeError(f"transport='copy_engine' could not allocate {nbytes} bytes of symmetric memory on "
+                               f"group rank(s) {[r for r, _ in failed]} ({failed[0][1]}): pass transport='nccl'"
+                               f"{rank_suffix()}")
         self.device, self.nbytes, self.world = device, nbytes, dist.get_world_size(group)
-        self.buf = symm.empty(nbytes, dtype=torch.uint8, device=device)
         self.handle = symm.rendezvous(self.buf, name)
         self.stream = torch.cuda.Stream(device)
         self._remote: dict[tuple, torch.Tensor] = {}
