@@ -339,8 +339,13 @@ def test_validate_on_fixture(tmp_path, capsys):
     assert parse_method("usp/u2r2/zigzag", 4) == Candidate("usp", "zigzag", 2)
     assert parse_method("tasp/direct", 4).option("schedule") == "direct"
     assert parse_method("allgather/zigzag/stride4", 4).option("heads_k_stride") == 4
+    assert parse_method("ring/zigzag/transportcopy_engine", 4).option("transport") == "copy_engine"
     with pytest.raises(ValueError, match="cannot read"):
         parse_method("ring/spiral", 4)
+    # a ring on copy engines is measured, never predicted: the model's transfers are NCCL's (Note [Copy-engine ring])
+    copy = dict(next(r for r in records if r["method"] == "ring/zigzag"), method="ring/zigzag/transportcopy_engine")
+    rows, _, _ = check([copy])
+    assert rows[0].predicted_ms is None and rows[0].note == "copy-engine transport: not modelled"
 
 
 # --- distributed: auto on gloo, calibration -----------------------------------------------------------
