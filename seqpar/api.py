@@ -365,7 +365,7 @@ def _choose(groups: SeqParallelGroups, dims: int, q: torch.Tensor, k: torch.Tens
         tuple(q.shape), k.shape[2], causal, window, groups.world, dims, layout, profile,
         ulysses=groups.ulysses_size if dims == 2 else None, dtype=q.dtype, device=q.device.type,
         mode="fwd+bwd" if grad else "fwd", features=features, kernel=kernel, grad_dtype=grad_dtype,
-        cu_seqlens=cu_seqlens)
+        cu_seqlens=cu_seqlens, transports=tuple(dict.fromkeys(("nccl", options.get("transport", "nccl")))))
     return name, chosen
 
 

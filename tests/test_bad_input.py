@@ -39,6 +39,8 @@ CASES = [
     ("unknown transport", {"transport": "rdma"}, OK, {}, "ValueError", ["transport must be one of", "'rdma'"]),
     ("copy engines on CPU", {"transport": "copy_engine"}, OK, {}, "ValueError",
      ["transport='copy_engine' needs CUDA tensors on an NCCL group", "not on CUDA", "transport='nccl'"]),
+    ("auto's copy engines on CPU", {"method": "auto", "transport": "copy_engine"}, OK, {}, "ValueError",
+     ["transport='copy_engine' needs CUDA tensors on an NCCL group", "not on CUDA"]),
 ]
 
 

@@ -342,10 +342,11 @@ def test_validate_on_fixture(tmp_path, capsys):
     assert parse_method("ring/zigzag/transportcopy_engine", 4).option("transport") == "copy_engine"
     with pytest.raises(ValueError, match="cannot read"):
         parse_method("ring/spiral", 4)
-    # a ring on copy engines is measured, never predicted: the model's transfers are NCCL's (Note [Copy-engine ring])
-    copy = dict(next(r for r in records if r["method"] == "ring/zigzag"), method="ring/zigzag/transportcopy_engine")
-    rows, _, _ = check([copy])
-    assert rows[0].predicted_ms is None and rows[0].note == "copy-engine transport: not modelled"
+    # a ring on copy engines is predicted with the profile's copy-engine curve (Note [Copy-engine ring]): faster
+    nccl = next(r for r in records if r["method"] == "ring/zigzag" and r["world_size"] > 1)
+    rows, _, _ = check([nccl, dict(nccl, method="ring/zigzag/transportcopy_engine")],
+                       profile=load_profile("h100-nvswitch"))
+    assert rows[1].predicted_ms < rows[0].predicted_ms
 
 
 # --- distributed: auto on gloo, calibration -----------------------------------------------------------
@@ -383,8 +384,31 @@ def test_auto_identical_across_ranks_and_correct(pools, world):
 
 def test_auto_rejects_method_options():
     q = torch.zeros(1, 8, 2, 8)
-    with pytest.raises(TypeError, match="takes only the option 'profile'"):
+    with pytest.raises(TypeError, match="takes only the options 'profile' and 'transport'"):
         seqpar.attention(q, q, q, method="auto", heads_k_stride=1)
+
+
+def test_auto_weighs_copy_engines_only_where_allowed_and_measured():
+    """``transports`` (auto's ``transport="copy_engine"``) adds the ring on copy engines as a configuration of its
+    own, predicted with the profile's measured curve; never across hosts, never with a profile that has none, never
+    unless asked (Note [Copy-engine ring] in seqpar.comm.symmetric)."""
+    both = ("nccl", "copy_engine")
+    kw = dict(seq_len=16384, heads=32, world=4, mode="fwd", layout="zigzag")
+    r = plan(**kw, profile="h100-nvswitch", transports=both)
+    copy = next(e for e in r.entries if e.label == "ring/zigzag/transportcopy_engine")
+    nccl = next(e for e in r.entries if e.label == "ring/zigzag")
+    assert copy.ok and copy.time_ms < nccl.time_ms            # MHA at 4K per GPU: the transfer-bound forward
+    assert r.best.candidate.option("transport") == "copy_engine"
+    assert not any("transport" in e.label for e in plan(**kw, profile="h100-nvswitch").entries)
+    h200 = next(e for e in plan(**kw, profile="h200-nvswitch", transports=both).entries if "transport" in e.label)
+    assert not h200.ok and "has not measured copy engines" in h200.why_not[0]
+    nodes = plan(**dict(kw, world=16), profile="h100-nvswitch", topology="nvswitch", transports=both)
+    far = next(e for e in nodes.entries if "transport" in e.label)
+    assert not far.ok and "one host only" in far.why_not[0]
+    assert choose((1, 4096, 32, 128), 32, True, (-1, -1), 4, 1, "zigzag", "h100-nvswitch", mode="fwd",
+                  transports=both)[:2] == ("ring", {"transport": "copy_engine"})
+    with pytest.raises(ValueError, match="transports must name some of"):
+        plan(**kw, transports=("rdma",))
 
 
 def _calibrate_worker(settings: cal.Settings) -> dict:

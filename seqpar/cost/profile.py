@@ -53,7 +53,10 @@ from typing import Any
 
 __all__ = ["Curve", "KernelRate", "LinkRate", "Profile", "builtin_profiles", "load_profile"]
 
-PATTERNS = ("p2p", "p2p_bidir", "a2a", "allgather", "reduce_scatter", "allpairs")
+PATTERNS = ("p2p", "p2p_bidir", "a2a", "allgather", "reduce_scatter", "allpairs", "p2p_copy")
+"""``p2p_copy``: a ring step on copy engines over symmetric memory (Note [Copy-engine ring] in
+``seqpar.comm.symmetric``); it falls back to no other pattern - a profile without its curve plans no copy-engine
+configuration (``has_link``)."""
 _LINK_FALLBACK = {"p2p_bidir": "p2p", "allpairs": "a2a", "reduce_scatter": "allgather", "allgather": "p2p",
                   "a2a": "p2p"}
 MASKS = ("full", "causal")
@@ -248,11 +251,17 @@ class Profile:
             pattern = _LINK_FALLBACK[pattern]
         return table.get(pattern, default)
 
+    def has_link(self, pattern: str) -> bool:
+        """Whether the profile measured ``pattern`` itself (no fallback)."""
+        return any(lk.pattern == pattern for lk in self.links)
+
     def _link(self, pattern: str) -> Curve:
         curves = {lk.pattern: lk.curve for lk in self.links}
         if pattern not in PATTERNS:
             raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
         while pattern not in curves:
+            if pattern not in _LINK_FALLBACK:
+                raise ValueError(f"profile {self.name!r} has no {pattern!r} link curve")
             pattern = _LINK_FALLBACK[pattern]
         return curves[pattern]
 

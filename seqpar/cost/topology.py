@@ -134,7 +134,8 @@ class Group:
 
 
 _PROFILE_PATTERN = {"ring": "p2p", "ring2": "p2p_bidir", "a2a": "a2a", "allpairs": "allpairs",
-                    "cycles": "allpairs", "allgather": "allgather", "reduce_scatter": "reduce_scatter"}
+                    "cycles": "allpairs", "allgather": "allgather", "reduce_scatter": "reduce_scatter",
+                    "ring_copy": "p2p_copy"}
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,8 @@ class Network:
         if pattern == "cycles" and nodes == 1:
             pattern = "allpairs"
         intra, inter = 0.0, 0.0
+        if pattern == "ring_copy":                  # copy engines reach the GPUs of one host only
+            return self._intra(pattern, nbytes, k, sending) if nodes == 1 else math.inf
         if pattern in ("ring", "ring2"):
             if k > 1:
                 intra = self._intra(pattern, nbytes, k, sending)

@@ -38,9 +38,10 @@ def _engine(call: Call) -> _passkv.HeadChunks:
 
 
 def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Prediction:
-    """Pass-KV ring over all W ranks, any layout (ALGORITHMS.md §3, §12.2); ``head_chunks`` is not modelled
-    (the same bytes and work in c passes)."""
-    cost = model.passkv(p, m, c.layout, p.world, p.heads, p.kv_heads, model.Group(p.world), "ring")
+    """Pass-KV ring over all W ranks, any layout (ALGORITHMS.md §3, §12.2), its hops on NCCL or on copy engines
+    (``transport``); ``head_chunks`` is not modelled (the same bytes and work in c passes)."""
+    pattern = "ring_copy" if c.option("transport") == "copy_engine" else "ring"
+    cost = model.passkv(p, m, c.layout, p.world, p.heads, p.kv_heads, model.Group(p.world), "ring", pattern)
     return model.note_ccr(cost, p, m, p.world).prediction()
 
 

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from ..comm import symmetric
 from ..comm.ring import Exchange, Ring
 from ..cost.profile import PATTERNS, Curve, KernelRate, LinkRate, Profile
 from ..errors import UnsupportedInputError
@@ -145,6 +146,13 @@ def _link_post(pattern: str, nbytes: int, group: dist.ProcessGroup | None, dev: 
     if pattern == "p2p":
         a, b = torch.empty(n, device=dev), torch.empty(n, device=dev)
         return lambda: ring.send_recv(a, b).commit().wait
+    if pattern == "p2p_copy":              # copy engines (Note [Copy-engine ring]): NCCL groups on CUDA only
+        if dev.type != "cuda" or not symmetric.usable(group):
+            return _unsupported("copy engines need CUDA tensors on an NCCL group")
+        copy = Ring(group, "copy_engine")
+        a = torch.empty(n, device=dev)
+        b = copy.buffers([((n,), torch.float32)], dev, "calibrate")[0]
+        return lambda: copy.send_recv(a, b).commit().wait
     if pattern == "p2p_bidir":
         a, b, c, d = (torch.empty(max(1, n // 2), device=dev) for _ in range(4))
         return lambda: ring.send_recv(c, d, hops=-1, exchange=ring.send_recv(a, b)).commit().wait
@@ -169,6 +177,13 @@ def _link_post(pattern: str, nbytes: int, group: dist.ProcessGroup | None, dev: 
             return ex.commit().wait
         return allpairs
     raise ValueError(f"pattern must be one of {PATTERNS}, got {pattern!r}")
+
+
+def _unsupported(why: str) -> Post:
+    """A post this backend cannot make: it raises when called (``_supported`` reads that as absent)."""
+    def post() -> Callable[[], object]:
+        raise NotImplementedError(why)
+    return post
 
 
 def _supported(post: Post) -> bool:

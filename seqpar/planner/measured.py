@@ -68,6 +68,10 @@ H200_LINKS: dict[str, list[tuple[int, float]]] = {
     "p2p": [(8 * MiB, 66.0), (32 * MiB, 81.0), (64 * MiB, 130.0), (256 * MiB, 263.0), (512 * MiB, 303.0)],
 }
 H200_ALLGATHER_256MB = 295.0
+#: a ring step on copy engines over symmetric memory (``symm_pull``: a peer-to-peer ``copy_`` between two barriers),
+#: 4x H100 NV18, defaults (benchmarks/results/2026-11-27-4xh100-p2p-knobs/p2p.jsonl; NCCL's p2p there: 16.6, 65.7,
+#: 111.0, 234.6): the H100 profile's ``p2p_copy`` (Note [Copy-engine ring] in seqpar.comm.symmetric)
+H100_COPY_ENGINE = [(4 * MiB, 58.1), (16 * MiB, 186.9), (64 * MiB, 299.6), (256 * MiB, 328.7)]
 #: §12.1: the equal-split all-to-all (the call seqpar makes), 256 MB per peer = 768 MB per rank over 3 peers
 H200_A2A_EQUAL_SPLIT = (768 * MiB, 298.0)
 #: (bytes per rank, kernel ms): fastest Ulysses forward all-to-alls in the fit set's profiler traces
@@ -242,10 +246,12 @@ def h100_profile() -> Profile:
     h200 = h200_profile()
     return h200.replace(
         name="h100-nvswitch", gpu="NVIDIA H100 80GB HBM3", hbm_gbps=_H100_HBM_GBPS, memory_gib=80.0,
-        derived_from="h200-nvswitch",
+        derived_from="h200-nvswitch", links=(*h200.links, LinkRate("p2p_copy", Curve.of(H100_COPY_ENGINE))),
         source="derived from h200-nvswitch: kernel rates x1.0 (same SM count and clocks), links unchanged "
                "(NVLink 4 / NVSwitch), HBM 3.35 TB/s and 80 GB (datasheet); call_us, step_us and "
-               "host_overlap_loss fitted on a 4x H100 host (below; the H200 profile shares them); " + _SOURCE)
+               "host_overlap_loss fitted on a 4x H100 host (below; the H200 profile shares them); p2p_copy (a ring "
+               "step on copy engines) measured on a 4x H100 host (benchmarks/results/2026-11-27-4xh100-p2p-knobs); "
+               + _SOURCE)
 
 
 def h100_emulated_profile() -> Profile:

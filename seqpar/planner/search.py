@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import methods as _methods
+from ..comm.symmetric import TRANSPORTS
 from ..cost.model import Candidate, Machine, Prediction, Problem, single_gpu_ms
 from ..cost.profile import Profile, load_profile
 from ..cost.topology import Network, Topology, get_topology
@@ -175,7 +176,8 @@ def plan(*, seq_len: int, heads: int, world: int, kv_heads: int | None = None, h
          topology: Topology | str | None = None, kernel: str | None = None,
          methods: Sequence[str] | str | None = None, layout: str | None = None, ulysses: int | None = None,
          memory_gib: float | None = None, features: Iterable[str] = (), pad: bool = False,
-         cu_seqlens: Sequence[int] | Any | None = None, cached: int | None = None, layers: int = 1) -> Ranking:
+         cu_seqlens: Sequence[int] | Any | None = None, cached: int | None = None, layers: int = 1,
+         transports: Sequence[str] = ("nccl",)) -> Ranking:
     """Rank every method configuration for one attention layer by predicted time.
 
     Args:
@@ -203,6 +205,9 @@ def plan(*, seq_len: int, heads: int, world: int, kv_heads: int | None = None, h
         cached: tokens already cached (P < seq_len): adds prefill of the ``seq_len - cached`` new tokens
             (pass-KV or pass-Q by bytes, with the reason) and decode at ``seq_len`` tokens to the ranking
             (``seqpar.inference.plan_inference``; ``layers`` layers of cache).
+        transports: how the methods that take a ``transport`` option may move their hops ("nccl", "copy_engine":
+            Note [Copy-engine ring] in ``seqpar.comm.symmetric``); each is ranked as a configuration of its own,
+            copy engines only within one host and with a profile that measured them (``p2p_copy``).
 
     Returns:
         A ``Ranking``: ``best``, ``entries`` (time, efficiency, memory, notes, or why not), ``reason``, and
@@ -221,8 +226,12 @@ def plan(*, seq_len: int, heads: int, world: int, kv_heads: int | None = None, h
         # one document (a Problem keeps none): the methods that take the layout, ranked on its plain counterpart
         declared = tuple(m for m in declared if layout in m.layouts)
         layout = ONE_DOCUMENT[layout]
+    bad = [t for t in transports if t not in TRANSPORTS]
+    if bad or not transports:
+        raise ValueError(f"transports must name some of {TRANSPORTS}, got {list(transports)}")
     ranking = _plan(problem, mode, prof, topology, kernel or prof.default_kernel, declared, layout,
-                    ulysses, memory_gib if memory_gib is not None else prof.memory_gib, needs, pad)
+                    ulysses, memory_gib if memory_gib is not None else prof.memory_gib, needs, pad,
+                    tuple(dict.fromkeys(transports)))
     if cached is None:
         return ranking
     case = inference_case(context=seq_len, cached=cached, world=world, layers=layers, heads=heads,
@@ -233,7 +242,7 @@ def plan(*, seq_len: int, heads: int, world: int, kv_heads: int | None = None, h
 @functools.lru_cache(maxsize=256)
 def _plan(problem: Problem, mode: str, prof: Profile, topology: Topology | str | None, kernel: str,
           declared: tuple[Method, ...], layout: str | None, ulysses: int | None, memory_gib: float,
-          features: frozenset[str], pad: bool) -> Ranking:
+          features: frozenset[str], pad: bool, transports: tuple[str, ...] = ("nccl",)) -> Ranking:
     topo = get_topology(topology, prof)
     topo.check_world(problem.world)
     if kernel not in prof.kernel_names:
@@ -242,8 +251,8 @@ def _plan(problem: Problem, mode: str, prof: Profile, topology: Topology | str |
     limit = single_gpu_ms(problem, machine, mode)
     entries = []
     for m in declared:
-        for cand in _candidates(m, problem, topo, layout, ulysses):
-            why = _why_not(cand, m, problem, features, pad)
+        for cand in _with_transports(_candidates(m, problem, topo, layout, ulysses), m, transports):
+            why = _why_not(cand, m, problem, features, pad) + _transport_why_not(cand, problem, topo, prof)
             pred = None if why else m.cost(problem, cand, machine)
             mem = pred.peak_mem(mode) / 2**30 if pred else math.inf
             if pred and mem > memory_gib:
@@ -269,6 +278,30 @@ def _candidates(m: Method, p: Problem, topo: Topology, layout: str | None, ulyss
     W = p.world
     degrees = [ulysses] if ulysses is not None else [u for u in range(2, W) if W % u == 0]
     return [Candidate(m.name, lay, u) for u in degrees for lay in layouts]
+
+
+def _with_transports(cands: list[Candidate], m: Method, transports: tuple[str, ...]) -> list[Candidate]:
+    """``cands`` on each of ``transports`` for a method that takes the ``transport`` option (its default as it
+    is, any other as the option), else as they are."""
+    if "transport" not in m.options:
+        return cands
+    out = []
+    for t in transports:
+        extra = () if t == m.options["transport"] else (("transport", t),)
+        out += [replace(c, options=tuple(sorted((*c.options, *extra)))) for c in cands]
+    return out
+
+
+def _transport_why_not(c: Candidate, p: Problem, topo: Topology, prof: Profile) -> list[str]:
+    """Why ``c``'s transport cannot run here: copy engines need one host and a profile that measured them."""
+    if c.option("transport") != "copy_engine":
+        return []
+    why = []
+    if p.world > topo.node_size:
+        why.append(f"copy engines reach one host only ({topo.node_size} GPUs, world {p.world})")
+    if not prof.has_link("p2p_copy"):
+        why.append(f"profile {prof.name!r} has not measured copy engines (p2p_copy)")
+    return why
 
 
 def _why_not(c: Candidate, m: Method, p: Problem, features: frozenset[str], pad: bool) -> list[str]:
@@ -325,14 +358,16 @@ def _reason(entries: list[Entry], mode: str) -> str:
 def _choose(q_shape: tuple[int, ...], kv_heads: int, causal: bool, window: tuple[int, int], world: int,
             mesh_dims: int, layout: str, profile: Profile, ulysses: int | None, dtype: str, mode: str,
             features: frozenset[str], kernel: str, grad_dtype: str, declared: tuple[Method, ...],
-            documents: tuple[int, ...] | None) -> tuple[str, tuple[tuple[str, Any], ...], str]:
+            documents: tuple[int, ...] | None, transports: tuple[str, ...] = ("nccl",)
+            ) -> tuple[str, tuple[tuple[str, Any], ...], str]:
     B, L, H, D = q_shape
     names = [m.name for m in declared if m.mesh_dims == mesh_dims and layout in m.layouts]
     topology = None if world <= profile.gpus_per_node else "nvswitch"
     ranking = plan(seq_len=L * world, heads=H, kv_heads=kv_heads, world=world, head_dim=D, batch=B, causal=causal,
                    window=window, dtype=dtype, grad_dtype=grad_dtype, mode=mode, profile=profile,
                    topology=topology, kernel=kernel, methods=names, layout=layout,
-                   ulysses=ulysses if mesh_dims == 2 else None, features=features, cu_seqlens=documents)
+                   ulysses=ulysses if mesh_dims == 2 else None, features=features, cu_seqlens=documents,
+                   transports=transports)
     best = ranking.best
     if best is None:
         raise NotImplementedError(f"method='auto' found no available method for layout={layout!r} on a {mesh_dims}D "
@@ -347,7 +382,8 @@ def choose(q_shape: Sequence[int], kv_heads: int, causal: bool, window: tuple[in
            layout: str, profile: Profile | str | Path | None = None, *, ulysses: int | None = None,
            dtype: Any = "bfloat16", device: str = "cuda", mode: str = "fwd+bwd", features: Iterable[str] = (),
            kernel: str = "auto", grad_dtype: Any = "float32",
-           cu_seqlens: Sequence[int] | Any | None = None) -> tuple[str, dict[str, Any], str]:
+           cu_seqlens: Sequence[int] | Any | None = None, transports: Sequence[str] = ("nccl",)
+           ) -> tuple[str, dict[str, Any], str]:
     """The method ``seqpar.attention(method="auto")`` runs (Note [Auto is deterministic]).
 
     Args:
@@ -362,6 +398,8 @@ def choose(q_shape: Sequence[int], kv_heads: int, causal: bool, window: tuple[in
             has no numbers for is planned with the default kernel's numbers).
         cu_seqlens: the batch's global document boundaries (a sequence or 1-D tensor): methods are ranked
             on this batch's work (Note [Packed batches]); a new batch each step costs O(W^2) block plans.
+        transports: the transports the caller allows (``plan``'s); a choice on another than a method's default
+            names it in the options.
 
     Returns:
         ``(method, options, reason)``: the method name, its method-specific options, and why.
@@ -372,5 +410,6 @@ def choose(q_shape: Sequence[int], kv_heads: int, causal: bool, window: tuple[in
     method, options, reason = _choose(tuple(int(x) for x in q_shape), int(kv_heads), bool(causal), tuple(window),
                                       int(world), int(mesh_dims), layout, prof, ulysses,
                                       str(dtype).removeprefix("torch."), mode, frozenset(features), kern,
-                                      str(grad_dtype).removeprefix("torch."), _declarations(None), documents)
+                                      str(grad_dtype).removeprefix("torch."), _declarations(None), documents,
+                                      tuple(transports))
     return method, dict(options), reason

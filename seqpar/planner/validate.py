@@ -122,14 +122,9 @@ def is_auto(method: str) -> bool:
 
 
 def modelled(rec: dict[str, Any]) -> bool:
-    """Whether a record is a seqpar method the cost model predicts (not a peer, not ``auto``, not a ring on copy
-    engines: the model's transfers are NCCL's, Note [Copy-engine ring])."""
+    """Whether a record is a seqpar method the cost model predicts (not a peer, not ``auto``)."""
     method = str(rec["method"])
-    return not (method.startswith("peer:") or is_auto(method) or COPY_ENGINE in method.split("/"))
-
-
-COPY_ENGINE = "transportcopy_engine"
-"""The part of a benchmark method name that marks the copy-engine ring (``MethodSpec.label``)."""
+    return not (method.startswith("peer:") or is_auto(method))
 
 
 PACKED_SUITE_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128, "causal": True}
@@ -169,9 +164,8 @@ def _predict(rec: dict[str, Any], prof: Profile | None, kernel: str | None, sour
     base = dict(preset=str(rec.get("preset", "")), mode=mode, world=W, method=method,
                 measured_ms=float(rec["time_ms"]), measured_gib=rec.get("peak_mem_gib"), source=source, set=label)
     if not modelled(rec):
-        note = ("auto: checked below" if is_auto(method) else "peer: not modelled" if method.startswith("peer:")
-                else "copy-engine transport: not modelled")
-        return Row(**base, predicted_ms=None, error=None, predicted_gib=None, note=note)
+        return Row(**base, predicted_ms=None, error=None, predicted_gib=None,
+                   note="auto: checked below" if is_auto(method) else "peer: not modelled")
     pred = predict_record(rec, prof, kernel)
     t = pred.time_ms(mode)
     return Row(**base, predicted_ms=t, error=t / base["measured_ms"] - 1, predicted_gib=pred.peak_mem(mode) / 2**30)

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from .. import agreement, methods
+from ..comm import symmetric
 from ..config import AttentionConfig
 from ..errors import rank_suffix
 from ..groups import SeqParallelGroups
@@ -441,13 +442,15 @@ CHOOSE: Any = None
 
 def _auto(q, k, v, mesh, layout, causal, window, cu_seqlens, seq_len, kernel, grad_dtype, options, grad, mask_mod):
     """``method="auto"``: (method, options) from the planner (Note [Auto is deterministic] in planner.search)."""
-    extra = sorted(set(options) - {"profile"})
+    extra = sorted(set(options) - {"profile", "transport"})
     if extra:
-        raise TypeError(f"method='auto' takes only the option 'profile' (it picks the method's options), got "
-                        f"{extra}{rank_suffix()}")
+        raise TypeError(f"method='auto' takes only the options 'profile' and 'transport' (it picks the method's "
+                        f"options), got {extra}{rank_suffix()}")
     AttentionConfig(window_size=window)                       # validates the window before planning with it
     dims = 2 if getattr(mesh, "ndim", 1) == 2 else 1
     groups = SeqParallelGroups.resolve(mesh, dims)
+    if "transport" in options:            # what auto may use (Note [Copy-engine ring] in seqpar.comm.symmetric)
+        symmetric.check(options["transport"], groups.group if groups.group is not None else groups.ring, q.device)
     used = {"window": window != (-1, -1), "varlen": cu_seqlens is not None, "padding": seq_len is not None,
             "value_dim": v.shape[-1] != q.shape[-1], "mask": mask_mod is not None}
     return CHOOSE(groups, dims, q, k, v, layout, bool(causal), window, cu_seqlens, kernel, grad_dtype, options, grad,
