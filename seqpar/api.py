@@ -47,8 +47,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mesh: Any = 
             default group.
         method: one of ``seqpar.methods.available()``, or "auto": the planner's choice among the available
             methods that accept ``layout`` and the mesh (``seqpar.planner.choose``, the same on every rank,
-            logged on "seqpar.planner"); with "auto" the only option is ``profile=`` (a
-            ``seqpar.planner.Profile``, built-in name or JSON path; default: the device's built-in one).
+            logged on "seqpar.planner"); with "auto" the options are ``profile=`` (a
+            ``seqpar.planner.Profile``, built-in name or JSON path; default: the device's built-in one) and
+            ``transport="copy_engine"``, which lets auto rank the ring on copy engines too (Note [Copy-engine
+            ring] in ``seqpar.comm.symmetric``; planned where the profile measured them, within one host).
         layout: a plain layout ("contiguous", "zigzag", "stripe") or a per-batch document layout ("balanced",
             "balanced_whole", "doc_contiguous", "doc_zigzag": tokens placed from ``cu_seqlens``); each method
             accepts a subset.

@@ -42,7 +42,8 @@ Note [Copy-engine ring]
 
     What it needs, checked before any collective (``check``): CUDA tensors, an NCCL group, torch's symmetric
     memory, and - checked when the lane is made, on every rank alike - every rank of the group on one host. It is
-    never chosen silently: ``transport="nccl"`` (the default) is the path measured everywhere else.
+    never chosen silently: ``transport="nccl"`` is the default; ``method="auto", transport="copy_engine"`` lets the
+    planner rank it (the profile's ``p2p_copy`` curve, ``seqpar.planner.calibrate`` measures it; one host only).
 """
 
 from __future__ import annotations
