@@ -321,6 +321,9 @@ def test_plan_cli(capsys, tmp_path):
         assert "matplotlib is not installed" in out and not png.exists()
     assert plan_main(["--gpus", "8", "--seq-len", "64k,256k", "--topology", "mi300x", "--methods", "ring,tasp"]) == 0
     assert "tasp/" in capsys.readouterr().out
+    assert plan_main(["--gpus", "4", "--seq-len", "16k", "--profile", "h100-nvswitch", "--mode", "fwd",
+                      "--transports", "nccl,copy_engine", "--top", "3"]) == 0
+    assert "choice: ring/zigzag/transportcopy_engine" in capsys.readouterr().out
 
 
 def test_validate_on_fixture(tmp_path, capsys):

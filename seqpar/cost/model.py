@@ -292,7 +292,8 @@ class Machine:
         return self.network.ms(pattern, nbytes, group)
 
     def loss(self, pattern: str) -> float:
-        name = {"ring": "p2p", "ring2": "p2p_bidir", "cycles": "allpairs"}.get(pattern, pattern)
+        name = {"ring": "p2p", "ring2": "p2p_bidir", "cycles": "allpairs",
+                "ring_copy": "p2p_copy"}.get(pattern, pattern)
         return self.profile.overlap(name)
 
 
@@ -542,19 +543,20 @@ def _sample(ranks: int) -> list[int]:
 
 # --- pass-KV ring (ring, usp) ---------------------------------------------------------------------------------
 def passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads: float, group: Group,
-           method: str) -> Cost:
+           method: str, pattern: str = "ring") -> Cost:
     """Pass-KV ring of R ranks over S tokens with ``heads`` / ``kv_heads`` per rank (ALGORITHMS.md §3);
-    its steps cost ``method``'s fixed step time."""
+    its steps cost ``method``'s fixed step time; its hops move as ``pattern`` ("ring": NCCL's P2P, "ring_copy":
+    copy engines, Note [Copy-engine ring] in ``seqpar.comm.symmetric``)."""
     L = p.seq_len / R
     calls = steps(p, layout, R)
     n = len(calls)
     kv, dkv = p.act(L, 2 * kv_heads), p.act(L, 2 * kv_heads, p.grad_bytes)
-    t_kv, t_dkv = m.comm_ms("ring", kv, group), m.comm_ms("ring", dkv, group)
+    t_kv, t_dkv = m.comm_ms(pattern, kv, group), m.comm_ms(pattern, dkv, group)
     f, b = tallies(m, method)
     for s, blk in enumerate(calls):
         more = s + 1 < n
         merge = m.merge_ms(p, blk.rows, heads) if (s and blk is not None) else 0.0
-        f.step(m.kernel_ms(p, blk, heads) + merge, t_kv if more else 0.0, "ring", kv if more else 0.0)
+        f.step(m.kernel_ms(p, blk, heads) + merge, t_kv if more else 0.0, pattern, kv if more else 0.0)
     b.local(m.hbm_ms(p.act(L, heads, 2 * p.dtype_bytes)))                 # Delta = rowsum(dO * O)
     for s, blk in enumerate(calls):
         more = s + 1 < n
@@ -562,7 +564,7 @@ def passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads: 
             b.wait(t_dkv)
         acc = 0.0 if blk is None else m.hbm_ms(p.act(blk.rows, heads, 10) + p.act(blk.cols, 2 * kv_heads, 10))
         comm = (t_kv if more else 0.0) + (0.0 if PASSKV_EXPOSED_DKV or not s else t_dkv)
-        b.step(m.kernel_ms(p, blk, heads, "bwd") + acc, comm, "ring", (kv + dkv) if more else 0.0)
+        b.step(m.kernel_ms(p, blk, heads, "bwd") + acc, comm, pattern, (kv + dkv) if more else 0.0)
     if n > 1:
         b.wait(t_dkv, dkv)                                                # the last dK/dV hop home
     fwd_base, bwd_base = base_mem(p)

@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cached", type=parse_tokens, default=None,
                     help="tokens already in the KV cache (one GPU count and length): adds prefill and decode")
     ap.add_argument("--layers", type=int, default=1, help="layers of KV cache (with --cached)")
+    ap.add_argument("--transports", default="nccl",
+                    help="how the ring's hops may move, comma-separated: nccl, copy_engine (one host; the profile's "
+                         "p2p_copy); one --gpus count and one --seq-len")
     ap.add_argument("--plot", default=None, help="write a PNG (needs matplotlib)")
     ap.add_argument("--json", default=None, help="write the rows as JSON")
     return ap
@@ -89,12 +92,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args.gpus) == 1 and len(args.seq_len) == 1:
         W, S = args.gpus[0], args.seq_len[0]
         ranking = plan(seq_len=S, world=W, mode=args.mode, topology=topo(W), methods=names, pad=True,
-                       cached=args.cached, layers=args.layers, **common)
+                       cached=args.cached, layers=args.layers, transports=args.transports.split(","), **common)
         print(ranking.table(args.top))
         if args.json:
             rows = simulate(gpus=[W], seq_lens=[S], methods=names, mode=args.mode, topology=topo(W), **common)
             _write_json(args.json, rows)
         return 0
+    if args.transports != "nccl":
+        ap.error(f"--transports needs one --gpus count and one --seq-len, got {len(args.gpus)} and {len(args.seq_len)}")
     if args.cached is not None:
         ap.error(f"--cached needs one --gpus count and one --seq-len, got {len(args.gpus)} and {len(args.seq_len)}")
     rows = []
