@@ -70,7 +70,7 @@ H200_LINKS: dict[str, list[tuple[int, float]]] = {
 H200_ALLGATHER_256MB = 295.0
 #: a ring step on copy engines over symmetric memory (``symm_pull``: a peer-to-peer ``copy_`` between two barriers),
 #: 4x H100 NV18, defaults (benchmarks/results/2026-11-27-4xh100-p2p-knobs/p2p.jsonl; NCCL's p2p there: 16.6, 65.7,
-#: 111.0, 234.6): the H100 profile's ``p2p_copy`` (Note [Copy-engine ring] in seqpar.comm.symmetric)
+#: 111.0, 234.6): ``p2p_copy`` of the H100 and H200 profiles (Note [Copy-engine ring] in seqpar.comm.symmetric)
 H100_COPY_ENGINE = [(4 * MiB, 58.1), (16 * MiB, 186.9), (64 * MiB, 299.6), (256 * MiB, 328.7)]
 #: §12.1: the equal-split all-to-all (the call seqpar makes), 256 MB per peer = 768 MB per rank over 3 peers
 H200_A2A_EQUAL_SPLIT = (768 * MiB, 298.0)
@@ -196,7 +196,8 @@ def _links() -> tuple[LinkRate, ...]:
     at256 = dict(p2p)[256 * MiB]
     ag = [(m, round(b * H200_ALLGATHER_256MB / at256, 1)) for m, b in p2p]
     a2a = [(m, round(m / (t * 1e-3) / 1e9, 1)) for m, t in A2A_PROFILED] + [H200_A2A_EQUAL_SPLIT]
-    return (LinkRate("p2p", Curve.of(p2p)), LinkRate("a2a", Curve.of(a2a)), LinkRate("allgather", Curve.of(ag)))
+    return (LinkRate("p2p", Curve.of(p2p)), LinkRate("a2a", Curve.of(a2a)), LinkRate("allgather", Curve.of(ag)),
+            LinkRate("p2p_copy", Curve.of(H100_COPY_ENGINE)))
 
 
 def _permute_gelems() -> float:
@@ -218,6 +219,8 @@ _SOURCE = ("kernels and links measured on a 4x H200 NVSwitch host (ALGORITHMS.md
            "set's allgather/zigzag rows; merge_passes: the one-pass merge's profiled kernel (MERGE_MEASURED); "
            "latency_us measured by python -m "
            "seqpar.calibrate on the host (benchmarks/results/2026-11-21-4xh200/profile_h200x4.json); "
+           "p2p_copy (a ring step on copy engines over symmetric memory) measured on a 4x H100 NV18 host "
+           "(benchmarks/results/2026-11-27-4xh100-p2p-knobs; the same NVLink 4, so both profiles carry it); "
            "derived: allgather below 256 MB (p2p shape), p2p_bidir=p2p, allpairs=a2a, reduce_scatter=allgather; "
            "fitted: call_us, step_us and host_overlap_loss by " + FIT_COMMAND + " (fit: the real W = 4 run's "
            f"{', '.join(FIT_PRESETS)} on four H100s; check: its gqa-causal-8k; "
@@ -246,12 +249,10 @@ def h100_profile() -> Profile:
     h200 = h200_profile()
     return h200.replace(
         name="h100-nvswitch", gpu="NVIDIA H100 80GB HBM3", hbm_gbps=_H100_HBM_GBPS, memory_gib=80.0,
-        derived_from="h200-nvswitch", links=(*h200.links, LinkRate("p2p_copy", Curve.of(H100_COPY_ENGINE))),
+        derived_from="h200-nvswitch",
         source="derived from h200-nvswitch: kernel rates x1.0 (same SM count and clocks), links unchanged "
                "(NVLink 4 / NVSwitch), HBM 3.35 TB/s and 80 GB (datasheet); call_us, step_us and "
-               "host_overlap_loss fitted on a 4x H100 host (below; the H200 profile shares them); p2p_copy (a ring "
-               "step on copy engines) measured on a 4x H100 host (benchmarks/results/2026-11-27-4xh100-p2p-knobs); "
-               + _SOURCE)
+               "host_overlap_loss fitted on a 4x H100 host (below; the H200 profile shares them); " + _SOURCE)
 
 
 def h100_emulated_profile() -> Profile:
