@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..comm import symmetric
 from ..layouts import Rule, make_layout
 from ..layouts.packing import DISTRIBUTIONS, SEED, packed_row
 from ..layouts.work import work
@@ -245,6 +246,15 @@ PACKED_CONFIGS = (("ring", "zigzag"), ("ring", "balanced"), ("ring", "balanced_w
 caller would shard a packed batch by, its record naming what auto ran (Note [Auto rows])."""
 
 
+def packed_configs() -> list[tuple[str, str, tuple[tuple[str, Any], ...]]]:
+    """``PACKED_CONFIGS`` as ``(method, layout, options)``; where the default group could move hops on copy engines
+    (NCCL on CUDA: Note [Copy-engine ring] in ``seqpar.comm.symmetric``), the balanced rings that way too."""
+    out = [(m, lay, ()) for m, lay in PACKED_CONFIGS]
+    if symmetric.usable():
+        out += [("ring", lay, (("transport", "copy_engine"),)) for lay in ("balanced", "balanced_whole")]
+    return out
+
+
 def _packed_at(bench: Any, total: int, dist_name: str) -> None:
     import seqpar
 
@@ -258,8 +268,9 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
     shape = {"heads": H, "kv_heads": Hkv, "head_dim": D, "causal": True, "distribution": dist_name,
              "packing_seed": SEED, "packing_multiple": 2 * W}
     keep = _wanted(bench.args.methods)
-    for method, layout in PACKED_CONFIGS:
-        if keep and method not in keep and f"{method}/{layout}" not in keep:
+    for method, layout, options in packed_configs():
+        label = "/".join([method, layout, *(f"{k}{v}" for k, v in options)])
+        if keep and method not in keep and f"{method}/{layout}" not in keep and label not in keep:
             continue
         where = {"method": method, "layout": layout, "cu_seqlens": cu}
         imbalance = 1.0                                 # Ulysses: every rank sees every token of its heads
@@ -271,15 +282,15 @@ def _packed_at(bench: Any, total: int, dist_name: str) -> None:
         extra = {"work_max_over_mean": imbalance, "documents": len(cu) - 1, "packed": True, "row": preset,
                  "seq_len": total, **shape}
 
-        def build(mode: str, where=where, extra=extra):
+        def build(mode: str, where=where, extra=extra, options=options):
             full = [_randn((1, total, h, D), dev, torch.bfloat16, i) for i, h in enumerate((H, Hkv, Hkv, H))]
             q, k, v, do = (seqpar.shard(t, **where) for t in full)
             del full
             kw = {"method": where["method"], "layout": where["layout"], "cu_seqlens": cu_t,
-                  "check_ranks": W == 1 and bench.check_ranks}
+                  "check_ranks": W == 1 and bench.check_ranks, **dict(options)}
             fn = _mode(mode, lambda q, k, v: seqpar.attention(q, k, v, **kw), q, k, v, do)
             return bench.watch_auto(fn, extra) if where["method"] == "auto" else fn
-        _time_rows(bench, preset, f"{method}/{layout}", build, limit, extra)
+        _time_rows(bench, preset, label, build, limit, extra)
     if bench.args.peers:
         for label, factory in _peer_varlen(bench, total, cu, H, Hkv, D).items():
             if keep and label not in keep:
