@@ -107,14 +107,16 @@ from .profile import Profile
 from .topology import Group, Network
 from .work import Block, causal_corner, gather_blocks, ring_steps, self_block
 
-__all__ = ["BWD_FLOPS", "PASSKV_EXPOSED_DKV", "PASSQ_PARTIAL_BYTES", "TILE_ROWS", "Candidate", "Cost", "Group",
-           "Machine", "Prediction", "Problem", "Tally", "a2a_in", "auto_head_chunks", "balance", "base_mem",
-           "block_matrix", "ccr", "gather_blocks_of", "head_chunk_valid", "head_chunks", "head_pipeline",
+__all__ = ["BWD_FLOPS", "PASSKV_EXPOSED_DKV", "PASSKV_HOME_BYTES", "PASSQ_PARTIAL_BYTES", "TILE_ROWS", "Candidate",
+           "Cost", "Group", "Machine", "Prediction", "Problem", "Tally", "a2a_in", "auto_head_chunks", "balance",
+           "base_mem", "block_matrix", "ccr", "gather_blocks_of", "head_chunk_valid", "head_chunks", "head_pipeline",
            "kv_wire_heads", "note_ccr", "packed_steps", "pass_bytes", "passkv", "rank_work", "single_gpu_ms", "steps",
            "tallies", "temps", "ulysses_mem", "ulysses_why_not", "whole"]
 
 #: pass-KV backward waits for the incoming dK/dV before the step's compute (``_passkv.backward``)
 PASSKV_EXPOSED_DKV = True
+#: pass-KV backward: while its partials fit, each step's dK/dV goes straight home (``_passkv.HOME_BYTES``)
+PASSKV_HOME_BYTES = 2 << 30
 #: bytes per element of a pass-Q partial output on the wire (None: the input dtype)
 PASSQ_PARTIAL_BYTES: int | None = None
 #: backward FLOPs per forward FLOP (five GEMMs against two)
@@ -558,20 +560,35 @@ def passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads: 
         merge = m.merge_ms(p, blk.rows, heads) if (s and blk is not None) else 0.0
         f.step(m.kernel_ms(p, blk, heads) + merge, t_kv if more else 0.0, pattern, kv if more else 0.0)
     b.local(m.hbm_ms(p.act(L, heads, 2 * p.dtype_bytes)))                 # Delta = rowsum(dO * O)
-    for s, blk in enumerate(calls):
-        more = s + 1 < n
-        if s and PASSKV_EXPOSED_DKV:
-            b.wait(t_dkv)
-        acc = 0.0 if blk is None else m.hbm_ms(p.act(blk.rows, heads, 10) + p.act(blk.cols, 2 * kv_heads, 10))
-        comm = (t_kv if more else 0.0) + (0.0 if PASSKV_EXPOSED_DKV or not s else t_dkv)
-        b.step(m.kernel_ms(p, blk, heads, "bwd") + acc, comm, pattern, (kv + dkv) if more else 0.0)
-    if n > 1:
-        b.wait(t_dkv, dkv)                                                # the last dK/dV hop home
+    home = n * p.act(L, 2 * kv_heads, max(p.dtype_bytes, p.grad_bytes)) <= PASSKV_HOME_BYTES
+    if home:                       # partials straight home (Note [Partials home] in seqpar.methods._passkv)
+        part = p.act(L, 2 * kv_heads)                                     # exact partials: the inputs' dtype
+        t_part = m.comm_ms(pattern, part, group)
+        for s, blk in enumerate(calls):
+            more = s + 1 < n
+            kv_s, part_s = (t_kv if more else 0.0), (t_part if s >= 2 else 0.0)
+            # step s posts the next K/V and step s - 1's partial: one NCCL batch, or two copy-engine lanes side by side
+            comm = max(kv_s, part_s) if pattern == "ring_copy" else kv_s + part_s
+            sent = (kv if more else 0.0) + (part if s >= 2 else 0.0)
+            b.step(m.kernel_ms(p, blk, heads, "bwd"), comm, pattern, sent)
+        if n > 1:
+            b.wait(t_part, part)                                          # the last step's partial
+            b.local(m.hbm_ms((n + 1) * p.act(L, heads + 2 * kv_heads)))    # each sum, once, at the end
+    else:
+        for s, blk in enumerate(calls):
+            more = s + 1 < n
+            if s and PASSKV_EXPOSED_DKV:
+                b.wait(t_dkv)
+            acc = 0.0 if blk is None else m.hbm_ms(p.act(blk.rows, heads, 10) + p.act(blk.cols, 2 * kv_heads, 10))
+            comm = (t_kv if more else 0.0) + (0.0 if PASSKV_EXPOSED_DKV or not s else t_dkv)
+            b.step(m.kernel_ms(p, blk, heads, "bwd") + acc, comm, pattern, (kv + dkv) if more else 0.0)
+        if n > 1:
+            b.wait(t_dkv, dkv)                                            # the last dK/dV hop home
     fwd_base, bwd_base = base_mem(p)
     acc_f = p.act(L, heads, 4) + p.rowstat(L, heads)
     fwd_mem = 2 * kv + acc_f + p.act(L, heads)                            # stacked KV + next, accumulator, block out
-    bwd_mem = p.act(L, heads, 4) + 2 * kv + 2 * p.act(L, 2 * kv_heads, max(4, p.grad_bytes)) \
-        + temps(p, L, heads, kv_heads)
+    held = n * p.act(L, 2 * kv_heads) if home else 2 * p.act(L, 2 * kv_heads, max(4, p.grad_bytes))
+    bwd_mem = p.act(L, heads, 4) + 2 * kv + held + temps(p, L, heads, kv_heads)
     c = Cost(f, b, fwd_base + fwd_mem, bwd_base + bwd_mem)
     if n < R:
         c.notes.append(f"window truncates the ring to {n} of {R} steps" if p.documents is None else
