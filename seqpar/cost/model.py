@@ -38,8 +38,10 @@ Note [Step time]
 
 Note [Modelled as implemented]
     The models follow the code where the code is written and the algorithm notes where it is not yet:
-    pass-KV backward waits for the running dK/dV of a block before computing on it, so each dK/dV hop is
-    exposed (``PASSKV_EXPOSED_DKV``); all-gather re-gathers K and V in backward (one chunk exposed, as in
+    pass-KV backward sends each step's dK/dV partial straight home with the next K/V hop while the partials fit
+    ``PASSKV_HOME_BYTES`` (Note [Partials home] in ``seqpar.methods._passkv``: no running sum, one sum at the end,
+    the last partial exposed); past it, it waits for the running dK/dV of a block before computing on it, so each
+    dK/dV hop is exposed (``PASSKV_EXPOSED_DKV``); all-gather re-gathers K and V in backward (one chunk exposed, as in
     forward) and, on layouts other than contiguous, permutes each gathered chunk into global order and
     each fp32 dK/dV chunk back (``index_select``); Ulysses packs q, k, v into one all-to-all and returns
     out and lse in two (the second, a few hundred KB, costs about the a2a latency); pass-Q partial outputs
