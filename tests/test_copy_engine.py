@@ -49,3 +49,13 @@ def test_a_lane_that_cannot_be_made_fails_on_every_rank_alike(pools, case, etype
         assert name == etype, (rank, name, msg)
         for w in [*words, f"rank {rank} of 2"]:
             assert w in msg, (rank, w, msg)
+
+
+def test_auto_takes_the_nccl_transport_on_cpu(pools):
+    """``method="auto", transport="nccl"`` is auto as usual (the option says what auto may use): correct against
+    the oracle on gloo; ``transport="copy_engine"`` there is refused by name (tests/test_bad_input.py)."""
+    from conftest import assert_all_ok, run_cases
+
+    from seqpar.testing.cases import Case
+
+    assert_all_ok(run_cases(pools(2), [Case(method="auto", seq_len=64, options=(("transport", "nccl"),))]))

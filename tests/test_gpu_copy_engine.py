@@ -51,3 +51,20 @@ def test_copy_engine_ring_equals_the_nccl_ring(world, short):
                         for f in FIELDS:
                             assert torch.equal(g[f], w[f]), (
                                 f"{case.label()} {label}: rank {rank}'s {f} differs from the NCCL ring's")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_auto_with_copy_engines_allowed(world):
+    """``method="auto", transport="copy_engine"`` on real NCCL groups: whatever auto picks (the ring on copy engines
+    where the planner predicts it fastest) is correct against the oracle, eager and graphed."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    mha = Case(method="auto", seq_len=4096 * world, heads=8, kv_heads=8, head_dim=64, dtype="bfloat16",
+               kernel="auto", device="cuda", options=(("transport", "copy_engine"),))
+    with new_pool(world, backend="nccl", timeout=600) as pool:
+        for case in (mha, mha.with_(heads=8, kv_heads=2), mha.with_(causal=False, layout="contiguous")):
+            for short in (False, True):
+                got = pool.run(run_calls, short, case.with_(graphs=True), 3)
+                for t in range(3):
+                    report = check_case(case, [r[t] for r in got])
+                    assert report.ok, f"call {t}: {report}"
