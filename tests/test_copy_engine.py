@@ -59,3 +59,28 @@ def test_auto_takes_the_nccl_transport_on_cpu(pools):
     from seqpar.testing.cases import Case
 
     assert_all_ok(run_cases(pools(2), [Case(method="auto", seq_len=64, options=(("transport", "nccl"),))]))
+
+
+def test_one_lane_per_use_grown_only_for_a_larger_call(monkeypatch):
+    """Calls of changing lengths share one lane per (group, device, use), made again only when a call needs more
+    (Note [Lanes are shared]): symmetric memory stays bounded by the largest call, not by the number of lengths."""
+    made = []
+
+    class FakeLane:
+        def __init__(self, group, device, nbytes):
+            self.nbytes = nbytes
+            made.append(nbytes)
+
+    class FakeGroup:
+        group_name = "g"
+
+    monkeypatch.setattr(symmetric, "Lane", FakeLane)
+    monkeypatch.setattr(symmetric, "_LANES", {})
+    dev = torch.device("cpu")
+    spec = lambda n: [((n,), torch.uint8)]                       # noqa: E731
+    sizes = [1024, 512, 4096, 2048, 4096, 1024]
+    lanes = [symmetric.lane(FakeGroup(), dev, spec(n), "kv") for n in sizes]
+    assert made == [1024, 4096]                                  # grown once, at the first larger call
+    assert [lane.nbytes for lane in lanes] == [1024, 1024, 4096, 4096, 4096, 4096]
+    other = symmetric.lane(FakeGroup(), dev, spec(512), "home")  # another use: a lane of its own
+    assert made == [1024, 4096, 512] and other not in lanes

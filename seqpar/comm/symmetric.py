@@ -15,9 +15,9 @@ Note [Copy-engine ring]
 
     ``transport="copy_engine"`` (a ring option) runs the ring's K/V hops that way:
 
-    * A ``Lane`` is one allocation of torch's symmetric memory per (group, device, size), rendezvoused once (a
-      collective: every rank reaches it at the same call, the plan's first) and kept for the process: the plan's
-      receive buffers are views into it, at the same offsets on every rank.
+    * A ``Lane`` is one allocation of torch's symmetric memory per (group, device, use), rendezvoused once (a
+      collective: every rank reaches it at the same call, the plan's first) and grown only when a call needs more
+      (Note [Lanes are shared]): a plan's receive buffers are views into it, at the same offsets on every rank.
     * A hop *pushes*: rank r copies its block (any local tensor - the caller's own K on the first hop) into rank
       r + 1's copy of the receive buffer. Only receive buffers must be symmetric, so the first hop still sends
       the caller's tensor as it lies (Note [K and V apart] in ``seqpar.methods.allgather``).
@@ -207,13 +207,23 @@ def span(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
 
 def lane(group: dist.ProcessGroup | None, device: torch.device,
          specs: list[tuple[tuple[int, ...], torch.dtype]], tag: str) -> Lane:
-    """The lane of ``group`` on ``device`` that holds ``specs`` for the use ``tag`` names (made on first use: a
-    collective). Buffers of two uses never share a lane, so they never overlap."""
+    """The lane of ``group`` on ``device`` for the use ``tag`` names, large enough for ``specs``: the group's current
+    one, or - when it is too small, or there is none - a new one of their size (a collective; it replaces the
+    smaller one, which the plans that carved it keep alive). Plans of every shape share one lane per use (Note
+    [Lanes are shared]); buffers of two uses never share a lane, so they never overlap.
+
+    Note [Lanes are shared]
+        Every call's first push waits at a barrier for all ranks' work issued before it, so one call's buffers may
+        overlap another call's: only buffers of one call must not. Keeping one lane per use, grown to the largest
+        call seen, bounds the symmetric memory that calls of changing lengths hold (a lane per shape never freed
+        would grow with every new length) to about the largest call's buffers per lane kept alive by a plan.
+        Every rank makes the same calls in the same order, so every rank grows its lane at the same call."""
     nbytes = span(specs)
     name = (group if group is not None else dist.group.WORLD).group_name
-    key = (name, device, tag, tuple(specs))
-    if key not in _LANES:
-        if torch.cuda.is_current_stream_capturing():
+    key = (name, device, tag)
+    have = _LANES.get(key)
+    if have is None or have.nbytes < nbytes:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"transport='copy_engine' makes its buffers on a plan's first call, which must not be "
                                f"captured: run the call once before capturing it{rank_suffix()}")
         _LANES[key] = Lane(group, device, nbytes)
