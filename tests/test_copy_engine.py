@@ -84,3 +84,32 @@ def test_one_lane_per_use_grown_only_for_a_larger_call(monkeypatch):
     assert [lane.nbytes for lane in lanes] == [1024, 1024, 4096, 4096, 4096, 4096]
     other = symmetric.lane(FakeGroup(), dev, spec(512), "home")  # another use: a lane of its own
     assert made == [1024, 4096, 512] and other not in lanes
+
+
+def test_home_regions_hold_each_step_block_in_the_wider_dtype_within_the_limit(monkeypatch):
+    """The regions a copy-engine ring's backward receives partials into (Note [Copy-engine ring]): per step after the
+    first, one for dK and one for dV, each the whole block in the wider of the inputs' and the wire's dtype, all at
+    rank-independent sizes; none (the partials go over NCCL) past ``COPY_HOME_BYTES`` or on an NCCL ring."""
+    from seqpar.methods import _passkv
+
+    asked = []
+
+    class FakeRing:
+        transport = "copy_engine"
+
+        def buffers(self, specs, device, tag):
+            asked.append((specs, tag))
+            return [torch.empty(s, dtype=d) for s, d in specs]
+
+    engine = _passkv.PassKV.__new__(_passkv.PassKV)
+    engine.ring = FakeRing()
+    k, v = torch.empty(1, 16, 2, 8, dtype=torch.bfloat16), torch.empty(1, 16, 2, 4, dtype=torch.bfloat16)
+    regions = engine._home_regions(k, v, torch.float32, 4)
+    assert len(regions) == 6 and asked[-1][1] == "home"
+    assert [r.numel() for r in regions[:2]] == [16 * 2 * 8 * 4, 16 * 2 * 4 * 4]        # fp32 wire: 4 bytes each
+    assert engine._home_regions(k, v, torch.bfloat16, 4)[0].numel() == 16 * 2 * 8 * 2
+    monkeypatch.setattr(_passkv, "COPY_HOME_BYTES", 3 * (k.numel() + v.numel()) * 4 - 1)
+    assert engine._home_regions(k, v, torch.float32, 4) is None
+    engine.ring.transport = "nccl"
+    monkeypatch.setattr(_passkv, "COPY_HOME_BYTES", 1 << 40)
+    assert engine._home_regions(k, v, torch.float32, 4) is None
