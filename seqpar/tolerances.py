@@ -12,9 +12,12 @@ Error is the normalised max error ``max |got - truth| / max |truth|`` against th
 
 The sinks' gradient is one sum per head over every row of the batch, ``-sum_i P_sink,i Delta_i``, whose terms
 have both signs: where they cancel, the sum keeps no relative accuracy (a sum's forward error is bounded in its
-terms' magnitudes, not its own). So its error is normalised by ``max_h sum_i |P_sink,i Delta_i|`` (the oracle's
-``dsinks_terms``), which is never below ``max |dsinks|``: found by the fuzz (2026-11-27), an fp32 sum over 12
-rows of one head read 1.15e-5 against its own magnitude, every other field ~1e-7.
+terms' magnitudes, not its own). And each term's ``Delta_i = O_i . dO_i - dlse_i`` is itself a difference, rounded
+like its parts. So its error is normalised by ``max_h sum_i P_sink,i (sum_d |O_id dO_id| + |dlse_i|)`` (the oracle's
+``dsinks_terms``), which is never below ``max |dsinks|``: found by the fuzz (2026-11-27), an fp32 sum over 12 rows of
+one head read 1.15e-5 against its own magnitude, every other field ~1e-7; and a row whose ``Delta`` cancelled
+335-fold (0.32633 - 0.32730, twenty-third session) read 1.13e-5 against the terms' net magnitude, 9e-9 against their
+parts'.
 
 Where the rule is tight: a distributed result in low precision is a sum of partials each rounded to the input
 dtype by its kernel (a pass-KV rank's dq over its steps, dK/dV summed at their owner, a merged out; the sinks'

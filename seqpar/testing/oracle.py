@@ -54,11 +54,12 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
 
     Returns ``out``, ``lse`` (``(B, H, S)``, -inf for rows that see nothing) and, with ``do``, ``dq``, ``dk``,
     ``dv`` (by autograd of ``sum(out * do) + sum(lse * dlse)`` over finite lse), plus ``dsinks`` with
-    ``sinks`` and ``dsinks_terms``, the sum of its terms' magnitudes per head (``sum_i |P_sink,i Delta_i|``: the
-    scale its error is judged against, ``seqpar.tolerances``). ``softcap > 0`` caps the scores (``softcap *
-    tanh(s / softcap)``); ``sinks (H,)`` join every row's denominator (lse includes them). ``mask_mod`` further
-    masks every cell. ``upcast_softmax=False`` keeps the softmax in ``dtype`` too (the naive single-device
-    low-precision computation).
+    ``sinks`` and ``dsinks_terms``, the sum of its terms' magnitudes per head (``sum_i P_sink,i (sum_d |O_id dO_id|
+    + |dlse_i|)``, the magnitudes of what ``Delta_i = O_i . dO_i - dlse_i`` sums: the scale its error is judged
+    against, ``seqpar.tolerances``; a term whose parts cancel keeps the rounding of its parts). ``softcap > 0`` caps
+    the scores (``softcap * tanh(s / softcap)``); ``sinks (H,)`` join every row's denominator (lse includes them).
+    ``mask_mod`` further masks every cell. ``upcast_softmax=False`` keeps the softmax in ``dtype`` too (the naive
+    single-device low-precision computation).
     """
     _, S, H, D = q.shape
     G = H // k.shape[2]
@@ -89,10 +90,11 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
         res.update(dq=grads[0], dk=grads[1], dv=grads[2])
         if sd is not None:
             res["dsinks"] = grads[3]
-            # the magnitude of the sum dsinks is: sum_i |exp(sink - L_i) Delta_i| per head (its terms' scale)
-            delta = (out * do.to(dtype)).sum(-1).transpose(1, 2)
+            # the magnitude of the sum dsinks is: sum_i exp(sink - L_i) |parts of Delta_i| per head (its terms'
+            # scale): Delta_i = O_i . dO_i - dlse_i rounds like its parts, however much they cancel
+            parts = (out * do.to(dtype)).abs().sum(-1).transpose(1, 2)
             if dlse is not None:
-                delta = delta - torch.where(torch.isfinite(lse), dlse.to(delta.dtype), 0.0)
+                parts = parts + torch.where(torch.isfinite(lse), dlse.to(parts.dtype), 0.0).abs()
             p_sink = torch.exp(sd.view(1, -1, 1).to(lse.dtype) - lse).nan_to_num(0.0)
-            res["dsinks_terms"] = (p_sink * delta.to(p_sink.dtype)).abs().sum((0, 2)).detach()
+            res["dsinks_terms"] = (p_sink * parts.to(p_sink.dtype)).sum((0, 2)).detach()
     return res
