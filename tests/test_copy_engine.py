@@ -95,7 +95,7 @@ def test_home_regions_hold_each_step_block_in_the_wider_dtype_within_the_limit(m
     asked = []
 
     class FakeRing:
-        transport = "copy_engine"
+        copies = True
 
         def buffers(self, specs, device, tag):
             asked.append((specs, tag))
@@ -110,6 +110,6 @@ def test_home_regions_hold_each_step_block_in_the_wider_dtype_within_the_limit(m
     assert engine._home_regions(k, v, torch.bfloat16, 4)[0].numel() == 16 * 2 * 8 * 2
     monkeypatch.setattr(_passkv, "COPY_HOME_BYTES", 3 * (k.numel() + v.numel()) * 4 - 1)
     assert engine._home_regions(k, v, torch.float32, 4) is None
-    engine.ring.transport = "nccl"
+    engine.ring.copies = False
     monkeypatch.setattr(_passkv, "COPY_HOME_BYTES", 1 << 40)
     assert engine._home_regions(k, v, torch.float32, 4) is None

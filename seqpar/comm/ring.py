@@ -115,13 +115,19 @@ class Ring:
         """The group rank ``offset`` hops downstream (negative: upstream)."""
         return (self.rank + offset) % self.world
 
+    @property
+    def copies(self) -> bool:
+        """Whether hops into ``buffers()`` move on copy engines (``transport="copy_engine"`` and more than one rank);
+        callers ask before building ``buffers()``' specs, so an NCCL ring's call pays nothing for them."""
+        return self.transport == "copy_engine" and self.world > 1
+
     def buffers(self, specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device, tag: str
                 ) -> list[torch.Tensor] | None:
-        """Receive buffers of ``specs`` (shape, dtype) that hops reach on copy engines, or None on an NCCL ring
-        (callers allocate their own). ``tag`` names their use: buffers of one tag and specs are one lane's, shared
-        by every ring of the group (calls run one after another); the first call for them makes the lane, a
-        collective of the group."""
-        if self.transport == "nccl" or self.world == 1:
+        """Receive buffers of ``specs`` (shape, dtype) that hops reach on copy engines, or None unless ``copies``
+        (callers allocate their own). ``tag`` names their use: the group's lane of that use, grown when these specs
+        need more (Note [Lanes are shared] in ``seqpar.comm.symmetric``); this ring keeps the views it carved, so a
+        plan's later calls look nothing up."""
+        if not self.copies:
             return None
         key = (tag, tuple(specs), device)
         if key not in self._buffers:

@@ -130,7 +130,7 @@ class Lane:
             raise RuntimeError(f"transport='copy_engine' could not allocate {nbytes} bytes of symmetric memory on "
                                f"group rank(s) {[r for r, _ in failed]} ({failed[0][1]}): pass transport='nccl'"
                                f"{rank_suffix()}")
-        self.device, self.nbytes, self.world = device, nbytes, dist.get_world_size(group)
+        self.device, self.nbytes = device, nbytes
         self.handle = symm.rendezvous(self.buf, name)
         self.stream = torch.cuda.Stream(device)
         self._remote: dict[tuple, torch.Tensor] = {}
