@@ -62,6 +62,7 @@ from ._shared import (
     home_partial,
     key_hull,
     land_home,
+    receipt,
     swap_partial,
     unpack_kv,
 )
@@ -163,7 +164,8 @@ class _Rotating:
     [Copy-engine ring] in ``seqpar.comm.symmetric``)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, ring: Ring):
-        bufs = ring.buffers([(tuple(k.shape), k.dtype)] * 2 + [(tuple(v.shape), v.dtype)] * 2, k.device, "kv")
+        bufs = ring.buffers([(tuple(k.shape), k.dtype)] * 2 + [(tuple(v.shape), v.dtype)] * 2, k.device,
+                            "kv") if ring.copies else None
         self.k = Double.starting(k, None if bufs is None else bufs[:2])
         self.v = Double.starting(v, None if bufs is None else bufs[2:])
 
@@ -353,20 +355,22 @@ class PassKV:
         if partial is not None:
             for x, region in zip(partial[1:], mine):
                 self.ring.push(x, region, -t, ex)
-        if theirs is None:
+        got = receipt(theirs, k, v, wire)
+        if got is None:
             return None
-        (a, b), exact = theirs
-        return (a, b), *(region_view(r, (x.shape[0], b - a, *x.shape[2:]), x.dtype if exact else wire)
-                         for r, x in zip(mine, (k, v)))
+        rows, specs = got
+        return rows, *(region_view(r, shape, dtype) for r, (shape, dtype) in zip(mine, specs))
 
     def _home_regions(self, k: torch.Tensor, v: torch.Tensor, wire: torch.dtype, n: int) -> list[torch.Tensor] | None:
         """On a copy-engine ring whose partials fit ``COPY_HOME_BYTES``: per step t = 1 .. n - 1, a byte region for
         the dK and one for the dV partial that comes home at t, each the whole block in the wider of the inputs' and
         the wire's dtype (every rank's receipts differ in rows; the regions lie at the same offsets everywhere).
         Else None: the partials travel on NCCL (Note [Copy-engine ring] in ``seqpar.comm.symmetric``)."""
+        if not self.ring.copies:
+            return None
         width = max(k.element_size(), wire.itemsize)
         sizes = [x.numel() * width for x in (k, v)]
-        if self.ring.transport == "nccl" or (n - 1) * sum(sizes) > COPY_HOME_BYTES:
+        if (n - 1) * sum(sizes) > COPY_HOME_BYTES:
             return None
         return self.ring.buffers([((b,), torch.uint8) for b in sizes] * (n - 1), k.device, "home")
 

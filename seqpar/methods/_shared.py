@@ -44,7 +44,7 @@ from ..layouts.blocks import Rule, Segments, Task, plan, slice_rows
 from ..numerics import acc_dtype
 
 __all__ = ["backward_parts", "bhs", "bshd", "exact_partial", "head_groups", "hold_own", "home_partial", "hull",
-           "key_hull", "land_home", "pack_kv", "row_hull", "seq_major", "shift", "split_own", "swap_partial",
+           "key_hull", "land_home", "pack_kv", "receipt", "row_hull", "seq_major", "shift", "split_own", "swap_partial",
            "unpack_kv"]
 
 Rows = tuple[int, int] | None
@@ -187,14 +187,23 @@ def swap_partial(ex, partial, to: int, theirs, frm: int, k: torch.Tensor, v: tor
     if partial is not None:
         _, pk, pv = partial
         ex.send(pk, to).send(pv, to)
+    got = receipt(theirs, k, v, wire)
+    if got is None:
+        return None
+    rows, specs = got
+    bufs = [torch.empty(shape, dtype=dtype, device=k.device) for shape, dtype in specs]
+    for x in bufs:
+        ex.recv(x, frm)
+    return rows, *bufs
+
+
+def receipt(theirs, k: torch.Tensor, v: torch.Tensor, wire: torch.dtype):
+    """What comes home for ``theirs`` (``((a, b), exact)`` or None): ``((a, b), [(shape, dtype)] for dK and dV)`` -
+    the key rows ``a:b`` of the block, in the inputs' dtype when exact, else the wire's - or None."""
     if theirs is None:
         return None
     (a, b), exact = theirs
-    bufs = [torch.empty(x.shape[0], b - a, *x.shape[2:], dtype=x.dtype if exact else wire, device=x.device)
-            for x in (k, v)]
-    for x in bufs:
-        ex.recv(x, frm)
-    return (a, b), *bufs
+    return (a, b), [((x.shape[0], b - a, *x.shape[2:]), x.dtype if exact else wire) for x in (k, v)]
 
 
 def land_home(got: list, dk: RowSum, dv: RowSum) -> None:
