@@ -1,4 +1,4 @@
-"""Workers for tests/test_copy_engine.py and tests/test_gpu_copy_engine.py (importable by the pool's processes)."""
+"""Workers for tests/test_copy_engine.py (importable by the pool's processes)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch
 import torch.distributed as dist
 
 from seqpar.comm.ring import Exchange
-from seqpar.testing.cases import Case, run_case
 
 
 class _StubLane:
@@ -38,17 +37,6 @@ def mixed_exchange() -> dict:
     ex.send(torch.full((2,), float(rank)), 1 - rank).recv(got, 1 - rank)
     ex.commit().wait()
     return {"posted": lane.posted, "waited": lane.waited, "got": got.tolist(), "landed": landed.tolist()}
-
-
-def run_calls(short: bool, case: Case, calls: int) -> list[dict]:
-    """``calls`` calls of ``case`` on one planned call (a plan's first call runs eagerly, with ``graphs=True`` its
-    second is captured and its third replays), the pass-KV backward's partials home forced on (``short``) or off
-    (Note [Partials home] in ``seqpar.methods._passkv``); planned calls are dropped first."""
-    from seqpar.runtime import call as _call
-
-    _call.cache_clear()
-    with mock.patch("seqpar.methods._passkv.HOME_BYTES", 1 << 62 if short else 0):
-        return [run_case(case) for _ in range(calls)]
 
 
 class _FakeSymm:

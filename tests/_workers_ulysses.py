@@ -262,12 +262,19 @@ def tiny_model_check(spec: tuple[str, str, int | None, str]) -> dict[str, float]
 
 
 def run_case_short_paths(short: bool, case: Case) -> dict[str, Any]:
-    """``run_case`` with every short-chunk path forced on or off: the pass-KV backward's partials home (``HOME_BYTES``,
-    Note [Partials home] in ``seqpar.methods._passkv``; off: running sums) and TASP's gathered passes
-    (``GATHER_MAX_ROWS``). Planned calls are dropped first: an engine decides what it can when it is planned."""
+    """``run_case`` with every short-chunk path forced on or off (``run_calls``, one call)."""
+    return run_calls(short, case, 1)[0]
+
+
+def run_calls(short: bool, case: Case, calls: int) -> list[dict[str, Any]]:
+    """``calls`` calls of ``case`` on one planned call (a plan's first call runs eagerly; with ``graphs=True`` its
+    second is captured and its third replays), every short-chunk path forced on or off: the pass-KV backward's
+    partials home (``HOME_BYTES``, Note [Partials home] in ``seqpar.methods._passkv``; off: running sums) and TASP's
+    gathered passes (``GATHER_MAX_ROWS``). Planned calls are dropped first: an engine decides what it can when it is
+    planned."""
     from seqpar.runtime import call as _call
 
     _call.cache_clear()
     with mock.patch("seqpar.methods._passkv.HOME_BYTES", 1 << 62 if short else 0), \
             mock.patch("seqpar.methods._tasp.GATHER_MAX_ROWS", 1 << 30 if short else 0):
-        return run_case(case)
+        return [run_case(case) for _ in range(calls)]

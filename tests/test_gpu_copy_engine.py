@@ -6,7 +6,7 @@ its third a replay (Note [Graphed calls] in ``seqpar.runtime.graphs``)."""
 
 import pytest
 import torch
-from _workers_copy_engine import run_calls
+from _workers_ulysses import run_calls
 from conftest import new_pool
 
 from seqpar.testing.cases import Case, check_case
