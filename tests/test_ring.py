@@ -91,3 +91,10 @@ def test_partials_home_is_decided_by_bytes():
     assert partials_home(*kv(8192, 32), 8, torch.float32) and not partials_home(*kv(8193, 32), 8, torch.float32)
     assert partials_home(*kv(16384, 8), 8, torch.float32) and not partials_home(*kv(32769, 8), 8, torch.float32)
     assert partials_home(*kv(16384, 32), 8, torch.bfloat16) and not partials_home(*kv(16385, 32), 8, torch.bfloat16)
+    # the cost model decides alike (seqpar.cost.model.partials_home mirrors the rule: cost imports no method)
+    from seqpar.cost import model
+
+    for rows, heads, wire in ((8192, 32, 4), (8193, 32, 4), (32769, 8, 4), (16385, 32, 2), (16384, 32, 2)):
+        p = model.Problem(seq_len=rows * 8, heads=heads, kv_heads=heads, head_dim=128, world=8, grad_bytes=wire)
+        assert model.partials_home(p, rows, heads, 8) == partials_home(
+            *kv(rows, heads), 8, torch.float32 if wire == 4 else torch.bfloat16), (rows, heads, wire)

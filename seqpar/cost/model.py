@@ -112,8 +112,8 @@ from .work import Block, causal_corner, gather_blocks, ring_steps, self_block
 __all__ = ["BWD_FLOPS", "PASSKV_EXPOSED_DKV", "PASSKV_HOME_BYTES", "PASSQ_PARTIAL_BYTES", "TILE_ROWS", "Candidate",
            "Cost", "Group", "Machine", "Prediction", "Problem", "Tally", "a2a_in", "auto_head_chunks", "balance",
            "base_mem", "block_matrix", "ccr", "gather_blocks_of", "head_chunk_valid", "head_chunks", "head_pipeline",
-           "kv_wire_heads", "note_ccr", "packed_steps", "pass_bytes", "passkv", "rank_work", "single_gpu_ms", "steps",
-           "tallies", "temps", "ulysses_mem", "ulysses_why_not", "whole"]
+           "kv_wire_heads", "note_ccr", "packed_steps", "partials_home", "pass_bytes", "passkv", "rank_work",
+           "single_gpu_ms", "steps", "tallies", "temps", "ulysses_mem", "ulysses_why_not", "whole"]
 
 #: pass-KV backward waits for the incoming dK/dV before the step's compute (``_passkv.backward``)
 PASSKV_EXPOSED_DKV = True
@@ -546,6 +546,13 @@ def _sample(ranks: int) -> list[int]:
 
 
 # --- pass-KV ring (ring, usp) ---------------------------------------------------------------------------------
+def partials_home(p: Problem, L: float, kv_heads: float, steps: int) -> bool:
+    """Whether a pass-KV backward of ``steps`` steps over ``L`` local rows sends each step's dK/dV partial home
+    (``seqpar.methods._passkv.partials_home``'s rule: ``steps`` partials of the block, each element the wider of
+    the inputs' and the wire's dtype, within ``PASSKV_HOME_BYTES``)."""
+    return steps * p.act(L, 2 * kv_heads, max(p.dtype_bytes, p.grad_bytes)) <= PASSKV_HOME_BYTES
+
+
 def passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads: float, group: Group,
            method: str, pattern: str = "ring") -> Cost:
     """Pass-KV ring of R ranks over S tokens with ``heads`` / ``kv_heads`` per rank (ALGORITHMS.md §3);
@@ -562,7 +569,7 @@ def passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads: 
         merge = m.merge_ms(p, blk.rows, heads) if (s and blk is not None) else 0.0
         f.step(m.kernel_ms(p, blk, heads) + merge, t_kv if more else 0.0, pattern, kv if more else 0.0)
     b.local(m.hbm_ms(p.act(L, heads, 2 * p.dtype_bytes)))                 # Delta = rowsum(dO * O)
-    home = n * p.act(L, 2 * kv_heads, max(p.dtype_bytes, p.grad_bytes)) <= PASSKV_HOME_BYTES
+    home = partials_home(p, L, kv_heads, n)
     if home:                       # partials straight home (Note [Partials home] in seqpar.methods._passkv)
         part = p.act(L, 2 * kv_heads)                                     # exact partials: the inputs' dtype
         t_part = m.comm_ms(pattern, part, group)
