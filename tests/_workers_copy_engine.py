@@ -70,3 +70,50 @@ def lane_error(case: str) -> tuple[str, str]:
         except Exception as e:
             return type(e).__name__, str(e)
     return "", ""
+
+
+class _CountingLane:
+    """Stands in for a ``Lane`` of one use on CPU: carves a plain buffer, counts its posts and moves nothing (a
+    peer's copy of a buffer is this rank's own), so only the schedule of posts is observed, not values."""
+
+    def __init__(self, nbytes: int):
+        from seqpar.comm import symmetric
+
+        self.buf, self.nbytes, self.posts = torch.zeros(nbytes, dtype=torch.uint8), nbytes, 0
+        self.carve = lambda specs: symmetric.Lane.carve(self, specs)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        base = self.buf.data_ptr()
+        return base <= t.data_ptr() < base + self.nbytes
+
+    def remote(self, t: torch.Tensor, peer: int, like: torch.Tensor | None = None) -> torch.Tensor:
+        like = t if like is None else like
+        return t.view(-1).view(torch.uint8)[:like.nbytes].view(like.dtype).view(like.shape)
+
+    def post(self, pushes):
+        self.posts += 1
+        return _StubLane().post([])
+
+
+def lane_posts(cu: list[int]) -> dict[str, int]:
+    """A ring's forward+backward over documents ``cu`` (W ranks, zigzag, causal) with ``transport="copy_engine"``
+    and its lanes stood in for (``_CountingLane``): how often each use's lane was posted on this rank. A lane's
+    barriers pair up across ranks, so every rank must post each lane equally often."""
+    import seqpar
+    from seqpar.comm import symmetric
+
+    lanes: dict[str, _CountingLane] = {}
+
+    def lane(group, device, specs, tag):
+        lanes[tag] = lanes.get(tag) or _CountingLane(max(symmetric.span(specs), 1 << 16))
+        return lanes[tag]
+
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, cu[-1], 2, 8, generator=g) for _ in range(4)]
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    q, k, v, do = (seqpar.shard(t, method="ring", layout="zigzag", cu_seqlens=cu_t).requires_grad_() for t in full)
+    with mock.patch.object(symmetric, "check", lambda *a: None), mock.patch.object(symmetric, "lane", lane):
+        out = seqpar.attention(q, k, v, method="ring", layout="zigzag", cu_seqlens=cu_t, transport="copy_engine",
+                               check_ranks=False)
+        torch.autograd.grad(out, (q, k, v), do)
+    return {tag: lane.posts for tag, lane in lanes.items()}

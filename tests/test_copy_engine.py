@@ -113,3 +113,16 @@ def test_home_regions_hold_each_step_block_in_the_wider_dtype_within_the_limit(m
     engine.ring.copies = False
     monkeypatch.setattr(_passkv, "COPY_HOME_BYTES", 1 << 40)
     assert engine._home_regions(k, v, torch.float32, 4) is None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_posts_each_lane_alike_when_a_step_has_no_partial(pools, world):
+    """Documents whose last chunk is a document of its own: at W = 2 rank 0's step-1 partial is empty (its chunk 3
+    sees no key of chunks 1-2), rank 1's is not. Every rank must still post the home lane at that hop, since a
+    lane's barriers pair up across ranks: a rank that skipped it left its peers waiting forever (a backward over
+    documents hung so on four H100s)."""
+    from _workers_copy_engine import lane_posts
+
+    seq = 16 * world
+    posts = pools(world).run(lane_posts, [0, seq - seq // (2 * world), seq])
+    assert all(p == posts[0] for p in posts) and posts[0].get("home", 0) > 0, posts

@@ -60,6 +60,12 @@ class Exchange:
         self._pushes.setdefault(lane, []).append((tensor, remote))
         return self
 
+    def join(self, lane: _symmetric.Lane) -> Exchange:
+        """Post ``lane`` in this exchange with nothing of this rank's to push: a lane's barriers pair up across ranks,
+        so every rank must post it at the same exchanges (Note [Copy-engine ring])."""
+        self._pushes.setdefault(lane, [])
+        return self
+
     @property
     def committed(self) -> bool:
         return self._posted
@@ -141,10 +147,19 @@ class Ring:
     def push(self, send: torch.Tensor, region: torch.Tensor, hops: int, exchange: Exchange) -> Exchange:
         """Queue ``send`` into rank ``rank + hops``'s copy of ``region`` (one of ``buffers()``, its first bytes viewed
         as ``send``'s shape and dtype): a receipt whose shape the receiver plans itself (``symmetric.region_view``)."""
+        lane = self._region_lane(region)
+        return exchange.push(send, lane.remote(region, self.peer(hops), like=send), lane)
+
+    def skip(self, region: torch.Tensor, exchange: Exchange) -> Exchange:
+        """Take part in ``exchange``'s pushes into ``region``'s lane with nothing to send (this rank's step has no
+        partial, a peer's may have one): every rank posts the lane's barriers alike (``Exchange.join``)."""
+        return exchange.join(self._region_lane(region))
+
+    def _region_lane(self, region: torch.Tensor) -> _symmetric.Lane:
         lane = self._lane_of(region)
         if lane is None:
             raise RuntimeError("Ring.push needs a region of this ring's buffers()")
-        return exchange.push(send, lane.remote(region, self.peer(hops), like=send), lane)
+        return lane
 
     def send_recv(self, send: torch.Tensor, recv: torch.Tensor, hops: int = 1,
                   exchange: Exchange | None = None) -> Exchange:

@@ -27,7 +27,9 @@ Note [Copy-engine ring]
       barriers are GPU-side (the symmetric memory's signal pads), so nothing blocks the host, and a planned call
       captured as a CUDA graph replays them (Note [Graphed calls]).
     * Every rank of the group posts the same hops in the same order (a ring's hops are lockstep), which is what
-      the barriers need. Each lane posts on its own stream, so two lanes' pushes of one exchange run side by side.
+      the barriers need: a rank with nothing to push at a hop still posts the lane (``Ring.skip``), else its
+      peers' barriers wait for it forever (a backward over documents, whose rank had no partial at a step, hung
+      so on four H100s). Each lane posts on its own stream, so two lanes' pushes of one exchange run side by side.
     * The backward's dK/dV partials that go straight home (Note [Partials home] in ``seqpar.methods._passkv``) are
       pushed too, into a lane of their own (``tag="home"``): per step a byte region of the whole block in the wider
       dtype, since each rank's receipt has its own rows, and the regions must lie at the same offsets everywhere;
