@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.comm.ring import Exchange
+from seqpar.comm.symmetric import Lane
 
 
 class _StubLane:
@@ -77,10 +78,9 @@ class _CountingLane:
     peer's copy of a buffer is this rank's own), so only the schedule of posts is observed, not values."""
 
     def __init__(self, nbytes: int):
-        from seqpar.comm import symmetric
-
         self.buf, self.nbytes, self.posts = torch.zeros(nbytes, dtype=torch.uint8), nbytes, 0
-        self.carve = lambda specs: symmetric.Lane.carve(self, specs)
+
+    carve = Lane.carve
 
     def holds(self, t: torch.Tensor) -> bool:
         base = self.buf.data_ptr()
@@ -117,3 +117,69 @@ def lane_posts(cu: list[int]) -> dict[str, int]:
                                check_ranks=False)
         torch.autograd.grad(out, (q, k, v), do)
     return {tag: lane.posts for tag, lane in lanes.items()}
+
+
+class _Remote:
+    """A peer's copy of a lane buffer, as ``_GlooLane.remote`` names it: (group rank, byte offset, shape, dtype)."""
+
+    def __init__(self, peer: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype):
+        self.peer, self.offset, self.shape, self.dtype = peer, offset, shape, dtype
+
+
+class _GlooLane:
+    """A ``Lane`` on CPU over gloo, for the copy-engine ring's schedule end to end: a plain buffer per rank, and each
+    post one ``all_gather_object`` of every rank's pushes, whose receiver writes them into its buffer - where a real
+    lane's barriers would pair posts up, this pairs them too, and checks that every rank is at the same post of the
+    same lane (a rank that skipped one makes every rank raise, where GPUs would wait forever)."""
+
+    made = 0
+    live: list[_GlooLane] = []
+
+    def __init__(self, group, device: torch.device, nbytes: int):
+        self.group, self.device, self.nbytes, self.posts = group, device, nbytes, 0
+        self.buf = torch.full((nbytes,), 255, dtype=torch.uint8)    # NaN bytes: a read of unwritten bytes shows
+        _GlooLane.made += 1
+        self.name = f"lane{_GlooLane.made}"
+        _GlooLane.live.append(self)
+
+    carve = Lane.carve
+
+    def holds(self, t: torch.Tensor) -> bool:
+        base = self.buf.data_ptr()
+        return base <= t.data_ptr() < base + self.nbytes
+
+    def remote(self, t: torch.Tensor, peer: int, like: torch.Tensor | None = None) -> _Remote:
+        like = t if like is None else like
+        assert like.nbytes <= t.nbytes, (tuple(like.shape), like.dtype, t.nbytes)
+        return _Remote(peer, t.data_ptr() - self.buf.data_ptr(), tuple(like.shape), like.dtype)
+
+    def post(self, pushes):
+        self.posts += 1
+        mine = []
+        for src, dst in pushes:
+            assert (tuple(src.shape), src.dtype) == (dst.shape, dst.dtype), (tuple(src.shape), src.dtype, dst.shape)
+            mine.append((dst.peer, dst.offset, src.contiguous().view(-1).view(torch.uint8).clone()))
+        got: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(got, (self.name, self.posts, mine), group=self.group)
+        if len({(name, n) for name, n, _ in got}) != 1:
+            raise AssertionError(f"ranks at different lane posts: {[(name, n) for name, n, _ in got]}")
+        me = dist.get_rank(self.group)
+        for _, _, items in got:
+            for peer, offset, data in items:
+                if peer == me:
+                    self.buf[offset:offset + data.numel()].copy_(data)
+        return _StubLane().post([])
+
+
+def gloo_lane_calls(short: bool, case, calls: int) -> list[dict]:
+    """``run_calls`` of ``case`` with its copy-engine lanes on gloo (``_GlooLane``; fresh lanes for the call), each
+    result with ``lane_posts``: how many posts its lanes took (none would mean the hops went over gloo P2P)."""
+    from _workers_ulysses import run_calls
+
+    from seqpar.comm import symmetric
+
+    _GlooLane.live.clear()
+    with mock.patch.object(symmetric, "check", lambda *a: None), mock.patch.object(symmetric, "Lane", _GlooLane), \
+            mock.patch.object(symmetric, "_LANES", {}):
+        results = run_calls(short, case, calls)
+    return [{**r, "lane_posts": sum(lane.posts for lane in _GlooLane.live)} for r in results]

@@ -126,3 +126,42 @@ def test_every_rank_posts_each_lane_alike_when_a_step_has_no_partial(pools, worl
     seq = 16 * world
     posts = pools(world).run(lane_posts, [0, seq - seq // (2 * world), seq])
     assert all(p == posts[0] for p in posts) and posts[0].get("home", 0) > 0, posts
+
+
+def _gloo_cases(world: int):
+    from seqpar.testing.cases import Case
+
+    base = Case(method="ring", seq_len=32 * world, heads=4, kv_heads=2, head_dim=8, deterministic=True)
+    docs = (0, 3 * world, 10 * world, 32 * world)
+    return [base, base.with_(layout="contiguous", causal=False), base.with_(dtype="bfloat16"),
+            base.with_(cu_seqlens=docs), base.with_(cu_seqlens=(0, 28 * world, 32 * world)),
+            base.with_(layout="stripe", options=(("head_chunks", 2),)),
+            base.with_(heads=4, kv_heads=4, window=(20 * world // 2, 0), layout="contiguous"),
+            base.with_(lse_grad=True, cu_seqlens=docs, layout="balanced"),
+            base.with_(layout="balanced_whole", cu_seqlens=docs)]
+
+
+@pytest.mark.parametrize("short", [False, True], ids=["running-sums", "partials-home"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_copy_engine_schedule_on_gloo_equals_the_ring(pools, world, short):
+    """The copy-engine ring's whole schedule - K/V pushed into the peers' receive buffers, the backward's partials
+    home into byte regions, the lanes shared and grown across cases - run on CPU with each lane's pushes delivered
+    over gloo (``_GlooLane``: every post pairs up across ranks, as the GPUs' barriers do, and a rank at another post
+    raises): every case agrees with the dense oracle and, bit for bit, with the ring on gloo P2P. The GPUs' own
+    transfers: tests/test_gpu_copy_engine.py."""
+    from _workers_copy_engine import gloo_lane_calls
+    from _workers_ulysses import run_calls
+
+    from seqpar.testing.cases import check_case
+
+    pool = pools(world)
+    for case in _gloo_cases(world):
+        want = [r[0] for r in pool.run(run_calls, short, case, 1)]
+        copy = case.with_(options=tuple(sorted({**dict(case.options), "transport": "copy_engine"}.items())))
+        got = [r[0] for r in pool.run(gloo_lane_calls, short, copy, 1)]
+        assert all(r["lane_posts"] > 0 for r in got), [r["lane_posts"] for r in got]
+        report = check_case(case, got)
+        assert report.ok, str(report)
+        for rank, (g, w) in enumerate(zip(got, want)):
+            for f in ("out", "lse", "dq", "dk", "dv"):
+                assert torch.equal(g[f], w[f]), f"{copy.label()}: rank {rank}'s {f} differs from the gloo ring's"

@@ -40,7 +40,9 @@ Note [Copy-engine ring]
     Measured on four H100s, calls back to back (``benchmarks/results/2026-11-27-4xh100-copy-engine/``): the ring's
     forward 1.3-2.1x faster than on NCCL at 1-4K tokens per GPU (MHA 16K 0.36 -> 0.76, GQA 8K 0.46 -> 0.70), its
     forward+backward 1.04-1.3x (MHA 16K 0.49 -> 0.61 with K/V pushed, 0.65 with the partials pushed too). Results
-    are bitwise those of the NCCL ring with deterministic kernels (``tests/test_gpu_copy_engine.py``).
+    are bitwise those of the NCCL ring with deterministic kernels (``tests/test_gpu_copy_engine.py``). On CPU the
+    whole schedule runs with each lane's pushes delivered over gloo, every post paired across ranks as the barriers
+    pair them (``tests/test_copy_engine.py``): bitwise the gloo ring's, and the dense oracle's.
 
     What it needs, checked before any collective (``check``): CUDA tensors, an NCCL group, torch's symmetric
     memory, and - checked when the lane is made, on every rank alike - every rank of the group on one host. It is
