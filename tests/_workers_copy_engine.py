@@ -154,17 +154,27 @@ class _GlooLane:
         return _Remote(peer, t.data_ptr() - self.buf.data_ptr(), tuple(like.shape), like.dtype)
 
     def post(self, pushes):
+        """Pushes (a local source into a peer's buffer) and pulls (a peer's buffer into a local tensor) alike: every
+        rank's buffer as it stood at the post, and its pushes, gathered; then each rank applies its own."""
         self.posts += 1
-        mine = []
+        mine, pulls = [], []
         for src, dst in pushes:
-            assert (tuple(src.shape), src.dtype) == (dst.shape, dst.dtype), (tuple(src.shape), src.dtype, dst.shape)
-            mine.append((dst.peer, dst.offset, src.contiguous().view(-1).view(torch.uint8).clone()))
+            assert (tuple(src.shape), src.dtype) == (tuple(dst.shape), dst.dtype), (src.shape, src.dtype, dst.shape)
+            if isinstance(src, _Remote):
+                pulls.append((src, dst))
+            elif not isinstance(dst, _Remote):            # a rank's own slot
+                dst.copy_(src)
+            else:
+                mine.append((dst.peer, dst.offset, src.contiguous().view(-1).view(torch.uint8).clone()))
         got: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(got, (self.name, self.posts, mine), group=self.group)
-        if len({(name, n) for name, n, _ in got}) != 1:
-            raise AssertionError(f"ranks at different lane posts: {[(name, n) for name, n, _ in got]}")
+        dist.all_gather_object(got, (self.name, self.posts, mine, self.buf.clone()), group=self.group)
+        if len({(name, n) for name, n, _, _ in got}) != 1:
+            raise AssertionError(f"ranks at different lane posts: {[(name, n) for name, n, _, _ in got]}")
+        for src, dst in pulls:
+            n = dst.numel() * dst.element_size()
+            dst.copy_(got[src.peer][3][src.offset:src.offset + n].view(src.dtype).view(src.shape))
         me = dist.get_rank(self.group)
-        for _, _, items in got:
+        for _, _, items, _ in got:
             for peer, offset, data in items:
                 if peer == me:
                     self.buf[offset:offset + data.numel()].copy_(data)

@@ -39,6 +39,10 @@ CASES = [
     ("unknown transport", {"transport": "rdma"}, OK, {}, "ValueError", ["transport must be one of", "'rdma'"]),
     ("copy engines on CPU", {"transport": "copy_engine"}, OK, {}, "ValueError",
      ["transport='copy_engine' needs CUDA tensors on an NCCL group", "not on CUDA", "transport='nccl'"]),
+    ("Ulysses' copy engines on CPU", {"method": "ulysses", "layout": "contiguous", "transport": "copy_engine"}, OK, {},
+     "ValueError", ["transport='copy_engine' needs CUDA tensors on an NCCL group", "not on CUDA", "transport='nccl'"]),
+    ("Ulysses' unknown transport", {"method": "ulysses", "layout": "contiguous", "transport": "nvshmem"}, OK, {},
+     "ValueError", ["transport must be one of", "'nvshmem'"]),
     ("auto's copy engines on CPU", {"method": "auto", "transport": "copy_engine"}, OK, {}, "ValueError",
      ["transport='copy_engine' needs CUDA tensors on an NCCL group", "not on CUDA"]),
 ]

@@ -165,3 +165,40 @@ def test_copy_engine_schedule_on_gloo_equals_the_ring(pools, world, short):
         for rank, (g, w) in enumerate(zip(got, want)):
             for f in ("out", "lse", "dq", "dk", "dv"):
                 assert torch.equal(g[f], w[f]), f"{copy.label()}: rank {rank}'s {f} differs from the gloo ring's"
+
+
+def _ulysses_cases(world: int):
+    from seqpar.testing.cases import Case
+
+    base = Case(method="ulysses", layout="contiguous", seq_len=16 * world, heads=2 * world, kv_heads=world,
+                head_dim=8, deterministic=True)
+    return [base, base.with_(causal=False, dtype="bfloat16"), base.with_(kv_heads=1, lse_grad=True),
+            base.with_(cu_seqlens=(0, 5 * world, 16 * world), sinks=True),
+            base.with_(heads=4 * world, kv_heads=2 * world, options=(("head_chunks", 2),)),
+            base.with_(value_dim=4, window=(6 * world, 0))]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ulysses_all_to_alls_on_copy_engines_equal_nccl_on_gloo(pools, world):
+    """Ulysses with ``transport="copy_engine"`` (Note [Copy-engine all-to-all]), its lanes stood in for over gloo: the
+    plan's first call runs on the group's all-to-all and makes the lane as it ends, the next calls pull every slot
+    from the peers' send buffers (head groups in flight at once in regions of their own, replicated KV heads,
+    lse and dlse, sinks): every call bitwise equal to Ulysses on gloo, and judged against the dense oracle."""
+    from _workers_copy_engine import gloo_lane_calls
+    from _workers_ulysses import run_calls
+
+    from seqpar.testing.cases import check_case
+
+    pool = pools(world)
+    for case in _ulysses_cases(world):
+        want = [r[0] for r in pool.run(run_calls, False, case, 1)]
+        copy = case.with_(options=tuple(sorted({**dict(case.options), "transport": "copy_engine"}.items())))
+        calls = pool.run(gloo_lane_calls, False, copy, 3)
+        assert all(r[-1]["lane_posts"] > 0 for r in calls), [r[-1]["lane_posts"] for r in calls]
+        for t in range(3):
+            got = [r[t] for r in calls]
+            report = check_case(case, got)
+            assert report.ok, f"call {t}: {report}"
+            for rank, (g, w) in enumerate(zip(got, want)):
+                for f in ("out", "lse", "dq", "dk", "dv"):
+                    assert torch.equal(g[f], w[f]), f"{copy.label()} call {t}: rank {rank}'s {f} differs"

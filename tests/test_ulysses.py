@@ -75,7 +75,7 @@ BAD = [
     ({"shape": (1, 4, 4, 4, 8), "method": "ulysses", "layout": "contiguous", "mesh": (2, "contiguous")},
      "ValueError", ["mesh must be a 1D mesh (or a ProcessGroup) for this method", "got a 2D mesh"]),
     ({"shape": (1, 4, 4, 4, 8), "method": "ulysses", "layout": "contiguous", "heads_k_stride": 1},
-     "TypeError", ["method='ulysses' takes options ['head_chunks']", "heads_k_stride"]),
+     "TypeError", ["method='ulysses' takes options ['head_chunks', 'transport']", "heads_k_stride"]),
     ({"shape": (1, 4, 4, 4, 8), "method": "ulysses", "layout": "contiguous", "cu_seqlens": (0, 5, 15)},
      "ValueError", ["cu_seqlens must end at the global length 16", "got 15"]),
 ]

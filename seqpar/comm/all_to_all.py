@@ -7,6 +7,9 @@ Pure communication: tensors are cut, moved and reassembled; no attention is comp
 * ``qkv_seq_to_heads``, ``seq_to_heads`` and ``heads_to_seq`` are the same moves as differentiable
   functions (autograd Functions whose backward is the adjoint move), for callers composing their own layers.
 
+Where the ``post_*`` functions take a group, a ``seqpar.comm.symmetric.Pulls`` in its place moves the all-to-all on
+copy engines: send buffers in its lane, each rank pulling its slots (Note [Copy-engine all-to-all]).
+
 Note [Ulysses all-to-all]
     U ranks of a group hold consecutive sequence pieces: rank u holds rows ``[u L, (u+1) L)`` of the group's
     sequence (S = U L rows), all heads. Head-sharded, rank u holds all S rows for head slot u. One
@@ -56,6 +59,7 @@ import torch.distributed as dist
 
 from ..errors import rank_suffix
 from . import link as _link
+from .symmetric import Pulls
 
 __all__ = ["HeadSlots", "Pending", "contiguous", "heads_to_seq", "pack_qkv", "packed_qkv_shape",
            "post_grads_heads_to_seq", "post_heads_to_seq", "post_heads_to_seq_raw", "post_packed_qkv",
@@ -164,8 +168,23 @@ def contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else _copy(torch.empty(x.shape, dtype=x.dtype, device=x.device), x)
 
 
-def _size(group: dist.ProcessGroup | None) -> int:
-    return dist.get_world_size(group)
+def _size(group: dist.ProcessGroup | Pulls | None) -> int:
+    return group.size() if isinstance(group, Pulls) else dist.get_world_size(group)
+
+
+def _empty(group: dist.ProcessGroup | Pulls | None, shape: Sequence[int], dtype: torch.dtype,
+           device: torch.device) -> torch.Tensor:
+    """A send buffer: on copy engines, a region of the group's lane (Note [Copy-engine all-to-all])."""
+    if isinstance(group, Pulls):
+        return group.empty(tuple(shape), dtype)
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def _send(view: torch.Tensor, group: dist.ProcessGroup | Pulls | None) -> torch.Tensor:
+    """``view`` as a contiguous send buffer (``view`` itself where it is one and no lane needs it)."""
+    if isinstance(group, Pulls):
+        return _copy(group.empty(tuple(view.shape), view.dtype), view)
+    return contiguous(view)
 
 
 def _check_split(x: torch.Tensor, dim: int, U: int, what: str) -> None:
@@ -174,7 +193,9 @@ def _check_split(x: torch.Tensor, dim: int, U: int, what: str) -> None:
                          f"got {x.shape[dim]}{rank_suffix()}")
 
 
-def _post(send: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[Any, torch.Tensor]:
+def _post(send: torch.Tensor, group: dist.ProcessGroup | Pulls | None) -> tuple[Any, torch.Tensor]:
+    if isinstance(group, Pulls):
+        return group.post(send)
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(*_link.wire(group, recv, send), group=group, async_op=True)
     if _link.installed() is not None:                   # Note [Modelled link]: the bytes bound for other ranks
@@ -227,7 +248,8 @@ def pack_qkv(q_BLHD: torch.Tensor, k_BLKD: torch.Tensor, v_BLKD: torch.Tensor, g
     H, Hkv = q_BLHD.shape[2], k_BLKD.shape[2]
     slots = HeadSlots(H, Hkv, U)
     hq, hk, rep = slots.q_per_rank, slots.kv_per_rank, slots.replicas
-    send_UBLF = q_BLHD.new_empty(packed_qkv_shape(q_BLHD.shape, k_BLKD.shape, v_BLKD.shape, U)) if out is None else out
+    send_UBLF = out if out is not None else _empty(group, packed_qkv_shape(q_BLHD.shape, k_BLKD.shape, v_BLKD.shape, U),
+                                                    q_BLHD.dtype, q_BLHD.device)
     at = _slots_write(send_UBLF, 0, q_BLHD, H, hq, 1)
     at = _slots_write(send_UBLF, at, k_BLKD, Hkv, hk, rep)
     _slots_write(send_UBLF, at, v_BLKD, Hkv, hk, rep)
@@ -273,7 +295,7 @@ def post_grads_heads_to_seq(dq_BSHD: torch.Tensor, dk_BSKD: torch.Tensor, dv_BSK
     B, S, hq, D = dq_BSHD.shape
     hk, L, Dv = dk_BSKD.shape[2], S // U, dv_BSKD.shape[-1]
     rep = U * hk // kv_heads
-    send_UBLF = dq_BSHD.new_empty(U, B, L, hq * D + hk * (D + Dv), dtype=wire_dtype)
+    send_UBLF = _empty(group, (U, B, L, hq * D + hk * (D + Dv)), wire_dtype, dq_BSHD.device)
     at = 0
     for t_BShd in (dq_BSHD, dk_BSKD, dv_BSKD):
         n, d = t_BShd.shape[2], t_BShd.shape[3]
@@ -305,7 +327,7 @@ def post_seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None, *, seq_d
     if U == 1:
         return Pending.done(x)
     _check_split(x, head_dim, U, "heads")
-    send = contiguous(x.unflatten(head_dim, (U, x.shape[head_dim] // U)).movedim(head_dim, 0))
+    send = _send(x.unflatten(head_dim, (U, x.shape[head_dim] // U)).movedim(head_dim, 0), group)
     work, recv = _post(send, group)             # recv[u'] = source u''s rows; seq dim sits at seq_dim + 1
 
     def finish() -> torch.Tensor:
@@ -335,7 +357,7 @@ def _post_heads(x: torch.Tensor, group: dist.ProcessGroup | None, seq_dim: int) 
                                                                                           torch.Tensor]:
     U = _size(group)
     _check_split(x, seq_dim, U, "sequence length")
-    send = contiguous(x.unflatten(seq_dim, (U, x.shape[seq_dim] // U)).movedim(seq_dim, 0))
+    send = _send(x.unflatten(seq_dim, (U, x.shape[seq_dim] // U)).movedim(seq_dim, 0), group)
     work, recv = _post(send, group)             # recv[u'] = my rows of source u''s heads
     return work, send, recv
 

@@ -54,6 +54,8 @@ from __future__ import annotations
 
 import socket
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -61,7 +63,7 @@ import torch.distributed as dist
 
 from ..errors import rank_suffix
 
-__all__ = ["ALIGN", "TRANSPORTS", "Lane", "check", "lane", "region_view", "span", "usable"]
+__all__ = ["ALIGN", "COPY_A2A_BYTES", "TRANSPORTS", "Lane", "Pulls", "check", "lane", "region_view", "span", "usable"]
 
 TRANSPORTS = ("nccl", "copy_engine")
 """A ring's ``transport=`` values (Note [Copy-engine ring])."""
@@ -233,3 +235,68 @@ def lane(group: dist.ProcessGroup | None, device: torch.device,
         _LANES[key] = Lane(group, device, nbytes)
     return _LANES[key]
 
+
+
+COPY_A2A_BYTES = 1 << 30
+"""The most bytes of send buffers a copy-engine all-to-all keeps in its lane (``Pulls``: a call's sends, held for the
+process); a call's sends past it travel on NCCL."""
+
+
+class Pulls:
+    """One planned call's all-to-alls over a group on copy engines, by pulls.
+
+    Note [Copy-engine all-to-all]
+        Ulysses' all-to-alls (``transport="copy_engine"``) move as pulls, not pushes: each send buffer is a region
+        of a lane (``empty``), at the same offset on every rank, and each rank copies the slot every peer holds for
+        it out of that peer's send buffer into a receive buffer of its own, between the lane's two barriers
+        (``post``; the first: every rank has written its send buffer, the second: every peer has read it). A
+        receive buffer is then ordinary memory, which the head-sharded q, k and v that the backward keeps may view
+        (``seqpar.comm.all_to_all.post_packed_qkv``), and the send buffers are the packs the all-to-all makes
+        anyway: nothing is copied twice.
+
+        A call's sends take consecutive regions (``empty``), so the head groups in flight at once never share one;
+        a region is written again only by a later pack on the writer's stream, after it waited for the post that
+        read it (every ``Pending`` is waited inside its call), and the next post's barrier orders every peer's
+        reads before that. The first call of a plan learns how many bytes its sends take and runs on NCCL; the
+        lane (``tag="a2a"``, shared as Note [Lanes are shared] says) is made or grown when it ends, bounded by
+        ``COPY_A2A_BYTES`` - sends past it travel on NCCL, the same on every rank (every rank makes the same
+        sends). CUDA graphs capture and replay the later calls (Note [Copy-engine ring]).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.group: dist.ProcessGroup | None = None
+        self.lane: Lane | None = None
+        self.at = 0
+
+    @contextmanager
+    def call(self, group: dist.ProcessGroup | None) -> Iterator[Pulls]:
+        """One forward or backward over ``group``: its sends from the lane's first byte; when it ends, the lane made
+        or grown to what its sends took (a collective, outside any capture: the plan's first call)."""
+        self.group, self.at = group, 0
+        yield self
+        need = min(self.at, COPY_A2A_BYTES)
+        if need and (self.lane is None or self.lane.nbytes < need):
+            self.lane = lane(group, self.device, [((need,), torch.uint8)], "a2a")
+
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A send buffer: the lane's next region, or - past the lane (the plan's first call, or past
+        ``COPY_A2A_BYTES``) - ordinary memory, which ``post`` sends on NCCL."""
+        n, start = _nbytes(shape, dtype), self.at
+        self.at += -(-n // ALIGN) * ALIGN
+        if self.lane is not None and self.at <= self.lane.nbytes:
+            return self.lane.buf[start:start + n].view(dtype).view(shape)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def post(self, send: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """All-to-all of ``send`` ``(U, ...)`` (slot u for group rank u): ``(handle, receive buffer)``, slot u' of the
+        receive buffer holding what rank u' sent this rank."""
+        recv = torch.empty_like(send)
+        if self.lane is None or not self.lane.holds(send):
+            return dist.all_to_all_single(recv, send, group=self.group, async_op=True), recv
+        me = dist.get_rank(self.group)
+        pulls = [(send[me] if u == me else self.lane.remote(send[me], u), recv[u]) for u in range(send.shape[0])]
+        return self.lane.post(pulls), recv

@@ -49,12 +49,15 @@ Note [Head-group pipeline]
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..comm import all_to_all as a2a
+from ..comm import symmetric
 from ..comm.loop import Loop, run_steps
 from ..errors import rank_suffix
 from ..kernels.executor import TaskRunner
@@ -210,16 +213,18 @@ class Sandwich:
     """The Ulysses engine: all-to-all in, ``inner`` on H/U heads, all-to-all out (Notes above).
 
     ``chunks`` head groups pipeline the transfers behind the neighbouring groups' kernels (Note [Head-group
-    pipeline]); one group is the plain sandwich, every phase in sequence.
+    pipeline]); one group is the plain sandwich, every phase in sequence. ``transport="copy_engine"`` moves the
+    all-to-alls on copy engines (Note [Copy-engine all-to-all] in ``seqpar.comm.symmetric``).
     """
 
     saves = True
 
-    def __init__(self, call: Call, axis: str, inner: Inner, chunks: int):
+    def __init__(self, call: Call, axis: str, inner: Inner, chunks: int, transport: str = "nccl"):
         self.groups, self.axis, self.inner, self.chunks = call.groups, axis, inner, chunks
         group = self.group
         self.degree = dist.get_world_size(group)
         self.u = dist.get_rank(group)
+        self.pulls = symmetric.Pulls(call.device) if transport == "copy_engine" and self.degree > 1 else None
         self.parts = head_groups(call.q_shape[2], call.k_shape[2], chunks)
         self.kv_heads, self.grad_dtype = call.k_shape[2], call.cfg.grad_dtype
         self.shapes = (tuple(call.q_shape), tuple(call.k_shape), tuple(call.v_shape))
@@ -234,11 +239,22 @@ class Sandwich:
         """The Ulysses group (``groups.group`` for Ulysses, ``groups.ulysses`` for USP), looked up per call."""
         return getattr(self.groups, self.axis)
 
+    @contextmanager
+    def _route(self) -> Iterator[dist.ProcessGroup | symmetric.Pulls | None]:
+        """What one forward or backward's all-to-alls take as their group: the Ulysses group, or its pulls on copy
+        engines (which learn the call's send buffers and make their lane when the plan's first call ends)."""
+        if self.pulls is None:
+            yield self.group
+        else:
+            with self.pulls.call(self.group) as pulls:
+                yield pulls
+
     @property
     def stages(self) -> bool:
         """Whether a call's first and last copies can run outside its graph (Note [Staged calls] in
-        ``seqpar.runtime.graphs``): the plain sandwich over several ranks."""
-        return self.chunks == 1 and self.degree > 1
+        ``seqpar.runtime.graphs``): the plain sandwich over several ranks on NCCL (on copy engines the first copy
+        writes the lane, so it stays in the call)."""
+        return self.chunks == 1 and self.degree > 1 and self.pulls is None
 
     def stage_shape(self) -> tuple[int, ...]:
         """The shape of ``stage``'s buffer."""
@@ -272,6 +288,10 @@ class Sandwich:
         if self.stages:
             raw, lse, saved = self.forward_staged(self.stage(q, k, v))
             return self.unstage(raw), lse, saved
+        with self._route() as group:
+            return self._forward(q, k, v, group)
+
+    def _forward(self, q, k, v, group):
         B, L, H, _ = q.shape
         out = q.new_empty(B, L, H, v.shape[-1]) if self.chunks > 1 else None
         lse = torch.empty(B, H, L, dtype=acc_dtype(q.dtype), device=q.device) if self.chunks > 1 else None
@@ -283,15 +303,15 @@ class Sandwich:
 
         def post_in(i: int) -> None:          # group i+1's inputs move behind group i's kernels
             hq, hk = self.parts[i]
-            ins.append(loop.post(a2a.post_qkv_seq_to_heads(q[:, :, hq], k[:, :, hk], v[:, :, hk], self.group)))
+            ins.append(loop.post(a2a.post_qkv_seq_to_heads(q[:, :, hq], k[:, :, hk], v[:, :, hk], group)))
 
         def compute(i: int) -> None:
             (pending,) = ins[i]
             loop.wait(ins[i])
             q_h, k_h, v_h = pending.result
             out_h, lse_h = self.inner.forward(q_h, k_h, v_h)
-            outs.append(loop.post([a2a.post_heads_to_seq(out_h, self.group),
-                                   a2a.post_heads_to_seq(lse_h, self.group, seq_dim=2, head_dim=1)]))
+            outs.append(loop.post([a2a.post_heads_to_seq(out_h, group),
+                                   a2a.post_heads_to_seq(lse_h, group, seq_dim=2, head_dim=1)]))
             saved.extend((q_h, k_h, v_h, out_h, lse_h))
             if i > 0:                         # group i-1's outputs moved behind group i's kernels
                 land_out(i - 1)
@@ -321,6 +341,10 @@ class Sandwich:
 
     def backward(self, b: BackwardInputs):
         """From the final rows: dO (and dlse when lse is returned) to head-sharded, the inner backward, back."""
+        with self._route() as group:
+            return self._backward(b, group)
+
+    def _backward(self, b: BackwardInputs, group):
         do, dlse = b.rows.do, b.dlse
         B, L, H, Dv = do.shape
         D = b.saved[0].shape[-1]
@@ -335,8 +359,8 @@ class Sandwich:
 
         def post_in(i: int) -> None:
             hq = self.parts[i][0]
-            ins.append(loop.post([a2a.post_seq_to_heads(do[:, :, hq], self.group),
-                                  None if dlse is None else a2a.post_seq_to_heads(dlse[:, hq], self.group, seq_dim=2,
+            ins.append(loop.post([a2a.post_seq_to_heads(do[:, :, hq], group),
+                                  None if dlse is None else a2a.post_seq_to_heads(dlse[:, hq], group, seq_dim=2,
                                                                                   head_dim=1)]))
 
         def compute(i: int) -> None:
@@ -346,8 +370,7 @@ class Sandwich:
             if b.sinks is not None:           # the final rows of these heads (Note [Attention sinks])
                 out_h, lse_h = apply_sinks(out_h, lse_h, b.sinks[self._local_heads(self.parts[i][0])])
             grads = self.inner.backward(GradRows(do_h, out_h, dlse_h[0] if dlse_h else None), q_h, k_h, v_h, lse_h)
-            outs.append(loop.post(a2a.post_grads_heads_to_seq(*grads, self.kv_heads // self.chunks, self.group,
-                                                              wire)))
+            outs.append(loop.post(a2a.post_grads_heads_to_seq(*grads, self.kv_heads // self.chunks, group, wire)))
             if i > 0:
                 land(i - 1)
 

@@ -15,10 +15,14 @@ Communication per rank, forward and again backward: ``(U-1)/U * B L D e * (2 H +
 shrinking as U grows. By default the three phases are sequential; ``head_chunks=c`` (or "auto") pipelines
 c head groups so each group's transfers run behind its neighbours' kernels (Note [Head-group pipeline] in
 ``_ulysses``): ``head_chunks`` must divide H and Hkv with every group keeping the slot rules above.
+``transport="copy_engine"`` moves the all-to-alls on copy engines through torch's symmetric memory instead of NCCL
+(one host, CUDA: Note [Copy-engine all-to-all] in ``seqpar.comm.symmetric``); not modelled by the planner yet, so
+``method="auto"`` never picks it.
 """
 
 from __future__ import annotations
 
+from ..comm import symmetric
 from ..cost import model
 from ..layouts import Contiguous, Layout
 from . import _ulysses
@@ -37,11 +41,14 @@ def _chunks(call: Call) -> int:
     groups ``head_chunks`` resolves to."""
     H, Hkv, W = call.q_shape[2], call.k_shape[2], call.groups.world
     _ulysses.check_heads(H, Hkv, W)
-    return _ulysses.resolve_head_chunks(call.cfg.option("head_chunks", 1), H, Hkv, W)
+    chunks = _ulysses.resolve_head_chunks(call.cfg.option("head_chunks", 1), H, Hkv, W)
+    symmetric.check(call.cfg.option("transport", "nccl"), call.groups.group, call.device)
+    return chunks
 
 
 def _engine(call: Call) -> _ulysses.Sandwich:
-    return _ulysses.Sandwich(call, "group", _ulysses.LocalEngine(call), _chunks(call))
+    return _ulysses.Sandwich(call, "group", _ulysses.LocalEngine(call), _chunks(call),
+                             call.cfg.option("transport", "nccl"))
 
 
 def _saved_meta(q_shape, k_shape, v_shape, dtype, groups, options) -> list:
@@ -79,14 +86,18 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
 
 
 def _why_not(p: model.Problem, c: model.Candidate) -> list[str]:
-    return model.ulysses_why_not(p, p.world, c.option("head_chunks", 1))
+    copy = (["transport='copy_engine' is not modelled for Ulysses yet: time it (seqpar.bench)"]
+            if c.option("transport") == "copy_engine" else [])
+    return model.ulysses_why_not(p, p.world, c.option("head_chunks", 1)) + copy
 
 
 def _bench_specs(preset, world: int) -> list:
-    """The plain sandwich (``head_chunks`` is opt-in: measured slower on NVSwitch) where W divides the heads."""
+    """The plain sandwich (``head_chunks`` is opt-in: measured slower on NVSwitch) where W divides the heads; where
+    the default group could move it on copy engines (NCCL on CUDA), that way too."""
     if preset.seq_len >= LONG_CONTEXT or preset.heads % world:
         return []
-    return [("contiguous", (), None)]
+    copy = [("contiguous", (("transport", "copy_engine"),), None)] if symmetric.usable() else []
+    return [("contiguous", (), None), *copy]
 
 
 def _demo_cases(world: int, seq_len: int, documents: tuple[int, ...]) -> list:
@@ -97,7 +108,7 @@ METHOD = Method(
     name="ulysses",
     summary="all-to-all sequence <-> heads (q, k, v packed in one)",
     layouts=("contiguous",),
-    options={"head_chunks": 1},
+    options={"head_chunks": 1, "transport": "nccl"},
     features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "mask"}),
     placement=_placement,
     check=_chunks,
