@@ -1,8 +1,9 @@
-"""The copy-engine ring (``transport="copy_engine"``, Note [Copy-engine ring] in ``seqpar.comm.symmetric``) on real
-NCCL groups of 2 and 4 GPUs: both backward paths (running sums, partials home), eager and replayed as CUDA graphs,
-every result judged against the dense oracle, and - with deterministic kernels - bitwise equal to the NCCL ring's
-(the same kernels in the same order: only the bytes' route differs). A graphed call's second call is its capture,
-its third a replay (Note [Graphed calls] in ``seqpar.runtime.graphs``)."""
+"""The copy-engine ring (``transport="copy_engine"``, Note [Copy-engine ring] in ``seqpar.comm.symmetric``) and
+Ulysses' copy-engine all-to-alls (Note [Copy-engine all-to-all]) on real NCCL groups of 2 and 4 GPUs: the ring's
+both backward paths (running sums, partials home), eager and replayed as CUDA graphs, every result judged against
+the dense oracle, and - with deterministic kernels - bitwise equal to the same method on NCCL (the same kernels in
+the same order: only the bytes' route differs). A graphed call's second call is its capture, its third a replay
+(Note [Graphed calls] in ``seqpar.runtime.graphs``)."""
 
 import pytest
 import torch
@@ -51,6 +52,41 @@ def test_copy_engine_ring_equals_the_nccl_ring(world, short):
                         for f in FIELDS:
                             assert torch.equal(g[f], w[f]), (
                                 f"{case.label()} {label}: rank {rank}'s {f} differs from the NCCL ring's")
+
+
+def _ulysses_cases(world: int) -> list[Case]:
+    base = Case(method="ulysses", layout="contiguous", seq_len=1024 * world, heads=8, kv_heads=2, head_dim=64,
+                dtype="bfloat16", kernel="auto", device="cuda", deterministic=True)
+    return [base, base.with_(causal=False, dtype="float32", kernel="reference"),
+            base.with_(cu_seqlens=(0, 100 * world, 300 * world, 1024 * world), options=(("head_chunks", 2),)),
+            base.with_(heads=4, kv_heads=4, window=(700 * world // 2, 0)),
+            base.with_(deterministic=False, lse_grad=True)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_on_copy_engines_equals_nccl(world):
+    """Ulysses' all-to-alls pulled on copy engines (Note [Copy-engine all-to-all]): the plan's first call on NCCL,
+    its second captured on copy engines, its third replayed, and an eager plan's later calls - each within the
+    oracle's tolerance and, with deterministic kernels, bitwise equal to Ulysses on NCCL (KV heads replicated at
+    W = 4, head groups in flight at once, documents, a window, the lse gradient)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    with new_pool(world, backend="nccl", timeout=600) as pool:
+        for case in _ulysses_cases(world):
+            want = [r[0] for r in pool.run(run_calls, False, _with(case, "nccl"), 1)]
+            assert check_case(case, want).ok
+            eager = pool.run(run_calls, False, _with(case, "copy_engine", graphs=False), 2)
+            graphed = pool.run(run_calls, False, _with(case, "copy_engine", graphs=True), 3)
+            runs = [("eager call 1", 1, eager), *((f"graphed call {t}", t, graphed) for t in range(3))]
+            for label, i, res in runs:
+                got = [r[i] for r in res]
+                report = check_case(case, got)
+                assert report.ok, f"{label}: {report}"
+                if case.deterministic:
+                    for rank, (g, w) in enumerate(zip(got, want)):
+                        for f in FIELDS:
+                            assert torch.equal(g[f], w[f]), (
+                                f"{case.label()} {label}: rank {rank}'s {f} differs from Ulysses on NCCL")
 
 
 @pytest.mark.parametrize("world", [2, 4])
