@@ -43,6 +43,8 @@ CASES = [
      "ValueError", ["transport='copy_engine' needs CUDA tensors on an NCCL group", "not on CUDA", "transport='nccl'"]),
     ("Ulysses' unknown transport", {"method": "ulysses", "layout": "contiguous", "transport": "nvshmem"}, OK, {},
      "ValueError", ["transport must be one of", "'nvshmem'"]),
+    ("USP's copy engines on CPU", {"method": "usp", "mesh_2d": 2, "layout": "zigzag", "transport": "copy_engine"}, OK,
+     {}, "ValueError", ["transport='copy_engine' needs CUDA tensors on an NCCL group", "not on CUDA"]),
     ("auto's copy engines on CPU", {"method": "auto", "transport": "copy_engine"}, OK, {}, "ValueError",
      ["transport='copy_engine' needs CUDA tensors on an NCCL group", "not on CUDA"]),
 ]
@@ -52,7 +54,7 @@ CASES = [
 def test_bad_input_raises_the_same_clear_error_on_every_rank(pools, world):
     pool = pools(world)
     for what, kwargs, shapes, dtypes, exc, words in CASES:
-        if what == "2D mesh for ring" and world != 4:
+        if what in ("2D mesh for ring", "USP's copy engines on CPU") and world != 4:
             continue
         reports = pool.run(call_and_report, "attention", kwargs, shapes, dtypes)
         for rank, rep in enumerate(reports):

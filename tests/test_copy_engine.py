@@ -202,3 +202,31 @@ def test_ulysses_all_to_alls_on_copy_engines_equal_nccl_on_gloo(pools, world):
             for rank, (g, w) in enumerate(zip(got, want)):
                 for f in ("out", "lse", "dq", "dk", "dv"):
                     assert torch.equal(g[f], w[f]), f"{copy.label()} call {t}: rank {rank}'s {f} differs"
+
+
+@pytest.mark.parametrize("short", [False, True], ids=["running-sums", "partials-home"])
+def test_usp_on_copy_engines_equals_nccl_on_gloo(pools, short):
+    """USP with ``transport="copy_engine"`` over 4 ranks (Ulysses 2 x ring 2, and Ulysses 4 x ring 1), its lanes stood
+    in for over gloo: the all-to-alls pulled, the ring's hops and partials pushed, on two subgroups of their own -
+    every call bitwise equal to USP on gloo and judged against the dense oracle."""
+    from _workers_copy_engine import gloo_lane_calls
+    from _workers_ulysses import run_calls
+
+    from seqpar.testing.cases import Case, check_case
+
+    base = Case(method="usp", layout="zigzag", ulysses=2, seq_len=64, heads=4, kv_heads=2, head_dim=8,
+                deterministic=True)
+    pool = pools(4)
+    for case in (base, base.with_(cu_seqlens=(0, 12, 52, 64), lse_grad=True, options=(("head_chunks", 2),)),
+                 base.with_(layout="contiguous", causal=False, dtype="bfloat16", ulysses=4)):
+        want = [r[0] for r in pool.run(run_calls, short, case, 1)]
+        copy = case.with_(options=tuple(sorted({**dict(case.options), "transport": "copy_engine"}.items())))
+        calls = pool.run(gloo_lane_calls, short, copy, 2)
+        assert all(r[-1]["lane_posts"] > 0 for r in calls), [r[-1]["lane_posts"] for r in calls]
+        for t in range(2):
+            got = [r[t] for r in calls]
+            report = check_case(case, got)
+            assert report.ok, f"call {t}: {report}"
+            for rank, (g, w) in enumerate(zip(got, want)):
+                for f in ("out", "lse", "dq", "dk", "dv"):
+                    assert torch.equal(g[f], w[f]), f"{copy.label()} call {t}: rank {rank}'s {f} differs"

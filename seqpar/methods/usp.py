@@ -18,6 +18,10 @@ dO (and dlse) to head-sharded, the ring backward, dq/dk/dv back with KV replica 
 behind group i's ring, group i-1's output all-to-all too (Note [Head-group pipeline] in ``_ulysses``); the
 ring's fp32 buffers shrink c-fold as a side effect. Each group must keep the slot rules over U.
 
+``transport="copy_engine"`` moves both on copy engines through torch's symmetric memory (one host, CUDA): the
+all-to-alls as pulls (Note [Copy-engine all-to-all] in ``seqpar.comm.symmetric``), the ring's hops as pushes (Note
+[Copy-engine ring]); not modelled by the planner yet, so ``method="auto"`` never picks it.
+
 Degenerate meshes take the short paths: R == 1 is plain Ulysses and never enters the ring engine (one
 local full-sequence computation, no fp32 merge); U == 1 is a plain ring (no all-to-all). GQA follows
 Ulysses' rule (U divides H; U divides Hkv or Hkv divides U); replicated KV heads also travel the ring, so
@@ -26,6 +30,7 @@ prefer U <= Hkv.
 
 from __future__ import annotations
 
+from ..comm import symmetric
 from ..comm.ring import Ring
 from ..cost import model
 from ..kernels.executor import TaskRunner
@@ -48,7 +53,9 @@ def _chunks(call: Call) -> int:
     the number of head groups ``head_chunks`` resolves to."""
     U = call.groups.ulysses_size
     _ulysses.check_heads(call.q_shape[2], call.k_shape[2], U, world=call.groups.world)
-    return _ulysses.resolve_head_chunks(call.cfg.option("head_chunks", 1), call.q_shape[2], call.k_shape[2], U)
+    chunks = _ulysses.resolve_head_chunks(call.cfg.option("head_chunks", 1), call.q_shape[2], call.k_shape[2], U)
+    symmetric.check(call.cfg.option("transport", "nccl"), call.groups.ulysses, call.device)
+    return chunks
 
 
 class _RingInner:
@@ -60,7 +67,7 @@ class _RingInner:
         rho = groups.index // groups.ulysses_size
         sched = _passkv.schedule(outer, rho, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len)
         runner = TaskRunner.of(call)
-        self.ring = _passkv.PassKV(Ring(groups.ring), sched, runner, cfg.grad_dtype)
+        self.ring = _passkv.PassKV(Ring(groups.ring, cfg.option("transport", "nccl")), sched, runner, cfg.grad_dtype)
 
     def forward(self, q, k, v):
         return self.ring.forward(q, k, v)
@@ -74,7 +81,7 @@ def _engine(call: Call) -> _ulysses.Sandwich:
         inner = _ulysses.LocalEngine(call)
     else:
         inner = _RingInner(call)
-    return _ulysses.Sandwich(call, "ulysses", inner, _chunks(call))
+    return _ulysses.Sandwich(call, "ulysses", inner, _chunks(call), call.cfg.option("transport", "nccl"))
 
 
 def _saved_meta(q_shape, k_shape, v_shape, dtype, groups, options) -> list:
@@ -111,7 +118,9 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
 
 
 def _why_not(p: model.Problem, c: model.Candidate) -> list[str]:
-    return model.ulysses_why_not(p, c.ulysses, c.option("head_chunks", 1))
+    copy = (["transport='copy_engine' is not modelled for USP yet: time it (seqpar.bench)"]
+            if c.option("transport") == "copy_engine" else [])
+    return model.ulysses_why_not(p, c.ulysses, c.option("head_chunks", 1)) + copy
 
 
 def _bench_specs(preset, world: int) -> list:
@@ -132,7 +141,7 @@ METHOD = Method(
     summary="Ulysses inside, ring across",
     layouts=("contiguous", "zigzag", "stripe", "balanced", "doc_zigzag", "doc_contiguous"),
     mesh_dims=2,
-    options={"head_chunks": 1},
+    options={"head_chunks": 1, "transport": "nccl"},
     features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "mask",
                         "document_layouts"}),
     placement=_placement,
