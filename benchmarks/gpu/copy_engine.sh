@@ -12,7 +12,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/seqpar-out}; W=${W:-4}; mkdir -p "$OUT"
 SRC=$(cd "${SRC:-.}" && pwd); RES=$(mktemp -d)/copy_engine; mkdir -p "$RES"
 ROWS=${ROWS:-"gqa-causal-8k gqa-causal-16k mha-causal-16k mha-full-16k"}
-METHODS=${METHODS:-"ring/zigzag,ring/zigzag/transportcopy_engine,ring/contiguous,ring/contiguous/transportcopy_engine,ulysses,ulysses/transportcopy_engine,double_ring"}
+METHODS=${METHODS:-"ring/zigzag,ring/zigzag/transportcopy_engine,ring/contiguous,ring/contiguous/transportcopy_engine,ulysses,ulysses/transportcopy_engine,usp/u2/zigzag,usp/u2/zigzag/transportcopy_engine,double_ring"}
 TESTS=${TESTS:-"--timeout 240 tests/test_gpu_copy_engine.py"}; PEERS=${PEERS:-0}; REPO=$(pwd)
 echo "# $(date -u +%FT%TZ) W=$W SRC=$SRC $(cat "$SRC/COMMIT" 2>/dev/null)" > "$RES/commands.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -n 1 >> "$RES/commands.txt"

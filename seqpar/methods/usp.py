@@ -124,10 +124,13 @@ def _why_not(p: model.Problem, c: model.Candidate) -> list[str]:
 
 
 def _bench_specs(preset, world: int) -> list:
-    """Ulysses 2 x ring W/2 on the balanced layout, from 4 ranks."""
+    """Ulysses 2 x ring W/2 on the balanced layout, from 4 ranks; where the default group could move it on copy
+    engines (NCCL on CUDA), that way too."""
     if preset.seq_len >= LONG_CONTEXT or world < 4 or world % 2:
         return []
-    return [("zigzag" if preset.causal else "contiguous", (), 2)]
+    lay = "zigzag" if preset.causal else "contiguous"
+    copy = [(lay, (("transport", "copy_engine"),), 2)] if symmetric.usable() else []
+    return [(lay, (), 2), *copy]
 
 
 def _demo_cases(world: int, seq_len: int, documents: tuple[int, ...]) -> list:
