@@ -141,6 +141,28 @@ def _gloo_cases(world: int):
             base.with_(layout="balanced_whole", cu_seqlens=docs)]
 
 
+def _copy_engines_agree(pool, case, short: bool, calls: int) -> None:
+    """``case`` on ``pool`` with ``transport="copy_engine"`` over gloo lanes (``gloo_lane_calls``): ``calls`` calls of
+    one plan, each within the dense oracle's tolerance and bitwise equal to the case's one call on gloo alone, and
+    the lanes posted (else the transfers went over gloo's own P2P)."""
+    from _workers_copy_engine import gloo_lane_calls
+    from _workers_ulysses import run_calls
+
+    from seqpar.testing.cases import check_case
+
+    want = [r[0] for r in pool.run(run_calls, short, case, 1)]
+    copy = case.with_(options=tuple(sorted({**dict(case.options), "transport": "copy_engine"}.items())))
+    res = pool.run(gloo_lane_calls, short, copy, calls)
+    assert all(r[-1]["lane_posts"] > 0 for r in res), [r[-1]["lane_posts"] for r in res]
+    for t in range(calls):
+        got = [r[t] for r in res]
+        report = check_case(case, got)
+        assert report.ok, f"call {t}: {report}"
+        for rank, (g, w) in enumerate(zip(got, want)):
+            for f in ("out", "lse", "dq", "dk", "dv"):
+                assert torch.equal(g[f], w[f]), f"{copy.label()} call {t}: rank {rank}'s {f} differs from gloo's"
+
+
 @pytest.mark.parametrize("short", [False, True], ids=["running-sums", "partials-home"])
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_copy_engine_schedule_on_gloo_equals_the_ring(pools, world, short):
@@ -149,22 +171,9 @@ def test_copy_engine_schedule_on_gloo_equals_the_ring(pools, world, short):
     over gloo (``_GlooLane``: every post pairs up across ranks, as the GPUs' barriers do, and a rank at another post
     raises): every case agrees with the dense oracle and, bit for bit, with the ring on gloo P2P. The GPUs' own
     transfers: tests/test_gpu_copy_engine.py."""
-    from _workers_copy_engine import gloo_lane_calls
-    from _workers_ulysses import run_calls
-
-    from seqpar.testing.cases import check_case
-
     pool = pools(world)
     for case in _gloo_cases(world):
-        want = [r[0] for r in pool.run(run_calls, short, case, 1)]
-        copy = case.with_(options=tuple(sorted({**dict(case.options), "transport": "copy_engine"}.items())))
-        got = [r[0] for r in pool.run(gloo_lane_calls, short, copy, 1)]
-        assert all(r["lane_posts"] > 0 for r in got), [r["lane_posts"] for r in got]
-        report = check_case(case, got)
-        assert report.ok, str(report)
-        for rank, (g, w) in enumerate(zip(got, want)):
-            for f in ("out", "lse", "dq", "dk", "dv"):
-                assert torch.equal(g[f], w[f]), f"{copy.label()}: rank {rank}'s {f} differs from the gloo ring's"
+        _copy_engines_agree(pool, case, short, 1)
 
 
 def _ulysses_cases(world: int):
@@ -184,24 +193,9 @@ def test_ulysses_all_to_alls_on_copy_engines_equal_nccl_on_gloo(pools, world):
     plan's first call runs on the group's all-to-all and makes the lane as it ends, the next calls pull every slot
     from the peers' send buffers (head groups in flight at once in regions of their own, replicated KV heads,
     lse and dlse, sinks): every call bitwise equal to Ulysses on gloo, and judged against the dense oracle."""
-    from _workers_copy_engine import gloo_lane_calls
-    from _workers_ulysses import run_calls
-
-    from seqpar.testing.cases import check_case
-
     pool = pools(world)
     for case in _ulysses_cases(world):
-        want = [r[0] for r in pool.run(run_calls, False, case, 1)]
-        copy = case.with_(options=tuple(sorted({**dict(case.options), "transport": "copy_engine"}.items())))
-        calls = pool.run(gloo_lane_calls, False, copy, 3)
-        assert all(r[-1]["lane_posts"] > 0 for r in calls), [r[-1]["lane_posts"] for r in calls]
-        for t in range(3):
-            got = [r[t] for r in calls]
-            report = check_case(case, got)
-            assert report.ok, f"call {t}: {report}"
-            for rank, (g, w) in enumerate(zip(got, want)):
-                for f in ("out", "lse", "dq", "dk", "dv"):
-                    assert torch.equal(g[f], w[f]), f"{copy.label()} call {t}: rank {rank}'s {f} differs"
+        _copy_engines_agree(pool, case, False, 3)
 
 
 @pytest.mark.parametrize("short", [False, True], ids=["running-sums", "partials-home"])
@@ -209,24 +203,11 @@ def test_usp_on_copy_engines_equals_nccl_on_gloo(pools, short):
     """USP with ``transport="copy_engine"`` over 4 ranks (Ulysses 2 x ring 2, and Ulysses 4 x ring 1), its lanes stood
     in for over gloo: the all-to-alls pulled, the ring's hops and partials pushed, on two subgroups of their own -
     every call bitwise equal to USP on gloo and judged against the dense oracle."""
-    from _workers_copy_engine import gloo_lane_calls
-    from _workers_ulysses import run_calls
-
-    from seqpar.testing.cases import Case, check_case
+    from seqpar.testing.cases import Case
 
     base = Case(method="usp", layout="zigzag", ulysses=2, seq_len=64, heads=4, kv_heads=2, head_dim=8,
                 deterministic=True)
     pool = pools(4)
     for case in (base, base.with_(cu_seqlens=(0, 12, 52, 64), lse_grad=True, options=(("head_chunks", 2),)),
                  base.with_(layout="contiguous", causal=False, dtype="bfloat16", ulysses=4)):
-        want = [r[0] for r in pool.run(run_calls, short, case, 1)]
-        copy = case.with_(options=tuple(sorted({**dict(case.options), "transport": "copy_engine"}.items())))
-        calls = pool.run(gloo_lane_calls, short, copy, 2)
-        assert all(r[-1]["lane_posts"] > 0 for r in calls), [r[-1]["lane_posts"] for r in calls]
-        for t in range(2):
-            got = [r[t] for r in calls]
-            report = check_case(case, got)
-            assert report.ok, f"call {t}: {report}"
-            for rank, (g, w) in enumerate(zip(got, want)):
-                for f in ("out", "lse", "dq", "dk", "dv"):
-                    assert torch.equal(g[f], w[f]), f"{copy.label()} call {t}: rank {rank}'s {f} differs"
+        _copy_engines_agree(pool, case, short, 2)
