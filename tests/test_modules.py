@@ -79,7 +79,8 @@ def test_module_config_is_validated_at_construction():
         seqpar.SequenceParallelAttention(method="ulysses", layout="zigzag")
     with pytest.raises(ValueError, match="kernel must be one of"):
         seqpar.SequenceParallelAttention(method="usp", kernel="fast")
-    with pytest.raises(TypeError, match=r"method='usp' takes options \['head_chunks', 'transport'\], got \['node_size'\]"):
+    with pytest.raises(TypeError,
+                       match=r"method='usp' takes options \['head_chunks', 'transport'\], got \['node_size'\]"):
         seqpar.SequenceParallelAttention(method="usp", node_size=4)
     with pytest.raises(ValueError, match="window_size must be a pair of ints"):
         seqpar.SequenceParallelAttention(method="ring", window_size=(3,))

@@ -268,6 +268,18 @@ class Pulls:
         self.group: dist.ProcessGroup | None = None
         self.lane: Lane | None = None
         self.at = 0
+        self._sends: list[tuple[int, tuple[int, ...], torch.dtype]] = []   # the first call's, to map ahead
+
+    def _map(self) -> None:
+        """Look up every peer's copy of every send slot this rank pulls (``Lane.remote`` keeps them), so the calls a
+        CUDA graph captures find them made - as the ring's first call makes its pushes' (Note [Copy-engine ring])."""
+        me = dist.get_rank(self.group)
+        for start, shape, dtype in self._sends:
+            if start + _nbytes(shape, dtype) <= self.lane.nbytes:
+                send = self.lane.buf[start:start + _nbytes(shape, dtype)].view(dtype).view(shape)
+                for u in range(shape[0]):
+                    if u != me:
+                        self.lane.remote(send[me], u)
 
     @contextmanager
     def call(self, group: dist.ProcessGroup | None) -> Iterator[Pulls]:
@@ -278,6 +290,8 @@ class Pulls:
         need = min(self.at, COPY_A2A_BYTES)
         if need and (self.lane is None or self.lane.nbytes < need):
             self.lane = lane(group, self.device, [((need,), torch.uint8)], "a2a")
+            self._map()
+        self._sends = []
 
     def size(self) -> int:
         return dist.get_world_size(self.group)
@@ -287,6 +301,8 @@ class Pulls:
         ``COPY_A2A_BYTES``) - ordinary memory, which ``post`` sends on NCCL."""
         n, start = _nbytes(shape, dtype), self.at
         self.at += -(-n // ALIGN) * ALIGN
+        if self.lane is None or self.at > self.lane.nbytes:
+            self._sends.append((start, shape, dtype))
         if self.lane is not None and self.at <= self.lane.nbytes:
             return self.lane.buf[start:start + n].view(dtype).view(shape)
         return torch.empty(shape, dtype=dtype, device=self.device)
