@@ -6,7 +6,9 @@ A drawn call fixes the method (``seqpar.methods.available()`` and ``"auto"``, wh
 (``cu_seqlens``, empty documents included), end padding, windows, causal, dtype, scale, gradient through lse, a
 value head dim other than the key's, attention sinks, softcapping and a mask (a named mask of ``seqpar.masks``
 with drawn parameters, or a seeded ``mask_mod``, ANDed with all the rest); every field the method declares in
-FEATURES is drawn, others are left at their defaults. The world size is a pytest
+FEATURES is drawn, others are left at their defaults. Methods that take a ``transport`` draw copy engines a third
+of the time, run over gloo-backed lanes (``_workers_copy_engine.gloo_lane_calls``: two calls of one plan, the
+second on lanes where the first learns sizes), each judged. The world size is a pytest
 parameter so each pool is started once and reused by every example.
 
 CI runs a bounded, derandomized sample (fixed examples, reproducible): 40 examples per world size, or
@@ -149,6 +151,8 @@ def softmax_cases(draw, world: int) -> Case:
     if "window" in feats and draw(st.booleans()):
         window = (draw(st.integers(-1, seq)), draw(st.integers(-1, seq)))
     options = SETUP.get(method, lambda w: {})(world).get("options", ())
+    if "transport" in getattr(module, "options", {}) and world > 1 and draw(st.integers(0, 2)) == 0:
+        options = tuple(sorted((*options, ("transport", "copy_engine"))))
     causal = draw(st.booleans()) and layout in (module.causal if method == "auto" else causal_layouts(module))
     mask = _mask(draw, seq) if "mask" in feats and draw(st.integers(0, 2)) == 0 else None
     return Case(method=method, layout=layout, causal=causal, batch=draw(st.integers(1, 2)),
@@ -199,16 +203,25 @@ def _features(case) -> list[str]:
     f += ["softcap"] if getattr(case, "softcap", 0.0) else []
     mask = getattr(case, "mask", None)
     f += [] if mask is None else [f"mask:{getattr(mask, 'name', type(mask).__name__)}"]
+    f += [f"{case.method}:copy_engine"] if dict(getattr(case, "options", ())).get("transport") == "copy_engine" else []
     return f
 
 
 def _judge_softmax(pool, case: Case, world: int) -> str | None:
-    """None when the case matches the oracle, else the failure (with the case, for a reproduction)."""
+    """None when the case matches the oracle, else the failure (with the case, for a reproduction). A copy-engine
+    case runs twice on one plan over gloo lanes, the pass-KV backward's partials home on even seeds."""
+    from _workers_copy_engine import gloo_lane_calls
+
     try:
-        report = check_case(case, pool.run(run_case, case, timeout=300))
+        if dict(case.options).get("transport") == "copy_engine":
+            calls = pool.run(gloo_lane_calls, case.seed % 2 == 0, case, 2, timeout=300)
+            reports = [check_case(case, [r[t] for r in calls]) for t in range(2)]
+        else:
+            reports = [check_case(case, pool.run(run_case, case, timeout=300))]
     except WorkerError as e:
         return f"W={world} {case!r}\n{str(e)[-2000:]}"
-    return None if report.ok else f"W={world} {case!r}\n{report}"
+    bad = [f"call {t}: {r}" for t, r in enumerate(reports) if not r.ok]
+    return None if not bad else f"W={world} {case!r}\n" + "\n".join(bad)
 
 
 def _judge_linear(pool, case: LinearCase, world: int) -> str | None:
