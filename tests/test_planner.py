@@ -17,7 +17,7 @@ from seqpar.cost.profile import Profile, builtin_profiles
 from seqpar.cost.topology import Group, Link, Network, Topology, get_topology
 from seqpar.cost.work import _call, band, count_pairs, rank_runs, ring_steps
 from seqpar.layouts import make_layout
-from seqpar.planner import Candidate, Problem, choose, load_profile, plan, predict
+from seqpar.planner import Candidate, Problem, choose, load_profile, plan, predict, validate
 from seqpar.planner import calibrate as cal
 from seqpar.planner.cli import main as plan_main
 from seqpar.planner.measured import h100_profile, h200_profile
@@ -412,6 +412,13 @@ def test_auto_weighs_copy_engines_only_where_allowed_and_measured():
                   transports=both)[:2] == ("ring", {"transport": "copy_engine"})
     with pytest.raises(ValueError, match="transports must name some of"):
         plan(**kw, transports=("rdma",))
+    # Ulysses and USP take the option but their models predict NCCL only (Method.modelled_transports): never ranked
+    # on copy engines, so auto never picks them that way, and validate does not predict their records
+    assert {e.label for e in r.entries if e.label.startswith(("ulysses", "usp"))} and \
+        not any(e.label.startswith(("ulysses", "usp")) and "transport" in e.label for e in r.entries)
+    rec = {"method": "ulysses/transportcopy_engine", "world_size": 4, "causal": True}
+    assert validate.modelled({**rec, "method": "ulysses"}) and not validate.modelled(rec)
+    assert validate.modelled({**rec, "method": "ring/zigzag/transportcopy_engine"})
 
 
 def _calibrate_worker(settings: cal.Settings) -> dict:

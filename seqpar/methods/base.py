@@ -206,6 +206,10 @@ class Method:
     cost: Callable[..., Any] | None = None
     """``(Problem, Candidate, Machine) -> Prediction``: the planner's model, written with
     ``seqpar.cost.model`` (None: the planner cannot rank it, and ``method="auto"`` never picks it)."""
+    modelled_transports: tuple[str, ...] = ("nccl",)
+    """The ``transport`` option's values ``cost`` predicts (a method that takes the option): a configuration on
+    another is not ranked, so ``method="auto"`` never picks it, and ``seqpar.planner.validate`` does not predict
+    its records."""
     candidates: Callable[..., list] | None = None
     """``(Problem, Topology, layouts, ulysses) -> [Candidate]``: the configurations worth predicting on the
     given layouts (already filtered to the caller's layout, to those serving the mask, and to document

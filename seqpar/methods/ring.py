@@ -66,6 +66,7 @@ METHOD = Method(
     summary="K, V around a ring (pass-KV), dK/dV one step behind",
     layouts=("contiguous", "zigzag", "stripe", "balanced", "balanced_whole", "doc_zigzag", "doc_contiguous"),
     options={"head_chunks": 1, "transport": "nccl"},
+    modelled_transports=("nccl", "copy_engine"),
     features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "mask",
                         "document_layouts"}),
     check=_check,

@@ -118,9 +118,7 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
 
 
 def _why_not(p: model.Problem, c: model.Candidate) -> list[str]:
-    copy = (["transport='copy_engine' is not modelled for USP yet: time it (seqpar.bench)"]
-            if c.option("transport") == "copy_engine" else [])
-    return model.ulysses_why_not(p, c.ulysses, c.option("head_chunks", 1)) + copy
+    return model.ulysses_why_not(p, c.ulysses, c.option("head_chunks", 1))
 
 
 def _bench_specs(preset, world: int) -> list:

@@ -286,7 +286,7 @@ def _with_transports(cands: list[Candidate], m: Method, transports: tuple[str, .
     if "transport" not in m.options:
         return cands
     out = []
-    for t in transports:
+    for t in (t for t in transports if t in m.modelled_transports):
         extra = () if t == m.options["transport"] else (("transport", t),)
         out += [replace(c, options=tuple(sorted((*c.options, *extra)))) for c in cands]
     return out

@@ -122,9 +122,14 @@ def is_auto(method: str) -> bool:
 
 
 def modelled(rec: dict[str, Any]) -> bool:
-    """Whether a record is a seqpar method the cost model predicts (not a peer, not ``auto``)."""
+    """Whether a record is a seqpar method the cost model predicts (not a peer, not ``auto``, not on a transport
+    its method's model does not predict: ``Method.modelled_transports``)."""
     method = str(rec["method"])
-    return not (method.startswith("peer:") or is_auto(method))
+    if method.startswith("peer:") or is_auto(method):
+        return False
+    c = parse_method(method, int(rec["world_size"]), bool(rec.get("causal", True)))
+    transport = c.option("transport")
+    return transport is None or transport in _methods.get(c.method).modelled_transports
 
 
 PACKED_SUITE_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128, "causal": True}
@@ -165,7 +170,8 @@ def _predict(rec: dict[str, Any], prof: Profile | None, kernel: str | None, sour
                 measured_ms=float(rec["time_ms"]), measured_gib=rec.get("peak_mem_gib"), source=source, set=label)
     if not modelled(rec):
         return Row(**base, predicted_ms=None, error=None, predicted_gib=None,
-                   note="auto: checked below" if is_auto(method) else "peer: not modelled")
+                   note="auto: checked below" if is_auto(method) else
+                   "peer: not modelled" if method.startswith("peer:") else "transport not modelled")
     pred = predict_record(rec, prof, kernel)
     t = pred.time_ms(mode)
     return Row(**base, predicted_ms=t, error=t / base["measured_ms"] - 1, predicted_gib=pred.peak_mem(mode) / 2**30)
