@@ -301,10 +301,9 @@ class Pulls:
         ``COPY_A2A_BYTES``) - ordinary memory, which ``post`` sends on NCCL."""
         n, start = _nbytes(shape, dtype), self.at
         self.at += -(-n // ALIGN) * ALIGN
-        if self.lane is None or self.at > self.lane.nbytes:
-            self._sends.append((start, shape, dtype))
         if self.lane is not None and self.at <= self.lane.nbytes:
             return self.lane.buf[start:start + n].view(dtype).view(shape)
+        self._sends.append((start, shape, dtype))
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def post(self, send: torch.Tensor) -> tuple[Any, torch.Tensor]:
