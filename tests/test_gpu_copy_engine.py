@@ -102,7 +102,7 @@ def test_auto_with_copy_engines_allowed(world):
     where the planner predicts it fastest) is correct against the oracle, eager and graphed."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    mha = Case(method="auto", seq_len=4096 * world, heads=8, kv_heads=8, head_dim=64, dtype="bfloat16",
+    mha = Case(method="auto", seq_len=2048 * world, heads=8, kv_heads=8, head_dim=64, dtype="bfloat16",
                kernel="auto", device="cuda", options=(("transport", "copy_engine"),))
     with new_pool(world, backend="nccl", timeout=600) as pool:
         for case in (mha, mha.with_(heads=8, kv_heads=2), mha.with_(causal=False, layout="contiguous")):
