@@ -18,7 +18,7 @@ from conftest import new_pool
 from reliability_methods import LINEAR, SOFTMAX, all_rejected, linear_layout, softmax_setup
 
 W = 4
-T = 4.0                 # seconds: the fresh group's timeout
+T = 3.0                 # seconds: the fresh group's timeout
 MARGIN = 20.0           # seconds a loaded 2-core machine may add
 
 
