@@ -49,8 +49,6 @@ Note [Head-group pipeline]
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -239,16 +237,6 @@ class Sandwich:
         """The Ulysses group (``groups.group`` for Ulysses, ``groups.ulysses`` for USP), looked up per call."""
         return getattr(self.groups, self.axis)
 
-    @contextmanager
-    def _route(self) -> Iterator[dist.ProcessGroup | symmetric.Pulls | None]:
-        """What one forward or backward's all-to-alls take as their group: the Ulysses group, or its pulls on copy
-        engines (which learn the call's send buffers and make their lane when the plan's first call ends)."""
-        if self.pulls is None:
-            yield self.group
-        else:
-            with self.pulls.call(self.group) as pulls:
-                yield pulls
-
     @property
     def stages(self) -> bool:
         """Whether a call's first and last copies can run outside its graph (Note [Staged calls] in
@@ -288,8 +276,10 @@ class Sandwich:
         if self.stages:
             raw, lse, saved = self.forward_staged(self.stage(q, k, v))
             return self.unstage(raw), lse, saved
-        with self._route() as group:
-            return self._forward(q, k, v, group)
+        if self.pulls is None:
+            return self._forward(q, k, v, self.group)
+        with self.pulls.call(self.group) as pulls:      # copy engines (Note [Copy-engine all-to-all])
+            return self._forward(q, k, v, pulls)
 
     def _forward(self, q, k, v, group):
         B, L, H, _ = q.shape
@@ -341,8 +331,10 @@ class Sandwich:
 
     def backward(self, b: BackwardInputs):
         """From the final rows: dO (and dlse when lse is returned) to head-sharded, the inner backward, back."""
-        with self._route() as group:
-            return self._backward(b, group)
+        if self.pulls is None:
+            return self._backward(b, self.group)
+        with self.pulls.call(self.group) as pulls:
+            return self._backward(b, pulls)
 
     def _backward(self, b: BackwardInputs, group):
         do, dlse = b.rows.do, b.dlse
