@@ -126,7 +126,7 @@ class _Remote:
         self.peer, self.offset, self.shape, self.dtype = peer, offset, shape, dtype
 
 
-class _GlooLane:
+class _GlooLane(_CountingLane):
     """A ``Lane`` on CPU over gloo, for the copy-engine ring's schedule end to end: a plain buffer per rank, and each
     post one ``all_gather_object`` of every rank's pushes, whose receiver writes them into its buffer - where a real
     lane's barriers would pair posts up, this pairs them too, and checks that every rank is at the same post of the
@@ -136,17 +136,12 @@ class _GlooLane:
     live: list[_GlooLane] = []
 
     def __init__(self, group, device: torch.device, nbytes: int):
-        self.group, self.device, self.nbytes, self.posts = group, device, nbytes, 0
-        self.buf = torch.full((nbytes,), 255, dtype=torch.uint8)    # NaN bytes: a read of unwritten bytes shows
+        super().__init__(nbytes)
+        self.group, self.device = group, device
+        self.buf.fill_(255)                                         # NaN bytes: a read of unwritten bytes shows
         _GlooLane.made += 1
         self.name = f"lane{_GlooLane.made}"
         _GlooLane.live.append(self)
-
-    carve = Lane.carve
-
-    def holds(self, t: torch.Tensor) -> bool:
-        base = self.buf.data_ptr()
-        return base <= t.data_ptr() < base + self.nbytes
 
     def remote(self, t: torch.Tensor, peer: int, like: torch.Tensor | None = None) -> _Remote:
         like = t if like is None else like
