@@ -17,7 +17,7 @@ class _StubLane:
     def __init__(self) -> None:
         self.posted = self.waited = 0
 
-    def post(self, pushes):
+    def post(self, pushes, side_by_side=False):
         self.posted += 1
         for src, dst in pushes:
             dst.copy_(src)
@@ -90,7 +90,7 @@ class _CountingLane:
         like = t if like is None else like
         return t.view(-1).view(torch.uint8)[:like.nbytes].view(like.dtype).view(like.shape)
 
-    def post(self, pushes):
+    def post(self, pushes, side_by_side=False):
         self.posts += 1
         return _StubLane().post([])
 
@@ -148,7 +148,7 @@ class _GlooLane(_CountingLane):
         assert like.nbytes <= t.nbytes, (tuple(like.shape), like.dtype, t.nbytes)
         return _Remote(peer, t.data_ptr() - self.buf.data_ptr(), tuple(like.shape), like.dtype)
 
-    def post(self, pushes):
+    def post(self, pushes, side_by_side=False):
         """Pushes (a local source into a peer's buffer) and pulls (a peer's buffer into a local tensor) alike: every
         rank's buffer as it stood at the post, and its pushes, gathered; then each rank applies its own."""
         self.posts += 1

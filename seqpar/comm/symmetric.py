@@ -139,6 +139,7 @@ class Lane:
         self.device, self.nbytes = device, nbytes
         self.handle = symm.rendezvous(self.buf, name)
         self.stream = torch.cuda.Stream(device)
+        self._sides: list[torch.cuda.Stream] = []  # posts' copies side by side (``post``)
         self._remote: dict[tuple, torch.Tensor] = {}
 
     def carve(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
@@ -171,16 +172,29 @@ class Lane:
                                                        offset // like.element_size())
         return self._remote[key]
 
-    def post(self, pushes: list[tuple[torch.Tensor, torch.Tensor]]) -> _Pushed:
-        """Run ``pushes`` (source, a peer's buffer) between two barriers of the group, after the current stream's
-        work so far (Note [Copy-engine ring]); the handle whose ``wait()`` orders the current stream after them."""
+    def post(self, pushes: list[tuple[torch.Tensor, torch.Tensor]], side_by_side: bool = False) -> _Pushed:
+        """Run ``pushes`` (source, destination; one of the two a peer's buffer) between two barriers of the group,
+        after the current stream's work so far (Note [Copy-engine ring]); the handle whose ``wait()`` orders the
+        current stream after them. ``side_by_side``: each copy on a stream of its own, so copies over different
+        peers' links overlap (an all-to-all's pulls) rather than queue on the lane's stream."""
         here = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(here)
         done = torch.cuda.Event()
         with torch.cuda.stream(self.stream):
             self.handle.barrier(channel=0)
-            for src, dst in pushes:
-                dst.copy_(src)
+            if side_by_side and len(pushes) > 1:
+                while len(self._sides) < len(pushes) - 1:
+                    self._sides.append(torch.cuda.Stream(self.device))
+                for side, (src, dst) in zip(self._sides, pushes[1:]):
+                    side.wait_stream(self.stream)
+                    with torch.cuda.stream(side):
+                        dst.copy_(src)
+                pushes[0][1].copy_(pushes[0][0])
+                for side in self._sides[:len(pushes) - 1]:
+                    self.stream.wait_stream(side)
+            else:
+                for src, dst in pushes:
+                    dst.copy_(src)
             self.handle.barrier(channel=0)
             done.record(self.stream)
         return _Pushed(done)
@@ -312,6 +326,7 @@ class Pulls:
         recv = torch.empty_like(send)
         if self.lane is None or not self.lane.holds(send):
             return dist.all_to_all_single(recv, send, group=self.group, async_op=True), recv
-        me = dist.get_rank(self.group)
-        pulls = [(send[me] if u == me else self.lane.remote(send[me], u), recv[u]) for u in range(send.shape[0])]
-        return self.lane.post(pulls), recv
+        me, n = dist.get_rank(self.group), send.shape[0]
+        peers = [(me + i) % n for i in range(1, n)]   # rank r first pulls from r + 1: no peer's link serves all first
+        pulls = [(self.lane.remote(send[me], u), recv[u]) for u in peers] + [(send[me], recv[me])]
+        return self.lane.post(pulls, side_by_side=True), recv
