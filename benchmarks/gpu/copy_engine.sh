@@ -25,7 +25,7 @@ if [ "$PEERS" = 1 ]; then
 fi
 cd "$SRC" || exit 1
 echo "timeout ${TEST_S:-200} python3 -u -m pytest -v -p no:warnings -m gpu $TESTS" >> "$RES/commands.txt"
-timeout "${TEST_S:-200}" python3 -u -m pytest -v -p no:warnings -m gpu $TESTS > "$RES/tests.log" 2>&1
+eval "timeout ${TEST_S:-200} python3 -u -m pytest -v -p no:warnings -m gpu $TESTS" > "$RES/tests.log" 2>&1   # TESTS may quote: -k 'a or b'
 echo "rc=$?" >> "$RES/commands.txt"
 cmd=(torchrun --nproc-per-node "$W" -m seqpar.bench $(for p in $ROWS; do printf -- '--preset %s ' "$p"; done)
      --methods "$METHODS" --steady --budget-s "${BUDGET_S:-220}" --out "$RES/bench" --tag copy-engine)

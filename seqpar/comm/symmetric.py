@@ -275,6 +275,12 @@ class Pulls:
         lane (``tag="a2a"``, shared as Note [Lanes are shared] says) is made or grown when it ends, bounded by
         ``COPY_A2A_BYTES`` - sends past it travel on NCCL, the same on every rank (every rank makes the same
         sends). CUDA graphs capture and replay the later calls (Note [Copy-engine ring]).
+
+        The pulls of one post run side by side, a stream per peer (rank r from r + 1 first), which gained up to
+        0.04 over one stream; still, on four H100s (NV18) Ulysses ran 0.03-0.11 slower this way than on NCCL at 2-4K
+        tokens per GPU - NCCL's all-to-all drives every link of the switch at once from SMs - so no cost model
+        covers it (``Method.modelled_transports``) and auto never picks it
+        (``benchmarks/results/2026-11-27-4xh100-copy-engine-a2a/``).
     """
 
     def __init__(self, device: torch.device):
