@@ -137,7 +137,7 @@ class _GlooLane(_CountingLane):
 
     def __init__(self, group, device: torch.device, nbytes: int):
         super().__init__(nbytes)
-        self.group, self.device = group, device
+        self.group, self.device = group if group is not None else dist.group.WORLD, device   # bound, as a Lane is
         self.buf.fill_(255)                                         # NaN bytes: a read of unwritten bytes shows
         _GlooLane.made += 1
         self.name = f"lane{_GlooLane.made}"
@@ -188,3 +188,29 @@ def gloo_lane_calls(short: bool, case, calls: int) -> list[dict]:
             mock.patch.object(symmetric, "_LANES", {}):
         results = run_calls(short, case, calls)
     return [{**r, "lane_posts": sum(lane.posts for lane in _GlooLane.live)} for r in results]
+
+
+def across_a_new_default_group(path: str) -> list[list[torch.Tensor]]:
+    """The same two calls - the ring on gloo, and on copy engines through gloo lanes - before and after this rank's
+    default group is destroyed and made again (``file://`` rendezvous under ``path``): the second group's calls must
+    plan anew and make lanes of their own, never reuse the destroyed group's rings or lanes. Per round, each call's
+    out and dq."""
+    import seqpar
+    from seqpar.comm import symmetric
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, 16 * world, 2, 8, generator=g) for _ in range(4)]
+    rounds = []
+    with mock.patch.object(symmetric, "check", lambda *a: None), mock.patch.object(symmetric, "Lane", _GlooLane), \
+            mock.patch.object(symmetric, "_LANES", {}):
+        for i in range(2):
+            got = []
+            for transport in ("nccl", "copy_engine"):
+                q, k, v, do = (seqpar.shard(t, method="ring", layout="zigzag").requires_grad_() for t in full)
+                out = seqpar.attention(q, k, v, method="ring", layout="zigzag", transport=transport)
+                got += [out.detach(), *torch.autograd.grad(out, (q,), do)]
+            rounds.append(got)
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", init_method=f"file://{path}/group{i}", rank=rank, world_size=world)
+    return rounds

@@ -18,6 +18,23 @@ def test_an_exchange_waits_for_its_pushes_and_its_p2p_alike(pools):
         assert r["got"] == [float(1 - rank)] * 2 and r["landed"] == [7.0] * 3, r
 
 
+def test_a_default_group_made_again_plans_anew_with_lanes_of_its_own(tmp_path):
+    """A process that destroys its default group and makes it again (an elastic restart, the fail-fast recipe of
+    docs/RELIABILITY.md) calls with ``mesh=None`` as before: the new group's calls plan anew and make their own
+    copy-engine lanes, equal to the first group's results. Planned calls and lanes were once found by the default
+    group's name alone, which a re-created group keeps: the second group's first call raised that its ring's group
+    was destroyed."""
+    from _workers_copy_engine import across_a_new_default_group
+    from conftest import new_pool
+
+    with new_pool(2, timeout=120) as pool:
+        got = pool.run(across_a_new_default_group, str(tmp_path))
+    for rank, (before, after) in enumerate(got):
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), f"rank {rank}: the second group's results differ"
+        assert torch.equal(before[0], before[2]) and torch.equal(before[1], before[3]), \
+            f"rank {rank}: the ring on copy engines differs from the ring on gloo"
+
+
 def test_lane_buffers_are_carved_aligned_in_order():
     """Receive buffers sit at ALIGN-aligned offsets, in the order asked, the same on every rank (a peer's copy of a
     buffer is found at its offset): carved from a plain tensor, as ``Lane.carve`` carves the symmetric one."""
@@ -79,11 +96,18 @@ def test_one_lane_per_use_grown_only_for_a_larger_call(monkeypatch):
     dev = torch.device("cpu")
     spec = lambda n: [((n,), torch.uint8)]                       # noqa: E731
     sizes = [1024, 512, 4096, 2048, 4096, 1024]
-    lanes = [symmetric.lane(FakeGroup(), dev, spec(n), "kv") for n in sizes]
+    group = FakeGroup()
+    lanes = [symmetric.lane(group, dev, spec(n), "kv") for n in sizes]
     assert made == [1024, 4096]                                  # grown once, at the first larger call
     assert [lane.nbytes for lane in lanes] == [1024, 1024, 4096, 4096, 4096, 4096]
-    other = symmetric.lane(FakeGroup(), dev, spec(512), "home")  # another use: a lane of its own
+    other = symmetric.lane(group, dev, spec(512), "home")        # another use: a lane of its own
     assert made == [1024, 4096, 512] and other not in lanes
+    # a group made again under the same name (a default group destroyed and re-created) gets lanes of its own, and
+    # the dead group's lanes are dropped when the next lane is made
+    del group
+    again = FakeGroup()
+    assert symmetric.lane(again, dev, spec(1024), "kv") not in lanes and made[-1] == 1024
+    assert list(symmetric._LANES) == [(id(again), dev, "kv")]
 
 
 def test_home_regions_hold_each_step_block_in_the_wider_dtype_within_the_limit(monkeypatch):

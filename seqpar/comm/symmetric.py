@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import socket
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -71,7 +72,7 @@ TRANSPORTS = ("nccl", "copy_engine")
 ALIGN = 256
 """Byte alignment of each buffer carved from a lane (the copy engines' and the kernels' friendly boundary)."""
 
-_LANES: dict[tuple, Lane] = {}
+_LANES: dict[tuple, tuple[weakref.ref, Lane]] = {}   # (id(group), device, use) -> (the group, weakly; its lane)
 
 
 def _symm():
@@ -237,17 +238,23 @@ def lane(group: dist.ProcessGroup | None, device: torch.device,
         overlap another call's: only buffers of one call must not. Keeping one lane per use, grown to the largest
         call seen, bounds the symmetric memory that calls of changing lengths hold (a lane per shape never freed
         would grow with every new length) to about the largest call's buffers per lane kept alive by a plan.
-        Every rank makes the same calls in the same order, so every rank grows its lane at the same call."""
+        Every rank makes the same calls in the same order, so every rank grows its lane at the same call.
+
+        Lanes belong to the group object, not its name: a default group destroyed and made again keeps its name
+        ("0") but not its peers' mappings, so it gets lanes of its own; a dead group's lanes are dropped when the
+        next lane is made (never inside a captured call)."""
     nbytes = span(specs)
-    name = (group if group is not None else dist.group.WORLD).group_name
-    key = (name, device, tag)
-    have = _LANES.get(key)
-    if have is None or have.nbytes < nbytes:
+    owner = group if group is not None else dist.group.WORLD
+    key = (id(owner), device, tag)
+    ref, have = _LANES.get(key, (None, None))
+    if have is None or ref() is not owner or have.nbytes < nbytes:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"transport='copy_engine' makes its buffers on a plan's first call, which must not be "
                                f"captured: run the call once before capturing it{rank_suffix()}")
-        _LANES[key] = Lane(group, device, nbytes)
-    return _LANES[key]
+        for dead in [k for k, (r, _) in _LANES.items() if r() is None]:
+            del _LANES[dead]
+        _LANES[key] = (weakref.ref(owner), Lane(group, device, nbytes))
+    return _LANES[key][1]
 
 
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .. import agreement, methods
 from ..comm import symmetric
@@ -213,6 +214,15 @@ def _same_but_batch(old: Plan, new: Plan) -> bool:
             and replace(old.cfg, cu_seqlens=None) == replace(new.cfg, cu_seqlens=None))
 
 
+def _owner(mesh: Any) -> Any:
+    """What a call's plans and agreement rounds belong to: ``mesh``, or for ``mesh=None`` the default group as it
+    is now - a process that destroys and re-creates its default group gets new plans and a new round schedule, not
+    the ones of the destroyed group (whose rings, lanes and posted rounds are gone with it)."""
+    if mesh is None and dist.is_initialized():
+        return dist.group.WORLD
+    return mesh
+
+
 def _tracker(mesh: Any) -> agreement.Tracker:
     key = None if mesh is None else id(mesh)
     with _LOCK:
@@ -306,7 +316,7 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
     window = tuple(window_size) if isinstance(window_size, list) else window_size
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grad,
-               None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), _Same(mesh), method, layout,
+               None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), _Same(_owner(mesh)), method, layout,
                causal, softmax_scale, kernel, return_lse, window, host_cu_seqlens(cu_seqlens), seq_len,
                deterministic, grad_dtype, dropout_p, alibi_slopes is None, softcap, verify,
                tuple(options.items()) if options else (), graphs, _masks.cache_key(mask_mod), balance)
@@ -348,7 +358,7 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
         engine, direct = _graphs.Graphed(engine, required=graphs is True), None
     plan = Plan(m, cfg, groups, call, engine, items, return_lse, verify, direct)
     if key is not None:
-        _tracker(mesh)                  # registers the mesh's finalizer (drops these plans with it)
+        _tracker(_owner(mesh))          # registers the mesh's finalizer (drops these plans with it)
         _insert(key, batch, plan)
     return plan
 
@@ -366,7 +376,7 @@ def _round(items: agreement.Items, mesh: Any, check_ranks: Any, device: torch.de
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise ValueError(f"check_ranks must be False for a call captured in a CUDA graph (the agreement round "
                          f"reads its result on the host), got {check_ranks!r}{rank_suffix()}")
-    _tracker(mesh).round(items, every=_every(check_ranks), device=device)
+    _tracker(_owner(mesh)).round(items, every=_every(check_ranks), device=device)
 
 
 def _check_ranks_arg(check_ranks: Any) -> None:
@@ -428,7 +438,7 @@ def validated(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, ke
             if round_now:
                 agreement.share_error(err, mesh)
             else:
-                _tracker(mesh).share_error(err, _every(check_ranks))
+                _tracker(_owner(mesh)).share_error(err, _every(check_ranks))
         raise
     if round_now:
         agreement.check(agreement.attention_signature(q, k, v, cfg, groups, **(flags or {})), mesh, q.device)
