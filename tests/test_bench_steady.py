@@ -22,15 +22,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_steady_on_gloo(tmp_path):
     """Two gloo processes (torchrun): every configuration's record carries its back-to-back time, the efficiency
-    against the same limit, and the run's table has the back-to-back table beside the cold one."""
+    against the same limit, and the run's table has the back-to-back table beside the cold one. ``--methods`` may
+    name a configuration the methods' ``bench_specs`` do not list (Ulysses in two head groups)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "seqpar.bench", "--preset", "tiny-causal", "--device", "cpu", "--methods", "ring/zigzag,ulysses",
+           "seqpar.bench", "--preset", "tiny-causal", "--device", "cpu", "--methods",
+           "ring/zigzag,ulysses,ulysses/head_chunks2",
            "--steady", "--warmup", "0", "--iters", "1", "--graphs", "off", "--out", str(tmp_path)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     recs = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
     ours = [r for r in recs if not r["method"].startswith("limit")]
-    assert {(r["method"], r["mode"]) for r in ours} == {(m, mode) for m in ("ring/zigzag", "ulysses")
+    assert {(r["method"], r["mode"]) for r in ours} == {(m, mode) for m in ("ring/zigzag", "ulysses",
+                                                                           "ulysses/head_chunks2")
                                                         for mode in ("fwd", "fwd+bwd")}
     for r in ours:
         assert r["world_size"] == 2 and r["backend"] == "gloo" and "emulated_world" not in r
@@ -61,3 +64,18 @@ def test_steady_refused_where_a_suite_times_itself(suite):
 
     with pytest.raises(SystemExit, match=f"--steady .*{suite}"):
         main(["--preset", suite, "--steady", "--device", "cpu"])
+
+
+def test_method_labels_read_back():
+    """``--methods`` labels outside ``bench_specs`` are read as the planner's validation reads records; a label
+    whose options are out of order, or that names no option, is refused by name."""
+    from seqpar.bench.presets import MethodSpec
+
+    for label in ("ulysses/head_chunks2/transportcopy_engine", "usp/u2/zigzag/transportcopy_engine",
+                  "allgather/zigzag/heads_k_stride2", "double_ring/zigzag/node_size2"):
+        assert MethodSpec.parse(label, 4).label == label
+    assert MethodSpec.parse("ulysses/head_chunks2", 4).options == (("head_chunks", 2),)
+    with pytest.raises(ValueError, match="reads back as 'ulysses/head_chunks2/transportcopy_engine'"):
+        MethodSpec.parse("ulysses/transportcopy_engine/head_chunks2", 4)
+    with pytest.raises(ValueError, match="cannot read 'foo1'"):
+        MethodSpec.parse("ulysses/foo1", 4)

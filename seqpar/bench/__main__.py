@@ -361,7 +361,11 @@ class Bench:
                  f"causal={preset.causal} on {self.world} ranks")
         limit = self.limit(preset)
         keep = [m for m in self.args.methods.split(",") if m]
-        for spec in method_specs(preset, self.world, methods.available()):
+        specs = method_specs(preset, self.world, methods.available())
+        listed = {s.label for s in specs}
+        asked = [MethodSpec.parse(m, self.world) for m in keep if "/" in m and m not in listed and not is_auto(m)]
+        specs += [a for a in asked if any(s.method == a.method for s in specs)]   # its method runs on this preset
+        for spec in specs:
             if keep and spec.label not in keep and spec.method not in keep:
                 continue
             if self.over_budget():

@@ -143,6 +143,23 @@ class MethodSpec:
         parts += [f"{k}{v}" for k, v in self.options]
         return "/".join(parts)
 
+    @classmethod
+    def parse(cls, label: str, world: int) -> MethodSpec:
+        """The configuration ``label`` names on ``world`` ranks, read as the planner's validation reads records
+        (``seqpar.planner.validate.parse_method``), e.g. ``ulysses/head_chunks2/transportcopy_engine``: so
+        ``--methods`` may time configurations ``bench_specs`` does not list.
+
+        Raises:
+            ValueError: a part it cannot read, or a label that does not read back the same.
+        """
+        from ..planner.validate import parse_method
+
+        c = parse_method(label, world)
+        spec = cls(c.method, c.layout, c.options, c.ulysses if methods.get(c.method).mesh_dims == 2 else None)
+        if spec.label != label:
+            raise ValueError(f"--methods {label!r} reads back as {spec.label!r}: name its options in that order")
+        return spec
+
 
 def method_specs(preset: Preset, world: int, available: list[str]) -> list[MethodSpec]:
     """The seqpar configurations worth timing for ``preset`` on ``world`` ranks: every method of ``available``
