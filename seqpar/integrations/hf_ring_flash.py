@@ -50,6 +50,7 @@ excluded from torch.compile tracing (one graph break per attention call), as in 
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,7 +65,7 @@ from .huggingface import _BENIGN, _REFUSED, _UNSET, _eager, _short, _window
 __all__ = ["substitute_hf_flash_attn", "update_ring_flash_attn_params"]
 
 FALLBACK_NAME = "seqpar_ring_attn"        # transformers treats any name containing "flash" as a flash kernel
-_DOCUMENTS: dict[Any, tuple[int, ...]] = {}       # process group -> global boundaries of the current step
+_DOCUMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # group -> this step's global boundaries (weak)
 _UNDERSTOOD = _BENIGN | {"is_causal"}       # cu_seq_lens_q/_k are checked against the current boundaries
 
 
