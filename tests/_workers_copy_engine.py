@@ -78,7 +78,7 @@ class _CountingLane:
     peer's copy of a buffer is this rank's own), so only the schedule of posts is observed, not values."""
 
     def __init__(self, nbytes: int):
-        self.buf, self.nbytes, self.posts = torch.zeros(nbytes, dtype=torch.uint8), nbytes, 0
+        self.buf, self.nbytes, self.posts, self.pulled = torch.zeros(nbytes, dtype=torch.uint8), nbytes, 0, 0
 
     carve = Lane.carve
 
@@ -161,6 +161,7 @@ class _GlooLane(_CountingLane):
                 dst.copy_(src)
             else:
                 mine.append((dst.peer, dst.offset, src.contiguous().view(-1).view(torch.uint8).clone()))
+        self.pulled += len(pulls)
         got: list = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(got, (self.name, self.posts, mine, self.buf.clone()), group=self.group)
         if len({(name, n) for name, n, _, _ in got}) != 1:
@@ -178,7 +179,8 @@ class _GlooLane(_CountingLane):
 
 def gloo_lane_calls(short: bool, case, calls: int) -> list[dict]:
     """``run_calls`` of ``case`` with its copy-engine lanes on gloo (``_GlooLane``; fresh lanes for the call), each
-    result with ``lane_posts``: how many posts its lanes took (none would mean the hops went over gloo P2P)."""
+    result with ``lane_posts``: how many posts its lanes took (none would mean the hops went over gloo P2P), and
+    ``lane_pulls``: how many of their copies were pulls (all-to-all slots)."""
     from _workers_ulysses import run_calls
 
     from seqpar.comm import symmetric
@@ -187,7 +189,8 @@ def gloo_lane_calls(short: bool, case, calls: int) -> list[dict]:
     with mock.patch.object(symmetric, "check", lambda *a: None), mock.patch.object(symmetric, "Lane", _GlooLane), \
             mock.patch.object(symmetric, "_LANES", {}):
         results = run_calls(short, case, calls)
-    return [{**r, "lane_posts": sum(lane.posts for lane in _GlooLane.live)} for r in results]
+    return [{**r, "lane_posts": sum(lane.posts for lane in _GlooLane.live),
+             "lane_pulls": sum(lane.pulled for lane in _GlooLane.live)} for r in results]
 
 
 def across_a_new_default_group(path: str) -> list[list[torch.Tensor]]:

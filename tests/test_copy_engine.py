@@ -165,10 +165,11 @@ def _gloo_cases(world: int):
             base.with_(layout="balanced_whole", cu_seqlens=docs)]
 
 
-def _copy_engines_agree(pool, case, short: bool, calls: int) -> None:
+def _copy_engines_agree(pool, case, short: bool, calls: int, pulls: bool = False) -> None:
     """``case`` on ``pool`` with ``transport="copy_engine"`` over gloo lanes (``gloo_lane_calls``): ``calls`` calls of
     one plan, each within the dense oracle's tolerance and bitwise equal to the case's one call on gloo alone, and
-    the lanes posted (else the transfers went over gloo's own P2P)."""
+    the lanes posted (else the transfers went over gloo's own P2P); with ``pulls`` the all-to-alls pulled on the
+    lanes, else none pulled."""
     from _workers_copy_engine import gloo_lane_calls
     from _workers_ulysses import run_calls
 
@@ -178,6 +179,7 @@ def _copy_engines_agree(pool, case, short: bool, calls: int) -> None:
     copy = case.with_(options=tuple(sorted({**dict(case.options), "transport": "copy_engine"}.items())))
     res = pool.run(gloo_lane_calls, short, copy, calls)
     assert all(r[-1]["lane_posts"] > 0 for r in res), [r[-1]["lane_posts"] for r in res]
+    assert all((r[-1]["lane_pulls"] > 0) == pulls for r in res), (pulls, [r[-1]["lane_pulls"] for r in res])
     for t in range(calls):
         got = [r[t] for r in res]
         report = check_case(case, got)
@@ -219,14 +221,15 @@ def test_ulysses_all_to_alls_on_copy_engines_equal_nccl_on_gloo(pools, world):
     lse and dlse, sinks): every call bitwise equal to Ulysses on gloo, and judged against the dense oracle."""
     pool = pools(world)
     for case in _ulysses_cases(world):
-        _copy_engines_agree(pool, case, False, 3)
+        _copy_engines_agree(pool, case, False, 3, pulls=True)
 
 
 @pytest.mark.parametrize("short", [False, True], ids=["running-sums", "partials-home"])
 def test_usp_on_copy_engines_equals_nccl_on_gloo(pools, short):
-    """USP with ``transport="copy_engine"`` over 4 ranks (Ulysses 2 x ring 2, and Ulysses 4 x ring 1), its lanes stood
-    in for over gloo: the all-to-alls pulled, the ring's hops and partials pushed, on two subgroups of their own -
-    every call bitwise equal to USP on gloo and judged against the dense oracle."""
+    """USP with ``transport="copy_engine"`` over 4 ranks, its lanes stood in for over gloo: Ulysses 2 x ring 2 pushes
+    the ring's hops and partials and leaves the all-to-alls on the group's own collective (measured faster); Ulysses
+    4 x ring 1 has no ring, and pulls its all-to-alls as Ulysses does - every call bitwise equal to USP on gloo and
+    judged against the dense oracle."""
     from seqpar.testing.cases import Case
 
     base = Case(method="usp", layout="zigzag", ulysses=2, seq_len=64, heads=4, kv_heads=2, head_dim=8,
@@ -234,4 +237,4 @@ def test_usp_on_copy_engines_equals_nccl_on_gloo(pools, short):
     pool = pools(4)
     for case in (base, base.with_(cu_seqlens=(0, 12, 52, 64), lse_grad=True, options=(("head_chunks", 2),)),
                  base.with_(layout="contiguous", causal=False, dtype="bfloat16", ulysses=4)):
-        _copy_engines_agree(pool, case, short, 2)
+        _copy_engines_agree(pool, case, short, 2, pulls=case.ulysses == 4)

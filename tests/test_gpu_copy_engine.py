@@ -85,8 +85,8 @@ def test_ulysses_on_copy_engines_equals_nccl(world):
 
 @pytest.mark.parametrize("short", [False, True], ids=["running-sums", "partials-home"])
 def test_usp_on_copy_engines_equals_nccl(short):
-    """USP 2 x 2 with ``transport="copy_engine"`` on four GPUs: the all-to-alls pulled, the ring's hops pushed, each on
-    its subgroup's lane; eager and graphed."""
+    """USP 2 x 2 with ``transport="copy_engine"`` on four GPUs: the ring's hops pushed on its subgroup's lanes, the
+    all-to-alls on NCCL; eager and graphed."""
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs")
     base = Case(method="usp", layout="zigzag", ulysses=2, seq_len=4096, heads=8, kv_heads=2, head_dim=64,

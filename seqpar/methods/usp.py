@@ -18,9 +18,12 @@ dO (and dlse) to head-sharded, the ring backward, dq/dk/dv back with KV replica 
 behind group i's ring, group i-1's output all-to-all too (Note [Head-group pipeline] in ``_ulysses``); the
 ring's fp32 buffers shrink c-fold as a side effect. Each group must keep the slot rules over U.
 
-``transport="copy_engine"`` moves both on copy engines through torch's symmetric memory (one host, CUDA): the
-all-to-alls as pulls (Note [Copy-engine all-to-all] in ``seqpar.comm.symmetric``), the ring's hops as pushes (Note
-[Copy-engine ring]); not modelled by the planner yet, so ``method="auto"`` never picks it.
+``transport="copy_engine"`` moves the ring's hops on copy engines through torch's symmetric memory (one host, CUDA;
+Note [Copy-engine ring] in ``seqpar.comm.symmetric``); the all-to-alls stay on NCCL, which on four H100s ran them
+faster than pulls did (USP forward 0.02-0.03 faster so, forward+backward the same:
+``benchmarks/results/2026-11-27-4xh100-copy-engine-a2a/``). With no ring (R == 1) it moves the all-to-alls, as
+Ulysses' option does (Note [Copy-engine all-to-all]). Not modelled by the planner, so ``method="auto"`` never picks
+it.
 
 Degenerate meshes take the short paths: R == 1 is plain Ulysses and never enters the ring engine (one
 local full-sequence computation, no fp32 merge); U == 1 is a plain ring (no all-to-all). GQA follows
@@ -54,7 +57,8 @@ def _chunks(call: Call) -> int:
     U = call.groups.ulysses_size
     _ulysses.check_heads(call.q_shape[2], call.k_shape[2], U, world=call.groups.world)
     chunks = _ulysses.resolve_head_chunks(call.cfg.option("head_chunks", 1), call.q_shape[2], call.k_shape[2], U)
-    symmetric.check(call.cfg.option("transport", "nccl"), call.groups.ulysses, call.device)
+    moved = call.groups.ring if call.groups.ring_size > 1 else call.groups.ulysses     # what the option moves
+    symmetric.check(call.cfg.option("transport", "nccl"), moved, call.device)
     return chunks
 
 
@@ -77,11 +81,10 @@ class _RingInner:
 
 
 def _engine(call: Call) -> _ulysses.Sandwich:
+    transport = call.cfg.option("transport", "nccl")
     if call.groups.ring_size == 1:          # plain Ulysses: never the ring engine (yunchang defect 13)
-        inner = _ulysses.LocalEngine(call)
-    else:
-        inner = _RingInner(call)
-    return _ulysses.Sandwich(call, "ulysses", inner, _chunks(call), call.cfg.option("transport", "nccl"))
+        return _ulysses.Sandwich(call, "ulysses", _ulysses.LocalEngine(call), _chunks(call), transport)
+    return _ulysses.Sandwich(call, "ulysses", _RingInner(call), _chunks(call))   # all-to-alls on NCCL (see above)
 
 
 def _saved_meta(q_shape, k_shape, v_shape, dtype, groups, options) -> list:
