@@ -412,13 +412,21 @@ def test_auto_weighs_copy_engines_only_where_allowed_and_measured():
                   transports=both)[:2] == ("ring", {"transport": "copy_engine"})
     with pytest.raises(ValueError, match="transports must name some of"):
         plan(**kw, transports=("rdma",))
-    # Ulysses and USP take the option but their models predict NCCL only (Method.modelled_transports): never ranked
-    # on copy engines, so auto never picks them that way, and validate does not predict their records
-    assert {e.label for e in r.entries if e.label.startswith(("ulysses", "usp"))} and \
-        not any(e.label.startswith(("ulysses", "usp")) and "transport" in e.label for e in r.entries)
-    rec = {"method": "ulysses/transportcopy_engine", "world_size": 4, "causal": True}
+    # Ulysses takes the option but its model predicts NCCL only (Method.modelled_transports): never ranked on copy
+    # engines, so auto never picks it that way, and validate does not predict its records. USP's option moves its
+    # ring's hops, priced as the ring's on copy engines - but with no ring (U = W) it would move the all-to-alls: not
+    # predicted (the planner ranks that mesh as Ulysses)
+    contiguous = plan(**dict(kw, layout="contiguous"), profile="h100-nvswitch", transports=both).entries
+    assert {e.label for e in contiguous if e.label.startswith("ulysses")} and \
+        not any(e.label.startswith("ulysses") and "transport" in e.label for e in contiguous)
+    usp = {e.label: e for e in r.entries if e.label.startswith("usp")}
+    assert usp["usp/u2r2/zigzag/transportcopy_engine"].ok
+    assert usp["usp/u2r2/zigzag/transportcopy_engine"].time_ms < usp["usp/u2r2/zigzag"].time_ms
+    rec = {"method": "ulysses/transportcopy_engine", "world_size": 4, "causal": True, "seq_len": 16384, "heads": 32}
     assert validate.modelled({**rec, "method": "ulysses"}) and not validate.modelled(rec)
     assert validate.modelled({**rec, "method": "ring/zigzag/transportcopy_engine"})
+    assert validate.modelled({**rec, "method": "usp/u2/zigzag/transportcopy_engine"})
+    assert not validate.modelled({**rec, "method": "usp/u4/zigzag/transportcopy_engine"})
 
 
 def _calibrate_worker(settings: cal.Settings) -> dict:

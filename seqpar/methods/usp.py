@@ -20,10 +20,10 @@ ring's fp32 buffers shrink c-fold as a side effect. Each group must keep the slo
 
 ``transport="copy_engine"`` moves the ring's hops on copy engines through torch's symmetric memory (one host, CUDA;
 Note [Copy-engine ring] in ``seqpar.comm.symmetric``); the all-to-alls stay on NCCL, which on four H100s ran them
-faster than pulls did (USP forward 0.02-0.03 faster so, forward+backward the same:
-``benchmarks/results/2026-11-27-4xh100-copy-engine-a2a/``). With no ring (R == 1) it moves the all-to-alls, as
-Ulysses' option does (Note [Copy-engine all-to-all]). Not modelled by the planner, so ``method="auto"`` never picks
-it.
+faster than pulls did (USP forward 0.02-0.04 faster so, forward+backward the same:
+``benchmarks/results/2026-11-27-4xh100-copy-engine-a2a/``). The cost model prices those hops as the ring's on copy
+engines, so ``method="auto", transport="copy_engine"`` weighs USP that way too. With no ring (R == 1) it moves the
+all-to-alls, as Ulysses' option does (Note [Copy-engine all-to-all]), which no model predicts.
 
 Degenerate meshes take the short paths: R == 1 is plain Ulysses and never enters the ring engine (one
 local full-sequence computation, no fp32 merge); U == 1 is a plain ring (no all-to-all). GQA follows
@@ -99,15 +99,16 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
     U, R = c.ulysses, p.world // c.ulysses
     L = p.seq_len / p.world
     hw = model.kv_wire_heads(p.kv_heads, U)
+    pattern = "ring_copy" if c.option("transport") == "copy_engine" else "ring"    # the ring's hops only
     chunks = model.head_chunks(p, c, U)
     if chunks > 1:                      # [head-group pipeline]: the ring runs per group, a2a's beside it
         hwc = model.kv_wire_heads(p.kv_heads // chunks, U)
-        cost = model.passkv(p, m, c.layout, R, p.heads / (U * chunks), hwc / U, model.Group(R, U), "usp")
+        cost = model.passkv(p, m, c.layout, R, p.heads / (U * chunks), hwc / U, model.Group(R, U), "usp", pattern)
         cost.fwd, cost.bwd = model.head_pipeline(p, m, U, L, chunks, cost.fwd, cost.bwd)
         cost.notes.append(f"{chunks} head groups pipelined: the ring of one group hides the next group's "
                           f"all-to-all")
     else:
-        cost = model.passkv(p, m, c.layout, R, p.heads / U, hw / U, model.Group(R, U), "usp")
+        cost = model.passkv(p, m, c.layout, R, p.heads / U, hw / U, model.Group(R, U), "usp", pattern)
         pre_f, pre_b = model.Tally(m), model.Tally(m)
         model.a2a_in(p, m, U, L, pre_f, pre_b)
         cost.fwd.absorb(pre_f)
@@ -121,7 +122,10 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
 
 
 def _why_not(p: model.Problem, c: model.Candidate) -> list[str]:
-    return model.ulysses_why_not(p, c.ulysses, c.option("head_chunks", 1))
+    why = model.ulysses_why_not(p, c.ulysses, c.option("head_chunks", 1))
+    if c.option("transport") == "copy_engine" and c.ulysses == p.world:
+        why.append("transport='copy_engine' with no ring moves the all-to-alls, which the cost model does not predict")
+    return why
 
 
 def _bench_specs(preset, world: int) -> list:
@@ -146,6 +150,7 @@ METHOD = Method(
     layouts=("contiguous", "zigzag", "stripe", "balanced", "doc_zigzag", "doc_contiguous"),
     mesh_dims=2,
     options={"head_chunks": 1, "transport": "nccl"},
+    modelled_transports=("nccl", "copy_engine"),
     features=frozenset({"window", "varlen", "padding", "lse_grad", "value_dim", "sinks", "softcap", "mask",
                         "document_layouts"}),
     placement=_placement,

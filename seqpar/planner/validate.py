@@ -128,8 +128,11 @@ def modelled(rec: dict[str, Any]) -> bool:
     if method.startswith("peer:") or is_auto(method):
         return False
     c = parse_method(method, int(rec["world_size"]), bool(rec.get("causal", True)))
-    transport = c.option("transport")
-    return transport is None or transport in _methods.get(c.method).modelled_transports
+    transport, m = c.option("transport"), _methods.get(c.method)
+    if transport is None:
+        return True
+    # a transport the method's model predicts, in a configuration it predicts (USP with no ring: not)
+    return transport in m.modelled_transports and not (m.why_not and m.why_not(_problem(rec), c))
 
 
 PACKED_SUITE_SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128, "causal": True}
@@ -152,15 +155,20 @@ def predict_record(rec: dict[str, Any], prof: Profile | None = None, kernel: str
     documents, Note [Packed batches] in ``seqpar.cost.model``)."""
     method, W = str(rec["method"]), int(rec["world_size"])
     profile = profile_for(rec, prof)
-    if rec.get("packed"):
-        rec = PACKED_SUITE_SHAPE | rec
     causal = bool(rec.get("causal", True))
-    p = Problem(seq_len=int(rec["seq_len"]), heads=int(rec["heads"]), kv_heads=int(rec.get("kv_heads", rec["heads"])),
-                head_dim=int(rec.get("head_dim", 128)), batch=int(rec.get("batch", 1)), world=W, causal=causal,
-                dtype_bytes=DTYPE_BYTES[str(rec.get("dtype", "bfloat16"))], documents=packed_documents(rec))
     topo = get_topology(None if W <= profile.gpus_per_node else "nvswitch", profile)
     kern = kernel or rec.get("kernel") or profile.default_kernel
-    return predict(p, parse_method(method, W, causal), Machine(profile, Network(topo, profile), kern))
+    return predict(_problem(rec), parse_method(method, W, causal), Machine(profile, Network(topo, profile), kern))
+
+
+def _problem(rec: dict[str, Any]) -> Problem:
+    """The problem a benchmark record timed (a packed row's with its documents)."""
+    if rec.get("packed"):
+        rec = PACKED_SUITE_SHAPE | rec
+    return Problem(seq_len=int(rec["seq_len"]), heads=int(rec["heads"]),
+                   kv_heads=int(rec.get("kv_heads", rec["heads"])), head_dim=int(rec.get("head_dim", 128)),
+                   batch=int(rec.get("batch", 1)), world=int(rec["world_size"]), causal=bool(rec.get("causal", True)),
+                   dtype_bytes=DTYPE_BYTES[str(rec.get("dtype", "bfloat16"))], documents=packed_documents(rec))
 
 
 def _predict(rec: dict[str, Any], prof: Profile | None, kernel: str | None, source: str = "",
