@@ -67,8 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=1, help="layers of KV cache (with --cached)")
     ap.add_argument("--transports", default="nccl",
                     help="how the transfers of methods with a transport option may move, comma-separated: nccl, "
-                         "copy_engine (one host; the ring's from the profile's p2p_copy, Ulysses' not modelled "
-                         "yet); one --gpus count and one --seq-len")
+                         "copy_engine (one host; the ring's and USP's ring hops from the profile's p2p_copy; "
+                         "Ulysses' not modelled); one --gpus count and one --seq-len")
     ap.add_argument("--plot", default=None, help="write a PNG (needs matplotlib)")
     ap.add_argument("--json", default=None, help="write the rows as JSON")
     return ap
