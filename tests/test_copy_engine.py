@@ -18,7 +18,8 @@ def test_an_exchange_waits_for_its_pushes_and_its_p2p_alike(pools):
         assert r["got"] == [float(1 - rank)] * 2 and r["landed"] == [7.0] * 3, r
 
 
-def test_a_default_group_made_again_plans_anew_with_lanes_of_its_own(tmp_path):
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_default_group_made_again_plans_anew_with_lanes_of_its_own(tmp_path, world):
     """A process that destroys its default group and makes it again (an elastic restart, the fail-fast recipe of
     docs/RELIABILITY.md) calls with ``mesh=None`` as before: the new group's calls plan anew and make their own
     copy-engine lanes, equal to the first group's results. Planned calls and lanes were once found by the default
@@ -27,7 +28,7 @@ def test_a_default_group_made_again_plans_anew_with_lanes_of_its_own(tmp_path):
     from _workers_copy_engine import across_a_new_default_group
     from conftest import new_pool
 
-    with new_pool(2, timeout=120) as pool:
+    with new_pool(world, timeout=120) as pool:
         got = pool.run(across_a_new_default_group, str(tmp_path))
     for rank, (before, after) in enumerate(got):
         assert all(torch.equal(a, b) for a, b in zip(before, after)), f"rank {rank}: the second group's results differ"
