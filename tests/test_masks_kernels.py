@@ -191,12 +191,13 @@ def test_wide_rows_is_the_line_between_fa2_and_flex(sm90):
 
 
 def test_takes_delta_asks_narrow_and_wide_blocks(sm90, monkeypatch):
-    """Pass-Q's bundle carries Delta only if every kernel of a kind takes it: an sm90 training call's wide bands are on
-    flex (Delta) but its narrow ones on FA2 (folded rows), so "band" says no; "joined" is flex's alone."""
+    """Pass-Q's bundle carries Delta only if every kernel of a kind takes it: an sm90 training call's wide bands and
+    its joined steps are on flex, its narrow bands on FA2, and both read the folded rows (flex's backward kernel
+    computes Delta from the final out itself: Note [Flex backward from the final rows]), so neither kind does."""
     monkeypatch.setattr(executor_mod, "_sig", lambda q, k: (H, HKV, D, BF16, torch.device("cuda")))
     r, x = TaskRunner("auto", 0.1, training=True), torch.zeros(1)
     assert not r.takes_delta(x, x, frozenset({"band"}))
-    assert r.takes_delta(x, x, frozenset({"joined"}))
+    assert not r.takes_delta(x, x, frozenset({"joined"}))
     monkeypatch.setattr(executor_mod, "_sig", lambda q, k: (8, 2, D, BF16, torch.device("cuda")))
     r = TaskRunner("auto", 0.1, training=True)           # few KV heads: a joined step's backward runs apart
     assert not r.takes_delta(x, x, frozenset({"joined"}))

@@ -331,6 +331,8 @@ def emulated(args) -> None:
     W = 8
     for S in args.sizes:
         cases = {"causal": (True, None), **named(S)}
+        if args.emulated_masks:
+            cases = {n: c for n, c in cases.items() if n.split()[0] in args.emulated_masks}
         for method, layout in args.emulated_methods:
             for name, (causal, m) in cases.items():
                 try:
@@ -407,6 +409,8 @@ def main() -> None:
     ap.add_argument("--emulated-methods", default="ring/zigzag,ulysses/contiguous",
                     type=lambda t: [tuple(x.split("/")) for x in t.split(",")],
                     help="method/layout pairs of the emulated section (ring/balanced: the mask's work balanced)")
+    ap.add_argument("--emulated-masks", default=None, type=lambda t: t.split(","),
+                    help="the emulated section's cases by first word (causal, sink_window, ...); default all")
     ap.add_argument("--sizes", default="16384,131072")
     ap.add_argument("--large-masks", default="sink_window,chunked,window", type=lambda t: t.split(","),
                     help="w1 cases (first word of the name) timed at sizes above 16K")

@@ -14,9 +14,11 @@ head dim that differs from the key head dim are served (probed forward and backw
 Flex keeps its lse in base 2 internally; the public lse output is converted in ``_natural_lse`` (the one
 place that knows the convention of the running torch version).
 
-Backward from the FINAL (out, lse): Flex's lse is differentiable, so the block gradient is autograd of the
-recomputed block ``(o_b, l_b)`` with upstream ``w dO`` on ``o_b`` and ``w (rowsum(dO o_b) - Delta)`` on
-``l_b``, where ``w = exp(l_b - lse)`` is the block's merge weight: exactly the chain rule through MERGE.
+Backward from the FINAL (out, lse): on CUDA flex's backward kernel alone, given the final rows as cuDNN's is (Note
+[Flex backward from the final rows] in ``seqpar.kernels.flex_backward``). Where that cannot be built (and for calls
+whose shapes vary) the block's forward is recomputed: flex's lse is differentiable, so the block gradient is
+autograd of the recomputed block ``(o_b, l_b)`` with upstream ``w dO`` on ``o_b`` and ``w (rowsum(dO o_b) -
+Delta)`` on ``l_b``, where ``w = exp(l_b - lse)`` is the block's merge weight: exactly the chain rule through MERGE.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from ..masks.forms import Band, Joined, Mask, Modded
 from ..types import AttnOutput
 from .base import Kernel, KernelCall, register
+from .flex_backward import final_rows_backward
 
 __all__ = ["BAND_ARCHS", "BAND_BWD_KV_HEADS", "BAND_MASKS", "BAND_RANK", "MASK_BYTES", "MOD_MASKS", "RECOMPILES",
            "SPARSE_BLOCK", "STATIC_SHAPES", "VARLEN_MASKS", "FlexKernel"]
@@ -305,7 +308,6 @@ class FlexKernel(Kernel):
 
     name = "flex"
     auto_rank = {"cuda": 50}
-    takes_delta = True
     direct_softcap = True
     joins = True
     dynamic = False
@@ -377,6 +379,12 @@ class FlexKernel(Kernel):
 
     def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
                  deterministic=False):
+        if out is not None and delta is None and not self.dynamic and q.device.type == "cuda":
+            grads = final_rows_backward(do, q, k, v, out, lse, _block_mask(mask, q.shape[1], k.shape[1], q.device),
+                                        _softcap_mod(float(softcap), q.device) if softcap > 0 else None, scale,
+                                        _options(q).get("kernel_options", {}))
+            if grads is not None:                    # Note [Flex backward from the final rows]
+                return grads
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
         with torch.enable_grad():
             o_b, l_b = self._run(qg, kg, vg, mask, scale, softcap)
