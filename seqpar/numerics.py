@@ -9,9 +9,9 @@ gradient, attention sinks.
 
 Note [Folding the lse gradient]
     A gradient on lse adds ``dlse_i P_ij`` to ``dS_ij`` (``d lse_i / d s_ij = P_ij``), which is the ordinary
-    backward with ``Delta_i = rowsum(dO_i O_i) - dlse_i``. Kernels that take Delta (reference, flex) get it
-    directly. Fused kernels (cuDNN, FA2, FA3) recompute Delta from the O they are given and use O for
-    nothing else, so we hand them ``O' = O - dlse * w / |w|^2`` and ``dO' = w``: then ``rowsum(w O') =
+    backward with ``Delta_i = rowsum(dO_i O_i) - dlse_i``. Kernels that take Delta (reference) get it
+    directly. Fused kernels (cuDNN, FA2, FA3, flex's backward kernel) recompute Delta from the O they are given
+    and use O for nothing else, so we hand them ``O' = O - dlse * w / |w|^2`` and ``dO' = w``: then ``rowsum(w O') =
     rowsum(w O) - dlse`` exactly in real arithmetic. ``w = dO`` on every row whose ``|dO|`` is at least
     ``tau = max(|dlse| 2^-k, floor)``; a row with a smaller (or zero) dO gets ``w = dO + tau e_0``, which
     perturbs that row's dV and dP contribution by at most ``tau`` - far below the dtype's resolution of

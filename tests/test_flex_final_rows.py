@@ -15,6 +15,7 @@ from seqpar.kernels import flex as flex_mod
 from seqpar.kernels import flex_backward
 from seqpar.masks import Band, Joined, Varlen
 from seqpar.masks.forms import Modded
+from seqpar.numerics import GradRows
 
 pytest.importorskip("torch.nn.attention.flex_attention")
 
@@ -37,7 +38,7 @@ def _final_rows(mask, m: int, n: int, heads: int, kv_heads: int, softcap: float,
     return q, k, v, out, lse, do
 
 
-def _dense_backward(do, q, k, v, out, lse, mask, scale: float, softcap: float):
+def _dense_backward(do, q, k, v, out, lse, mask, scale: float, softcap: float, dlse=None):
     """A block's share of the gradient from the final rows, on the dense grid (fp64)."""
     m, n, H, Hkv = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     dev = q.device
@@ -49,7 +50,8 @@ def _dense_backward(do, q, k, v, out, lse, mask, scale: float, softcap: float):
     s = softcap * torch.tanh(raw / softcap) if softcap else raw
     p = torch.exp(s - lse[0].double().unsqueeze(-1)).masked_fill(~visible.expand(H, m, n), 0.0).nan_to_num(0.0)
     dv = p.transpose(1, 2) @ dod
-    ds = p * (dod @ vd.transpose(1, 2) - (dod * od).sum(-1, keepdim=True))
+    delta = (dod * od).sum(-1, keepdim=True) - (0 if dlse is None else dlse[0].double().unsqueeze(-1))
+    ds = p * (dod @ vd.transpose(1, 2) - delta)
     if softcap:
         ds = ds * (1 - torch.tanh(raw / softcap) ** 2)
     dq = ds @ kd * scale
@@ -96,6 +98,29 @@ def test_final_rows_equal_recompute(name: str, softcap: float):
         assert a.shape == b.shape, what
         assert torch.isfinite(a).all(), what
         torch.testing.assert_close(a.double(), b, atol=2e-4, rtol=2e-4, msg=what)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_lse_gradient_through_folded_rows(device: str):
+    """With an lse gradient the kernel gets the folded rows (Note [Folding the lse gradient]): its Delta is
+    ``rowsum(dO O) - dlse`` and its dV still the plain ``P^T dO``."""
+    m, n = 256, 384
+    mask = _masks(m, n, device)["joined"]
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v, out, lse, do = _final_rows(mask, m, n, 4, 2, 5.0, seed=11, device=device, dtype=dtype)
+    dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(12)).to(device)
+    rows = GradRows(do, out, dlse)
+    do_f, out_f = rows.folded
+    scale = 32 ** -0.5
+    bm = flex_mod._block_mask(mask, m, n, q.device)
+    with torch.no_grad():
+        got = flex_backward.final_rows_backward(do_f, q, k, v, out_f, lse, bm, flex_mod._softcap_mod(5.0, q.device),
+                                                scale, flex_mod._options(q).get("kernel_options", {}))
+    want = _dense_backward(do, q, k, v, out, lse, mask, scale, 5.0, dlse)
+    for a, b, what in zip(got, want, ("dq", "dk", "dv")):
+        err = (a.double() - b).abs().max() / b.abs().max()
+        assert err < (1e-5 if device == "cpu" else 2e-2), (what, float(err))
 
 
 def test_one_variant_per_mask_family():
@@ -168,3 +193,21 @@ def test_gpu_variant_keeps_no_call_tensors():
     del q, k, v, out, lse, do
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+_SHIFT = torch.tensor([0])
+
+
+def _global_mod(b, h, qi, ki):
+    return (ki + _SHIFT[0]) <= qi
+
+
+def test_a_reassigned_global_is_another_variant():
+    """A tensor the function reads as a global is traced in as it was: another tensor there is another variant
+    (the same tensor refilled in place is read as it is at each call)."""
+    global _SHIFT
+    found: list[torch.Tensor] = []
+    key = flex_backward._lift(_global_mod, found)[1]
+    assert flex_backward._lift(_global_mod, [])[1] == key and not found
+    _SHIFT = torch.tensor([1])
+    assert flex_backward._lift(_global_mod, [])[1] != key

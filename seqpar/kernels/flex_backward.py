@@ -47,18 +47,31 @@ _VARIANTS: OrderedDict[tuple, tuple | None] = OrderedDict()    # key -> (compile
 _LOCK = threading.Lock()
 
 
+def _held(fn: Callable) -> tuple:
+    """The tensors ``fn`` reads that ``_lift`` leaves in place - its defaults, the globals its code names, a callable
+    object's attributes - by identity: the graph holds them as they were when traced, so another one means another
+    variant."""
+    if isinstance(fn, types.FunctionType):
+        held = [*(fn.__defaults__ or ()), *(fn.__globals__.get(n) for n in fn.__code__.co_names)]
+    else:
+        held = list(getattr(fn, "__dict__", {}).values())
+    return tuple(id(t) for t in held if isinstance(t, torch.Tensor))
+
+
 def _lift(fn: Callable, tensors: list[torch.Tensor]) -> tuple[Callable[[tuple], Callable], tuple]:
     """``(rebuild, key)``: ``fn`` with every tensor it closes over - through the plain functions it closes over -
     appended to ``tensors``; ``rebuild(ts)`` is ``fn`` closing over ``ts[i]`` instead of each, ``key`` names its
-    structure (code, constants, tensor shapes and dtypes). Anything else (a callable object, an empty cell) is
-    kept as it is, by identity."""
+    structure (code, constants, tensor shapes and dtypes, ``_held``). Anything else (a callable object, an empty
+    cell) is kept as it is, by identity."""
     cells = getattr(fn, "__closure__", None)
-    if not isinstance(fn, types.FunctionType) or not cells:
-        return (lambda ts: fn), ("fn", id(fn)) if not isinstance(fn, types.FunctionType) else ("fn", fn.__code__)
+    if not isinstance(fn, types.FunctionType):
+        return (lambda ts: fn), ("obj", id(fn), _held(fn))
+    if not cells:
+        return (lambda ts: fn), ("fn", fn.__code__, _held(fn))
     try:
         contents = [c.cell_contents for c in cells]
     except ValueError:                                    # an empty cell (a function still being defined)
-        return (lambda ts: fn), ("fn", id(fn))
+        return (lambda ts: fn), ("fn", id(fn), _held(fn))
     parts, keys = [], []
     for x in contents:
         if isinstance(x, torch.Tensor):
@@ -77,7 +90,7 @@ def _lift(fn: Callable, tensors: list[torch.Tensor]) -> tuple[Callable[[tuple], 
     def rebuild(ts: tuple) -> Callable:
         return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
                                   tuple(types.CellType(p(ts)) for p in parts))
-    return rebuild, (fn.__code__, tuple(keys))
+    return rebuild, (fn.__code__, tuple(keys), _held(fn))
 
 
 def _identity(score, b, h, m, n):
