@@ -104,7 +104,7 @@ def _meta(t: torch.Tensor) -> tuple:
 def _build(q, k, v, out, lse2, do, block_mask, score_mod, scale: float, options: dict) -> tuple[tuple, Callable, list]:
     """``(key, make, inputs)``: the variant's key, a function building ``(compiled graph, order)``, and the call's
     inputs; ``order(inputs)`` are the graph's (the functions' constants placed)."""
-    from torch._higher_order_ops.flex_attention import create_fw_bw_graph, flex_attention_backward
+    from torch._higher_order_ops.flex_attention import flex_attention_backward
 
     layout = block_mask.as_tuple()
     mask_bufs: list[torch.Tensor] = []
@@ -120,24 +120,9 @@ def _build(q, k, v, out, lse2, do, block_mask, score_mod, scale: float, options:
     def make() -> Callable:
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        idx = tuple(q.new_zeros((), dtype=torch.int) for _ in range(4))
-
-        def score_fn(score, b, h, m, n, *bufs):
-            return rebuild_score(bufs)(score, b, h, m, n)
-
-        def mask_fn(b, h, m, n, *bufs):
-            return rebuild_mask(bufs)(b, h, m, n)
-
-        # aten graphs of both functions, every tensor they use an input (``_as_inputs``): traced inside the op's own
-        # trace, their indexing left constants the compile could not take
-        score_graph, score_consts = _as_inputs(
-            _traced(score_fn, q.new_zeros((), dtype=torch.float32), *idx, *score_bufs))
-        mask_graph, mask_consts = _as_inputs(_traced(mask_fn, *idx, *mask_bufs))
-        score_all, mask_all = (*score_bufs, *score_consts), (*mask_bufs, *mask_consts)
-        with torch.enable_grad():          # built inside an autograd backward: the joint needs the score's grad
-            fw_graph, joint_graph = create_fw_bw_graph(
-                score_graph, (q.new_zeros((), dtype=torch.float32, requires_grad=True), *idx), score_all)
-        n_mask_all = len(mask_all)
+        mask_graph, mask_consts, fw_graph, joint_graph, score_consts = _subgraphs(
+            q, rebuild_mask, mask_bufs, rebuild_score, score_bufs)
+        n_mask_all = n_mask + len(mask_consts)
 
         def grads(q, k, v, out, lse2, do, *rest):
             blocks = iter(rest[:n_block])
@@ -158,6 +143,28 @@ def _build(q, k, v, out, lse2, do, block_mask, score_mod, scale: float, options:
             gm = compile_graph(gm, full)
         return gm, order                                   # on CPU the op's eager (dense) form: the tests' path
     return key, make, inputs
+
+
+def _subgraphs(q: torch.Tensor, rebuild_mask, mask_bufs: list, rebuild_score, score_bufs: list) -> tuple:
+    """``(mask graph, its constants, fw graph, joint graph, the score graph's constants)``: aten graphs of the mask and
+    score functions with every tensor they use an input (``_as_inputs``) - traced inside the op's own trace, their
+    indexing left constants the compile could not take - and the score function's joint."""
+    from torch._higher_order_ops.flex_attention import create_fw_bw_graph
+
+    idx = tuple(q.new_zeros((), dtype=torch.int) for _ in range(4))
+
+    def score_fn(score, b, h, m, n, *bufs):
+        return rebuild_score(bufs)(score, b, h, m, n)
+
+    def mask_fn(b, h, m, n, *bufs):
+        return rebuild_mask(bufs)(b, h, m, n)
+
+    score_graph, score_consts = _as_inputs(_traced(score_fn, q.new_zeros((), dtype=torch.float32), *idx, *score_bufs))
+    mask_graph, mask_consts = _as_inputs(_traced(mask_fn, *idx, *mask_bufs))
+    with torch.enable_grad():              # built inside an autograd backward: the joint needs the score's grad
+        fw_graph, joint_graph = create_fw_bw_graph(
+            score_graph, (q.new_zeros((), dtype=torch.float32, requires_grad=True), *idx), (*score_bufs, *score_consts))
+    return mask_graph, mask_consts, fw_graph, joint_graph, score_consts
 
 
 def _traced(fn: Callable, *args: torch.Tensor):
@@ -203,10 +210,10 @@ def final_rows_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     """A block's ``(dq, dk, dv)`` ``(B, S, H, D)`` from the final rows ``do``, ``out`` ``(B, Sq, H, Dv)`` (folded:
     Delta is ``rowsum(do out)``) and ``lse`` ``(B, H, Sq)`` natural log, by flex's backward kernel alone (Note
     [Flex backward from the final rows]); None where this variant could not be built (it then warned once)."""
-    qt, kt, vt, ot, dot = (x.transpose(1, 2) for x in (q, k, v, out, do))
-    opts = _kernel_options(qt, kt, vt, options)
-    lse2 = (lse.float() * _LOG2E).nan_to_num_(nan=0.0, neginf=0.0)   # a row seeing no key: all masked
-    key, make, inputs = _build(qt, kt, vt, ot, lse2, dot, block_mask, score_mod, scale, opts)
+    q_BHSD, k_BHSD, v_BHSD, out_BHSD, do_BHSD = (x.transpose(1, 2) for x in (q, k, v, out, do))
+    opts = _kernel_options(q_BHSD, k_BHSD, v_BHSD, options)
+    lse2_BHS = (lse.float() * _LOG2E).nan_to_num_(nan=0.0, neginf=0.0)   # a row seeing no key: all masked
+    key, make, inputs = _build(q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse2_BHS, do_BHSD, block_mask, score_mod, scale, opts)
     with _LOCK:
         known = key in _VARIANTS
         fn = _VARIANTS.get(key)
@@ -228,8 +235,8 @@ def final_rows_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         return None
     fn, order = fn
     args = order(inputs)
-    dq, dk, dv = fn(*args)
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    dq_BHSD, dk_BHSD, dv_BHSD = fn(*args)
+    return dq_BHSD.transpose(1, 2), dk_BHSD.transpose(1, 2), dv_BHSD.transpose(1, 2)
 
 
 def variants() -> dict[tuple, Any]:
