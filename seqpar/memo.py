@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BATCH_ENTRIES", "batch_memo"]
+__all__ = ["BATCH_ENTRIES", "Same", "batch_memo"]
 
 BATCH_ENTRIES = 8
 """Per-batch entries a memo keeps (a step's calls share one batch; a few batches of slack)."""
@@ -45,3 +46,34 @@ def batch_memo(plain: int = 256, batch_args: tuple[str, ...] = ("doc_bounds", "v
         memo.tiers = (fixed, per_batch)                     # type: ignore[attr-defined]
         return memo
     return wrap
+
+
+class Same:
+    """A cache-key element equal by identity, holding its object by weak reference where the object takes one: a
+    cache must never keep a process group alive (gloo closes a group's connections only when the group object goes
+    away, which the fail-fast recipe of docs/RELIABILITY.md relies on), nor a batch's tensor. Two DeviceMeshes over
+    the same ranks are equal as values but carry different process groups, hence identity. An entry of a dead object
+    never equals a live one (its reference is dead), so an ``id`` reused by a new object never finds the old entry;
+    an object that takes no weak reference (a list, a dict) is held strongly."""
+
+    __slots__ = ("id", "ref")
+
+    def __init__(self, obj: Any):
+        self.id = None if obj is None else id(obj)
+        if obj is None:
+            self.ref = None
+        else:
+            try:
+                self.ref = weakref.ref(obj)
+            except TypeError:
+                self.ref = functools.partial(lambda o: o, obj)
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Same) and other.id == self.id and (
+            self.ref is None or (other.ref is not None and other.ref() is self.ref()))
+
+    def dead(self) -> bool:
+        return self.ref is not None and self.ref() is None

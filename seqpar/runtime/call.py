@@ -61,6 +61,7 @@ from ..kernels import Kernel, available_kernels
 from ..layouts import LAYOUTS
 from ..masks import mod as _masks
 from ..masks import named as _named
+from ..memo import Same
 from ..methods.base import Call, Engine, Method
 from . import graphs as _graphs
 
@@ -271,30 +272,6 @@ def _in_recompute() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _Same:
-    """A cache-key element for a mesh: equal by identity (two DeviceMeshes over the same ranks are equal as
-    values but carry different process groups), holding it by weak reference - a cache must never keep a
-    process group alive (gloo closes a group's connections only when the group object goes away, which the
-    fail-fast recipe of docs/RELIABILITY.md relies on). An entry of a dead mesh never equals a live one (its
-    reference is dead), and it is dropped at the next locked access after the mesh dies (``_drain``)."""
-
-    __slots__ = ("id", "ref")
-
-    def __init__(self, obj: Any):
-        self.id = None if obj is None else id(obj)
-        self.ref = None if obj is None else weakref.ref(obj)
-
-    def __hash__(self) -> int:
-        return hash(self.id)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and other.id == self.id and (
-            self.ref is None or (other.ref is not None and other.ref() is self.ref()))
-
-    def dead(self) -> bool:
-        return self.ref is not None and self.ref() is None
-
-
 def host_cu_seqlens(cu: Any) -> tuple[int, ...] | None:
     """``cu_seqlens`` as host ints (a CUDA tensor costs one device read); validated as a 1D int tensor."""
     if cu is None:
@@ -316,7 +293,7 @@ def planned(q, k, v, sinks, *, mesh, method, layout, causal, softmax_scale, kern
     window = tuple(window_size) if isinstance(window_size, list) else window_size
     try:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grad,
-               None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), _Same(_owner(mesh)), method, layout,
+               None if sinks is None else (sinks.shape, sinks.dtype, sinks.device), Same(_owner(mesh)), method, layout,
                causal, softmax_scale, kernel, return_lse, window, host_cu_seqlens(cu_seqlens), seq_len,
                deterministic, grad_dtype, dropout_p, alibi_slopes is None, softcap, verify,
                tuple(options.items()) if options else (), graphs, _masks.cache_key(mask_mod), balance)
