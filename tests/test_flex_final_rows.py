@@ -202,12 +202,64 @@ def _global_mod(b, h, qi, ki):
     return (ki + _SHIFT[0]) <= qi
 
 
-def test_a_reassigned_global_is_another_variant():
-    """A tensor the function reads as a global is traced in as it was: another tensor there is another variant
-    (the same tensor refilled in place is read as it is at each call)."""
+def test_globals_are_inputs_read_at_each_call():
+    """A tensor the function reads as a global is lifted like a closed-over one: one variant, and the graph gets
+    whatever tensor the global names at the call (a batch's ids replaced are seen; no variant holds them)."""
     global _SHIFT
     found: list[torch.Tensor] = []
-    key = flex_backward._lift(_global_mod, found)[1]
-    assert flex_backward._lift(_global_mod, [])[1] == key and not found
-    _SHIFT = torch.tensor([1])
-    assert flex_backward._lift(_global_mod, [])[1] != key
+    rebuild, key = flex_backward._lift(_global_mod, found)
+    assert len(found) == 1 and found[0] is _SHIFT
+    old = _SHIFT
+    try:
+        _SHIFT = torch.tensor([2])
+        again: list[torch.Tensor] = []
+        assert flex_backward._lift(_global_mod, again)[1] == key and again[0] is _SHIFT
+        z = torch.zeros((), dtype=torch.long)
+        qi, ki = torch.arange(4)[:, None], torch.arange(4)[None]
+        assert torch.equal(rebuild((torch.tensor([2]),))(z, z, qi, ki), _global_mod(z, z, qi, ki))
+    finally:
+        _SHIFT = old
+
+
+def test_objects_key_by_value_or_refuse_tensors():
+    """A callable object keys its variant by its own equality (a new equal mask finds the variant, another seed does
+    not); one holding tensors is refused (its tensors would be traced in as constants), as is a function that
+    builds a tensor from a literal: such calls keep the recompute."""
+    from seqpar.testing.cases import HashMask
+
+    key = flex_backward._lift(HashMask(3), [])[1]
+    assert flex_backward._lift(HashMask(3), [])[1] == key
+    assert flex_backward._lift(HashMask(4), [])[1] != key
+
+    class Holds:
+        def __init__(self):
+            self.t = torch.tensor([1, 0])
+
+        def __call__(self, b, h, qi, ki):
+            return self.t[ki % 2] == 1
+    with pytest.raises(flex_backward._Untracked):
+        flex_backward._lift(Holds(), [])
+
+    def literal(b, h, qi, ki):
+        return torch.tensor([True, False, True])[ki % 3] & (ki <= qi)
+    m = n = 128
+    mask = Modded(Band(None, 0), literal, ((0, m),), ((0, n),))
+    q, k, v, out, lse, do = _final_rows(mask, m, n, 2, 2, 0.0, seed=5)
+    bm = flex_mod._block_mask(mask, m, n, q.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")              # refused quietly: not a failed build
+        assert flex_backward.final_rows_backward(do, q, k, v, out, lse, bm, None, 32 ** -0.5, {}) is None
+
+
+def test_a_dead_objects_id_finds_nothing():
+    """Values keyed by identity are held weakly: once gone, an object at the same ``id`` never matches."""
+    class Plain:
+        def __call__(self, b, h, qi, ki):
+            return ki <= qi
+    a = Plain()
+    key = flex_backward._lift(a, [])[1]
+    part = key[1]
+    del a
+    assert part.dead() and part != flex_backward._part(Plain())
+
+

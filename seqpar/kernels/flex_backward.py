@@ -22,7 +22,12 @@ Note [Flex backward from the final rows]
     option defaults), so the first build of each variant is checked: if tracing or compiling raises, that variant
     warns once and keeps the recomputing backward (``FlexKernel.backward``), which is correct on every torch.
     Variants are kept per (mask family, score function, shapes, strides, dtypes, scale, options), at most
-    ``VARIANTS``; calls whose shapes vary batch to batch keep the recompute (``FlexKernel.dynamic``).
+    ``VARIANTS``; calls whose shapes vary batch to batch keep the recompute (``FlexKernel.dynamic``). Every tensor
+    a function reads through its closure, its defaults or the globals its code names is an input of the graph, read
+    at each call (a batch's document ids refilled or replaced are seen, and no variant holds them); values it closes
+    over key the variant by value or, held weakly, by identity (``seqpar.memo.Same``). A function that reads a
+    tensor some other way - a callable object's attribute, a module's attribute, a tensor it builds from a literal
+    - would be traced in as a constant, so such a call keeps the recompute too (``_Untracked``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from typing import Any
 
 import torch
 
+from ..memo import Same
+
 __all__ = ["VARIANTS", "final_rows_backward", "variants"]
 
 VARIANTS = 128
@@ -47,50 +54,63 @@ _VARIANTS: OrderedDict[tuple, tuple | None] = OrderedDict()    # key -> (compile
 _LOCK = threading.Lock()
 
 
-def _held(fn: Callable) -> tuple:
-    """The tensors ``fn`` reads that ``_lift`` leaves in place - its defaults, the globals its code names, a callable
-    object's attributes - by identity: the graph holds them as they were when traced, so another one means another
-    variant."""
-    if isinstance(fn, types.FunctionType):
-        held = [*(fn.__defaults__ or ()), *(fn.__globals__.get(n) for n in fn.__code__.co_names)]
-    else:
-        held = list(getattr(fn, "__dict__", {}).values())
-    return tuple(id(t) for t in held if isinstance(t, torch.Tensor))
+class _Untracked(Exception):
+    """A mask or score function reads a tensor this module cannot hand the graph at each call."""
+
+
+def _part(x: Any) -> Any:
+    """A value a traced function closes over, as a key part: a plain value as itself, an object with equality of
+    its own (a frozen dataclass ``mask_mod``) by value, anything else by identity (``Same``: an ``id`` reused after
+    the object is gone never matches)."""
+    if isinstance(x, (int, float, bool, str, type(None))):
+        return x
+    if not isinstance(x, torch.Tensor) and type(x).__eq__ is not object.__eq__:
+        try:
+            hash(x)
+            return x
+        except TypeError:
+            pass
+    return Same(x)
 
 
 def _lift(fn: Callable, tensors: list[torch.Tensor]) -> tuple[Callable[[tuple], Callable], tuple]:
-    """``(rebuild, key)``: ``fn`` with every tensor it closes over - through the plain functions it closes over -
-    appended to ``tensors``; ``rebuild(ts)`` is ``fn`` closing over ``ts[i]`` instead of each, ``key`` names its
-    structure (code, constants, tensor shapes and dtypes, ``_held``). Anything else (a callable object, an empty
-    cell) is kept as it is, by identity."""
-    cells = getattr(fn, "__closure__", None)
+    """``(rebuild, key)``: ``fn`` with every tensor it reads - through its closure, its defaults and the globals its
+    code names, and through the plain functions among them - appended to ``tensors``; ``rebuild(ts)`` is ``fn``
+    reading ``ts[i]`` instead of each, so the graph gets them as inputs at every call. ``key`` names the structure
+    (code, values, tensor shapes and dtypes). A callable object is kept as it is (``_part``); one holding tensors
+    raises ``_Untracked``.
+    """
     if not isinstance(fn, types.FunctionType):
-        return (lambda ts: fn), ("obj", id(fn), _held(fn))
-    if not cells:
-        return (lambda ts: fn), ("fn", fn.__code__, _held(fn))
+        if any(isinstance(x, torch.Tensor) for x in getattr(fn, "__dict__", {}).values()):
+            raise _Untracked(f"{type(fn).__name__} holds tensors")
+        return (lambda ts: fn), ("obj", _part(fn))
     try:
-        contents = [c.cell_contents for c in cells]
+        cells = [c.cell_contents for c in fn.__closure__ or ()]
     except ValueError:                                    # an empty cell (a function still being defined)
-        return (lambda ts: fn), ("fn", id(fn), _held(fn))
-    parts, keys = [], []
-    for x in contents:
+        return (lambda ts: fn), ("fn", Same(fn))
+    names = [n for n in fn.__code__.co_names if isinstance(fn.__globals__.get(n), torch.Tensor)]
+
+    def take(x: Any) -> tuple[Callable[[tuple], Any], Any]:
         if isinstance(x, torch.Tensor):
             tensors.append(x)
             i = len(tensors) - 1
-            parts.append(lambda ts, i=i: ts[i])
-            keys.append(("t", tuple(x.shape), x.dtype, x.device))
-        elif isinstance(x, types.FunctionType):
-            sub, k = _lift(x, tensors)
-            parts.append(sub)
-            keys.append(k)
-        else:
-            parts.append(lambda ts, x=x: x)
-            keys.append(("c", x if isinstance(x, (int, float, bool, str, type(None))) else id(x)))
+            return (lambda ts: ts[i]), ("t", tuple(x.shape), x.dtype, x.device)
+        if isinstance(x, types.FunctionType):
+            return _lift(x, tensors)
+        return (lambda ts: x), ("c", _part(x))
+    cell_parts = [take(x) for x in cells]
+    global_parts = [take(fn.__globals__[n]) for n in names]
+    default_parts = [take(x) for x in fn.__defaults__ or ()]
 
     def rebuild(ts: tuple) -> Callable:
-        return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
-                                  tuple(types.CellType(p(ts)) for p in parts))
-    return rebuild, (fn.__code__, tuple(keys), _held(fn))
+        glob = {**fn.__globals__, **{n: p(ts) for n, (p, _) in zip(names, global_parts)}} if names else fn.__globals__
+        out = types.FunctionType(fn.__code__, glob, fn.__name__,
+                                 tuple(p(ts) for p, _ in default_parts) if fn.__defaults__ is not None else None,
+                                 tuple(types.CellType(p(ts)) for p, _ in cell_parts) if fn.__closure__ else None)
+        out.__kwdefaults__ = fn.__kwdefaults__
+        return out
+    return rebuild, (fn.__code__, *(tuple(k for _, k in ps) for ps in (cell_parts, global_parts, default_parts)),
+                     tuple(names))
 
 
 def _identity(score, b, h, m, n):
@@ -122,6 +142,8 @@ def _build(q, k, v, out, lse2, do, block_mask, score_mod, scale: float, options:
 
         mask_graph, mask_consts, fw_graph, joint_graph, score_consts = _subgraphs(
             q, rebuild_mask, mask_bufs, rebuild_score, score_bufs)
+        if any(c.dim() for c in (*mask_consts, *score_consts)):    # read another way (a module's attribute)
+            raise _Untracked("a tensor read otherwise than through its closure, defaults or globals")
         n_mask_all = n_mask + len(mask_consts)
 
         def grads(q, k, v, out, lse2, do, *rest):
@@ -209,11 +231,16 @@ def final_rows_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """A block's ``(dq, dk, dv)`` ``(B, S, H, D)`` from the final rows ``do``, ``out`` ``(B, Sq, H, Dv)`` (folded:
     Delta is ``rowsum(do out)``) and ``lse`` ``(B, H, Sq)`` natural log, by flex's backward kernel alone (Note
-    [Flex backward from the final rows]); None where this variant could not be built (it then warned once)."""
+    [Flex backward from the final rows]); None where this variant could not be built (it then warned once) or a
+    function reads a tensor the graph could not take at each call (``_Untracked``): the caller recomputes."""
     q_BHSD, k_BHSD, v_BHSD, out_BHSD, do_BHSD = (x.transpose(1, 2) for x in (q, k, v, out, do))
     opts = _kernel_options(q_BHSD, k_BHSD, v_BHSD, options)
     lse2_BHS = (lse.float() * _LOG2E).nan_to_num_(nan=0.0, neginf=0.0)   # a row seeing no key: all masked
-    key, make, inputs = _build(q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse2_BHS, do_BHSD, block_mask, score_mod, scale, opts)
+    try:
+        key, make, inputs = _build(q_BHSD, k_BHSD, v_BHSD, out_BHSD, lse2_BHS, do_BHSD, block_mask, score_mod, scale,
+                                   opts)
+    except _Untracked:
+        return None
     with _LOCK:
         known = key in _VARIANTS
         fn = _VARIANTS.get(key)
@@ -222,6 +249,8 @@ def final_rows_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     if not known:
         try:
             fn = make()
+        except _Untracked:
+            fn = None
         except Exception as e:                              # a torch whose private pieces differ: keep the recompute
             warnings.warn(f"seqpar: flex's backward from the final rows could not be built on torch "
                           f"{torch.__version__} ({type(e).__name__}: {str(e)[:200]}); this block shape recomputes "
