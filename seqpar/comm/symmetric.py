@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import socket
 import warnings
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -63,6 +62,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import rank_suffix
+from ..memo import Same
 
 __all__ = ["ALIGN", "COPY_A2A_BYTES", "TRANSPORTS", "Lane", "Pulls", "check", "lane", "region_view", "span", "usable"]
 
@@ -72,7 +72,7 @@ TRANSPORTS = ("nccl", "copy_engine")
 ALIGN = 256
 """Byte alignment of each buffer carved from a lane (the copy engines' and the kernels' friendly boundary)."""
 
-_LANES: dict[tuple, tuple[weakref.ref, Lane]] = {}   # (id(group), device, use) -> (the group, weakly; its lane)
+_LANES: dict[tuple, Lane] = {}   # (the group, weakly: memo.Same; device, use) -> its lane
 
 
 def _symm():
@@ -244,17 +244,16 @@ def lane(group: dist.ProcessGroup | None, device: torch.device,
         ("0") but not its peers' mappings, so it gets lanes of its own; a dead group's lanes are dropped when the
         next lane is made (never inside a captured call)."""
     nbytes = span(specs)
-    owner = group if group is not None else dist.group.WORLD
-    key = (id(owner), device, tag)
-    ref, have = _LANES.get(key, (None, None))
-    if have is None or ref() is not owner or have.nbytes < nbytes:
+    key = (Same(group if group is not None else dist.group.WORLD), device, tag)
+    have = _LANES.get(key)
+    if have is None or have.nbytes < nbytes:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"transport='copy_engine' makes its buffers on a plan's first call, which must not be "
                                f"captured: run the call once before capturing it{rank_suffix()}")
-        for dead in [k for k, (r, _) in _LANES.items() if r() is None]:
+        for dead in [k for k in _LANES if k[0].dead()]:
             del _LANES[dead]
-        _LANES[key] = (weakref.ref(owner), Lane(group, device, nbytes))
-    return _LANES[key][1]
+        _LANES[key] = Lane(group, device, nbytes)
+    return _LANES[key]
 
 
 
