@@ -77,20 +77,10 @@ def _masks(m: int, n: int, device: str = "cpu"):
         "varlen-window": Varlen((0, m // 2, m), (0, n // 2, n), (48, 0)),
         "modded": Modded(Band(None, n - m), user, ((0, m),), ((0, n),)),
         "empty-rows": Band(-300, -200),
-        "joined-off-tiles": _off_tiles(m, n),
     }
 
 
-def _off_tiles(m: int, n: int) -> Joined:
-    """A sink window's joined call as the all-gather lays it out: 3 sinks, 64 halo keys, then the rank's own keys
-    from 67, its diagonal off flex's tiles (Note [Joined keys on tiles])."""
-    return Joined(((0, m, 0, 3, Band()), (0, 64, 3, 67, Band(0, None)), (0, m, 67, n, Band(-64, 0))))
-
-
-NAMES = ["band", "causal-offset", "joined", "varlen-window", "modded", "empty-rows", "joined-off-tiles"]
-
-
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ["band", "causal-offset", "joined", "varlen-window", "modded", "empty-rows"])
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 def test_final_rows_equal_recompute(name: str, softcap: float):
     m, n = 256, 384
@@ -165,7 +155,7 @@ def test_lift_rebuilds_with_other_tensors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ["band", "causal-offset", "joined", "varlen-window", "modded", "empty-rows"])
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 def test_gpu_final_rows_compiled(name: str, softcap: float):
     """The compiled graph through ``FlexKernel.backward`` (bf16 inputs, fp32 rows' maths) against the dense fp64
@@ -186,49 +176,6 @@ def test_gpu_final_rows_compiled(name: str, softcap: float):
         assert torch.isfinite(a).all(), what
         err = (a.double() - b).abs().max() / b.abs().max().clamp(min=1e-6)
         assert err < 2e-2, (what, float(err))
-
-
-def test_joined_keys_go_on_tiles():
-    """A joined call whose largest part's diagonal is off flex's tiles gets zero key rows first, so it is on them
-    (fewer partial tiles); one already on them, or under a tile of rows, is left as it is."""
-    assert flex_mod._on_tiles(_off_tiles(256, 320))[0] == 61
-    m, w = 512, 255                                  # a band wide enough for full tiles between its edges
-    n = 3 + w + m
-    mask = Joined(((0, m, 0, 3, Band()), (0, w, 3, 3 + w, Band(0, None)), (0, m, 3 + w, n, Band(-w, 0))))
-    s, shifted = flex_mod._on_tiles(mask)
-    assert s == 126 and shifted.parts[2][2] == 384
-    partial = [int(flex_mod._tiles(flex_mod._intervals(x, m), m, n + pad)[0].sum()) for x, pad in ((mask, 0),
-                                                                                                 (shifted, s))]
-    assert partial[1] < partial[0], partial
-    on = Joined(((0, m, 0, 3, Band()), (0, 125, 3, 128, Band(0, None)), (0, m, 128, n, Band(-125, 0))))
-    assert flex_mod._on_tiles(on) == (0, on)
-    small = Joined(((0, 100, 0, 3, Band()), (0, 100, 3, 103, Band(-64, 0))))
-    assert flex_mod._on_tiles(small) == (0, small)
-
-
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("softcap", [0.0, 5.0])
-def test_a_joined_call_on_padded_keys_gives_the_unpadded_results(monkeypatch, softcap: float):
-    """``FlexKernel`` on a joined call off tiles (its keys padded inside, Note [Joined keys on tiles]): the forward
-    equals the reference kernel's on the keys as given, the backward (the final-rows graph run eagerly on CPU)
-    the dense fp64 gradients of those keys, padding rows dropped."""
-    from seqpar.kernels import KERNELS
-
-    monkeypatch.setattr(flex_mod, "FINAL_ROWS_DEVICES", frozenset({"cpu", "cuda"}))
-    m, n = 256, 320
-    mask = _off_tiles(m, n)
-    q, k, v, out, lse, do = _final_rows(mask, m, n, 4, 2, softcap, seed=21)
-    scale = 32 ** -0.5
-    got = flex_mod.FlexKernel().forward(q, k, v, mask, scale, softcap=softcap)
-    want = KERNELS["reference"].forward(q.double(), k.double(), v.double(), mask, scale, softcap=softcap)
-    torch.testing.assert_close(got.out.double(), want.out, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(got.lse.double(), want.lse, atol=2e-5, rtol=2e-5)
-    with torch.no_grad():
-        grads = flex_mod.FlexKernel().backward(do, q, k, v, out, lse, mask, scale, softcap=softcap)
-    want = _dense_backward(do, q, k, v, out, lse, mask, scale, softcap)
-    for a, b, what in zip(grads, want, ("dq", "dk", "dv")):
-        assert a.shape == b.shape, what
-        torch.testing.assert_close(a.double(), b, atol=2e-4, rtol=2e-4, msg=what)
 
 
 @pytest.mark.gpu

@@ -19,20 +19,6 @@ Backward from the FINAL (out, lse): on CUDA flex's backward kernel alone, given 
 whose shapes vary) the block's forward is recomputed: flex's lse is differentiable, so the block gradient is
 autograd of the recomputed block ``(o_b, l_b)`` with upstream ``w dO`` on ``o_b`` and ``w (rowsum(dO o_b) -
 Delta)`` on ``l_b``, where ``w = exp(l_b - lse)`` is the block's merge weight: exactly the chain rule through MERGE.
-
-Note [Joined keys on tiles]
-    Flex computes a block mask's partial tiles (128 query rows x 128 keys) cell by cell and skips empty ones, so a
-    band whose diagonal edge cuts the tiles off their corners pays about one more partial tile per tile row than the
-    same band on tiles. A joined call's key buffer is its blocks' keys side by side: the all-gather's sink window
-    lays out the 4 sink keys, the neighbour's last 4095 keys, then the rank's own, so its own band's diagonal starts
-    at key 4099 = 32 x 128 + 3. Its forward took 3.67 ms and its backward 13.38 ms at 16K rows where the same call
-    with the own keys from 4224 = 33 x 128 took 3.12 and 10.55 (one H100, GQA 32/8, D 128, bf16; the W = 1 row's
-    share 2.82 and 10.18: ``benchmarks/results/2026-11-28-h100-joined-alignment``). So ``forward``,
-    ``autograd_forward`` and ``backward`` put ``s`` zero key rows before a joined call's keys, ``s`` chosen so the
-    diagonal edge (upper bound, else lower) of its part of most visible cells runs along the tiles, and shift the
-    mask's parts by ``s`` (``_on_tiles``, cached per mask); the backward drops the padding's rows of dK and dV (a
-    view). The copy of K and V is O(keys) against the call's O(rows x window) work. Single bands are left as they
-    are: the wide bands flex serves alone (a rank's own band, a window at W = 1) start on tiles already.
 """
 
 from __future__ import annotations
@@ -49,8 +35,8 @@ from ..types import AttnOutput
 from .base import Kernel, KernelCall, register
 from .flex_backward import final_rows_backward
 
-__all__ = ["BAND_ARCHS", "BAND_BWD_KV_HEADS", "BAND_MASKS", "BAND_RANK", "FINAL_ROWS_DEVICES", "MASK_BYTES",
-           "MOD_MASKS", "RECOMPILES", "SPARSE_BLOCK", "STATIC_SHAPES", "VARLEN_MASKS", "FlexKernel"]
+__all__ = ["BAND_ARCHS", "BAND_BWD_KV_HEADS", "BAND_MASKS", "BAND_RANK", "MASK_BYTES", "MOD_MASKS", "RECOMPILES",
+           "SPARSE_BLOCK", "STATIC_SHAPES", "VARLEN_MASKS", "FlexKernel"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -233,43 +219,6 @@ def _evaluated_tiles(mod, m: int, n: int, device: torch.device) -> tuple[torch.T
     return torch.cat(partial), torch.cat(full)
 
 
-def _cells(part: tuple[int, int, int, int, Band]) -> int:
-    """Visible (row, key) cells of one part of a ``Joined`` mask."""
-    q0, q1, k0, k1, band = part
-    i = torch.arange(q1 - q0)
-    first = (i + band.lo).clamp(min=0) if band.lo is not None else torch.zeros_like(i)
-    last = (i + band.hi).clamp(max=k1 - k0 - 1) if band.hi is not None else torch.full_like(i, k1 - k0 - 1)
-    return int((last - first + 1).clamp(min=0).sum())
-
-
-@functools.lru_cache(maxsize=64)
-def _on_tiles(mask: Joined) -> tuple[int, Joined]:
-    """``(s, shifted)``: the zero key rows to put before a joined call's keys so that its largest part's diagonal
-    edge runs along flex's tiles, and the mask over the padded keys; ``(0, mask)`` where it does already (Note
-    [Joined keys on tiles])."""
-    q0, q1, k0, _, band = max(mask.parts, key=_cells)
-    edge = band.hi if band.hi is not None else band.lo
-    if edge is None or q1 - q0 < SPARSE_BLOCK:
-        return 0, mask
-    s = (q0 - k0 - edge) % SPARSE_BLOCK
-    if not s:
-        return 0, mask
-    return s, Joined(tuple((a, b, c + s, d + s, part) for a, b, c, d, part in mask.parts))
-
-
-def _keys_on_tiles(k: torch.Tensor, v: torch.Tensor, mask: Mask
-                   ) -> tuple[int, torch.Tensor, torch.Tensor, Mask]:
-    """A call's keys, values and mask with a joined call's keys put on tiles (``_on_tiles``): ``s`` zero rows
-    first (zeros: a masked key's probability is 0, and 0 times a stale row could be NaN)."""
-    if not isinstance(mask, Joined):
-        return 0, k, v, mask
-    s, shifted = _on_tiles(mask)
-    if not s:
-        return 0, k, v, mask
-    pad = [torch.cat((x.new_zeros(x.shape[0], s, *x.shape[2:]), x), 1) for x in (k, v)]
-    return s, pad[0], pad[1], shifted
-
-
 def _tiled_block_mask(mask: Band | Joined, m: int, n: int, device: torch.device):
     """The block mask of a band or joined call from its rows' key intervals (``_tiles``), with its ``mask_mod``."""
     from torch.nn.attention.flex_attention import BlockMask
@@ -343,9 +292,6 @@ def _softcap_mod(softcap: float, device: torch.device):
     return score_mod
 
 
-FINAL_ROWS_DEVICES = frozenset({"cuda"})
-"""Devices whose flex backward runs from the final rows (compiled); the CPU's eager form is the tests' (dense)."""
-
 BAND_ARCHS = frozenset({90})
 """Compute capabilities (10 * major + minor) where flex outruns FA2 on wide windowed bands (Note [Bands on flex] in
 ``seqpar.kernels.executor``: measured on the H100 and the H200; A100's FA2 is its own kernel's home, Blackwell
@@ -402,7 +348,6 @@ class FlexKernel(Kernel):
         return r
 
     def _run(self, q, k, v, mask: Mask, scale: float, softcap: float) -> AttnOutput:
-        """The call's (out, lse); keys and mask as given (``forward`` and ``backward`` put them on tiles)."""
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
         o, lse = _flex(q.device, self._dynamic_for(q, k, mask))(
@@ -419,9 +364,7 @@ class FlexKernel(Kernel):
         return True
 
     def autograd_forward(self, q, k, v, mask: Mask, scale: float, softcap: float = 0.0) -> torch.Tensor:
-        """The whole call as flex's own autograd op: its backward reuses the forward's lse (no recompute); a joined
-        call's keys padded onto tiles by a differentiable copy (Note [Joined keys on tiles])."""
-        _, k, v, mask = _keys_on_tiles(k, v, mask)
+        """The whole call as flex's own autograd op: its backward reuses the forward's lse (no recompute)."""
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
         o = _flex(q.device, self._dynamic_for(q, k, mask))(
@@ -430,19 +373,13 @@ class FlexKernel(Kernel):
         return o.transpose(1, 2)
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
-        _, k, v, mask = _keys_on_tiles(k, v, mask)
         with torch.no_grad():
             o, lse = self._run(q, k, v, mask, scale, softcap)
         return AttnOutput(o, lse.masked_fill(~torch.isfinite(lse), float("-inf")))
 
     def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
                  deterministic=False):
-        s, k, v, mask = _keys_on_tiles(k, v, mask)
-        dq, dk, dv = self._backward(do, q, k, v, out, lse, mask, scale, delta, softcap)
-        return dq, dk[:, s:], dv[:, s:]                 # the padding's rows dropped (a view)
-
-    def _backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, delta, softcap: float):
-        if out is not None and delta is None and not self.dynamic and q.device.type in FINAL_ROWS_DEVICES:
+        if out is not None and delta is None and not self.dynamic and q.device.type == "cuda":
             grads = final_rows_backward(do, q, k, v, out, lse, _block_mask(mask, q.shape[1], k.shape[1], q.device),
                                         _softcap_mod(float(softcap), q.device) if softcap > 0 else None, scale,
                                         _options(q).get("kernel_options", {}))
