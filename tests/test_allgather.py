@@ -14,6 +14,7 @@ import pytest
 import torch
 from conftest import assert_all_ok, run_cases
 
+from seqpar import masks
 from seqpar.layouts import Contiguous, Rule, Zigzag, make_layout
 from seqpar.layouts.blocks import Task, visible_dense
 from seqpar.masks import Band
@@ -272,10 +273,12 @@ def test_selection_reads_exactly_the_visible_keys_and_ranks_agree(world):
     """Every rank's compact buffer is exactly the keys its queries see (dense truth), its calls read only
     it, and what rank j sends rank r is what r expects from j, row for row, in the same order."""
     rng = random.Random(world)
-    rules = (Rule(True), Rule(False), Rule(True, (3, -1)), Rule(False, (2, 1)))
+    seq = 12 * world
+    rules = (Rule(True), Rule(False), Rule(True, (3, -1)), Rule(False, (2, 1)),
+             Rule(False, mask=masks.sink_window(3, 2)), Rule(True, mask=masks.chunked(5)),
+             Rule(False, mask=masks.shared_prefix(seq // 3, [seq // 4, seq // 3])))
     for trial in range(6):
         name = ("contiguous", "zigzag", "balanced", "balanced", "doc_zigzag", "doc_contiguous")[trial]
-        seq = 12 * world
         div = {"doc_zigzag": 2 * world, "doc_contiguous": world}.get(name, 1)
         cu = tuple(div * -(-c // div) for c in _packed(rng, seq, 2 * div if trial % 2 else 0, 5))
         cu = tuple(sorted(set(cu)))
@@ -320,6 +323,43 @@ def test_selection_on_a_packed_row_moves_a_fraction_of_the_sequence(layout, shar
     assert gather_plan(lay, 0, S, Rule(True), cu, None).selection is not None
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_selection_widens_to_tiles_where_runs_start_on_them(layout):
+    """Note [Selective gather on tiles]: where every run starts on a 128-key tile, each gathered interval is whole
+    tiles, so compact rows keep their global positions' offsets in a tile (the kernels' diagonals stay on tiles);
+    it holds every visible key. Runs off tiles keep exactly the visible keys."""
+    from seqpar.methods.allgather import KEY_TILE
+
+    world = 4
+    for seq, tiled in ((world * 2 * KEY_TILE, True), (world * 2 * 100, False)):
+        for rule in (Rule(False, mask=masks.sink_window(200, 3)), Rule(True, (300, -1))):
+            lay = make_layout(layout, world, None)
+            for r in range(world):
+                gp = gather_plan(lay, r, seq, rule, None, None)
+                assert gp.selection is not None, (seq, rule, r)
+                q_pos = lay.segments(r, seq).positions()
+                dense = visible_dense(q_pos, list(range(seq)), rule)
+                seen = sorted({j for row in dense for j, v in enumerate(row) if v})
+                got = _positions(gp.keys)
+                if tiled:
+                    assert set(seen) <= set(got) and len(got) < seq
+                    assert all(a % KEY_TILE == 0 and (b % KEY_TILE == 0 or b == seq) for a, b in gp.keys), gp.keys
+                else:
+                    assert got == seen
+
+
+def test_sink_window_gathers_its_window_not_the_sequence():
+    """The sink window at 128K over 8 (contiguous): the busiest reader receives its sinks' tile and its 4095-key
+    halo widened to a tile (4224 rows) where the full all-gather moved 7/8 of the sequence; Llama 4's chunks of
+    8K inside 16K per rank need no key from another rank."""
+    from seqpar.methods.allgather import selected_rows
+
+    S, W = 1 << 17, 8
+    lay = make_layout("contiguous", W, None)
+    assert selected_rows(lay, S, Rule(False, mask=masks.sink_window(4095, 4)), None) == (20608, 4224)
+    assert selected_rows(lay, S, Rule(True, mask=masks.chunked(8192)), None) == (16384, 0)
+
+
 def _selective_cases(world: int) -> list[Case]:
     S = 12 * world
     docs = list(range(2 * world + 1))              # 2W documents of one token, then of three, then a long one
@@ -336,14 +376,25 @@ def _selective_cases(world: int) -> list[Case]:
             base.with_(layout="balanced", dtype="bfloat16", options=(("heads_k_stride", 1),))]
 
 
+def _tiled_cases(world: int) -> list[Case]:
+    """Named masks' selective gathers widened to whole tiles (Note [Selective gather on tiles]): W = 4, 256 rows per
+    rank, zigzag's chunks of 128."""
+    if world != 4:
+        return []
+    base = Case(method=AG, seq_len=1024, heads=2, kv_heads=1, head_dim=8, seed=world, causal=False)
+    return [base.with_(layout="contiguous", mask=masks.sink_window(50, 3)),
+            base.with_(layout="contiguous", mask=masks.chunked(128), causal=True, lse_grad=True),
+            base.with_(layout="zigzag", mask=masks.sink_window(100, 2))]
+
+
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_selective_gather_matches_oracle(pools, world):
     """Documents (shorter than a block, one over every rank), windows, padding, the lse gradient, MLA head dims,
-    sinks, head chunks and a bf16 wire, with the selective gather taken on every rank."""
-    cases = _selective_cases(world)
+    sinks, head chunks, a bf16 wire and named masks on tiles, with the selective gather taken on every rank."""
+    cases = [*_selective_cases(world), *_tiled_cases(world)]
     for c in cases:
         lay = make_layout(c.layout, world, c.cu_seqlens)
-        rule = Rule(c.causal, c.window)
+        rule = Rule(c.causal, c.window, mask=c.mask)
         for r in range(world):
             assert gather_plan(lay, r, c.seq_len, rule, c.cu_seqlens, c.valid_len).selection is not None, c
     wire = cases[0].with_(options=(("grad_dtype", torch.bfloat16),))       # partials on the wire in bf16

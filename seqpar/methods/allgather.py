@@ -117,7 +117,23 @@ Note [Selective gather]
     and each owner adds the partials of every reader (``index_add_`` per reader, unique rows each, so the
     sum is deterministic). The selective path runs when the busiest reader needs at most ``SELECT_AT`` of
     the sequence; otherwise the full all-gather is cheaper (an all-gather is the better-tuned collective,
-    and the busiest rank - rank 0 of a causal zigzag - receives everything anyway).
+    and the busiest rank - rank 0 of a causal zigzag - receives everything anyway). Under a named mask the keys
+    a rank reads are those of the blocks the planner keeps for its queries against the whole sequence (empty
+    blocks skipped, Note [Block planning]): the sink window's rank at 16K of 128K over 8 reads its sinks and its
+    4095-key halo (4224 foreign rows with the tiles below, where the full gather moved 114688), Llama 4's chunks
+    of 8K inside a rank's 16K read nothing from another rank, a shared prefix's responses read the prompt.
+
+Note [Selective gather on tiles]
+    Kernels work in tiles of 128 query rows x 128 keys, and a band whose diagonal cuts its tiles off their corners
+    pays one more partial tile per tile row. In global order a rank's diagonal lies on tiles whenever its runs
+    start on them; a compact buffer of the exact keys would not keep that: the sink window's rank reads 4 sinks
+    then its halo, so its own keys start at 4099 and its joined flex call took 3.67 / 13.38 ms (forward /
+    backward, 16K rows, H100) against 3.12 / 10.55 with them from 4224 = 33 x 128
+    (``benchmarks/results/2026-11-28-h100-joined-alignment``). So where every run of the layout starts on a tile
+    (``KEY_TILE``, locally and globally) each interval a rank reads widens to whole tiles of global positions: a
+    compact row then sits at its global position's offset in its tile, at the cost of at most 254 more rows per
+    interval (keys the planner's blocks hide). Layouts off tiles (tests' tiny shapes) read exactly the visible
+    keys.
 
 One rank: the gather is the identity, so the call runs pass-KV's single step (``_passkv.OneRank``) with no
 buffers or copies, ``heads_k_stride`` KV heads per kernel call (it still bounds the kernel's workspace). At
@@ -153,7 +169,7 @@ from ..numerics import GradRows, acc_dtype, wire_dtype
 from . import _passkv
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
-__all__ = ["METHOD", "SELECT_AT", "GatherPlan", "Selection", "gather_plan", "needed_keys"]
+__all__ = ["KEY_TILE", "METHOD", "SELECT_AT", "GatherPlan", "Selection", "gather_plan", "needed_keys"]
 
 SELECT_AT = 0.75
 """The selective gather runs when the busiest reader needs at most this share of the sequence."""
@@ -219,22 +235,41 @@ def _chunk_order(layout: Layout, seq_len: int) -> tuple[int, tuple[int, ...] | N
     return chunk, None if order == sorted(order) else tuple(order)
 
 
+KEY_TILE = 128
+"""Key rows per kernel tile: a selective gather's intervals widen to whole tiles of global positions where every run
+of the layout starts on one (Note [Selective gather on tiles])."""
+
+
+def _tile(layout: Layout, seq_len: int) -> int:
+    """``KEY_TILE`` where every rank's runs start on a tile, locally and globally; else 1 (no widening)."""
+    runs = [r for j in range(layout.world) for r in layout.segments(j, seq_len).runs]
+    return KEY_TILE if all(r.glob % KEY_TILE == 0 and r.local % KEY_TILE == 0 for r in runs) else 1
+
+
 @batch_memo()
 def needed_keys(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
                 valid_len: int | None) -> Spans:
-    """The global key positions rank ``rank``'s queries see, as merged intervals (Note [Selective gather])."""
-    bounds = doc_bounds if doc_bounds is not None else (0, seq_len if valid_len is None else valid_len)
-    lo, hi = rule.delta_bounds()
-    spans = []
-    for r in layout.segments(rank, seq_len).cut(doc_bounds, valid_len).runs:
-        if r.doc < 0:
-            continue
-        a, b = bounds[r.doc], bounds[r.doc + 1]
-        start = a if lo is None else max(a, r.glob + lo)
-        stop = b if hi is None else min(b, r.glob + r.length + hi)
-        if start < stop:
-            spans.append((start, stop))
-    return _union(spans)
+    """The global key positions rank ``rank``'s queries see, as merged intervals widened to whole tiles (Note
+    [Selective gather], Note [Selective gather on tiles]). A named mask's keys are those of the blocks the planner
+    keeps (empty blocks skipped: Note [Block planning])."""
+    q = layout.segments(rank, seq_len).cut(doc_bounds, valid_len)
+    if rule.pieces is not None:
+        keys = Segments((Run(0, 0, seq_len),)).cut(doc_bounds, valid_len)
+        spans = [(t.k_start, t.k_stop) for t in plan(q, keys, rule)]
+    else:
+        bounds = doc_bounds if doc_bounds is not None else (0, seq_len if valid_len is None else valid_len)
+        lo, hi = rule.delta_bounds()
+        spans = []
+        for r in q.runs:
+            if r.doc < 0:
+                continue
+            a, b = bounds[r.doc], bounds[r.doc + 1]
+            start = a if lo is None else max(a, r.glob + lo)
+            stop = b if hi is None else min(b, r.glob + r.length + hi)
+            if start < stop:
+                spans.append((start, stop))
+    t = _tile(layout, seq_len)
+    return _union((a - a % t, min(seq_len, b + -b % t)) for a, b in spans)
 
 
 def _union(spans) -> Spans:
@@ -287,7 +322,8 @@ def selected_rows(layout: Layout, seq_len: int, rule: Rule, doc_bounds: tuple[in
                   valid_len: int | None = None) -> tuple[int, int] | None:
     """``(rows, foreign)``: the busiest reader's compact buffer and the rows it receives from other ranks, or
     None when the call gathers everything (Note [Selective gather]; the planner's traffic)."""
-    if layout.world == 1 or (doc_bounds is None and valid_len is None and rule.window == (-1, -1)):
+    if layout.world == 1 or (doc_bounds is None and valid_len is None and rule.window == (-1, -1)
+                             and rule.pieces is None):
         return None
     needs = [needed_keys(layout, r, seq_len, rule, doc_bounds, valid_len) for r in range(layout.world)]
     rows = [sum(b - a for a, b in n) for n in needs]
