@@ -107,6 +107,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in [
     _m("mask-prefix-lm-16k", 16384, False, ("spans", ((0, 4096),), -1)),
     _m("mask-block-causal-16k", 16384, False, ("block_causal", 512)),
     _m("mask-sink-window-16k", 16384, False, ("sink_window", 4095, 4)),
+    _m("mask-sink-window-128k", 131072, False, ("sink_window", 4095, 4)),
     # CPU smoke sizes (gloo): exercise the whole pipeline in seconds
     Preset(name="tiny-causal", heads=4, kv_heads=2, seq_len=512, causal=True, head_dim=32, dtype="float32"),
     Preset(name="tiny-full", heads=4, kv_heads=4, seq_len=512, causal=False, head_dim=32, dtype="float32"),
