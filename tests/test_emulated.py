@@ -405,17 +405,18 @@ def test_bench_emulated_packed_smoke(tmp_path):
 
 
 def test_bench_emulated_mask_smoke(tmp_path):
-    """A masked preset (``tiny-mask``: a prefix tree) emulated on CPU: the limit is flex with the same mask on the
-    whole sequence, the busiest rank is chosen under the mask, and the record names the mask."""
+    """A masked preset (``tiny-mask``: a prefix tree) emulated on CPU, forward and forward+backward: the limit is
+    the same mask on the whole sequence (flex on a GPU; dense math SDPA on CPU, where flex has no backward), the
+    busiest rank is chosen under the mask, and the record names the mask."""
     cmd = [sys.executable, "-m", "seqpar.bench", "--emulate-world", "4", "--preset", "tiny-mask", "--device", "cpu",
-           "--methods", "ring/contiguous,ulysses", "--modes", "fwd", "--warmup", "0", "--iters", "1", "--out",
-           str(tmp_path)]
+           "--methods", "ring/contiguous,ulysses", "--warmup", "0", "--iters", "1", "--out", str(tmp_path)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-2000:]
     recs = [json.loads(line) for f in tmp_path.glob("*.jsonl") for line in f.read_text().splitlines()]
-    assert [r["method"] for r in recs if r.get("method", "").startswith("limit")] == ["limit:flex-1gpu"]
+    assert [r["method"] for r in recs if r.get("method", "").startswith("limit")] == ["limit:flex-1gpu"] * 2
     ours = [r for r in recs if r.get("method") in ("ring/contiguous", "ulysses")]
-    assert len(ours) == 2 and all(r["mask"] == "tree" and r["compute_efficiency"] > 0 for r in ours), ours
+    assert len(ours) == 4 and all(r["mask"] == "tree" and r["compute_efficiency"] > 0 for r in ours), ours
+    assert {r["mode"] for r in ours} == {"fwd", "fwd+bwd"}
 
 
 def test_packed_limit_runs_in_head_groups_when_the_whole_call_does_not_fit(monkeypatch):

@@ -76,14 +76,20 @@ def _sdpa_call(preset: Preset, device: torch.device) -> Callable[..., torch.Tens
 
 
 def _flex_call(preset: Preset, device: torch.device, s: int) -> Callable[..., torch.Tensor]:
-    """flex_attention with the preset's mask as a block mask (compiled on CUDA), ``(B, H, S, D)`` tensors."""
+    """flex_attention with the preset's mask as a block mask (compiled on CUDA), ``(B, H, S, D)`` tensors; off
+    CUDA, where flex has no backward, SDPA's math kernel with the mask evaluated densely (the CPU smoke sizes)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     fn = preset.mask_mod().mod(device, s)
     mod = (lambda b, h, qi, ki: fn(b, h, qi, ki) & (ki <= qi)) if preset.causal else fn
-    bm = create_block_mask(mod, None, None, s, s, device=device, _compile=device.type == "cuda")
-    flex = torch.compile(flex_attention, dynamic=False) if device.type == "cuda" else flex_attention
     gqa = preset.kv_heads != preset.heads
+    if device.type != "cuda":
+        pos = torch.arange(s, device=device)
+        zero = torch.zeros((), dtype=torch.long, device=device)
+        dense = mod(zero, zero, pos[:, None], pos[None, :]).expand(s, s)
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa)
+    bm = create_block_mask(mod, None, None, s, s, device=device, _compile=True)
+    flex = torch.compile(flex_attention, dynamic=False)
     return lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=gqa)
 
 
