@@ -133,7 +133,9 @@ Note [Selective gather on tiles]
     (``KEY_TILE``, locally and globally) each interval a rank reads widens to whole tiles of global positions: a
     compact row then sits at its global position's offset in its tile, at the cost of at most 254 more rows per
     interval (keys the planner's blocks hide). Layouts off tiles (tests' tiny shapes) read exactly the visible
-    keys.
+    keys. A window of 4095 under the all-gather had its own keys one row off the tiles (at 4095): on tiles its
+    busiest rank of 8 at 128K runs forward+backward 1-3% faster (13.39 -> 13.22 ms contiguous, 13.81 -> 13.41
+    zigzag; ``benchmarks/results/2026-11-28-h100-window-allgather``).
 
 One rank: the gather is the identity, so the call runs pass-KV's single step (``_passkv.OneRank``) with no
 buffers or copies, ``heads_k_stride`` KV heads per kernel call (it still bounds the kernel's workspace). At
