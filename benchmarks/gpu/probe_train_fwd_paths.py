@@ -50,7 +50,27 @@ def paths(S: int) -> dict:
     ours_bm = sp_flex._block_mask(band, S, S, DEV)
     scale = 128 ** -0.5
     kern = sp_flex.FlexKernel()
-    return {
+
+    def band_mod(dtype):
+        bounds = torch.tensor([-4095, 0], device=DEV, dtype=dtype)
+
+        def mod(b, h, qi, ki):
+            d = ki - qi
+            return (d >= bounds[0]) & (d <= bounds[1])
+        return mod
+
+    def crossed(block, mod):
+        return type(block)(*[getattr(block, f) for f in ("seq_lengths", "kv_num_blocks", "kv_indices",
+                                                         "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                                                         "q_indices", "full_q_num_blocks", "full_q_indices",
+                                                         "BLOCK_SIZE")], mod)
+    def call(bm):
+        return lambda: FLEX(qt, kt, vt, block_mask=bm, scale=scale, enable_gqa=True)
+    cross = {f"{bm_name} + {mod_name}": call(crossed(block, mod))
+             for bm_name, block in (("flex's tiles", ref), ("seqpar's tiles", ours_bm))
+             for mod_name, mod in (("flex's mod", ref.mask_mod), ("int64 bounds", band_mod(torch.int64)),
+                                   ("int32 bounds", band_mod(torch.int32)))}
+    return {**cross,
         "flex directly": lambda: FLEX(qt, kt, vt, block_mask=ref, enable_gqa=True),
         "+ scale=": lambda: FLEX(qt, kt, vt, block_mask=ref, scale=scale, enable_gqa=True),
         "+ seqpar's block mask": lambda: FLEX(qt, kt, vt, block_mask=ours_bm, scale=scale, enable_gqa=True),
