@@ -18,7 +18,7 @@ from seqpar import masks
 from seqpar.layouts import Contiguous, Rule, Zigzag, make_layout
 from seqpar.layouts.blocks import Task, visible_dense
 from seqpar.masks import Band
-from seqpar.methods.allgather import SELECT_AT, gather_plan, needed_keys
+from seqpar.methods.allgather import SELECT_AT, gather_plan, local_keys, needed_keys
 from seqpar.testing import Case
 
 LAYOUTS = ["contiguous", "zigzag"]
@@ -387,16 +387,30 @@ def _tiled_cases(world: int) -> list[Case]:
             base.with_(layout="zigzag", mask=masks.sink_window(100, 2))]
 
 
+def _local_cases(world: int) -> list[Case]:
+    """Note [Local keys]: Llama 4's chunks inside every rank's rows (contiguous) or zigzag's pieces, with documents,
+    padding, the lse gradient and head rounds."""
+    S = 12 * world
+    base = Case(method=AG, seq_len=S, heads=4, kv_heads=2, head_dim=8, seed=world + 7)
+    return [base.with_(layout="contiguous", mask=masks.chunked(12), lse_grad=True),
+            base.with_(layout="zigzag", mask=masks.chunked(6), causal=False, cu_seqlens=(0, 4, S - 2),
+                       valid_len=S - 2, options=(("heads_k_stride", 1),))]
+
+
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_selective_gather_matches_oracle(pools, world):
     """Documents (shorter than a block, one over every rank), windows, padding, the lse gradient, MLA head dims,
-    sinks, head chunks, a bf16 wire and named masks on tiles, with the selective gather taken on every rank."""
-    cases = [*_selective_cases(world), *_tiled_cases(world)]
+    sinks, head chunks, a bf16 wire, named masks on tiles and keys that stay local, with the selective gather
+    (or, where no rank reads another's keys, none) taken on every rank."""
+    cases = [*_selective_cases(world), *_tiled_cases(world), *_local_cases(world)]
     for c in cases:
         lay = make_layout(c.layout, world, c.cu_seqlens)
         rule = Rule(c.causal, c.window, mask=c.mask)
         for r in range(world):
             assert gather_plan(lay, r, c.seq_len, rule, c.cu_seqlens, c.valid_len).selection is not None, c
+    for c in _local_cases(world):
+        rule = Rule(c.causal, c.window, mask=c.mask)
+        assert local_keys(make_layout(c.layout, world, c.cu_seqlens), c.seq_len, rule, c.cu_seqlens, c.valid_len)
     wire = cases[0].with_(options=(("grad_dtype", torch.bfloat16),))       # partials on the wire in bf16
     *reports, bf16 = run_cases(pools(world), [*cases, wire])
     assert_all_ok(reports)

@@ -168,6 +168,31 @@ def test_allgather_zigzag_step_program(fake_world, counts, world):
     assert (counts["kernel_fwd"], counts["merge_once"]) == (6, 2), counts
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_allgather_with_local_keys_posts_no_collective(fake_world, counts, monkeypatch, layout):
+    """Note [Local keys]: Llama 4's chunks inside every rank's rows - no rank reads another's keys - run as pass-KV's
+    single step: no gather, all-to-all or reduce-scatter forward or backward, one kernel call each way."""
+    from seqpar import masks
+    from seqpar.comm import all_gather as ag
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective was posted")
+    monkeypatch.setattr(ag.AllToAllV, "exchange", refuse)
+    monkeypatch.setattr(ag, "_GATHER", refuse)
+    monkeypatch.setattr(ag, "_REDUCE_SCATTER", refuse)
+    world = 4
+    fake_world(world, 1)
+    L = 4 * world * (world - 1)
+    chunk = L if layout == "contiguous" else L // 2
+    out, leaves = _call_once("allgather", layout, world, mask_mod=masks.chunked(chunk))
+    assert counts["kernel_fwd"] == (1 if layout == "contiguous" else 2), counts
+    torch.autograd.grad(out, leaves, torch.ones_like(out))
+    counts.clear()
+    fake_world(world, 1)                                 # a chunk across two ranks: the gather is back
+    with pytest.raises(AssertionError, match="collective"):
+        _call_once("allgather", layout, world, mask_mod=masks.chunked(2 * chunk))
+
+
 def test_allgather_by_parts_posts_one_coalesced_collective_per_round(fake_world, monkeypatch):
     """Note [Coalesced parts]: zigzag's two parts (fronts, backs) go out as one coalesced all-gather per round
     forward and in backward - K and V of a batch of one as messages of their own (Note [K and V apart]), four

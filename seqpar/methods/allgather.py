@@ -123,6 +123,15 @@ Note [Selective gather]
     4095-key halo (4224 foreign rows with the tiles below, where the full gather moved 114688), Llama 4's chunks
     of 8K inside a rank's 16K read nothing from another rank, a shared prefix's responses read the prompt.
 
+Note [Local keys]
+    Where no rank's queries see a key another rank holds - Llama 4's chunks inside each rank's rows, documents
+    placed whole on ranks (``balanced_whole``) - the selective gather would move nothing but each rank's own rows
+    through an all-to-all, a copy in and out of a compact buffer, and a reverse all-to-all and an fp32 sum of dK/dV
+    in the backward. Every rank finds this alike from the plan (``selected_rows``: no foreign rows for the busiest
+    reader), so every rank skips the collectives together and runs pass-KV's single step instead, as at W = 1
+    (``_passkv.OneRank``: its schedule ends after the local step, and a call that is one block takes the direct
+    path).
+
 Note [Selective gather on tiles]
     Kernels work in tiles of 128 query rows x 128 keys, and a band whose diagonal cuts its tiles off their corners
     pays one more partial tile per tile row. In global order a rank's diagonal lies on tiles whenever its runs
@@ -171,7 +180,8 @@ from ..numerics import GradRows, acc_dtype, wire_dtype
 from . import _passkv
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
-__all__ = ["KEY_TILE", "METHOD", "SELECT_AT", "GatherPlan", "Selection", "gather_plan", "needed_keys"]
+__all__ = ["KEY_TILE", "METHOD", "SELECT_AT", "GatherPlan", "Selection", "gather_plan", "local_keys",
+           "needed_keys"]
 
 SELECT_AT = 0.75
 """The selective gather runs when the busiest reader needs at most this share of the sequence."""
@@ -894,10 +904,19 @@ class _Engine:
 
 
 def _engine(call: Call):
-    """The pipelined all-gather; on one rank, pass-KV's single step (the gather is the identity there)."""
-    if call.groups.world == 1:
-        return _passkv.OneRank(call, _stride(call.cfg.options, call.k_shape[2]))
+    """The pipelined all-gather; on one rank, or where no rank reads another's keys (Note [Local keys]), pass-KV's
+    single step (the gather is the identity there)."""
+    cfg = call.cfg
+    if call.groups.world == 1 or local_keys(call.layout, call.seq_len, cfg.rule, cfg.cu_seqlens, cfg.valid_len):
+        return _passkv.OneRank(call, _stride(cfg.options, call.k_shape[2]))
     return _Engine(call)
+
+
+def local_keys(layout: Layout, seq_len: int, rule: Rule, doc_bounds: tuple[int, ...] | None,
+               valid_len: int | None = None) -> bool:
+    """Whether no rank's queries see a key another rank holds (Note [Local keys]); every rank finds the same."""
+    sel = selected_rows(layout, seq_len, rule, doc_bounds, valid_len)
+    return sel is not None and sel[1] == 0
 
 
 def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Prediction:
