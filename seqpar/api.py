@@ -356,7 +356,7 @@ def shard_info(seq_len: int, *, mesh: Any = None, method: str = "ring", layout: 
 
 def _choose(groups: SeqParallelGroups, dims: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
             causal: bool, window: tuple[int, int], cu_seqlens: Any, kernel: str, grad_dtype: torch.dtype,
-            options: dict[str, Any], grad: bool, features: list[str]) -> tuple[str, dict[str, Any]]:
+            options: dict[str, Any], grad: bool, features: list[str], mask: Any = None) -> tuple[str, dict[str, Any]]:
     """``method="auto"``: the planner's choice (the planner is imported only when asked for; the runtime reaches
     it through ``runtime.call.CHOOSE``, so it imports no planner)."""
     from . import planner
@@ -367,7 +367,8 @@ def _choose(groups: SeqParallelGroups, dims: int, q: torch.Tensor, k: torch.Tens
         tuple(q.shape), k.shape[2], causal, window, groups.world, dims, layout, profile,
         ulysses=groups.ulysses_size if dims == 2 else None, dtype=q.dtype, device=q.device.type,
         mode="fwd+bwd" if grad else "fwd", features=features, kernel=kernel, grad_dtype=grad_dtype,
-        cu_seqlens=cu_seqlens, transports=tuple(dict.fromkeys(("nccl", options.get("transport", "nccl")))))
+        cu_seqlens=cu_seqlens, transports=tuple(dict.fromkeys(("nccl", options.get("transport", "nccl")))),
+        mask=mask)
     return name, chosen
 
 

@@ -193,6 +193,30 @@ def test_allgather_with_local_keys_posts_no_collective(fake_world, counts, monke
         _call_once("allgather", layout, world, mask_mod=masks.chunked(2 * chunk))
 
 
+def test_auto_plans_a_named_mask_by_its_blocks(fake_world, monkeypatch):
+    """Note [Masked problems]: ``method="auto"`` hands the planner a named mask (its blocks are ranked), and a
+    generic ``mask_mod`` as none (it declares no blocks); both calls run."""
+    from seqpar import masks, planner
+
+    seen = []
+    real = planner.choose
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("mask"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(planner, "choose", spy)
+    world = 4
+    fake_world(world, 1)
+    L = 4 * world * (world - 1)
+    named = masks.chunked(L)
+    _call_once("auto", "contiguous", world, mask_mod=named)
+
+    def generic(b, h, q, k):
+        return (q - k) % 3 == 0
+    _call_once("auto", "contiguous", world, mask_mod=generic)
+    assert seen == [named, None], seen
+
+
 def test_allgather_by_parts_posts_one_coalesced_collective_per_round(fake_world, monkeypatch):
     """Note [Coalesced parts]: zigzag's two parts (fronts, backs) go out as one coalesced all-gather per round
     forward and in backward - K and V of a batch of one as messages of their own (Note [K and V apart]), four

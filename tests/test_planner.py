@@ -256,6 +256,33 @@ def test_plan_ranks_caches_and_explains():
         plan(seq_len=16384, heads=32, world=4, methods=["nope"])
 
 
+def test_plan_under_a_named_mask_ranks_its_blocks_and_bytes():
+    """Note [Masked problems]: a named mask is planned by the blocks its ranks compute - the sink window at 128K
+    over 8 predicts about a twentieth of full attention's time; the all-gather moves its selective gather's
+    rows (its notes say so), and under Llama 4's chunks inside each rank none at all (Note [Local keys]), like
+    the ring, which ends after its local step. Only methods that take masks are ranked; a generic mask_mod is
+    refused by name (it declares no blocks)."""
+    from seqpar import masks
+
+    S, W = 1 << 17, 8
+    full = plan(seq_len=S, heads=32, kv_heads=8, world=W, causal=False, profile="h100-nvswitch")
+    sink = plan(seq_len=S, heads=32, kv_heads=8, world=W, causal=False, profile="h100-nvswitch",
+                mask_mod=masks.sink_window(4095, 4))
+    assert sink.best.time_ms < full.best.time_ms / 15, (sink.best.time_ms, full.best.time_ms)
+    assert all("mask" in seqpar.methods.get(e.candidate.method).features for e in sink.entries)
+    ag = next(e for e in sink.entries if e.ok and e.label == "allgather/contiguous")
+    assert any("selective gather" in n and "receives 3% from other ranks" in n for n in ag.prediction.notes), \
+        ag.prediction.notes
+    chunked = plan(seq_len=S, heads=32, kv_heads=8, world=W, causal=True, profile="h100-nvswitch",
+                   mask_mod=masks.chunked(8192))
+    for label in ("allgather/contiguous", "ring/contiguous"):
+        e = next(e for e in chunked.entries if e.ok and e.label == label)
+        assert e.prediction.exposed_ms("fwd+bwd") == 0 and any("after 1 of 8 steps" in n or "Local keys" in n
+                                                               for n in e.prediction.notes), (label, e.prediction)
+    with pytest.raises(TypeError, match="mask must be a named mask"):
+        plan(seq_len=S, heads=32, world=W, mask_mod=lambda b, h, q, k: k <= q)
+
+
 def test_every_declared_layout_is_a_candidate():
     """The planner reads the declarations: every plain layout a method serves for the mask is ranked
     (tokenring's stripe and double_ring's contiguous were missing while the planner kept its own list)."""

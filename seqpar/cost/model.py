@@ -77,6 +77,17 @@ Note [Packed batches]
     their runs squared (a document split over every rank: 4 W^2; 64 sampled query ranks beyond 64 ranks),
     never O(S).
 
+Note [Masked problems]
+    A named mask (``Problem.mask``, ``seqpar.masks``) changes the work as documents do, and is planned the same way:
+    ``Problem.shaped`` sends the critical rank's calls through ``packed_steps``, ``rank_work`` and ``balance``, with
+    the mask in ``Problem.rule``. Its block matrix comes from the block planner itself (``_planned_block_matrix``:
+    each query rank's plan against every rank's keys, O(W^2) plans, the pieces' bands counted in closed form by
+    ``layouts.work.task_pairs``), since a mask's blocks have no closed form over runs. The all-gather's bytes are
+    its selective gather's (Note [Selective gather] in ``seqpar.methods.allgather``: the keys of the planned
+    blocks), none where no rank reads another's keys (Note [Local keys]); a ring's steps end where no rank's
+    blocks reach further (Llama 4's chunks inside ranks: one step). A generic ``mask_mod`` declares no blocks: the
+    planner ranks such a call without it (an upper bound on its work).
+
 Note [Query tiles of packed calls]
     FA2's varlen call runs a document's query rows in tiles of ``TILE_ROWS`` (128), one thread block each per head,
     whatever the rows: a balanced rank's pieces of ~100-400 rows pay whole tiles, and each tile a fixed cost beside
@@ -104,7 +115,8 @@ from typing import Any
 import torch
 
 from ..layouts import Layout, Rule, make_layout
-from ..layouts.work import work
+from ..layouts.blocks import plan
+from ..layouts.work import task_pairs, work
 from .profile import Profile
 from .topology import Group, Network
 from .work import Block, causal_corner, gather_blocks, ring_steps, self_block
@@ -145,6 +157,9 @@ class Problem:
     documents: tuple[int, ...] | None = None
     """A packed batch's global ``cu_seqlens`` (0 first, the valid length last, at most ``seq_len``); None =
     one document of ``seq_len`` tokens, the dense model (Note [Packed batches])."""
+    mask: Any = None
+    """A named mask (``seqpar.masks``: declared pieces), planned by its blocks like a packed batch (Note [Masked
+    problems]); None = causal and window only."""
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "heads", "kv_heads", "head_dim", "batch", "world", "dtype_bytes", "grad_bytes"):
@@ -160,6 +175,14 @@ class Problem:
                 raise ValueError(f"documents (cu_seqlens) must start at 0, be non-decreasing and end at most at "
                                  f"seq_len={self.seq_len}, got {docs[:4]}{'...' if len(docs) > 4 else ''}")
             object.__setattr__(self, "documents", None if docs == (0, self.seq_len) else docs)
+        if self.mask is not None and Rule(mask=self.mask).pieces is None:
+            raise TypeError(f"mask must be a named mask of seqpar.masks (declared pieces), got {self.mask!r}")
+
+    @property
+    def shaped(self) -> bool:
+        """Whether the work is the block planner's, not the dense closed forms': packed documents or a named mask
+        (Note [Packed batches], Note [Masked problems])."""
+        return self.documents is not None or self.mask is not None
 
     @property
     def group_ratio(self) -> int:
@@ -168,7 +191,7 @@ class Problem:
     @property
     def rule(self) -> Rule:
         """The mask as the block planner reads it."""
-        return Rule(self.causal, self.window)
+        return Rule(self.causal, self.window, mask=self.mask)
 
     def act(self, tokens: float, heads: float, nbytes: float | None = None) -> float:
         """Bytes of a ``(B, tokens, heads, D)`` tensor (input dtype unless ``nbytes``)."""
@@ -394,7 +417,7 @@ def temps(p: Problem, L: float, heads: float, kv_heads: float) -> float:
 def steps(p: Problem, layout: str, ranks: int) -> tuple[Block | None, ...]:
     """The busiest rank's call at each step of a pass-KV ring of ``ranks`` ranks over ``layout`` (a pass-Q
     ring visits the same pairs): closed form for one document (``work.ring_steps``), else ``packed_steps``."""
-    if p.documents is None:
+    if not p.shaped:
         return ring_steps(layout, ranks, p.seq_len, p.causal, p.window)
     return packed_steps(p, layout, ranks, lambda r, s: (r - s) % ranks, ranks)
 
@@ -420,7 +443,7 @@ def packed_steps(p: Problem, layout: str, ranks: int, source: Callable[[int, int
 def gather_blocks_of(p: Problem, layout: str) -> tuple[Block, ...]:
     """The critical rank's calls against the whole gathered sequence (all-gather KV): closed form for one
     document, else one call with the busiest rank's work (Note [Packed batches])."""
-    if p.documents is None:
+    if not p.shaped:
         return gather_blocks(layout, p.world, p.seq_len, p.causal, p.window)
     w = rank_work(p, layout, p.world)
     r = max(range(p.world), key=lambda i: w[i])
@@ -429,7 +452,7 @@ def gather_blocks_of(p: Problem, layout: str) -> tuple[Block, ...]:
 
 def whole(p: Problem) -> Block:
     """The whole sequence against itself: Ulysses' local call and the single-GPU yardstick."""
-    if p.documents is None:
+    if not p.shaped:
         return self_block(p.seq_len, p.causal, p.window)
     return _tiled(p, "contiguous", 1, 0, p.seq_len, p.seq_len, sum(rank_work(p, "contiguous", 1)))
 
@@ -485,6 +508,8 @@ def block_matrix(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int,
     in O(sum over documents of runs^2) integer operations, never O(S).
     """
     W = layout.world
+    if rule.mask is not None:
+        return _planned_block_matrix(layout, seq_len, rule, documents)
     runs = [(r, run.doc, run.glob, run.length) for r in range(W)
             for run in layout.segments(r, seq_len).cut(documents).runs if run.doc >= 0]
     out = torch.zeros(5, W, W, dtype=torch.long)
@@ -506,6 +531,39 @@ def block_matrix(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int,
     for i, c in enumerate((pairs, rows, keys, tiles, padded)):
         out[i].index_put_((rank[qi], rank[ki]), c, accumulate=True)
     return out
+
+
+def _planned_block_matrix(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int, ...] | None
+                          ) -> torch.Tensor:
+    """``block_matrix`` under a named mask (Note [Masked problems]): each (sampled) query rank's plan against every
+    rank's keys - the blocks the runtime computes - counted: pairs (``layouts.work.block_work``'s), the rows and keys
+    the calls touch, their query tiles and the pairs on whole tiles."""
+    W = layout.world
+    bounds = documents if documents is not None else (0, seq_len)
+    segs = [layout.segments(r, seq_len).cut(bounds) for r in range(W)]
+    out = torch.zeros(5, W, W, dtype=torch.long)
+    for r in _sample(W):
+        for k in range(W):
+            tasks = plan(segs[r], segs[k], rule)
+            if not tasks:
+                continue
+            pairs = sum(task_pairs(t) for t in tasks)
+            rows = sum(b - a for a, b in _spans((t.q_start, t.q_stop) for t in tasks))
+            keys = sum(b - a for a, b in _spans((t.k_start, t.k_stop) for t in tasks))
+            tiles = -(-rows // TILE_ROWS)
+            out[:, r, k] = torch.tensor([pairs, rows, keys, tiles, pairs * tiles * TILE_ROWS // max(rows, 1)])
+    return out
+
+
+def _spans(intervals) -> list[tuple[int, int]]:
+    """Intervals merged into disjoint ones."""
+    merged: list[list[int]] = []
+    for a, b in sorted(intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
 
 
 def _upto_t(Lq: torch.Tensor, Lk: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
@@ -600,9 +658,9 @@ def passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads: 
     bwd_mem = p.act(L, heads, 4) + 2 * kv + held + temps(p, L, heads, kv_heads)
     c = Cost(f, b, fwd_base + fwd_mem, bwd_base + bwd_mem)
     if n < R:
-        c.notes.append(f"window truncates the ring to {n} of {R} steps" if p.documents is None else
-                       f"documents end the ring after {n} of {R} steps")
-    if p.documents is not None:
+        why = "documents end" if p.documents is not None else "the mask ends" if p.mask is not None else "window ends"
+        c.notes.append(f"{why} the ring after {n} of {R} steps")
+    if p.shaped:
         c.balance = balance(p, layout, R, calls)
         c.notes.append(f"busiest rank {c.balance[0]:.2f}x the mean work, steps wait for it: {c.balance[1]:.2f}x")
     elif p.causal and layout == "contiguous" and p.window == (-1, -1) and R > 1:

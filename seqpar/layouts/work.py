@@ -19,7 +19,7 @@ from .base import Layout
 from .blocks import Rule, Run, Segments, Task, plan
 from .documents import DocumentLayout
 
-__all__ = ["block_work", "work"]
+__all__ = ["block_work", "task_pairs", "work"]
 
 
 def _sum_min(first: int, step: int, count: int, cap: int) -> int:
@@ -71,7 +71,7 @@ def work(layout: Layout, seq_len: int, rule: Rule, cu_seqlens: Sequence[int] | N
     return out
 
 
-def _task_pairs(t: Task) -> int:
+def task_pairs(t: Task) -> int:
     """Cells of a planned call's band (every row of a trimmed call sees at least one key)."""
     band = getattr(t.mask, "base", t.mask)       # a mask_mod block counts its band: an upper bound
     lo, hi = band.lo, band.hi  # type: ignore[union-attr]   (plan returns Band and Modded tasks)
@@ -82,4 +82,4 @@ def _task_pairs(t: Task) -> int:
 
 def block_work(q: Segments, k: Segments, rule: Rule) -> int:
     """Visible (query, key) pairs of queries ``q`` against keys ``k`` (cut at documents), e.g. one ring step."""
-    return sum(_task_pairs(t) for t in plan(q, k, rule))
+    return sum(task_pairs(t) for t in plan(q, k, rule))

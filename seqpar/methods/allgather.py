@@ -928,6 +928,10 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
     heads = stride * p.group_ratio
     blocks = model.gather_blocks_of(p, c.layout)
     sel = selected_rows(make_layout(c.layout, W, p.documents), S, p.rule, p.documents) if W > 1 else None
+    if sel is not None and sel[1] == 0:                 # Note [Local keys]: pass-KV's single step, no collective
+        cost = model.passkv(p, m, c.layout, W, p.heads, p.kv_heads, model.Group(W), "allgather")
+        cost.notes.append("no rank reads another's keys: the local step alone (Note [Local keys])")
+        return cost.prediction()
     rows, foreign = (S, (W - 1) * L) if sel is None else sel
     gather, scatter = ("allgather", "reduce_scatter") if sel is None else ("a2a", "a2a")
     # Note [Gather into global order]: only a per-batch layout's full gather permutes (contiguous arrives in order,
@@ -964,7 +968,7 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
     if sel is not None:
         cost.notes.append(f"selective gather: the busiest reader holds {rows / S:.0%} of the keys and receives "
                           f"{foreign / S:.0%} from other ranks")
-    if p.documents is not None:
+    if p.shaped:
         cost.balance = model.balance(p, c.layout, W)
         cost.notes.append(f"busiest rank {cost.balance[0]:.2f}x the mean work")
     elif p.causal and c.layout == "contiguous" and W > 1:

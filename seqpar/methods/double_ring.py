@@ -551,7 +551,7 @@ def _steps(p: model.Problem, layout: str, w: int) -> list:
     closed form for one document (the critical step does not depend on the visiting order), else the
     schedule's own pairs (``source``, Note [Packed batches] in ``seqpar.cost.model``)."""
     W = p.world
-    if p.documents is None:
+    if not p.shaped:
         steps = list(model.steps(p, layout, W))
         return steps + [None] * (W - len(steps))
     return list(model.packed_steps(p, layout, W, lambda r, i: source(r, i // w, i % w, W, w), W, trim=False))
@@ -595,7 +595,7 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
                       bb + 4 * kv + 4 * dkv32 + p.act(L, p.heads, 4) + model.temps(p, L, p.heads, p.kv_heads))
     t_hide = m.comm_ms("ring", kv, outer)
     cost.notes.append(f"outer hop {t_hide:.2f} ms hides behind {w} inner steps")
-    if p.documents is not None:
+    if p.shaped:
         cost.balance = model.balance(p, c.layout, W, tuple(steps))
     return cost.prediction()
 

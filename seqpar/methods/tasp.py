@@ -105,7 +105,7 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
     cost = model.Cost(f, b, fb + 3 * kv + acc + p.act(L, p.heads),           # own KV + two receive buffers
                       bb + 3 * kv + 3 * dkv32 + p.act(L, p.heads, 4) + model.temps(p, L, p.heads, p.kv_heads))
     cost.notes.append(f"{schedule}: every round uses all {W - 1} links of each rank")
-    if p.documents is not None:
+    if p.shaped:
         cost.balance = model.balance(p, c.layout, W, steps)
     return cost.prediction()
 

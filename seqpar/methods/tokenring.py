@@ -75,7 +75,7 @@ def _cost(p: model.Problem, c: model.Candidate, m: model.Machine) -> model.Predi
     cost = model.Cost(f, b, fb + fwd_mem, bb + bwd_mem)
     ratio = model.pass_bytes(p, "q", "fwd") / model.pass_bytes(p, "kv", "fwd")
     cost.notes.append(f"pass-Q moves {ratio:.2f}x pass-KV's bytes per step (g={p.group_ratio})")
-    if p.documents is not None:
+    if p.shaped:
         cost.balance = model.balance(p, c.layout, W, steps)
         cost.notes.append(f"busiest rank {cost.balance[0]:.2f}x the mean work, steps wait for it: "
                           f"{cost.balance[1]:.2f}x")

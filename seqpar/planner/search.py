@@ -177,7 +177,7 @@ def plan(*, seq_len: int, heads: int, world: int, kv_heads: int | None = None, h
          methods: Sequence[str] | str | None = None, layout: str | None = None, ulysses: int | None = None,
          memory_gib: float | None = None, features: Iterable[str] = (), pad: bool = False,
          cu_seqlens: Sequence[int] | Any | None = None, cached: int | None = None, layers: int = 1,
-         transports: Sequence[str] = ("nccl",)) -> Ranking:
+         transports: Sequence[str] = ("nccl",), mask_mod: Any = None) -> Ranking:
     """Rank every method configuration for one attention layer by predicted time.
 
     Args:
@@ -208,6 +208,10 @@ def plan(*, seq_len: int, heads: int, world: int, kv_heads: int | None = None, h
         transports: how the methods that take a ``transport`` option may move their hops ("nccl", "copy_engine":
             Note [Copy-engine ring] in ``seqpar.comm.symmetric``); each is ranked as a configuration of its own,
             copy engines only within one host and with a profile that measured them (``p2p_copy``).
+        mask_mod: a named mask (``seqpar.masks``), ANDed with ``causal`` and ``window``: every method is ranked on
+            the blocks its ranks compute under it and the bytes they move (Note [Masked problems] in
+            ``seqpar.cost.model``); only methods that take masks. A generic ``mask_mod`` function has no
+            declared blocks: pass ``features=("mask",)`` and plan without it (its blocks are an upper bound).
 
     Returns:
         A ``Ranking``: ``best``, ``entries`` (time, efficiency, memory, notes, or why not), ``reason``, and
@@ -217,10 +221,11 @@ def plan(*, seq_len: int, heads: int, world: int, kv_heads: int | None = None, h
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     documents = _documents(cu_seqlens)
-    needs = frozenset(features) | ({"varlen"} if documents is not None else set())
+    needs = (frozenset(features) | ({"varlen"} if documents is not None else set())
+             | ({"mask"} if mask_mod is not None else set()))
     problem = Problem(seq_len=seq_len, heads=heads, kv_heads=kv_heads or heads, head_dim=head_dim, batch=batch,
                       world=world, causal=causal, window=tuple(window), dtype_bytes=_bytes(dtype),
-                      grad_bytes=_bytes(grad_dtype), documents=documents)
+                      grad_bytes=_bytes(grad_dtype), documents=documents, mask=mask_mod)
     declared = _declarations(methods)
     if layout in DOCUMENT_LAYOUTS and problem.documents is None:
         # one document (a Problem keeps none): the methods that take the layout, ranked on its plain counterpart
@@ -358,7 +363,7 @@ def _reason(entries: list[Entry], mode: str) -> str:
 def _choose(q_shape: tuple[int, ...], kv_heads: int, causal: bool, window: tuple[int, int], world: int,
             mesh_dims: int, layout: str, profile: Profile, ulysses: int | None, dtype: str, mode: str,
             features: frozenset[str], kernel: str, grad_dtype: str, declared: tuple[Method, ...],
-            documents: tuple[int, ...] | None, transports: tuple[str, ...] = ("nccl",)
+            documents: tuple[int, ...] | None, transports: tuple[str, ...] = ("nccl",), mask: Any = None
             ) -> tuple[str, tuple[tuple[str, Any], ...], str]:
     B, L, H, D = q_shape
     names = [m.name for m in declared if m.mesh_dims == mesh_dims and layout in m.layouts]
@@ -367,7 +372,7 @@ def _choose(q_shape: tuple[int, ...], kv_heads: int, causal: bool, window: tuple
                    window=window, dtype=dtype, grad_dtype=grad_dtype, mode=mode, profile=profile,
                    topology=topology, kernel=kernel, methods=names, layout=layout,
                    ulysses=ulysses if mesh_dims == 2 else None, features=features, cu_seqlens=documents,
-                   transports=transports)
+                   transports=transports, mask_mod=mask)
     best = ranking.best
     if best is None:
         raise NotImplementedError(f"method='auto' found no available method for layout={layout!r} on a {mesh_dims}D "
@@ -382,7 +387,7 @@ def choose(q_shape: Sequence[int], kv_heads: int, causal: bool, window: tuple[in
            layout: str, profile: Profile | str | Path | None = None, *, ulysses: int | None = None,
            dtype: Any = "bfloat16", device: str = "cuda", mode: str = "fwd+bwd", features: Iterable[str] = (),
            kernel: str = "auto", grad_dtype: Any = "float32",
-           cu_seqlens: Sequence[int] | Any | None = None, transports: Sequence[str] = ("nccl",)
+           cu_seqlens: Sequence[int] | Any | None = None, transports: Sequence[str] = ("nccl",), mask: Any = None
            ) -> tuple[str, dict[str, Any], str]:
     """The method ``seqpar.attention(method="auto")`` runs (Note [Auto is deterministic]).
 
@@ -400,6 +405,8 @@ def choose(q_shape: Sequence[int], kv_heads: int, causal: bool, window: tuple[in
             on this batch's work (Note [Packed batches]); a new batch each step costs O(W^2) block plans.
         transports: the transports the caller allows (``plan``'s); a choice on another than a method's default
             names it in the options.
+        mask: the call's named mask (``plan``'s ``mask_mod``), or None (also for a generic ``mask_mod``, whose
+            blocks only its evaluation on the device shows).
 
     Returns:
         ``(method, options, reason)``: the method name, its method-specific options, and why.
@@ -411,5 +418,5 @@ def choose(q_shape: Sequence[int], kv_heads: int, causal: bool, window: tuple[in
                                       int(world), int(mesh_dims), layout, prof, ulysses,
                                       str(dtype).removeprefix("torch."), mode, frozenset(features), kern,
                                       str(grad_dtype).removeprefix("torch."), _declarations(None), documents,
-                                      tuple(transports))
+                                      tuple(transports), mask)
     return method, dict(options), reason

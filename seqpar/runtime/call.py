@@ -440,8 +440,9 @@ def _auto(q, k, v, mesh, layout, causal, window, cu_seqlens, seq_len, kernel, gr
         symmetric.check(options["transport"], groups.group if groups.group is not None else groups.ring, q.device)
     used = {"window": window != (-1, -1), "varlen": cu_seqlens is not None, "padding": seq_len is not None,
             "value_dim": v.shape[-1] != q.shape[-1], "mask": mask_mod is not None}
+    named = mask_mod if isinstance(mask_mod, _named.PieceMask) else None      # a generic mask_mod: no blocks
     return CHOOSE(groups, dims, q, k, v, layout, bool(causal), window, cu_seqlens, kernel, grad_dtype, options, grad,
-                  [f for f, on in used.items() if on])
+                  [f for f, on in used.items() if on], named)
 
 
 def config(m: Method, *, layout, causal, softmax_scale, kernel, window_size, cu_seqlens, seq_len, deterministic,
