@@ -281,6 +281,12 @@ def test_plan_under_a_named_mask_ranks_its_blocks_and_bytes():
                                                                for n in e.prediction.notes), (label, e.prediction)
     with pytest.raises(TypeError, match="mask must be a named mask"):
         plan(seq_len=S, heads=32, world=W, mask_mod=lambda b, h, q, k: k <= q)
+    # auto on a contiguous layout: planned as full attention, the sink window went to Ulysses, its slowest
+    # method measured (0.70 forward+backward against the all-gather's 0.88-0.92, busiest of 8 at 128K emulated,
+    # benchmarks/results/2026-11-28-4xh100-selective-masks and 2026-11-27-h200-flex-final-rows)
+    pick = choose((1, S // W, 32, 128), 8, False, (-1, -1), W, 1, "contiguous", "h100-nvswitch", features=("mask",),
+                  mask=masks.sink_window(4095, 4))
+    assert pick[0] == "allgather", pick
 
 
 def test_every_declared_layout_is_a_candidate():
