@@ -17,8 +17,8 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from probe_train_fwd import kernels  # this script's directory is on sys.path
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-from torch.profiler import ProfilerActivity, profile
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import seqpar
@@ -28,16 +28,6 @@ from seqpar.masks import Band
 
 FLEX = torch.compile(flex_attention, dynamic=False)
 DEV = torch.device("cuda")
-
-
-def kernels(fn) -> str:
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    rows = [(e.name, e.device_time) for e in prof.events() if e.device_type.name == "CUDA"]
-    return "\n".join(f"    {us:9.1f} us  {name[:110]}" for name, us in rows)
 
 
 def paths(S: int) -> dict:
