@@ -389,12 +389,13 @@ def _tiled_cases(world: int) -> list[Case]:
 
 def _local_cases(world: int) -> list[Case]:
     """Note [Local keys]: Llama 4's chunks inside every rank's rows (contiguous) or zigzag's pieces, with documents,
-    padding, the lse gradient and head rounds."""
+    padding, the lse gradient and head rounds; short documents placed whole on ranks."""
     S = 12 * world
     base = Case(method=AG, seq_len=S, heads=4, kv_heads=2, head_dim=8, seed=world + 7)
     return [base.with_(layout="contiguous", mask=masks.chunked(12), lse_grad=True),
             base.with_(layout="zigzag", mask=masks.chunked(6), causal=False, cu_seqlens=(0, 4, S - 2),
-                       valid_len=S - 2, options=(("heads_k_stride", 1),))]
+                       valid_len=S - 2, options=(("heads_k_stride", 1),)),
+            base.with_(layout="balanced_whole", cu_seqlens=tuple(range(0, S + 1, 3)), lse_grad=True)]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
