@@ -357,6 +357,14 @@ def test_plan_cli(capsys, tmp_path):
     assert plan_main(["--gpus", "4", "--seq-len", "16k", "--profile", "h100-nvswitch", "--mode", "fwd",
                       "--transports", "nccl,copy_engine", "--top", "3"]) == 0
     assert "choice: ring/zigzag/transportcopy_engine" in capsys.readouterr().out
+    assert plan_main(["--gpus", "8", "--seq-len", "128k", "--kv-heads", "8", "--no-causal", "--profile",
+                      "h100-nvswitch", "--mask", "sink_window:4095,4", "--top", "2"]) == 0
+    assert "receives 3% from other ranks" in capsys.readouterr().out
+    for bad in (["--mask", "sink_window:x"], ["--mask", "nope:1"], ["--gpus", "4,8", "--mask", "chunked:8192"],
+                ["--mask", "chunked:8192", "--json", str(js)]):
+        with pytest.raises(SystemExit):
+            plan_main(bad)
+    assert "--mask" in capsys.readouterr().err
 
 
 def test_validate_on_fixture(tmp_path, capsys):

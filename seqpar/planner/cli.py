@@ -69,9 +69,30 @@ def _parser() -> argparse.ArgumentParser:
                     help="how the transfers of methods with a transport option may move, comma-separated: nccl, "
                          "copy_engine (one host; the ring's and USP's ring hops from the profile's p2p_copy; "
                          "Ulysses' not modelled); one --gpus count and one --seq-len")
+    ap.add_argument("--mask", type=_mask, default=None,
+                    help="a named mask, NAME:INTS: chunked:8192, sink_window:4095,4, prefix_lm:4096, block_causal:512, "
+                         "shared_prefix:PROMPT,RESPONSE,... (one --gpus count and one --seq-len)")
     ap.add_argument("--plot", default=None, help="write a PNG (needs matplotlib)")
     ap.add_argument("--json", default=None, help="write the rows as JSON")
     return ap
+
+
+_MASKS = ("chunked", "sink_window", "prefix_lm", "block_causal", "shared_prefix")
+
+
+def _mask(text: str):
+    """``NAME:INT,...`` as the named mask ``seqpar.masks.NAME(*ints)`` (shared_prefix: the prompt, then the
+    responses)."""
+    from .. import masks
+
+    name, _, rest = text.partition(":")
+    if name not in _MASKS:
+        raise argparse.ArgumentTypeError(f"--mask must name one of {list(_MASKS)}, got {name!r}")
+    try:
+        ints = [int(x) for x in rest.split(",") if x.strip()]
+        return masks.shared_prefix(ints[0], ints[1:]) if name == "shared_prefix" else getattr(masks, name)(*ints)
+    except (ValueError, TypeError, IndexError) as e:
+        raise argparse.ArgumentTypeError(f"--mask {text!r}: {e}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -90,19 +111,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             return args.topology
         return None if W <= prof.gpus_per_node else "nvswitch"
 
+    if args.mask is not None and args.json:
+        ap.error("--json writes the simulator's rows, which plan no mask; drop --json or --mask")
     if len(args.gpus) == 1 and len(args.seq_len) == 1:
         W, S = args.gpus[0], args.seq_len[0]
         ranking = plan(seq_len=S, world=W, mode=args.mode, topology=topo(W), methods=names, pad=True,
-                       cached=args.cached, layers=args.layers, transports=args.transports.split(","), **common)
+                       cached=args.cached, layers=args.layers, transports=args.transports.split(","),
+                       mask_mod=args.mask, **common)
         print(ranking.table(args.top))
         if args.json:
             rows = simulate(gpus=[W], seq_lens=[S], methods=names, mode=args.mode, topology=topo(W), **common)
             _write_json(args.json, rows)
         return 0
-    if args.transports != "nccl":
-        ap.error(f"--transports needs one --gpus count and one --seq-len, got {len(args.gpus)} and {len(args.seq_len)}")
-    if args.cached is not None:
-        ap.error(f"--cached needs one --gpus count and one --seq-len, got {len(args.gpus)} and {len(args.seq_len)}")
+    for flag, given in (("--transports", args.transports != "nccl"), ("--cached", args.cached is not None),
+                        ("--mask", args.mask is not None)):
+        if given:
+            ap.error(f"{flag} needs one --gpus count and one --seq-len, got {len(args.gpus)} and {len(args.seq_len)}")
     rows = []
     for W in args.gpus:
         rows += simulate(gpus=[W], seq_lens=args.seq_len, methods=names, mode=args.mode, topology=topo(W), **common)
