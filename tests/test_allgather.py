@@ -351,13 +351,19 @@ def test_selection_widens_to_tiles_where_runs_start_on_them(layout):
 def test_sink_window_gathers_its_window_not_the_sequence():
     """The sink window at 128K over 8 (contiguous): the busiest reader receives its sinks' tile and its 4095-key
     halo widened to a tile (4224 rows) where the full all-gather moved 7/8 of the sequence; Llama 4's chunks of
-    8K inside 16K per rank need no key from another rank."""
+    8K inside 16K per rank need no key from another rank; a mask of more than ``SELECT_PIECES`` pieces gathers
+    everything."""
     from seqpar.methods.allgather import selected_rows
 
     S, W = 1 << 17, 8
     lay = make_layout("contiguous", W, None)
     assert selected_rows(lay, S, Rule(False, mask=masks.sink_window(4095, 4)), None) == (20608, 4224)
     assert selected_rows(lay, S, Rule(True, mask=masks.chunked(8192)), None) == (16384, 0)
+    # past SELECT_PIECES pieces every rank's plan over the sequence costs seconds of host time: the full gather
+    from seqpar.methods.allgather import SELECT_PIECES
+    M = 1 << 20
+    assert selected_rows(lay, M, Rule(True, mask=masks.chunked(M // SELECT_PIECES)), None) == (M // W, 0)
+    assert selected_rows(lay, M, Rule(False, mask=masks.block_causal(M // (2 * SELECT_PIECES))), None) is None
 
 
 def _selective_cases(world: int) -> list[Case]:

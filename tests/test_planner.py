@@ -281,6 +281,10 @@ def test_plan_under_a_named_mask_ranks_its_blocks_and_bytes():
                                                                for n in e.prediction.notes), (label, e.prediction)
     with pytest.raises(TypeError, match="mask must be a named mask"):
         plan(seq_len=S, heads=32, world=W, mask_mod=lambda b, h, q, k: k <= q)
+    from seqpar.cost.model import PLANNED_PIECES  # past it the plans cost seconds: planned without
+    few, many = masks.block_causal(S // PLANNED_PIECES), masks.block_causal(S // (4 * PLANNED_PIECES))
+    assert Problem(seq_len=S, heads=32, kv_heads=8, world=W, mask=few).rule.mask == few
+    assert Problem(seq_len=S, heads=32, kv_heads=8, world=W, mask=many).rule.mask is None
     # auto on a contiguous layout: planned as full attention, the sink window went to Ulysses, its slowest
     # method measured (0.70 forward+backward against the all-gather's 0.88-0.92, busiest of 8 at 128K emulated,
     # benchmarks/results/2026-11-28-4xh100-selective-masks and 2026-11-27-h200-flex-final-rows)

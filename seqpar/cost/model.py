@@ -86,7 +86,9 @@ Note [Masked problems]
     its selective gather's (Note [Selective gather] in ``seqpar.methods.allgather``: the keys of the planned
     blocks), none where no rank reads another's keys (Note [Local keys]); a ring's steps end where no rank's
     blocks reach further (Llama 4's chunks inside ranks: one step). A generic ``mask_mod`` declares no blocks: the
-    planner ranks such a call without it (an upper bound on its work).
+    planner ranks such a call without it (an upper bound on its work). The plans cost host time growing with the
+    square of the pieces, per layout and ring size the planner ranks (at 128K over 8: 0.4 s for 16 video frames, 8
+    s for 64, 50 s for 128), so a mask of more than ``PLANNED_PIECES`` pieces is ranked without it too.
 
 Note [Query tiles of packed calls]
     FA2's varlen call runs a document's query rows in tiles of ``TILE_ROWS`` (128), one thread block each per head,
@@ -137,6 +139,8 @@ PASSQ_PARTIAL_BYTES: int | None = None
 BWD_FLOPS = 2.5
 #: query rows of one FA2 varlen tile at head dim 128 (Note [Query tiles of packed calls])
 TILE_ROWS = 128
+#: pieces of a named mask up to which the model plans it by its blocks (Note [Masked problems])
+PLANNED_PIECES = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,10 +183,18 @@ class Problem:
             raise TypeError(f"mask must be a named mask of seqpar.masks (declared pieces), got {self.mask!r}")
 
     @property
+    def planned_mask(self) -> Any:
+        """The mask the model plans by its blocks: ``mask`` when it has at most ``PLANNED_PIECES`` pieces, else None
+        (Note [Masked problems])."""
+        if self.mask is None or self.mask.pieces_within(self.seq_len, PLANNED_PIECES) > PLANNED_PIECES:
+            return None
+        return self.mask
+
+    @property
     def shaped(self) -> bool:
         """Whether the work is the block planner's, not the dense closed forms': packed documents or a named mask
         (Note [Packed batches], Note [Masked problems])."""
-        return self.documents is not None or self.mask is not None
+        return self.documents is not None or self.planned_mask is not None
 
     @property
     def group_ratio(self) -> int:
@@ -191,7 +203,7 @@ class Problem:
     @property
     def rule(self) -> Rule:
         """The mask as the block planner reads it."""
-        return Rule(self.causal, self.window, mask=self.mask)
+        return Rule(self.causal, self.window, mask=self.planned_mask)
 
     def act(self, tokens: float, heads: float, nbytes: float | None = None) -> float:
         """Bytes of a ``(B, tokens, heads, D)`` tensor (input dtype unless ``nbytes``)."""
@@ -658,7 +670,8 @@ def passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads: 
     bwd_mem = p.act(L, heads, 4) + 2 * kv + held + temps(p, L, heads, kv_heads)
     c = Cost(f, b, fwd_base + fwd_mem, bwd_base + bwd_mem)
     if n < R:
-        why = "documents end" if p.documents is not None else "the mask ends" if p.mask is not None else "window ends"
+        why = ("documents end" if p.documents is not None else "the mask ends" if p.planned_mask is not None
+               else "window ends")
         c.notes.append(f"{why} the ring after {n} of {R} steps")
     if p.shaped:
         c.balance = balance(p, layout, R, calls)

@@ -69,6 +69,13 @@ class PieceMask(ABC):
     def relation(self, a: int, b: int) -> Bounds:
         """Bounds on ``key_pos - query_pos`` for queries of piece a and keys of piece b, or None."""
 
+    def pieces_within(self, length: int, most: int) -> int:
+        """Pieces over positions ``[0, length)``, counted up to ``most + 1`` (O(most))."""
+        n, pos = 0, 0
+        while pos < length and n <= most:
+            pos, n = self.piece_end(pos), n + 1
+        return n
+
     def __call__(self, b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         """The mask on broadcasting int tensors -> bool (eager: the oracle, a generic ``mask_mod``)."""
         return self.mod(q_idx.device)(b, h, q_idx, kv_idx)

@@ -121,7 +121,9 @@ Note [Selective gather]
     a rank reads are those of the blocks the planner keeps for its queries against the whole sequence (empty
     blocks skipped, Note [Block planning]): the sink window's rank at 16K of 128K over 8 reads its sinks and its
     4095-key halo (4224 foreign rows with the tiles below, where the full gather moved 114688), Llama 4's chunks
-    of 8K inside a rank's 16K read nothing from another rank, a shared prefix's responses read the prompt.
+    of 8K inside a rank's 16K read nothing from another rank, a shared prefix's responses read the prompt. Finding
+    those keys plans every rank's queries against the whole sequence, O(pieces^2) host work in all, so a mask of
+    more than ``SELECT_PIECES`` pieces (video frames by the thousand) keeps the full gather.
 
 Note [Local keys]
     Where no rank's queries see a key another rank holds - Llama 4's chunks inside each rank's rows, documents
@@ -180,11 +182,15 @@ from ..numerics import GradRows, acc_dtype, wire_dtype
 from . import _passkv
 from .base import LONG_CONTEXT, BackwardInputs, Call, Method
 
-__all__ = ["KEY_TILE", "METHOD", "SELECT_AT", "GatherPlan", "Selection", "gather_plan", "local_keys",
+__all__ = ["KEY_TILE", "METHOD", "SELECT_AT", "SELECT_PIECES", "GatherPlan", "Selection", "gather_plan", "local_keys",
            "needed_keys"]
 
 SELECT_AT = 0.75
 """The selective gather runs when the busiest reader needs at most this share of the sequence."""
+SELECT_PIECES = 128
+"""Pieces of a named mask up to which the selective gather plans every rank's reads (Note [Selective gather]: W
+plans over the whole sequence, about 0.5 s of host time for 128 video frames at 128K over 8, 212 s for 1024 at 1M;
+planned once per call signature). A mask of more pieces gathers everything."""
 
 PARTS = 4
 """A plain layout of at most this many runs per rank is gathered run by run (Note [Gather by parts])."""
@@ -337,6 +343,8 @@ def selected_rows(layout: Layout, seq_len: int, rule: Rule, doc_bounds: tuple[in
     if layout.world == 1 or (doc_bounds is None and valid_len is None and rule.window == (-1, -1)
                              and rule.pieces is None):
         return None
+    if rule.pieces is not None and rule.pieces.pieces_within(seq_len, SELECT_PIECES) > SELECT_PIECES:
+        return None                     # every rank's plan over the whole sequence: O(pieces^2) host work
     needs = [needed_keys(layout, r, seq_len, rule, doc_bounds, valid_len) for r in range(layout.world)]
     rows = [sum(b - a for a, b in n) for n in needs]
     if max(rows) > SELECT_AT * seq_len:
