@@ -87,8 +87,8 @@ Note [Masked problems]
     blocks), none where no rank reads another's keys (Note [Local keys]); a ring's steps end where no rank's
     blocks reach further (Llama 4's chunks inside ranks: one step). A generic ``mask_mod`` declares no blocks: the
     planner ranks such a call without it (an upper bound on its work). The plans cost host time growing with the
-    square of the pieces, per layout and ring size the planner ranks (at 128K over 8: 0.4 s for 16 video frames, 8
-    s for 64, 50 s for 128), so a mask of more than ``PLANNED_PIECES`` pieces is ranked without it too.
+    square of the pieces, per layout and ring size the planner ranks (at 128K over 8: 0.3 s for 16 video frames,
+    3.2 s for 64, 12.5 s for 128), so a mask of more than ``PLANNED_PIECES`` pieces is ranked without it too.
 
 Note [Query tiles of packed calls]
     FA2's varlen call runs a document's query rows in tiles of ``TILE_ROWS`` (128), one thread block each per head,
