@@ -182,3 +182,39 @@ def test_group_varlen_calls_stay_few_with_many_documents():
                 for s in range(4):
                     tasks = plan(segs[r], segs[(r - s) % 4], rule)
                     assert len(group_varlen(tasks)) <= 6, (lay, rule, r, s)
+
+
+def test_key_run_groups_by_galloping_end_where_a_scan_does():
+    """Step 3 of Note [Block planning]: ``_longest`` (galloping, then bisection) ends a query run's group of key
+    runs where the left-to-right scan ends it, on the grids of random layouts, documents, windows and named masks
+    - many key runs per query run included (a staircase of frames against the whole sequence)."""
+    from seqpar import masks
+    from seqpar.layouts import make_layout
+    from seqpar.layouts.blocks import Run, _Grid, _longest, split_pieces
+
+    def scan(g, i, mine, start):
+        end = start
+        while end + 1 < len(mine) and g.merged(i, i, mine[start], mine[end + 1]) is not None:
+            end += 1
+        return end
+
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(60):
+        W = rng.choice([1, 2, 4])
+        S = W * rng.choice([16, 48, 96])
+        lay = make_layout(rng.choice(["contiguous", "zigzag"]), W, None)
+        mask = rng.choice([None, masks.block_causal(rng.randint(2, 9)), masks.sink_window(rng.randint(1, 20), 2),
+                           masks.shared_prefix(S // 3, [S // 6, S - S // 3 - S // 6])])
+        window = rng.choice([(-1, -1), (rng.randint(0, S // 2), -1), (rng.randint(0, 9), rng.randint(0, 9))])
+        docs = tuple(sorted({0, S, *rng.sample(range(1, S), 2)})) if rng.random() < 0.3 else (0, S)
+        rule = Rule(rng.random() < 0.5, window, mask=mask)
+        keys = Segments((Run(0, 0, S),)).cut(docs)
+        for r in range(W):
+            q = lay.segments(r, S).cut(docs)
+            g = _Grid(split_pieces(q, rule.pieces), split_pieces(keys, rule.pieces), rule)
+            for i, mine in enumerate(g.row_keys):
+                for start in range(len(mine)):
+                    assert _longest(g, i, mine, start) == scan(g, i, mine, start), (rule, r, i, start)
+                    checked += 1
+    assert checked > 1000, checked
