@@ -285,12 +285,43 @@ def test_plan_under_a_named_mask_ranks_its_blocks_and_bytes():
     few, many = masks.block_causal(S // PLANNED_PIECES), masks.block_causal(S // (4 * PLANNED_PIECES))
     assert Problem(seq_len=S, heads=32, kv_heads=8, world=W, mask=few).rule.mask == few
     assert Problem(seq_len=S, heads=32, kv_heads=8, world=W, mask=many).rule.mask is None
+    chunks = masks.chunked(S // (8 * PLANNED_PIECES))                  # each piece related to itself only: 8x more
+    assert Problem(seq_len=S, heads=32, kv_heads=8, world=W, mask=chunks).rule.mask == chunks
     # auto on a contiguous layout: planned as full attention, the sink window went to Ulysses, its slowest
     # method measured (0.70 forward+backward against the all-gather's 0.88-0.92, busiest of 8 at 128K emulated,
     # benchmarks/results/2026-11-28-4xh100-selective-masks and 2026-11-27-h200-flex-final-rows)
     pick = choose((1, S // W, 32, 128), 8, False, (-1, -1), W, 1, "contiguous", "h100-nvswitch", features=("mask",),
                   mask=masks.sink_window(4095, 4))
     assert pick[0] == "allgather", pick
+
+
+def test_masked_block_matrix_equals_the_plans_of_every_rank_pair():
+    """Note [Masked problems]: one plan per query rank against the whole sequence, cut at the ranks holding the
+    keys, gives every (rank, rank) cell - pairs, rows and keys that see any, tiles, padded pairs - that planning
+    each pair of ranks gives; the ranks' work (its row sums) equals ``layouts.work.work``'s."""
+    from seqpar import masks
+    from seqpar.cost import model
+    from seqpar.layouts import Rule
+    from seqpar.layouts.blocks import plan as block_plan
+    from seqpar.layouts.work import task_pairs, work
+
+    rng = random.Random(1)
+    for _ in range(40):
+        W = rng.choice([2, 3, 4, 8])
+        S = W * rng.choice([16, 24, 48])
+        name = "zigzag" if S % (2 * W) == 0 and rng.random() < 0.5 else "contiguous"
+        docs = tuple(sorted({0, S, *rng.sample(range(1, S), rng.randint(1, 4))})) if rng.random() < 0.4 else None
+        mask = rng.choice([masks.block_causal(max(1, S // rng.randint(2, 10))), masks.chunked(max(1, S // 5)),
+                           masks.sink_window(rng.randint(1, S // 2), 2), masks.prefix_lm(rng.randint(1, S)),
+                           masks.shared_prefix(S // 3, [S // 6, S - S // 3 - S // 6])])
+        rule = Rule(rng.random() < 0.5, rng.choice([(-1, -1), (rng.randint(0, S // 2), -1)]), mask=mask)
+        lay = make_layout(name, W, docs)
+        segs = [lay.segments(r, S).cut(docs or (0, S)) for r in range(W)]
+        want = torch.stack([torch.stack([model._counted([(t.q_start, t.q_stop, t.k_start, t.k_stop, task_pairs(t))
+                                                          for t in block_plan(segs[r], segs[k], rule)])
+                                         for k in range(W)], 1) for r in range(W)], 1)
+        assert torch.equal(model._planned_block_matrix(lay, S, rule, docs), want), (name, W, S, rule, docs)
+        assert model._work(lay, S, rule, docs) == tuple(work(lay, S, rule, docs))
 
 
 def test_every_declared_layout_is_a_candidate():

@@ -81,14 +81,16 @@ Note [Masked problems]
     A named mask (``Problem.mask``, ``seqpar.masks``) changes the work as documents do, and is planned the same way:
     ``Problem.shaped`` sends the critical rank's calls through ``packed_steps``, ``rank_work`` and ``balance``, with
     the mask in ``Problem.rule``. Its block matrix comes from the block planner itself (``_planned_block_matrix``:
-    each query rank's plan against every rank's keys, O(W^2) plans, the pieces' bands counted in closed form by
-    ``layouts.work.task_pairs``), since a mask's blocks have no closed form over runs. The all-gather's bytes are
-    its selective gather's (Note [Selective gather] in ``seqpar.methods.allgather``: the keys of the planned
-    blocks), none where no rank reads another's keys (Note [Local keys]); a ring's steps end where no rank's
-    blocks reach further (Llama 4's chunks inside ranks: one step). A generic ``mask_mod`` declares no blocks: the
-    planner ranks such a call without it (an upper bound on its work). The plans cost host time growing with the
-    square of the pieces, per layout and ring size the planner ranks (at 128K over 8: 0.3 s for 16 video frames,
-    3.2 s for 64, 12.5 s for 128), so a mask of more than ``PLANNED_PIECES`` pieces is ranked without it too.
+    each query rank's plan against the whole sequence, cut at the ranks holding the keys, each piece's band counted
+    in closed form: W plans), since a mask's blocks have no closed form over runs; the ranks' work is its row sums.
+    The all-gather's bytes are its selective gather's (Note [Selective gather] in ``seqpar.methods.allgather``: the
+    keys of the planned blocks), none where no rank reads another's keys (Note [Local keys]); a ring's steps end
+    where no rank's blocks reach further (Llama 4's chunks inside ranks: one step). A generic ``mask_mod`` declares
+    no blocks: the planner ranks such a call without it (an upper bound on its work). The plans cost host time
+    growing with the pieces' related pairs, per layout and ring size the planner ranks (at 128K over 8: 0.5 s for 32
+    video frames, 1.6 s for 64, 6.7 s for 128; Llama 4's chunks, each related only to itself, 0.7 s for 256 at 1M and
+    3.5 s for 1024), so a mask of more than ``PLANNED_PIECES`` pieces (8x that for same-piece masks) is ranked
+    without it too.
 
 Note [Query tiles of packed calls]
     FA2's varlen call runs a document's query rows in tiles of ``TILE_ROWS`` (128), one thread block each per head,
@@ -108,8 +110,10 @@ kernel workspaces and the caching allocator's slack are not counted.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,11 +121,11 @@ from typing import Any
 import torch
 
 from ..layouts import Layout, Rule, make_layout
-from ..layouts.blocks import plan
+from ..layouts.blocks import Run, Segments, Task, plan
 from ..layouts.work import task_pairs, work
 from .profile import Profile
 from .topology import Group, Network
-from .work import Block, causal_corner, gather_blocks, ring_steps, self_block
+from .work import Block, causal_corner, count_pairs, gather_blocks, ring_steps, self_block
 
 __all__ = ["BWD_FLOPS", "PASSKV_EXPOSED_DKV", "PASSKV_HOME_BYTES", "PASSQ_PARTIAL_BYTES", "TILE_ROWS", "Candidate",
            "Cost", "Group", "Machine", "Prediction", "Problem", "Tally", "a2a_in", "auto_head_chunks", "balance",
@@ -139,8 +143,9 @@ PASSQ_PARTIAL_BYTES: int | None = None
 BWD_FLOPS = 2.5
 #: query rows of one FA2 varlen tile at head dim 128 (Note [Query tiles of packed calls])
 TILE_ROWS = 128
-#: pieces of a named mask up to which the model plans it by its blocks (Note [Masked problems])
-PLANNED_PIECES = 16
+#: pieces of a named mask up to which the model plans it by its blocks, 8x that for a mask relating each piece only
+#: to itself (Llama 4's chunks): the plans' host time grows with the pieces' related pairs (Note [Masked problems])
+PLANNED_PIECES = 32
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,11 +189,12 @@ class Problem:
 
     @property
     def planned_mask(self) -> Any:
-        """The mask the model plans by its blocks: ``mask`` when it has at most ``PLANNED_PIECES`` pieces, else None
-        (Note [Masked problems])."""
-        if self.mask is None or self.mask.pieces_within(self.seq_len, PLANNED_PIECES) > PLANNED_PIECES:
+        """The mask the model plans by its blocks: ``mask`` when it has at most ``PLANNED_PIECES`` pieces (8x that
+        for a mask of same-piece pairs only), else None (Note [Masked problems])."""
+        if self.mask is None:
             return None
-        return self.mask
+        most = PLANNED_PIECES * (8 if self.mask.same_piece_only else 1)
+        return None if self.mask.pieces_within(self.seq_len, most) > most else self.mask
 
     @property
     def shaped(self) -> bool:
@@ -489,6 +495,8 @@ def rank_work(p: Problem, layout: str, ranks: int) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=32)
 def _work(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int, ...] | None) -> tuple[int, ...]:
+    if rule.mask is not None and layout.world <= 64:     # W plans, not layouts.work's W^2 (Note [Masked problems])
+        return tuple(int(x) for x in block_matrix(layout, seq_len, rule, documents)[0].sum(1))
     return tuple(work(layout, seq_len, rule, documents))
 
 
@@ -547,24 +555,63 @@ def block_matrix(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int,
 
 def _planned_block_matrix(layout: Layout, seq_len: int, rule: Rule, documents: tuple[int, ...] | None
                           ) -> torch.Tensor:
-    """``block_matrix`` under a named mask (Note [Masked problems]): each (sampled) query rank's plan against every
-    rank's keys - the blocks the runtime computes - counted: pairs (``layouts.work.block_work``'s), the rows and keys
-    the calls touch, their query tiles and the pairs on whole tiles."""
+    """``block_matrix`` under a named mask (Note [Masked problems]): each (sampled) query rank's plan against the
+    whole sequence in global order - the blocks the runtime computes - cut at the ranks that hold the keys, each
+    piece counted in closed form: its visible pairs, the rows and keys that see any, their query tiles and the
+    pairs on whole tiles. W plans; a strided layout (stripe, whose ranks hold no runs of global order) plans every
+    rank pair."""
     W = layout.world
     bounds = documents if documents is not None else (0, seq_len)
     segs = [layout.segments(r, seq_len).cut(bounds) for r in range(W)]
     out = torch.zeros(5, W, W, dtype=torch.long)
+    if segs[0].stride == 1:
+        owners = sorted((run.glob, run.glob + run.length, k) for k in range(W)
+                        for run in layout.segments(k, seq_len).runs)
+        keys = Segments((Run(0, 0, seq_len),)).cut(bounds)
+        for r in _sample(W):
+            pieces: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(W)]
+            for t in plan(segs[r], keys, rule):
+                for k, piece in _by_owner(t, owners):
+                    pieces[k].append(piece)
+            for k in range(W):
+                out[:, r, k] = _counted(pieces[k])
+        return out
     for r in _sample(W):
         for k in range(W):
-            tasks = plan(segs[r], segs[k], rule)
-            if not tasks:
-                continue
-            pairs = sum(task_pairs(t) for t in tasks)
-            rows = sum(b - a for a, b in _spans((t.q_start, t.q_stop) for t in tasks))
-            keys = sum(b - a for a, b in _spans((t.k_start, t.k_stop) for t in tasks))
-            tiles = -(-rows // TILE_ROWS)
-            out[:, r, k] = torch.tensor([pairs, rows, keys, tiles, pairs * tiles * TILE_ROWS // max(rows, 1)])
+            out[:, r, k] = _counted([(t.q_start, t.q_stop, t.k_start, t.k_stop, task_pairs(t))
+                                     for t in plan(segs[r], segs[k], rule)])
     return out
+
+
+def _by_owner(t: Task, owners: list[tuple[int, int, int]]):
+    """``(rank, (q0, q1, k0, k1, pairs))`` for each rank holding some of ``t``'s keys (global positions): the rows
+    and keys of that piece that see any, and its pairs (``t``'s band over the piece's keys)."""
+    lo, hi = t.mask.lo, t.mask.hi
+    i = bisect.bisect_right(owners, (t.k_start, math.inf, math.inf)) - 1
+    a = t.k_start
+    while a < t.k_stop:
+        _, g1, k = owners[i]
+        b = min(g1, t.k_stop)
+        off = a - t.k_start                      # the piece's key j' = j - off: lo - off <= j' - i <= hi - off
+        slo, shi = (None if lo is None else lo - off), (None if hi is None else hi - off)
+        m, n = t.rows, b - a
+        pairs = count_pairs(m, n, slo, shi)
+        if pairs:
+            r0, r1 = (0 if shi is None else max(0, -shi)), (m - 1 if slo is None else min(m - 1, n - 1 - slo))
+            c0, c1 = (0 if slo is None else max(0, slo)), (n - 1 if shi is None else min(n - 1, m - 1 + shi))
+            yield k, (t.q_start + r0, t.q_start + r1 + 1, a + c0, a + c1 + 1, pairs)
+        a, i = b, i + 1
+
+
+def _counted(pieces: list[tuple[int, int, int, int, int]]) -> torch.Tensor:
+    """One ``block_matrix`` cell from its pieces ``(q0, q1, k0, k1, pairs)``: pairs, rows, keys, tiles, padded."""
+    if not pieces:
+        return torch.zeros(5, dtype=torch.long)
+    pairs = sum(p[4] for p in pieces)
+    rows = sum(b - a for a, b in _spans((p[0], p[1]) for p in pieces))
+    keys = sum(b - a for a, b in _spans((p[2], p[3]) for p in pieces))
+    tiles = -(-rows // TILE_ROWS)
+    return torch.tensor([pairs, rows, keys, tiles, pairs * tiles * TILE_ROWS // max(rows, 1)])
 
 
 def _spans(intervals) -> list[tuple[int, int]]:
