@@ -121,7 +121,7 @@ from typing import Any
 import torch
 
 from ..layouts import Layout, Rule, make_layout
-from ..layouts.blocks import Run, Segments, Task, plan
+from ..layouts.blocks import Run, Segments, Task, plan, union_spans
 from ..layouts.work import task_pairs, work
 from .profile import Profile
 from .topology import Group, Network
@@ -608,21 +608,10 @@ def _counted(pieces: list[tuple[int, int, int, int, int]]) -> torch.Tensor:
     if not pieces:
         return torch.zeros(5, dtype=torch.long)
     pairs = sum(p[4] for p in pieces)
-    rows = sum(b - a for a, b in _spans((p[0], p[1]) for p in pieces))
-    keys = sum(b - a for a, b in _spans((p[2], p[3]) for p in pieces))
+    rows = sum(b - a for a, b in union_spans((p[0], p[1]) for p in pieces))
+    keys = sum(b - a for a, b in union_spans((p[2], p[3]) for p in pieces))
     tiles = -(-rows // TILE_ROWS)
     return torch.tensor([pairs, rows, keys, tiles, pairs * tiles * TILE_ROWS // max(rows, 1)])
-
-
-def _spans(intervals) -> list[tuple[int, int]]:
-    """Intervals merged into disjoint ones."""
-    merged: list[list[int]] = []
-    for a, b in sorted(intervals):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
 
 
 def _upto_t(Lq: torch.Tensor, Lk: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:

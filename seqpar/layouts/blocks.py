@@ -59,7 +59,8 @@ if TYPE_CHECKING:
     from ..masks.mod import ModMask
     from ..masks.named import PieceMask
 
-__all__ = ["Rule", "Run", "Segments", "Task", "any_visible", "group_varlen", "plan", "slice_rows", "visible_dense"]
+__all__ = ["Rule", "Run", "Segments", "Task", "any_visible", "group_varlen", "plan", "slice_rows", "union_spans",
+           "visible_dense"]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -522,6 +523,17 @@ def visible_dense(q_pos: Sequence[int], k_pos: Sequence[int], rule: Rule,
     allowed = fn(zero, zero, torch.tensor(list(q_pos))[:, None], torch.tensor(list(k_pos))[None, :])
     allowed = allowed.expand(len(q_pos), len(k_pos)).tolist()
     return [[a and b for a, b in zip(r, m)] for r, m in zip(vis, allowed)]
+
+
+def union_spans(spans) -> tuple[tuple[int, int], ...]:
+    """Intervals ``[a, b)`` merged into sorted, disjoint ones (empty ones dropped)."""
+    merged: list[list[int]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        elif a < b:
+            merged.append([a, b])
+    return tuple((a, b) for a, b in merged)
 
 
 def slice_rows(seg: Segments, start: int, stop: int) -> Segments:

@@ -176,7 +176,7 @@ from ..kernels.executor import TaskRunner, split_band
 from ..kernels.merge import Accumulator
 from ..kernels.side import beside_largest
 from ..layouts import Layout, make_layout
-from ..layouts.blocks import Rule, Run, Segments, Task, plan
+from ..layouts.blocks import Rule, Run, Segments, Task, plan, union_spans
 from ..memo import batch_memo
 from ..numerics import GradRows, acc_dtype, wire_dtype
 from . import _passkv
@@ -287,18 +287,7 @@ def needed_keys(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds:
             if start < stop:
                 spans.append((start, stop))
     t = _tile(layout, seq_len)
-    return _union((a - a % t, min(seq_len, b + -b % t)) for a, b in spans)
-
-
-def _union(spans) -> Spans:
-    """Intervals ``[a, b)`` merged into sorted, disjoint ones (empty ones dropped)."""
-    merged: list[list[int]] = []
-    for a, b in sorted(spans):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        elif a < b:
-            merged.append([a, b])
-    return tuple((a, b) for a, b in merged)
+    return union_spans((a - a % t, min(seq_len, b + -b % t)) for a, b in spans)
 
 
 def _held(layout: Layout, rank: int, seq_len: int) -> tuple[tuple[int, int, int], ...]:
@@ -739,7 +728,7 @@ def _first_touch(tasks: tuple[Task, ...], rows: int
         if at < b:
             pieces.append((at, b, False))
         program.append(tuple(pieces))
-        touched = _union([*touched, (a, b)])
+        touched = union_spans([*touched, (a, b)])
     bounds = [0, *(x for span in touched for x in span), rows]
     zero = tuple((bounds[i], bounds[i + 1]) for i in range(0, len(bounds), 2) if bounds[i] < bounds[i + 1])
     return tuple(program), zero
