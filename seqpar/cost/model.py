@@ -187,7 +187,7 @@ class Problem:
         if self.mask is not None and Rule(mask=self.mask).pieces is None:
             raise TypeError(f"mask must be a named mask of seqpar.masks (declared pieces), got {self.mask!r}")
 
-    @property
+    @functools.cached_property
     def planned_mask(self) -> Any:
         """The mask the model plans by its blocks: ``mask`` when it has at most ``PLANNED_PIECES`` pieces (8x that
         for a mask of same-piece pairs only), else None (Note [Masked problems])."""
