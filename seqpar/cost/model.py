@@ -88,9 +88,9 @@ Note [Masked problems]
     where no rank's blocks reach further (Llama 4's chunks inside ranks: one step). A generic ``mask_mod`` declares
     no blocks: the planner ranks such a call without it (an upper bound on its work). The plans cost host time
     growing with the pieces' related pairs, per layout and ring size the planner ranks (at 128K over 8: 0.5 s for 32
-    video frames, 1.6 s for 64, 6.7 s for 128; Llama 4's chunks, each related only to itself, 0.7 s for 256 at 1M and
-    3.5 s for 1024), so a mask of more than ``PLANNED_PIECES`` pieces (8x that for same-piece masks) is ranked
-    without it too.
+    video frames, 1.8 s for 64, 6.8 s for 128; Llama 4's chunks, each related only to itself, 0.8 s for 256 at 1M
+    and 3.8 s for 1024, on a 2-core CPU: ``benchmarks/planning_host_time.py``), so a mask of more than
+    ``PLANNED_PIECES`` pieces (8x that for same-piece masks) is ranked without it too.
 
 Note [Query tiles of packed calls]
     FA2's varlen call runs a document's query rows in tiles of ``TILE_ROWS`` (128), one thread block each per head,

@@ -38,7 +38,7 @@ Note [Block planning]
        same keys on adjacent rows (a shared prompt seen by every response: one call). Halves overlap in no
        cell; rows seen by both merge by lse like any two blocks.
     Cost: O(K + (Q + P) log K) for Q query runs, K key runs and P same-document pairs (plus g log g for a
-    query run whose g key runs are grouped in step 3; g^2 before the galloping: 41 s for one rank's plan under a
+    query run whose g key runs are grouped in step 3; g^2 before the galloping: 34 s for one rank's plan under a
     block-causal mask of 1024 frames at 1M). With a bounded number of runs per document on each
     side that is O(runs log runs); the full (query run x key run) matrix was quadratic in the documents.
     ``tests/test_blocks.py`` checks all of this against a dense mask for random layouts and rules, and
