@@ -1,7 +1,7 @@
 """Where a call's host time goes: rank r of W on a fake group, one GPU (emulated, communication free).
 
     python3 benchmarks/gpu/probe_host.py --out DIR [--world 8] [--rank 0] [--cases packed32,packed128,dense16]
-        [--graphs off] [--kv-heads 32] [--dense-methods M/L,..] [--packed-methods M/L,..]
+        [--graphs off] [--kv-heads 32] [--dense-methods M/L,..] [--packed-methods M/L,..] [--mask NAME:INTS]
 
 For each case (method/layout x mode): the host milliseconds of one call from an idle GPU (median of 10), the call's
 total time, the GPU operations it launches (name, microseconds and the idle time before each, from
@@ -26,14 +26,19 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import seqpar
 from seqpar.bench.timing import free_cached, host_profile
 from seqpar.layouts.packing import packed_row
+from seqpar.planner.cli import _mask
 
 H, D = 32, 128
 
 
 def case_fn(method: str, layout: str, mode: str, total: int, cu: tuple[int, ...] | None, W: int,
-            graphs: bool | None = None, HKV: int = 8):
+            graphs: bool | None = None, HKV: int = 8, mask=None):
+    """One call of ``seqpar.attention`` (causal; under ``mask``, non-causal with the named mask) on this rank's
+    shard of random rows."""
     dev = torch.device("cuda")
     where = {"method": method, "layout": layout}
+    if mask is not None:
+        where |= {"mask_mod": mask, "causal": False}
     if cu is not None:
         where["cu_seqlens"] = cu
     free_cached(dev, seed=True)       # received buffers hold data, not zeros (Note [Emulated data])
@@ -102,6 +107,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8, help="KV heads of the 32 query heads (32: MHA)")
     ap.add_argument("--dense-methods", default="ring/zigzag,ulysses/contiguous",
                     help="method/layout pairs of the dense cases")
+    ap.add_argument("--mask", type=_mask, default=None,
+                    help="a named mask, NAME:INTS (python -m seqpar plan's): the dense cases run non-causal under it")
     ap.add_argument("--packed-methods", default="ulysses/contiguous,ring/zigzag,ring/balanced,allgather/balanced",
                     help="method/layout pairs of the packed cases")
     args = ap.parse_args()
@@ -122,7 +129,8 @@ def main() -> None:
             for mode in ("fwd", "fwd+bwd"):
                 name = f"{case}-kv{args.kv_heads}-r{args.rank}-{method}-{layout}-{mode}-graphs_{args.graphs}"
                 try:
-                    fn = case_fn(method, layout, mode, total, cu, W, graphs, args.kv_heads)
+                    fn = case_fn(method, layout, mode, total, cu, W, graphs, args.kv_heads,
+                                 None if cu else args.mask)
                     print(probe(name, fn, out), flush=True)
                 except Exception as e:          # a probe: report and go on
                     print(f"{name}: FAILED {type(e).__name__}: {e}", flush=True)

@@ -1,13 +1,14 @@
 """Where the GPU idles while calls run back to back: rank r of W on a fake group (one GPU, emulated), dense rows.
 
     python3 benchmarks/gpu/probe_steady_gaps.py --out FILE [--world 8] [--rank 1] [--seq 131072] [--kv-heads 8]
-        [--configs tasp/zigzag,ring/zigzag] [--modes fwd,fwd+bwd]
+        [--configs tasp/zigzag,ring/zigzag] [--modes fwd,fwd+bwd] [--mask sink_window:4095,4]
 
 For each configuration and mode: the median ms of a call timed back to back (10 calls between two synchronizations,
 after 8 warm-up calls), the GPU time of its operations and the GPU's idle time per call from torch.profiler over 3
 back-to-back calls, the largest idle gaps with the operations on either side, and the synchronizations
 ``torch.cuda.set_sync_debug_mode`` reports during one call. One JSON line per case (``write_probe``); a summary line
-per case on stdout. The allocator's pool is seeded as the bench seeds it (Note [Emulated data]).
+per case on stdout. ``--mask`` runs every case non-causal under a named mask (``python -m seqpar plan``'s
+``NAME:INTS``). The allocator's pool is seeded as the bench seeds it (Note [Emulated data]).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from probe_host import case_fn
 
 from seqpar.bench.report import write_probe
 from seqpar.bench.timing import sync_warnings
+from seqpar.planner.cli import _mask
 
 
 def gaps(fn, calls: int = 3) -> dict:
@@ -67,13 +69,14 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--configs", default="tasp/zigzag,ring/zigzag")
     ap.add_argument("--modes", default="fwd,fwd+bwd")
+    ap.add_argument("--mask", type=_mask, default=None, help="a named mask, NAME:INTS (non-causal under it)")
     args = ap.parse_args()
     W, rows = args.world, []
     dist.init_process_group("fake", rank=args.rank, world_size=W, store=FakeStore())
     for config in args.configs.split(","):
         method, layout = config.split("/")
         for mode in args.modes.split(","):
-            fn = case_fn(method, layout, mode, args.seq, None, W, None, args.kv_heads)
+            fn = case_fn(method, layout, mode, args.seq, None, W, None, args.kv_heads, args.mask)
             for _ in range(8):
                 fn()
             torch.cuda.synchronize()
@@ -84,7 +87,8 @@ def main() -> None:
                     fn()
                 torch.cuda.synchronize()
                 steady.append((time.perf_counter() - t0) * 1e2)
-            row = {"config": config, "mode": mode, "world": W, "rank": args.rank, "seq_len": args.seq,
+            row = {"config": config, "mode": mode, "mask": repr(args.mask), "world": W, "rank": args.rank,
+                   "seq_len": args.seq,
                    "kv_heads": args.kv_heads, "steady_ms": round(sorted(steady)[1], 3), **gaps(fn),
                    "syncs": syncs(fn)}
             rows.append(row)
