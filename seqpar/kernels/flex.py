@@ -110,7 +110,11 @@ _BIG = 1 << 30
 
 def _mask_mod(mask: Mask, m: int, n: int, device: torch.device):
     """The mask as a ``mask_mod`` whose parameters are tensors, so dynamo compiles one kernel per mask family
-    (band, varlen; a user's ``mask_mod`` once per function) rather than one per mask."""
+    (band, varlen; a user's ``mask_mod`` once per function) rather than one per mask. The tensors are int32, as
+    flex's indices are: a band's bounds in int64 made flex compare in 64 bits on its partial tiles, 2-4% slower on
+    every row of a 4095 window at 16K and 128K, flex called directly alike (an H100, interleaved bursts,
+    ``benchmarks/results/2026-11-28-flex-bounds-tma/``). A user's function still gets int64 global positions, as
+    the oracle evaluates it (in int32 a hash mask overflowed)."""
     if isinstance(mask, Modded):            # the user's function on the rows' global positions
         base, fn = _mask_mod(mask.base, m, n, device), mask.fn
         q_pos, k_pos = mask.positions(device)
@@ -130,7 +134,7 @@ def _mask_mod(mask: Mask, m: int, n: int, device: torch.device):
         return joined_mod
     if isinstance(mask, Band):
         bounds = torch.tensor([-_BIG if mask.lo is None else mask.lo, _BIG if mask.hi is None else mask.hi],
-                              device=device)
+                              dtype=torch.int32, device=device)
 
         def band_mod(b, h, qi, ki):
             d = ki - qi
@@ -147,7 +151,7 @@ def _mask_mod(mask: Mask, m: int, n: int, device: torch.device):
         q_diag[qa:qb] = torch.arange(qb - qa, dtype=torch.int32) + ((kb - ka) - (qb - qa))
         k_idx[ka:kb] = torch.arange(kb - ka, dtype=torch.int32)
     q_seg, k_seg, q_diag, k_idx = (t.to(device) for t in (q_seg, k_seg, q_diag, k_idx))
-    win = torch.tensor([_BIG if left < 0 else left, _BIG if right < 0 else right], device=device)
+    win = torch.tensor([_BIG if left < 0 else left, _BIG if right < 0 else right], dtype=torch.int32, device=device)
 
     def varlen_mod(b, h, qi, ki):
         d = k_idx[ki] - q_diag[qi]
