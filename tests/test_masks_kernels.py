@@ -83,6 +83,51 @@ def test_flex_variant_compiles_its_first_shapes_per_shape_then_once_for_all(monk
     assert not KERNELS["flex"]._dynamic_for(torch.empty(1, 900, 4, 16), torch.empty(1, 900, 2, 16), band)
 
 
+def test_flex_options_ask_tma_for_forward_kernels_on_sm90_only(monkeypatch):
+    """Note [Flex on TMA]: a forward kernel of 128+ query rows on sm90 asks for USE_TMA; backward kernels, other
+    archs, CPU and calls under 128 rows (the standard Triton kernel, not the decoding one) do not."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(flex_mod, "device_arch", lambda device: 90)
+    assert flex_mod._options(cuda, 4096, tma=True) == {"kernel_options": {"USE_TMA": True}}
+    assert flex_mod._options(cuda, 4096) == {}
+    assert flex_mod._options(cuda, 127, tma=True) == {"kernel_options": {"BACKEND": "TRITON"}}
+    assert flex_mod._options(torch.device("cpu"), 4096, tma=True) == {}
+    monkeypatch.setattr(flex_mod, "device_arch", lambda device: 80)
+    assert flex_mod._options(cuda, 4096, tma=True) == {}
+
+
+def test_only_flex_forward_kernels_ask_for_tma(monkeypatch):
+    """Note [Flex on TMA]: ``FlexKernel.forward`` runs its kernel with ``tma``; its backward (the recompute on CPU)
+    and ``autograd_forward`` (flex's own autograd: one option for both kernels) without."""
+    asked = []
+    real = flex_mod._options
+
+    def spy(device, rows, tma=False):
+        asked.append(tma)
+        if len(asked) == 2:
+            raise LookupError("stop: flex has no backward on CPU")     # the recompute's options are what counts
+        return real(device, rows, tma)
+    monkeypatch.setattr(flex_mod, "_options", spy)
+    q, k, v = (torch.randn(1, 256, h, 16) for h in (4, 2, 2))
+    kern, band = KERNELS["flex"], Band(-64, 0)
+    res = kern.forward(q, k, v, band, 0.25)
+    assert asked == [True]
+    with pytest.raises(LookupError, match="stop"):
+        kern.backward(torch.randn_like(q), q, k, v, res.out, res.lse, band, 0.25)
+    kern.autograd_forward(q, k, v, band, 0.25)
+    assert asked == [True, False, False]
+
+
+def test_flex_mask_mods_read_int32_tensors():
+    """A band's bounds and a document mask's tables are int32, as flex's indices are (int64 bounds cost flex 2-4%:
+    benchmarks/results/2026-11-28-flex-bounds-tma)."""
+    cpu = torch.device("cpu")
+    for mask, m in ((Band(-64, 0), 256), (Varlen((0, 100, 256), (0, 100, 256), (-1, -1)), 256)):
+        cells = [c.cell_contents for c in flex_mod._mask_mod(mask, m, m, cpu).__closure__]
+        tensors = [c for c in cells if torch.is_tensor(c)]
+        assert tensors and all(t.dtype == torch.int32 for t in tensors), [t.dtype for t in tensors]
+
+
 def test_auto_ranks_flex_above_fa2_for_wide_windowed_bands_on_sm90_only():
     band = KernelCall("cuda", BF16, D, H, HKV, "band", arch=90, training=True, wide=True)
     assert select("auto", band).name == "flex" and not select("auto", band).dynamic

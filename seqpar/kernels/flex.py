@@ -32,11 +32,11 @@ import torch
 
 from ..masks.forms import Band, Joined, Mask, Modded
 from ..types import AttnOutput
-from .base import Kernel, KernelCall, register
+from .base import Kernel, KernelCall, device_arch, register
 from .flex_backward import final_rows_backward
 
 __all__ = ["BAND_ARCHS", "BAND_BWD_KV_HEADS", "BAND_MASKS", "BAND_RANK", "MASK_BYTES", "MOD_MASKS", "RECOMPILES",
-           "SPARSE_BLOCK", "STATIC_SHAPES", "VARLEN_MASKS", "FlexKernel"]
+           "SPARSE_BLOCK", "STATIC_SHAPES", "TMA_ARCHS", "VARLEN_MASKS", "FlexKernel"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -49,13 +49,46 @@ def _lse_request() -> dict:
     return {"return_aux": AuxRequest(lse=True)}
 
 
-def _options(q: torch.Tensor) -> dict:
-    """Kernel options for a call with ``q (B, S, H, D)``: under ``SPARSE_BLOCK`` query rows flex's heuristic picks its
-    decoding kernel, which found no valid configuration for seqpar's block masks on an H100 (a 127-row band,
-    ``tests/test_gpu_masks.py``); such calls ask for the standard Triton kernel (``BACKEND``, torch >= 2.9)."""
-    if q.device.type != "cuda" or q.shape[1] >= SPARSE_BLOCK:
+def _options(device: torch.device, rows: int, tma: bool = False) -> dict:
+    """Kernel options for a call of ``rows`` query rows on ``device``: under ``SPARSE_BLOCK`` rows flex's heuristic
+    picks its decoding kernel, which found no valid configuration for seqpar's block masks on an H100 (a 127-row
+    band, ``tests/test_gpu_masks.py``); such calls ask for the standard Triton kernel (``BACKEND``, torch >= 2.9).
+    With ``tma`` (forward kernels only), longer calls on a ``TMA_ARCHS`` GPU load their tiles through the Tensor
+    Memory Accelerator (Note [Flex on TMA])."""
+    if device.type != "cuda":
         return {}
-    return {"kernel_options": {"BACKEND": "TRITON"}}
+    if rows < SPARSE_BLOCK:
+        return {"kernel_options": {"BACKEND": "TRITON"}}
+    if tma and device_arch(device) in TMA_ARCHS and _has_tma_option():
+        return {"kernel_options": {"USE_TMA": True}}
+    return {}
+
+
+TMA_ARCHS = frozenset({90})
+"""Compute capabilities where flex's kernels run with ``USE_TMA`` (Note [Flex on TMA]).
+
+Note [Flex on TMA]
+    Flex's Triton kernels can load query and key/value tiles through Hopper's Tensor Memory Accelerator
+    (``kernel_options={"USE_TMA": True}``, off by default; inductor falls back to plain loads where a tensor's
+    strides or alignment do not allow it). On an H100 (torch 2.11, GQA 32/8, D 128, bf16, flex's own tile
+    choice for the shape, interleaved bursts; ``benchmarks/gpu/probe_rank_flex.py``): the sink window's forward
+    at W = 1, 128K, 22.56 -> 21.44 ms; its emulated rank's joined call (16K rows x 20.6K keys) 2.96 -> 2.74 ms.
+    Other tile shapes, stages, warps and ``ROWS_GUARANTEED_SAFE`` were slower or equal. The option reaches the
+    backward kernel too, and there it costs: a causal window of 4095 at 16K, forward+backward through flex's own
+    autograd, 9.30 ms without, 9.53 with (an H200, ``probe_band_bounds.py``; 1.006x at 128K). So only forward
+    kernels take it - ``FlexKernel.forward`` (a ring's step, a joined call, a call without a backward); a whole
+    training call on flex's own autograd (``autograd_forward``: one option for both kernels) and the backward
+    from the final rows run without. Measured on sm90 only."""
+
+
+@functools.lru_cache(maxsize=1)
+def _has_tma_option() -> bool:
+    """Whether this torch's flex takes ``USE_TMA`` (``FlexKernelOptions`` names it, torch >= 2.8)."""
+    try:
+        from torch.nn.attention.flex_attention import FlexKernelOptions
+    except ImportError:
+        return False
+    return "USE_TMA" in getattr(FlexKernelOptions, "__annotations__", {})
 
 
 RECOMPILES = 128
@@ -351,12 +384,12 @@ class FlexKernel(Kernel):
                 r.append(f"{what} must be a multiple of 8 in [16, 256], got {d}")
         return r
 
-    def _run(self, q, k, v, mask: Mask, scale: float, softcap: float) -> AttnOutput:
+    def _run(self, q, k, v, mask: Mask, scale: float, softcap: float, tma: bool = False) -> AttnOutput:
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
         o, lse = _flex(q.device, self._dynamic_for(q, k, mask))(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale, score_mod=mod,
-            enable_gqa=q.shape[2] != k.shape[2], **_lse_request(), **_options(q))
+            enable_gqa=q.shape[2] != k.shape[2], **_lse_request(), **_options(q.device, q.shape[1], tma))
         return AttnOutput(o.transpose(1, 2), _natural_lse(lse if torch.is_tensor(lse) else lse.lse))
 
     def _dynamic_for(self, q: torch.Tensor, k: torch.Tensor, mask: Mask) -> bool:
@@ -373,12 +406,12 @@ class FlexKernel(Kernel):
         mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
         o = _flex(q.device, self._dynamic_for(q, k, mask))(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale, score_mod=mod,
-            enable_gqa=q.shape[2] != k.shape[2], **_options(q))
+            enable_gqa=q.shape[2] != k.shape[2], **_options(q.device, q.shape[1]))
         return o.transpose(1, 2)
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
         with torch.no_grad():
-            o, lse = self._run(q, k, v, mask, scale, softcap)
+            o, lse = self._run(q, k, v, mask, scale, softcap, tma=True)
         return AttnOutput(o, lse.masked_fill(~torch.isfinite(lse), float("-inf")))
 
     def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
@@ -386,7 +419,7 @@ class FlexKernel(Kernel):
         if out is not None and delta is None and not self.dynamic and q.device.type == "cuda":
             grads = final_rows_backward(do, q, k, v, out, lse, _block_mask(mask, q.shape[1], k.shape[1], q.device),
                                         _softcap_mod(float(softcap), q.device) if softcap > 0 else None, scale,
-                                        _options(q).get("kernel_options", {}))
+                                        _options(q.device, q.shape[1]).get("kernel_options", {}))
             if grads is not None:                    # Note [Flex backward from the final rows]
                 return grads
         qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
