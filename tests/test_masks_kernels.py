@@ -98,7 +98,8 @@ def test_flex_options_ask_tma_for_forward_kernels_on_sm90_only(monkeypatch):
 
 def test_only_flex_forward_kernels_ask_for_tma(monkeypatch):
     """Note [Flex on TMA]: ``FlexKernel.forward`` runs its kernel with ``tma``; its backward (the recompute on CPU)
-    and ``autograd_forward`` (flex's own autograd: one option for both kernels) without."""
+    and ``autograd_forward`` of inputs that need grad (flex's own autograd: one option for both kernels) without,
+    ``autograd_forward`` where no backward can follow with."""
     asked = []
     real = flex_mod._options
 
@@ -115,7 +116,13 @@ def test_only_flex_forward_kernels_ask_for_tma(monkeypatch):
     with pytest.raises(LookupError, match="stop"):
         kern.backward(torch.randn_like(q), q, k, v, res.out, res.lse, band, 0.25)
     kern.autograd_forward(q, k, v, band, 0.25)
-    assert asked == [True, False, False]
+    with torch.no_grad():
+        kern.autograd_forward(q, k, v, band, 0.25)
+    assert asked == [True, False, True, True]
+    asked.clear()
+    with pytest.raises(NotImplementedError, match="backward on CPU"):    # flex's own check: the option was asked
+        kern.autograd_forward(q.requires_grad_(), k, v, band, 0.25)
+    assert asked == [False]
 
 
 def test_flex_mask_mods_read_int32_tensors():

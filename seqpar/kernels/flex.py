@@ -76,9 +76,10 @@ Note [Flex on TMA]
     Other tile shapes, stages, warps and ``ROWS_GUARANTEED_SAFE`` were slower or equal. The option reaches the
     backward kernel too, and there it costs: a causal window of 4095 at 16K, forward+backward through flex's own
     autograd, 9.30 ms without, 9.53 with (an H200, ``probe_band_bounds.py``; 1.006x at 128K). So only forward
-    kernels take it - ``FlexKernel.forward`` (a ring's step, a joined call, a call without a backward); a whole
-    training call on flex's own autograd (``autograd_forward``: one option for both kernels) and the backward
-    from the final rows run without. Measured on sm90 only."""
+    kernels take it - ``FlexKernel.forward`` (a ring's step, a joined call) and a whole call on flex's own autograd
+    (``autograd_forward``) where no backward can follow (no grad, or inputs that need none); a training call on
+    that autograd (one option for both kernels) and the backward from the final rows run without. Measured on
+    sm90 only."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -401,12 +402,14 @@ class FlexKernel(Kernel):
         return True
 
     def autograd_forward(self, q, k, v, mask: Mask, scale: float, softcap: float = 0.0) -> torch.Tensor:
-        """The whole call as flex's own autograd op: its backward reuses the forward's lse (no recompute)."""
+        """The whole call as flex's own autograd op: its backward reuses the forward's lse (no recompute). On TMA
+        only where no backward can follow (Note [Flex on TMA])."""
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
+        tma = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
         o = _flex(q.device, self._dynamic_for(q, k, mask))(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale, score_mod=mod,
-            enable_gqa=q.shape[2] != k.shape[2], **_options(q.device, q.shape[1]))
+            enable_gqa=q.shape[2] != k.shape[2], **_options(q.device, q.shape[1], tma))
         return o.transpose(1, 2)
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
