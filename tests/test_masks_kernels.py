@@ -99,13 +99,13 @@ def test_flex_options_ask_tma_for_forward_kernels_on_sm90_only(monkeypatch):
 def test_only_flex_forward_kernels_ask_for_tma(monkeypatch):
     """Note [Flex on TMA]: ``FlexKernel.forward`` runs its kernel with ``tma``; its backward (the recompute on CPU)
     and ``autograd_forward`` of inputs that need grad (flex's own autograd: one option for both kernels) without,
-    ``autograd_forward`` where no backward can follow with."""
-    asked = []
+    ``autograd_forward`` where no backward can follow with; flex compiled for every shape never."""
+    asked, stop = [], []
     real = flex_mod._options
 
     def spy(device, rows, tma=False):
         asked.append(tma)
-        if len(asked) == 2:
+        if stop:
             raise LookupError("stop: flex has no backward on CPU")     # the recompute's options are what counts
         return real(device, rows, tma)
     monkeypatch.setattr(flex_mod, "_options", spy)
@@ -113,8 +113,10 @@ def test_only_flex_forward_kernels_ask_for_tma(monkeypatch):
     kern, band = KERNELS["flex"], Band(-64, 0)
     res = kern.forward(q, k, v, band, 0.25)
     assert asked == [True]
+    stop.append(True)
     with pytest.raises(LookupError, match="stop"):
         kern.backward(torch.randn_like(q), q, k, v, res.out, res.lse, band, 0.25)
+    stop.clear()
     kern.autograd_forward(q, k, v, band, 0.25)
     with torch.no_grad():
         kern.autograd_forward(q, k, v, band, 0.25)
@@ -123,6 +125,14 @@ def test_only_flex_forward_kernels_ask_for_tma(monkeypatch):
     with pytest.raises(NotImplementedError, match="backward on CPU"):    # flex's own check: the option was asked
         kern.autograd_forward(q.requires_grad_(), k, v, band, 0.25)
     assert asked == [False]
+    asked.clear()                       # flex compiled for every shape: measured only per shape, so never on TMA
+    monkeypatch.setattr(flex_mod, "STATIC_SHAPES", 0)
+    variant = flex_mod._DynamicFlex()
+    q = q.detach()
+    with torch.no_grad():
+        variant.forward(q, k, v, band, 0.25)
+        variant.autograd_forward(q, k, v, band, 0.25)
+    assert asked == [False, False]
 
 
 def test_flex_mask_mods_read_int32_tensors():

@@ -78,8 +78,8 @@ Note [Flex on TMA]
     autograd, 9.30 ms without, 9.53 with (an H200, ``probe_band_bounds.py``; 1.006x at 128K). So only forward
     kernels take it - ``FlexKernel.forward`` (a ring's step, a joined call) and a whole call on flex's own autograd
     (``autograd_forward``) where no backward can follow (no grad, or inputs that need none); a training call on
-    that autograd (one option for both kernels) and the backward from the final rows run without. Measured on
-    sm90 only."""
+    that autograd (one option for both kernels) and the backward from the final rows run without. So does flex
+    compiled for every shape (Note [Flex recompiles]): measured only compiled per shape. Measured on sm90 only."""
 
 
 @functools.lru_cache(maxsize=1)
@@ -388,9 +388,11 @@ class FlexKernel(Kernel):
     def _run(self, q, k, v, mask: Mask, scale: float, softcap: float, tma: bool = False) -> AttnOutput:
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
-        o, lse = _flex(q.device, self._dynamic_for(q, k, mask))(
+        dynamic = self._dynamic_for(q, k, mask)
+        options = _options(q.device, q.shape[1], tma and not dynamic)
+        o, lse = _flex(q.device, dynamic)(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale, score_mod=mod,
-            enable_gqa=q.shape[2] != k.shape[2], **_lse_request(), **_options(q.device, q.shape[1], tma))
+            enable_gqa=q.shape[2] != k.shape[2], **_lse_request(), **options)
         return AttnOutput(o.transpose(1, 2), _natural_lse(lse if torch.is_tensor(lse) else lse.lse))
 
     def _dynamic_for(self, q: torch.Tensor, k: torch.Tensor, mask: Mask) -> bool:
@@ -406,8 +408,9 @@ class FlexKernel(Kernel):
         only where no backward can follow (Note [Flex on TMA])."""
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
-        tma = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
-        o = _flex(q.device, self._dynamic_for(q, k, mask))(
+        dynamic = self._dynamic_for(q, k, mask)
+        tma = not (dynamic or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
+        o = _flex(q.device, dynamic)(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale, score_mod=mod,
             enable_gqa=q.shape[2] != k.shape[2], **_options(q.device, q.shape[1], tma))
         return o.transpose(1, 2)
