@@ -184,10 +184,11 @@ def test_group_varlen_calls_stay_few_with_many_documents():
                     assert len(group_varlen(tasks)) <= 6, (lay, rule, r, s)
 
 
-def test_key_run_groups_by_galloping_end_where_a_scan_does():
-    """Step 3 of Note [Block planning]: ``_longest`` (galloping, then bisection) ends a query run's group of key
-    runs where the left-to-right scan ends it, on the grids of random layouts, documents, windows and named masks
-    - many key runs per query run included (a staircase of frames against the whole sequence)."""
+def test_key_run_groups_end_where_a_scan_of_merged_does():
+    """Step 3 of Note [Block planning]: ``_longest`` (one pass, the test kept incrementally) ends a query run's
+    group of key runs where a left-to-right scan of ``merged`` ends it, on the grids of random layouts, documents,
+    windows and named masks - many key runs per query run included (a staircase of frames against the whole
+    sequence)."""
     from seqpar import masks
     from seqpar.layouts import make_layout
     from seqpar.layouts.blocks import Run, _Grid, _longest, split_pieces
@@ -200,12 +201,14 @@ def test_key_run_groups_by_galloping_end_where_a_scan_does():
 
     rng = random.Random(5)
     checked = 0
-    for _ in range(30):
+    for _ in range(60):
         W = rng.choice([1, 2, 4])
         S = W * rng.choice([16, 48, 96])
         lay = make_layout(rng.choice(["contiguous", "zigzag"]), W, None)
         mask = rng.choice([None, masks.block_causal(rng.randint(2, 9)), masks.sink_window(rng.randint(1, 20), 2),
-                           masks.shared_prefix(S // 3, [S // 6, S - S // 3 - S // 6])])
+                           masks.shared_prefix(S // 3, [S // 6, S - S // 3 - S // 6]),
+                           masks.chunked(rng.randint(3, 17)), masks.prefix_lm(rng.randint(1, S - 1)),
+                           masks.spans([(1, 4), (S // 2, S // 2 + 3)])])
         window = rng.choice([(-1, -1), (rng.randint(0, S // 2), -1), (rng.randint(0, 9), rng.randint(0, 9))])
         docs = tuple(sorted({0, S, *rng.sample(range(1, S), 2)})) if rng.random() < 0.3 else (0, S)
         rule = Rule(rng.random() < 0.5, window, mask=mask)

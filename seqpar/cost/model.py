@@ -570,7 +570,7 @@ def _planned_block_matrix(layout: Layout, seq_len: int, rule: Rule, documents: t
         keys = Segments((Run(0, 0, seq_len),)).cut(bounds)
         for r in _sample(W):
             pieces: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(W)]
-            for t in plan(segs[r], keys, rule):
+            for t in plan(segs[r], keys, rule, fewest_calls=False):
                 for k, piece in _by_owner(t, owners):
                     pieces[k].append(piece)
             for k in range(W):
@@ -579,7 +579,7 @@ def _planned_block_matrix(layout: Layout, seq_len: int, rule: Rule, documents: t
     for r in _sample(W):
         for k in range(W):
             out[:, r, k] = _counted([(t.q_start, t.q_stop, t.k_start, t.k_stop, task_pairs(t))
-                                     for t in plan(segs[r], segs[k], rule)])
+                                     for t in plan(segs[r], segs[k], rule, fewest_calls=False)])
     return out
 
 

@@ -20,9 +20,9 @@ Note [Block planning]
        holds exactly the run's non-empty pairs, each clipped to its own band, so the empty pairs inside are
        proven empty without visiting them. Zigzag's diagonal step (front and back chunks, both in global
        order) and its off-diagonal steps each become one call this way.
-    3. Otherwise one call per query run, its key runs grouped greedily left to right by the same test (each
-       group's end found by galloping and bisection, ``_longest``: a group that is one call has every prefix one
-       call, so this ends where a left-to-right scan would).
+    3. Otherwise one call per query run, its key runs grouped greedily left to right by the same test (on one
+       query run the test holds incrementally, so ``_longest`` finds each group's end in one pass over its key
+       runs).
     4. Trim each call to the bounding box of what it shows. A trimmed band always has
        ``lo <= n - m <= hi`` (n key rows, m query rows), so it is a flash-attn bottom-right window, and a
        band with ``lo`` unbounded is "full" plus a top-left causal square that cuDNN serves.
@@ -37,9 +37,9 @@ Note [Block planning]
        keeps whichever gives fewer calls once grouped (``group_varlen``), after joining full calls over the
        same keys on adjacent rows (a shared prompt seen by every response: one call). Halves overlap in no
        cell; rows seen by both merge by lse like any two blocks.
-    Cost: O(K + (Q + P) log K) for Q query runs, K key runs and P same-document pairs (plus g log g for a
-    query run whose g key runs are grouped in step 3; g^2 before the galloping: 34 s for one rank's plan under a
-    block-causal mask of 1024 frames at 1M). With a bounded number of runs per document on each
+    Cost: O(K + (Q + P) log K) for Q query runs, K key runs and P same-document pairs (step 3 visits each key run
+    of a query run once; testing each growing group with ``merged`` was g^2 for g key runs - 34 s for one rank's
+    plan under a block-causal mask of 1024 frames at 1M - and g log g by galloping, 1.0 s). With a bounded number of runs per document on each
     side that is O(runs log runs); the full (query run x key run) matrix was quadratic in the documents.
     ``tests/test_blocks.py`` checks all of this against a dense mask for random layouts and rules, and
     counts band evaluations to pin the cost.
@@ -364,14 +364,16 @@ def any_visible(q: Segments, k: Segments, rule: Rule) -> bool:
                for qr in q.runs for j in by_doc.get(_bucket(qr, pieces), ()))
 
 
-def plan(q: Segments, k: Segments, rule: Rule) -> tuple[Task, ...]:
-    """The kernel calls that compute queries ``q`` against keys ``k`` under ``rule`` (Note [Block planning])."""
+def plan(q: Segments, k: Segments, rule: Rule, *, fewest_calls: bool = True) -> tuple[Task, ...]:
+    """The kernel calls that compute queries ``q`` against keys ``k`` under ``rule`` (Note [Block planning]).
+    ``fewest_calls=False`` skips step 6 - the same cells in possibly more calls, a third of the host time - for a
+    caller that reads only which rows, keys and pairs are visible (the cost model, the all-gather's reads)."""
     from ..masks.mod import ModMask
 
     pieces = rule.pieces
     qs, ks = split_pieces(q, pieces), split_pieces(k, pieces)
     tasks = _plan(qs, ks, rule)
-    if pieces is not None and len(tasks) > 2:      # step 6: the fewer calls of the whole and of its two halves
+    if fewest_calls and pieces is not None and len(tasks) > 2:   # step 6: the fewer calls of the whole and halves
         halves = _plan(qs, ks, rule, (None, 0)) + _plan(qs, ks, rule, (1, None))
         tasks = min(_coalesce_full(tasks), _coalesce_full(halves), key=lambda ts: len(group_varlen(ts)))
     if isinstance(rule.mask, ModMask):
@@ -437,22 +439,32 @@ def _plan(q: Segments, k: Segments, rule: Rule, cap: tuple[int | None, int | Non
 
 
 def _longest(g: _Grid, i: int, mine: list[int], start: int) -> int:
-    """The last e with query run i's key runs ``mine[start..e]`` one call (step 3): galloping, then bisection. A
-    group that is one call has every prefix one call too (its prefix's band is the group's band, clipped alike on
-    every run), so this is the first failure of a left-to-right scan, in O(log g) tests for g key runs."""
-    ok, step, bad = start, 1, len(mine)
-    while ok + step < len(mine):
-        if g.merged(i, i, mine[start], mine[ok + step]) is None:
-            bad = ok + step
-            break
-        ok, step = ok + step, 2 * step
-    while bad - ok > 1:
-        mid = (ok + bad) // 2
-        if g.merged(i, i, mine[start], mine[mid]) is not None:
-            ok = mid
-        else:
-            bad = mid
-    return ok
+    """The last e with query run i's key runs ``mine[start..e]`` one call (step 3), in one pass over them.
+
+    On one query run (m rows) ``merged``'s test is: the key runs are consecutive (the band meets every run between
+    its first and last), and each pair's band ``(bl, bh)`` shifted by its key offset ``s`` is the group band
+    ``(lo, hi)`` clipped - ``lo = min(bl + s)``, ``hi = max(bh + s)`` over the group, and a pair whose band stops
+    short of its run's edge (``bl > -(m - 1)``, ``bh < n - 1``) must set that bound itself: ``bl + s == lo``,
+    ``bh + s == hi``. Widening the group only lowers ``lo`` and raises ``hi``, so a failed test stays failed: the
+    group ends at the first failure, as a left-to-right scan of ``merged`` ends it, each key run visited once
+    (``tests/test_blocks.py`` compares them)."""
+    row, m = g.rows[i], g.q[i].length
+    k0 = g.k[mine[start]].local
+    lo = hi = short_lo = short_hi = None          # the group band; the tightest bound a short band insists on
+    for e in range(start, len(mine)):
+        j, (bl, bh) = row[e]
+        if e > start and j != mine[e - 1] + 1:
+            return e - 1
+        sh = g.k[j].local - k0
+        lo = bl + sh if lo is None else min(lo, bl + sh)
+        hi = bh + sh if hi is None else max(hi, bh + sh)
+        if bl > -(m - 1):
+            short_lo = bl + sh if short_lo is None else max(short_lo, bl + sh)
+        if bh < g.k[j].length - 1:
+            short_hi = bh + sh if short_hi is None else min(short_hi, bh + sh)
+        if (short_lo is not None and short_lo != lo) or (short_hi is not None and short_hi != hi):
+            return e - 1
+    return len(mine) - 1
 
 
 def group_varlen(tasks: Sequence[Task]) -> tuple[Task, ...]:

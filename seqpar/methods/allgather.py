@@ -274,7 +274,7 @@ def needed_keys(layout: Layout, rank: int, seq_len: int, rule: Rule, doc_bounds:
     q = layout.segments(rank, seq_len).cut(doc_bounds, valid_len)
     if rule.pieces is not None:
         keys = Segments((Run(0, 0, seq_len),)).cut(doc_bounds, valid_len)
-        spans = [(t.k_start, t.k_stop) for t in plan(q, keys, rule)]
+        spans = [(t.k_start, t.k_stop) for t in plan(q, keys, rule, fewest_calls=False)]
     else:
         bounds = doc_bounds if doc_bounds is not None else (0, seq_len if valid_len is None else valid_len)
         lo, hi = rule.delta_bounds()
