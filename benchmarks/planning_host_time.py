@@ -5,8 +5,8 @@
 One JSON line per measurement in DIR/planning_host_time.jsonl (host, CPU count, torch, commit, wall seconds):
 
 - ``block plan``: one rank's all-gather plan against the whole sequence (zigzag, rank 1 of 8) under a block-causal
-  mask of 1024 frames at 1M, with the block planner's key-run groups found by galloping (``_longest``) and by the
-  left-to-right scan it replaced (Note [Block planning] step 3);
+  mask of 1024 frames at 1M, with the block planner's key-run groups found in one pass (``_longest``) and by a
+  left-to-right scan of ``merged`` (Note [Block planning] step 3; the galloping between them is not kept);
 - ``selective reads``: ``selected_rows`` - every rank's reads (Note [Selective gather]) - over 8 ranks, for masks of
   128 to 1024 pieces (``SELECT_PIECES`` lifted, so the work is done);
 - ``planner``: ``seqpar.plan`` at 128K over 8 for block-causal masks of 32 to 128 frames and at 1M for Llama 4
@@ -67,13 +67,13 @@ def main() -> None:
     frames = masks.block_causal(M // 1024)
     q = lay.segments(1, M).cut((0, M))
     keys = blocks.Segments((blocks.Run(0, 0, M),)).cut((0, M))
-    galloping = blocks._longest
-    for name, longest in (("galloping", galloping), ("scan", _scan)):
+    one_pass = blocks._longest
+    for name, longest in (("one pass", one_pass), ("scan", _scan)):
         blocks._longest = longest
         try:
             s = _timed(blocks.plan, q, keys, Rule(False, mask=frames))
         finally:
-            blocks._longest = galloping
+            blocks._longest = one_pass
         record(part="block plan", grouping=name, seq_len=M, world=W, mask="block_causal", pieces=1024, seconds=s)
 
     allgather.SELECT_PIECES = 1 << 20
