@@ -371,6 +371,31 @@ def test_profiles_roundtrip_and_regenerate():
         H200.rate_tflops("nope", "full", "fwd", 10)
 
 
+def test_windowed_bands_go_at_the_profile_band_rate():
+    """Note [Band rates]: a windowed problem's band calls - a window, a named mask with one - are priced at the
+    profile's ``band_tflops`` (flex's, about 0.6x cuDNN's causal rate on an H100), its causal squares and corners and
+    every unwindowed problem at the kernel's rates as before; a profile without band rates prices bands as before."""
+    from seqpar import masks
+    from seqpar.cost.model import _is_band
+    from seqpar.cost.work import Block
+
+    assert _is_band(Block(100, 100, 100 * 40 - 40 * 39 // 2))                    # a band of 40 keys
+    assert not _is_band(Block(100, 100, 100 * 101 // 2))                          # a causal square
+    assert not _is_band(Block(100, 300, 100 * 200 + 100 * 101 // 2))             # a causal corner
+    assert not _is_band(Block(100, 300, 100 * 300))                               # full
+    prof = load_profile("h100-nvswitch")
+    bare = prof.replace(band_tflops=())
+    assert prof.band_rate("fwd", 16384) == pytest.approx(391.1) and bare.band_rate("fwd", 16384) is None
+
+    def limit(profile, **kw):
+        return plan(seq_len=131072, heads=32, kv_heads=8, world=8, profile=profile, **kw).limit_ms
+    for kw in (dict(causal=True, window=(4095, 0)), dict(causal=False, mask_mod=masks.sink_window(4095, 4))):
+        ratio = limit(prof, **kw) / limit(bare, **kw)
+        assert 1.35 < ratio < 1.8, (kw, ratio)             # cuDNN's causal curve over flex's band rate
+    for kw in (dict(causal=True), dict(causal=True, mask_mod=masks.chunked(8192))):
+        assert limit(prof, **kw) == limit(bare, **kw)
+
+
 # --- CLI, simulator, validate -------------------------------------------------------------------------
 def test_plan_cli(capsys, tmp_path):
     assert plan_main(["--gpus", "4", "--seq-len", "16k", "--kv-heads", "8"]) == 0

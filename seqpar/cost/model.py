@@ -92,6 +92,15 @@ Note [Masked problems]
     1M and 2.0 s for 1024, on a 2-core CPU: ``benchmarks/planning_host_time.py``), so a mask of more than
     ``PLANNED_PIECES`` pieces (8x that for same-piece masks) is ranked without it too.
 
+Note [Band rates]
+    A windowed band runs on flex (sm90, Note [Bands on flex] in ``seqpar.kernels.executor``) or FA2, never on cuDNN,
+    and flex's band ran at 391-401 TFLOP/s forward and 338-352 backward on an H100 and an H200 (a causal window of
+    4095, GQA 32/8, D 128, 16K and 128K; ``benchmarks/results/2026-11-28-flex-bounds-tma/``), where cuDNN's causal
+    curve reads 555-639 and 521-539: priced at the default kernel's causal rate, the window's W = 1 call and the
+    emulated all-gather's rank over 8 came out 1.5-2x faster than they ran. So a masked call of a banded problem
+    (``Problem.banded``) that is not a plain causal shape (``_is_band``) goes at the profile's ``band_tflops``
+    where it has them. Bands narrower than flex's (FA2) are priced the same: not measured apart.
+
 Note [Query tiles of packed calls]
     FA2's varlen call runs a document's query rows in tiles of ``TILE_ROWS`` (128), one thread block each per head,
     whatever the rows: a balanced rank's pieces of ~100-400 rows pay whole tiles, and each tile a fixed cost beside
@@ -201,6 +210,12 @@ class Problem:
         """Whether the work is the block planner's, not the dense closed forms': packed documents or a named mask
         (Note [Packed batches], Note [Masked problems])."""
         return self.documents is not None or self.planned_mask is not None
+
+    @property
+    def banded(self) -> bool:
+        """Whether the masked calls are windowed bands: a ``window`` side, or a named mask with a window (Note
+        [Band rates])."""
+        return max(self.window) >= 0 or getattr(self.mask, "window", -1) >= 0
 
     @property
     def group_ratio(self) -> int:
@@ -316,7 +331,8 @@ class Machine:
 
     def _flops_ms(self, p: Problem, blk: Block, heads: float, direction: str) -> float:
         mask = "causal" if blk.masked else "full"
-        rate = self.profile.rate_tflops(self.kernel, mask, direction, blk.tokens)
+        band = self.profile.band_rate(direction, blk.tokens) if p.banded and _is_band(blk) else None
+        rate = band or self.profile.rate_tflops(self.kernel, mask, direction, blk.tokens)
         pairs = blk.padded or blk.pairs
         flops = 4.0 * p.batch * pairs * heads * p.head_dim * (BWD_FLOPS if direction == "bwd" else 1.0)
         return flops / (rate * 1e12) * 1e3
@@ -438,6 +454,13 @@ def steps(p: Problem, layout: str, ranks: int) -> tuple[Block | None, ...]:
     if not p.shaped:
         return ring_steps(layout, ranks, p.seq_len, p.causal, p.window)
     return packed_steps(p, layout, ranks, lambda r, s: (r - s) % ranks, ranks)
+
+
+def _is_band(blk: Block) -> bool:
+    """Whether a masked call of a banded problem is a band rather than a plain causal square or corner (those run
+    on the default kernel): Note [Band rates]."""
+    square = blk.rows == blk.cols and blk.pairs == blk.rows * (blk.rows + 1) // 2
+    return blk.masked and not square and causal_corner(blk) is None
 
 
 def packed_steps(p: Problem, layout: str, ranks: int, source: Callable[[int, int], int], n: int,

@@ -155,6 +155,10 @@ class Profile:
     varlen_tile_us: tuple[tuple[str, float], ...] = ()
     """Per pass ("fwd", "bwd"): GPU microseconds one query tile of a packed call costs beyond its pairs, per head
     (Note [Query tiles of packed calls] in ``model.py``); absent: 0."""
+    band_tflops: tuple[tuple[str, Curve], ...] = ()
+    """Per pass ("fwd", "bwd"): TFLOP/s of a windowed band's call by its size (tokens), on the kernel ``auto`` runs
+    wide bands on (flex on sm90, Note [Bands on flex]); absent: the default kernel's causal rate (Note [Band
+    rates] in ``model.py``)."""
     host_overlap_loss: float = 1.0
     """κ: the part of the shorter of a pass's host time (fixed costs) and device time that does not overlap
     (Note [Step time] in ``model.py``); 1 adds the fixed costs to the device time."""
@@ -173,7 +177,8 @@ class Profile:
             if lk.pattern not in PATTERNS:
                 raise ValueError(f"link pattern must be one of {PATTERNS}, got {lk.pattern!r}")
         for name, table, keys in (("call_us", self.call_us, DIRECTIONS), ("latency_us", self.latency_us, PATTERNS),
-                                  ("varlen_tile_us", self.varlen_tile_us, DIRECTIONS)):
+                                  ("varlen_tile_us", self.varlen_tile_us, DIRECTIONS),
+                                  ("band_tflops", self.band_tflops, DIRECTIONS)):
             bad = [k for k, _ in table if k not in keys]
             if bad:
                 raise ValueError(f"{name} keys must be in {keys}, got {bad}")
@@ -242,6 +247,12 @@ class Profile:
         (Note [Query tiles of packed calls])."""
         return dict(self.varlen_tile_us).get(direction, 0.0)
 
+    def band_rate(self, direction: str, tokens: float) -> float | None:
+        """TFLOP/s of a windowed band's call of ``tokens = sqrt(rows * cols)`` in ``direction``, or None where the
+        profile measured none (Note [Band rates] in ``model.py``)."""
+        curve = dict(self.band_tflops).get(direction)
+        return None if curve is None else curve.at(tokens)
+
     def overlap(self, pattern: str) -> float:
         return self._fallback(dict(self.overlap_loss), pattern, 0.0)
 
@@ -280,6 +291,7 @@ class Profile:
             "memory_gib": self.memory_gib, "call_us": dict(self.call_us), "step_us": dict(self.step_us),
             "latency_us": dict(self.latency_us), "permute_gelems": self.permute_gelems,
             "varlen_tile_us": dict(self.varlen_tile_us),
+            "band_tflops": {d: [list(p) for p in c.points] for d, c in self.band_tflops},
             "host_overlap_loss": self.host_overlap_loss, "source": self.source, "derived_from": self.derived_from,
             "meta": dict(self.meta),
         }
@@ -300,6 +312,7 @@ class Profile:
                 memory_gib=float(d["memory_gib"]), call_us=_table(d.get("call_us")), step_us=_table(d.get("step_us")),
                 latency_us=_table(d.get("latency_us")), permute_gelems=float(d.get("permute_gelems", 0.0)),
                 varlen_tile_us=_table(d.get("varlen_tile_us")),
+                band_tflops=tuple(sorted((str(k), Curve.of(v)) for k, v in d.get("band_tflops", {}).items())),
                 host_overlap_loss=float(d.get("host_overlap_loss", 1.0)),
                 source=str(d.get("source", "")),
                 derived_from=d.get("derived_from"),

@@ -142,6 +142,13 @@ HOST_OVERLAP_LOSS = 0.55
 #: 0.47 -> 0.33, largest 0.60 -> 0.47) and checked on four real H100s (0.40 -> 0.36, 0.52 -> 0.41);
 #: ``benchmarks/results/2026-11-27-h100-twenty-first/tile-fit``
 VARLEN_TILE_US: dict[str, float] = {"fwd": 0.09, "bwd": 0.2}
+#: TFLOP/s of a windowed band on flex, the kernel ``auto`` runs wide bands on (sm90): a causal window of 4095 at 16K
+#: and 128K, its training forward and its backward (forward+backward less forward), GQA 32/8, D 128, bf16, flex with
+#: constant bounds called directly in interleaved bursts - the H200's run (bounds-tma-h200.log; the H100's bounds.log
+#: within 3%) in ``benchmarks/results/2026-11-28-flex-bounds-tma``; Note [Band rates] in ``seqpar.cost.model``
+BAND_TFLOPS: dict[str, tuple[tuple[float, float], ...]] = {
+    "fwd": ((16384, 391.1), (131072, 393.1)), "bwd": ((16384, 351.6), (131072, 346.9)),
+}
 
 
 # The emulated profile (Note [Auto on an emulated world] in seqpar.comm.link): the H100 profile with free transfers,
@@ -228,7 +235,8 @@ _SOURCE = ("kernels and links measured on a 4x H200 NVSwitch host (ALGORITHMS.md
            "benchmarks/results/2026-11-26-4x-real-run3/planner_fit.md); alpha_us=60 for methods the fit lacks; "
            f"assumed: hbm 80% of datasheet, launch_us={LAUNCH_US}; varlen_tile_us chosen on a grid against the "
            "packed rows of benchmarks/results/2026-11-27-h100-twentieth (emulated W = 8; checked on four real H100s): "
-           "benchmarks/results/2026-11-27-h100-twenty-first/tile-fit")
+           "benchmarks/results/2026-11-27-h100-twenty-first/tile-fit; band_tflops: flex on a causal window of 4095 "
+           "(benchmarks/results/2026-11-28-flex-bounds-tma)")
 
 
 def h200_profile() -> Profile:
@@ -240,6 +248,7 @@ def h200_profile() -> Profile:
         overlap_loss=tuple(sorted(OVERLAP.items())), memory_gib=141.0, call_us=tuple(sorted(CALL_US.items())),
         step_us=tuple(sorted(STEP_US.items())), latency_us=tuple(sorted(_latency_us().items())),
         permute_gelems=_permute_gelems(), varlen_tile_us=tuple(sorted(VARLEN_TILE_US.items())),
+        band_tflops=tuple(sorted((d, Curve.of(pts)) for d, pts in BAND_TFLOPS.items())),
         host_overlap_loss=HOST_OVERLAP_LOSS, source=_SOURCE,
         meta=(("host", "4x H200 NVSwitch"), ("nccl", "2.28.9"), ("torch", "2.11"),
               ("command", "python -m seqpar.planner.measured")))
