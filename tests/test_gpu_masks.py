@@ -4,6 +4,7 @@
   suite's tolerance (2x a single-device bf16 computation);
 * a generic ``mask_mod`` runs its partly visible blocks on flex, the whole-call (direct) path and the engine path
   (lse returned) alike; softcap's direct path equals its engine path;
+* flex's forward on TMA (Note [Flex on TMA]) captured as a CUDA graph gives the eager call's results;
 * windowed bands on ``auto`` (the sink window, windowed spans, a plain ``window_size=``) in a training call: on sm90
   flex, a step's band and thin blocks joined into one call (Note [Bands on flex]), direct and engine paths; the
   plan on sm90.
@@ -66,6 +67,28 @@ def test_generic_mask_mod_on_flex(return_lse):
     fn = HashMask(3, keep=0.5, period=128)
     res = seqpar.attention(q, k, v, causal=True, mask_mod=fn, layout="contiguous", return_lse=return_lse)
     _check(res.out if return_lse else res, q, k, v, True, fn)
+
+
+@pytest.mark.parametrize("case", ["mask_mod", "softcap"])
+def test_flex_forward_on_tma_captures_as_a_graph(case):
+    """Note [Flex on TMA]: the engine path's flex forward (lse returned: ``FlexKernel.forward``, on TMA on sm90) is
+    captured and replayed as a CUDA graph (graphs=True: the first call eager, then captured, then replayed, new
+    inputs each time) and gives the eager call's out and lse bitwise, its gradients within a bf16 ulp."""
+    kw = dict(mask_mod=HashMask(3, keep=0.5, period=128)) if case == "mask_mod" else dict(softcap=5.0)
+    for step in range(3):
+        q, k, v = _inputs(10 + step)
+        do = torch.randn_like(q)
+        res = []
+        for graphs in (False, True):
+            leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
+            out, lse = seqpar.attention(*leaves, causal=True, layout="contiguous", return_lse=True, graphs=graphs,
+                                        **kw)
+            res.append((out, lse, *torch.autograd.grad(out, leaves, do)))
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), *res):
+            if name in ("out", "lse"):
+                assert torch.equal(a, b), (case, step, name)
+            else:
+                assert float((a.float() - b.float()).abs().max()) <= 2 ** -7 * float(b.float().abs().max()), name
 
 
 @pytest.mark.parametrize("return_lse", [False, True])
