@@ -383,6 +383,10 @@ def test_windowed_bands_go_at_the_profile_band_rate():
     assert not _is_band(Block(100, 100, 100 * 101 // 2))                          # a causal square
     assert not _is_band(Block(100, 300, 100 * 200 + 100 * 101 // 2))             # a causal corner
     assert not _is_band(Block(100, 300, 100 * 300))                               # full
+    banded = {(c, w): Problem(seq_len=1024, heads=4, kv_heads=4, world=2, causal=c, window=w).banded
+              for c, w in ((True, (-1, -1)), (True, (-1, 0)), (True, (64, 0)), (False, (-1, 8)), (False, (-1, -1)))}
+    assert banded == {(True, (-1, -1)): False, (True, (-1, 0)): False, (True, (64, 0)): True,
+                      (False, (-1, 8)): True, (False, (-1, -1)): False}
     prof = load_profile("h100-nvswitch")
     bare = prof.replace(band_tflops=())
     assert prof.band_rate("fwd", 16384) == pytest.approx(391.1) and bare.band_rate("fwd", 16384) is None

@@ -213,9 +213,10 @@ class Problem:
 
     @property
     def banded(self) -> bool:
-        """Whether the masked calls are windowed bands: a ``window`` side, or a named mask with a window (Note
-        [Band rates])."""
-        return max(self.window) >= 0 or getattr(self.mask, "window", -1) >= 0
+        """Whether the masked calls are windowed bands: a left window, a right one beyond causal, or a named mask
+        with a window (Note [Band rates])."""
+        left, right = self.window
+        return left >= 0 or (right >= 0 and not self.causal) or getattr(self.mask, "window", -1) >= 0
 
     @property
     def group_ratio(self) -> int:
@@ -332,7 +333,7 @@ class Machine:
     def _flops_ms(self, p: Problem, blk: Block, heads: float, direction: str) -> float:
         mask = "causal" if blk.masked else "full"
         band = self.profile.band_rate(direction, blk.tokens) if p.banded and _is_band(blk) else None
-        rate = band or self.profile.rate_tflops(self.kernel, mask, direction, blk.tokens)
+        rate = band if band is not None else self.profile.rate_tflops(self.kernel, mask, direction, blk.tokens)
         pairs = blk.padded or blk.pairs
         flops = 4.0 * p.batch * pairs * heads * p.head_dim * (BWD_FLOPS if direction == "bwd" else 1.0)
         return flops / (rate * 1e12) * 1e3
