@@ -78,7 +78,8 @@ def main() -> None:
 
     allgather.SELECT_PIECES = 1 << 20
     for S, mask, pieces in ((1 << 17, masks.block_causal((1 << 17) // 128), 128),
-                            (M, masks.block_causal(M // 256), 256), (M, frames, 1024)):
+                            (M, masks.block_causal(M // 256), 256), (M, masks.block_causal(M // 512), 512),
+                            (M, frames, 1024)):
         allgather.selected_rows.cache_clear()
         s = _timed(allgather.selected_rows, lay, S, Rule(False, mask=mask), None)
         record(part="selective reads", seq_len=S, world=W, mask=mask.name, pieces=pieces, seconds=s)
