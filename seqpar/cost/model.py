@@ -87,8 +87,8 @@ Note [Masked problems]
     keys of the planned blocks), none where no rank reads another's keys (Note [Local keys]); a ring's steps end
     where no rank's blocks reach further (Llama 4's chunks inside ranks: one step). A generic ``mask_mod`` declares
     no blocks: the planner ranks such a call without it (an upper bound on its work). The plans cost host time
-    growing with the pieces' related pairs, per layout and ring size the planner ranks (at 128K over 8: 0.17 s for
-    32 video frames, 0.45 s for 64, 1.9 s for 128; Llama 4's chunks, each related only to itself, 0.33 s for 256 at
+    growing with the pieces' related pairs, per layout and ring size the planner ranks (at 128K over 8: 0.22 s for
+    32 video frames, 0.70 s for 64, 1.9 s for 128; Llama 4's chunks, each related only to itself, 0.34 s for 256 at
     1M and 2.0 s for 1024, on a 2-core CPU: ``benchmarks/planning_host_time.py``), so a mask of more than
     ``PLANNED_PIECES`` pieces (8x that for same-piece masks) is ranked without it too.
 

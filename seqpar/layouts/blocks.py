@@ -39,7 +39,7 @@ Note [Block planning]
        cell; rows seen by both merge by lse like any two blocks.
     Cost: O(K + (Q + P) log K) for Q query runs, K key runs and P same-document pairs (step 3 visits each key run
     of a query run once; testing each growing group with ``merged`` was g^2 for g key runs - 34 s for one rank's
-    plan under a block-causal mask of 1024 frames at 1M - and g log g by galloping, 1.0 s; one pass, 0.34 s). With a
+    plan under a block-causal mask of 1024 frames at 1M - and g log g by galloping, 1.0 s; one pass, 0.33 s). With a
     bounded number of runs per document on each side that is O(runs log runs); the full (query run x key run)
     matrix was quadratic in the documents.
     ``tests/test_blocks.py`` checks all of this against a dense mask for random layouts and rules, and

@@ -189,7 +189,7 @@ SELECT_AT = 0.75
 """The selective gather runs when the busiest reader needs at most this share of the sequence."""
 SELECT_PIECES = 512
 """Pieces of a named mask up to which the selective gather plans every rank's reads (Note [Selective gather]: W
-plans over the whole sequence, 0.07 s of host time for 256 video frames at 1M over 8, 0.26 s for 512, 1.2 s for
+plans over the whole sequence, 0.07 s of host time for 256 video frames at 1M over 8, 0.28 s for 512, 1.2 s for
 1024, on a 2-core CPU: ``benchmarks/planning_host_time.py``; planned once per call signature). A mask of more
 pieces gathers everything."""
 
