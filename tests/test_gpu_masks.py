@@ -69,12 +69,14 @@ def test_generic_mask_mod_on_flex(return_lse):
     _check(res.out if return_lse else res, q, k, v, True, fn)
 
 
-@pytest.mark.parametrize("case", ["mask_mod", "softcap"])
-def test_flex_forward_on_tma_captures_as_a_graph(case):
-    """Note [Flex on TMA]: the engine path's flex forward (lse returned: ``FlexKernel.forward``, on TMA on sm90) is
-    captured and replayed as a CUDA graph (graphs=True: the first call eager, then captured, then replayed, new
-    inputs each time) and gives the eager call's out and lse bitwise, its gradients within a bf16 ulp."""
-    kw = dict(mask_mod=HashMask(3, keep=0.5, period=128)) if case == "mask_mod" else dict(softcap=5.0)
+@pytest.mark.parametrize("case", ["mask_mod", "softcap", "band"])
+def test_flex_engine_forward_captures_as_a_graph(case, wide_at_256):
+    """Note [Flex under capture]: the engine path's flex forward (lse returned: ``FlexKernel.forward``; a band's on
+    TMA on sm90, Note [Flex on TMA]) of a training call is captured and replayed as a CUDA graph (graphs=True: the
+    first call eager, then captured, then replayed, new inputs each time) and gives the eager call's out and lse
+    bitwise, its gradients within a bf16 ulp."""
+    kw = {"mask_mod": dict(mask_mod=HashMask(3, keep=0.5, period=128)), "softcap": dict(softcap=5.0),
+          "band": dict(window_size=(300, 0))}[case]
     for step in range(3):
         q, k, v = _inputs(10 + step)
         do = torch.randn_like(q)

@@ -135,6 +135,48 @@ def test_only_flex_forward_kernels_ask_for_tma(monkeypatch):
     assert asked == [False, False]
 
 
+def test_tma_only_for_bands_without_softcap(monkeypatch):
+    """Note [Flex on TMA]: bands and joined bands ask for TMA (measured faster); a user's ``mask_mod`` (measured
+    slower), documents and softcap do not, in ``FlexKernel.forward`` and a no-grad ``autograd_forward`` alike."""
+    band, rows = Band(-64, 0), ((0, 256),)
+    modded = Modded(Band(-(1 << 30), 0), lambda b, h, qi, ki: (qi - ki) % 3 == 0, rows, rows)
+    assert flex_mod.takes_tma(band, 0.0) and not flex_mod.takes_tma(band, 30.0)
+    assert not flex_mod.takes_tma(modded, 0.0)
+    asked = []
+    real = flex_mod._options
+
+    def spy(device, rows, tma=False):
+        asked.append(tma)
+        return real(device, rows, tma)
+    monkeypatch.setattr(flex_mod, "_options", spy)
+    q, k, v = (torch.randn(1, 256, h, 16) for h in (4, 2, 2))
+    kern = KERNELS["flex"]
+    kern.forward(q, k, v, band, 0.25, softcap=30.0)
+    with torch.no_grad():
+        kern.autograd_forward(q, k, v, band, 0.25, softcap=30.0)
+    assert asked == [False, False]
+
+
+def test_flex_forward_hands_flex_detached_inputs(monkeypatch):
+    """Note [Flex under capture]: the engine's forward calls flex on tensors that do not require grad, whether the
+    caller's do (training) or not (a graph's static copies), so both meet one compiled variant."""
+    seen = []
+    real = flex_mod._flex
+
+    def spy(device, dynamic=False):
+        fn = real(device, dynamic)
+
+        def call(q, k, v, **kw):
+            seen.append(tuple(t.requires_grad for t in (q, k, v)))
+            return fn(q, k, v, **kw)
+        return call
+    monkeypatch.setattr(flex_mod, "_flex", spy)
+    q, k, v = (torch.randn(1, 256, h, 16, requires_grad=True) for h in (4, 2, 2))
+    KERNELS["flex"].forward(q, k, v, Band(-64, 0), 0.25)
+    KERNELS["flex"].forward(q.detach(), k.detach(), v.detach(), Band(-64, 0), 0.25)
+    assert seen == [(False, False, False)] * 2
+
+
 def test_flex_mask_mods_read_int32_tensors():
     """A band's bounds and a document mask's tables are int32, as flex's indices are (int64 bounds cost flex 2-4%:
     benchmarks/results/2026-11-28-flex-bounds-tma)."""

@@ -1,15 +1,16 @@
 """Flex on TMA (Note [Flex on TMA]) on short chunks: one emulated rank of 8 (fake group, communication free) at
 2K and 4K tokens per rank, through ``seqpar.attention`` as a user calls it (graphed by default), with flex's forward
-kernels on TMA (as committed) and without (``seqpar.kernels.flex.TMA_ARCHS`` emptied): a before/after of the
-committed change on the per-rank path.
+kernels on TMA as committed ("on": bands and joined bands without softcap, ``takes_tma``), on TMA for every mask
+("all") and without TMA ("off": ``seqpar.kernels.flex.TMA_ARCHS`` emptied).
 
     python3 benchmarks/gpu/probe_tma_rank.py --out F.jsonl [--seqs 16384,32768] [--rounds 4] [--cases softcap,...]
 
 Cases, GQA 32/8, D 128, bf16: a generic ``mask_mod`` (the shared prefix as a function), softcap 30 (causal), the
-sink window (4095 + 4 sinks); each on ring and all-gather. The two variants take turns round by round (on, off, on,
-off, ...): each round forgets every planned call (``seqpar.runtime.call.cache_clear``: its graphs go with it), warms
+sink window (4095 + 4 sinks); each on ring and all-gather. The variants take turns round by round (on, off, all,
+on, ...): each round forgets every planned call (``seqpar.runtime.call.cache_clear``: its graphs go with it), warms
 up and times the no-grad forward and forward+backward (``time_ms``, medians of ``--iters``). Every record is one JSON
-line labelled "emulated W = 8 (rank r of 8, fake group)"; the summary prints the medians over rounds and off / on.
+line labelled "emulated W = 8 (rank r of 8, fake group)"; the summary prints the medians over rounds, off / on and
+all / on.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from seqpar.runtime import call as sp_call
 DEV = torch.device("cuda")
 W = 8
 ON = sp_flex.TMA_ARCHS
+GATE = sp_flex.takes_tma
 
 
 def cases(S: int) -> dict[str, tuple[int, dict]]:
@@ -88,11 +90,12 @@ def main() -> None:
 
             def fb(kw=kw, t=(q, k, v), do=do):
                 seqpar.attention(*t, **kw).backward(do)
-            got: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+            got: dict[str, list[tuple[float, float]]] = {"on": [], "off": [], "all": []}
             try:
                 for r in range(args.rounds):
-                    for variant in ("on", "off"):
-                        sp_flex.TMA_ARCHS = ON if variant == "on" else frozenset()
+                    for variant in got:
+                        sp_flex.TMA_ARCHS = frozenset() if variant == "off" else ON
+                        sp_flex.takes_tma = (lambda mask, softcap: True) if variant == "all" else GATE
                         sp_call.cache_clear()
                         ms = (time_ms(fwd, DEV, warmup=args.warmup, iters=args.iters),
                               time_ms(fb, DEV, warmup=args.warmup, iters=args.iters))
@@ -104,19 +107,21 @@ def main() -> None:
                 emit(args.out, {"case": name, "seq_len": S, "error": f"{type(e).__name__}: {e}"[:400]})
                 continue
             finally:
-                sp_flex.TMA_ARCHS = ON
+                sp_flex.TMA_ARCHS, sp_flex.takes_tma = ON, GATE
             med = {vr: [statistics.median(x[i] for x in got[vr]) for i in (0, 1)] for vr in got}
             summary.append((S, name, med))
-            print(f"S={S} ({n}/rank) {name:36s} fwd on {med['on'][0]:.3f} off {med['off'][0]:.3f} "
-                  f"({med['off'][0] / med['on'][0]:.3f}x)  fwd+bwd on {med['on'][1]:.3f} off {med['off'][1]:.3f} "
-                  f"({med['off'][1] / med['on'][1]:.3f}x)", flush=True)
+            print(f"S={S} ({n}/rank) {name:36s} " + "  ".join(
+                f"{mode} on {med['on'][i]:.3f} off {med['off'][i]:.3f} all {med['all'][i]:.3f}"
+                for i, mode in enumerate(("fwd", "fwd+bwd"))), flush=True)
         del q, k, v, do
         torch.cuda.empty_cache()
-    print("\n| case | tokens per rank | fwd ms, TMA off / on | off / on | fwd+bwd ms, off / on | off / on |")
+    print("\n| case | tokens per rank | fwd ms, off / on / all | off / on, all / on | fwd+bwd ms, off / on / all "
+          "| off / on, all / on |")
     print("|---|---|---|---|---|---|")
     for S, name, med in summary:
-        print(f"| {name} | {S // W} | {med['off'][0]:.3f} / {med['on'][0]:.3f} | {med['off'][0] / med['on'][0]:.3f} "
-              f"| {med['off'][1]:.3f} / {med['on'][1]:.3f} | {med['off'][1] / med['on'][1]:.3f} |")
+        cells = [f"{med['off'][i]:.3f} / {med['on'][i]:.3f} / {med['all'][i]:.3f} | "
+                 f"{med['off'][i] / med['on'][i]:.3f}, {med['all'][i] / med['on'][i]:.3f}" for i in (0, 1)]
+        print(f"| {name} | {S // W} | {cells[0]} | {cells[1]} |")
 
 
 if __name__ == "__main__":

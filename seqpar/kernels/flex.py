@@ -82,6 +82,12 @@ Note [Flex on TMA]
     compiled for every shape (Note [Flex recompiles]): measured only compiled per shape. Measured on sm90 only."""
 
 
+def takes_tma(mask: Mask, softcap: float) -> bool:
+    """Whether a forward kernel of ``mask`` asks for TMA (Note [Flex on TMA]): bands and joined bands without a
+    ``score_mod``, where it was measured faster; a user's ``mask_mod`` ran slower on it."""
+    return softcap == 0 and isinstance(mask, (Band, Joined))
+
+
 @functools.lru_cache(maxsize=1)
 def _has_tma_option() -> bool:
     """Whether this torch's flex takes ``USE_TMA`` (``FlexKernelOptions`` names it, torch >= 2.8)."""
@@ -409,15 +415,27 @@ class FlexKernel(Kernel):
         bm = _block_mask(mask, q.shape[1], k.shape[1], q.device)
         mod = _softcap_mod(float(softcap), q.device) if softcap > 0 else None
         dynamic = self._dynamic_for(q, k, mask)
-        tma = not (dynamic or (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
+        tma = takes_tma(mask, softcap) and not (dynamic or (torch.is_grad_enabled()
+                                                           and any(t.requires_grad for t in (q, k, v))))
         o = _flex(q.device, dynamic)(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=bm, scale=scale, score_mod=mod,
             enable_gqa=q.shape[2] != k.shape[2], **_options(q.device, q.shape[1], tma))
         return o.transpose(1, 2)
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
+        """A block's out and lse, without autograd: on detached inputs (Note [Flex under capture]).
+
+        Note [Flex under capture]
+            Dynamo guards a compiled flex on whether its inputs require grad. An engine's forward runs inside the
+            autograd op (grad mode off) on the caller's tensors, which do in training; a graphed call's capture runs
+            it on static copies, which do not. Each saw its own variant, so the capture compiled a new one - and
+            compiling inside a CUDA graph capture fails (dynamo's trace of the mask's tensors copies between host
+            and device): graphed training calls with a flex block (a ``mask_mod``, softcap, the sink window's joined
+            call at 4K rows a rank) raised at their capture, found on an H200 (2026-11-28,
+            ``benchmarks/gpu/probe_capture.py``: "tensor 'key' requires_grad mismatch"). So ``FlexKernel.forward``
+            hands flex detached tensors: one variant, compiled by the eager call before capture."""
         with torch.no_grad():
-            o, lse = self._run(q, k, v, mask, scale, softcap, tma=True)
+            o, lse = self._run(q.detach(), k.detach(), v.detach(), mask, scale, softcap, tma=takes_tma(mask, softcap))
         return AttnOutput(o, lse.masked_fill(~torch.isfinite(lse), float("-inf")))
 
     def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
