@@ -93,6 +93,23 @@ def test_flex_engine_forward_captures_as_a_graph(case, wide_at_256):
                 assert float((a.float() - b.float()).abs().max()) <= 2 ** -7 * float(b.float().abs().max()), name
 
 
+@pytest.mark.parametrize("case", ["mask_mod", "softcap"])
+def test_graphed_flex_call_with_a_sums_gradient(case):
+    """Note [Layouts under capture]: a loss's expanded gradient (``out.sum()``: every stride 0) reaches the graphed
+    backward contiguous, as its capture's copy is, so the eager call, the capture and the replay meet one variant of
+    flex's backward; gradients within a bf16 ulp of the eager plan's."""
+    kw = {"mask_mod": dict(mask_mod=HashMask(3, keep=0.5, period=128)), "softcap": dict(softcap=5.0)}[case]
+    for step in range(3):                   # graphs=True: eager, captured, replayed
+        q, k, v = _inputs(20 + step)
+        res = []
+        for graphs in (False, True):
+            leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
+            out, _ = seqpar.attention(*leaves, causal=True, layout="contiguous", return_lse=True, graphs=graphs, **kw)
+            res.append(torch.autograd.grad(out.float().sum(), leaves))
+        for name, a, b in zip(("dq", "dk", "dv"), *res):
+            assert float((a.float() - b.float()).abs().max()) <= 2 ** -7 * float(b.float().abs().max()), (step, name)
+
+
 @pytest.mark.parametrize("return_lse", [False, True])
 def test_softcap_direct_and_engine_paths(return_lse):
     q, k, v = _inputs(2)

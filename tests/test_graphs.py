@@ -545,3 +545,37 @@ def test_a_saving_engine_clones_no_saved_tensors_without_a_backward_and_copies_n
     graphed.backward(_backward_inputs(do, saved))
     graphed.backward(_backward_inputs(do, saved))
     assert cap.made[-1].static[1] is None                                           # no out copied in
+
+
+def test_eager_calls_see_inputs_laid_out_as_the_capture_does(cpu_graphs):
+    """Note [Layouts under capture]: a capture's static copies of an expanded gradient or a sliced q are contiguous
+    (``empty_like``), so a graphed engine's eager calls get them contiguous too - every call of a kind, eager or
+    captured, meets one layout (compiled kernels key on strides) - while dense tensors, permuted ones included, and
+    the engine's own saved tensors pass as they are. Values: those of the engine on the original tensors."""
+    from seqpar.runtime.graphs import _dense
+
+    g, _ = cpu_graphs
+    seen = []
+
+    class Recording(_SavingEngine):
+        def forward(self, q, k, v):
+            seen.append(("fwd", q.stride(), k.stride()))
+            return super().forward(q, k, v)
+
+        def backward(self, b):
+            seen.append(("bwd", b.rows.do.stride()))
+            return super().backward(b)
+    engine, plain = Recording(), _SavingEngine()
+    graphed = g.Graphed(engine, required=True)
+    fused = torch.randn(4, 9)
+    q, k, v = fused[:, 0:3], fused[:, 3:6], fused[:, 6:9]                  # slices of a fused projection
+    do = torch.ones(()).expand(4, 3)                                         # a sum's gradient: every stride 0
+    assert not _dense(q) and not _dense(do) and _dense(torch.randn(3, 4).t()) and _dense(torch.randn(4, 1, 3))
+    for _ in range(3):                                                       # eager, captured, replayed
+        out, lse, saved = graphed.forward(q, k, v)
+        want = plain.forward(q, k, v)
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+        got = graphed.backward(_backward_inputs(do, saved))
+        assert all(torch.equal(x, y) for x, y in zip(got, plain.backward(_backward_inputs(do, want[2]))))
+    assert {s for s in seen if s[0] == "fwd"} == {("fwd", (3, 1), (3, 1))}
+    assert {s for s in seen if s[0] == "bwd"} == {("bwd", (3, 1))}

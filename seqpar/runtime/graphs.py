@@ -369,6 +369,36 @@ def _statics(inputs: Sequence[torch.Tensor | None], shared: Sequence[torch.Tenso
     return static
 
 
+def _as_captured(inputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """``inputs`` laid out as a capture's static copies are (``empty_like``: dense tensors keep their strides, others
+    become contiguous), so eager calls and the capture meet the same compiled variants (Note [Layouts under
+    capture])."""
+    return [x if x is None or _dense(x) else x.contiguous() for x in inputs]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` is dense and non-overlapping (a permutation of a contiguous tensor): ``empty_like`` keeps its
+    strides.
+
+    Note [Layouts under capture]
+        A capture reads static copies of a call's inputs, and ``empty_like`` gives a tensor that is not dense and
+        non-overlapping - a loss's expanded gradient (``out.sum().backward()``: every stride 0), a slice of a fused
+        projection - contiguous strides. Compiled kernels key on strides (dynamo's guards, the variants of flex's
+        backward from the final rows), so the eager calls before the capture compiled for one layout and the
+        capture met another, and compiling inside a capture fails: graphs=True raised in the backward of a
+        softcap or ``mask_mod`` call whose gradient was a sum's (an H200, ``benchmarks/gpu/probe_capture.py``).
+        A graphed engine's calls therefore see such inputs contiguous, as the capture does (one copy, which the
+        capture's copy-in makes anyway); its own saved tensors are read where they lie."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda p: p[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _clone(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.is_contiguous() else contiguous(t)
 
@@ -528,6 +558,7 @@ class Graphed:
         """The engine's forward; ``keep_saved=False`` (a call no backward follows) captures a saving engine's
         forward without its saved tensors, a graph of its own: nothing saved is cloned out (Note [Graph copies]);
         with them, a saving engine's forward replays into a free slot (Note [Saved slots])."""
+        q, k, v = _as_captured((q, k, v))
         if getattr(self.engine, "stages", False):
             return self._forward_staged(q, k, v, keep_saved)
         if self.saves and not keep_saved:
@@ -555,7 +586,7 @@ class Graphed:
     def backward(self, b: BackwardInputs):
         r = b.rows
         out = None if self.saves else r.out           # an engine that saves reads dO and dlse of the rows only
-        inputs = [r.do, out, r.dlse, b.lse, b.q, b.k, b.v, b.sinks, *b.saved]
+        inputs = [*_as_captured((r.do, out, r.dlse, b.lse, b.q, b.k, b.v, b.sinks)), *b.saved]
         n_saved, lse_grad = len(b.saved), b.lse_grad
 
         def bwd(do, out, dlse, lse, q, k, v, sinks, *saved):
