@@ -79,7 +79,11 @@ Note [Flex on TMA]
     kernels take it - ``FlexKernel.forward`` (a ring's step, a joined call) and a whole call on flex's own autograd
     (``autograd_forward``) where no backward can follow (no grad, or inputs that need none); a training call on
     that autograd (one option for both kernels) and the backward from the final rows run without. So does flex
-    compiled for every shape (Note [Flex recompiles]): measured only compiled per shape. Measured on sm90 only."""
+    compiled for every shape (Note [Flex recompiles]): measured only compiled per shape. And only masks where it
+    was measured faster take it (``takes_tma``): bands and joined bands without softcap. On a user's ``mask_mod``
+    it was slower - at W = 1, 16K, a no-grad forward 1.11x flex without it (against 1.03x off TMA), and on an
+    emulated rank of 8 at 2K-4K tokens 1.06-1.16x the forward without it (4 H200s, ``probe_tma_rank.py``,
+    ``benchmarks/results/2026-11-28-h200x4-twenty-ninth/``); softcap moved -3% to +2%. Measured on sm90 only."""
 
 
 def takes_tma(mask: Mask, softcap: float) -> bool:
