@@ -42,9 +42,11 @@ def steps(S: int, causal: bool, mask=None, window=(-1, -1), world: int = 1, layo
 
 @pytest.fixture
 def sm90(monkeypatch):
-    """Plan as on an H100: compute capability 9.0, a PyTorch build with cuDNN (declarations otherwise unchanged)."""
+    """Plan as on an H100: compute capability 9.0, a PyTorch build with cuDNN and flex's TMA option (declarations
+    otherwise unchanged)."""
     monkeypatch.setattr(executor_mod, "device_arch", lambda device: 90)
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(flex_mod, "_has_tma_option", lambda: True)
     select.cache_clear()
     base._fastest.cache_clear()
     yield
@@ -177,6 +179,27 @@ def test_flex_forward_hands_flex_detached_inputs(monkeypatch):
     assert seen == [(False, False, False)] * 2
 
 
+def test_training_calls_whose_forward_takes_tma_run_the_engine(monkeypatch):
+    """Note [Flex on TMA]: flex's own autograd runs its forward without TMA, so a training call of ``ENGINE_ROWS``+
+    rows whose forward would take it (bands and joined bands, no softcap, a TMA arch, compiled per shape) runs the
+    engine instead; shorter calls, other archs, softcap, a user's ``mask_mod`` and flex compiled for every shape
+    keep the direct path."""
+    flex = KERNELS["flex"]
+    monkeypatch.setattr(flex_mod, "_has_tma_option", lambda: True)
+    band, n = Band(-4096, 0), flex_mod.ENGINE_ROWS
+    rows = ((0, n),)
+    modded = Modded(Band(-(1 << 30), 0), lambda b, h, qi, ki: (qi - ki) % 3 == 0, rows, rows)
+    assert flex.trains_on_engine(band, n, 90, 0.0)
+    assert not flex.trains_on_engine(band, n - 1, 90, 0.0)
+    assert not flex.trains_on_engine(band, n, 80, 0.0)
+    assert not flex.trains_on_engine(band, n, 90, 30.0)
+    assert not flex.trains_on_engine(modded, n, 90, 0.0)
+    assert not flex_mod._DynamicFlex().trains_on_engine(band, n, 90, 0.0)
+    assert not KERNELS["cudnn"].trains_on_engine(band, n, 90, 0.0)
+    monkeypatch.setattr(flex_mod, "_has_tma_option", lambda: False)      # a torch without the option
+    assert not flex.trains_on_engine(band, n, 90, 0.0)
+
+
 def test_flex_mask_mods_read_int32_tensors():
     """A band's bounds and a document mask's tables are int32, as flex's indices are (int64 bounds cost flex 2-4%:
     benchmarks/results/2026-11-28-flex-bounds-tma)."""
@@ -206,15 +229,17 @@ def test_sink_window_is_one_flex_call_on_sm90(sm90, S):
     tasks = steps(S, False, masks.sink_window(4095, 4))[0]
     assert len(tasks) == 3                                # causal sinks, sink columns, the window band
     assert chosen(tasks, S) == [("Joined", S, S, "flex")]
-    r = TaskRunner("auto", 0.1, training=True)
-    assert r.direct(tasks, (1, S, H, D), (1, S, HKV, D), (1, S, HKV, D), BF16, torch.device("cuda")) is not None
+    r = TaskRunner("auto", 0.1, training=True)          # Note [Flex on TMA]: training runs the engine
+    assert r.direct(tasks, (1, S, H, D), (1, S, HKV, D), (1, S, HKV, D), BF16, torch.device("cuda")) is None
+    no_grad = TaskRunner("auto", 0.1, training=False)
+    assert no_grad.direct(tasks, (1, S, H, D), (1, S, HKV, D), (1, S, HKV, D), BF16, torch.device("cuda")) is not None
     assert [k for *_, k in chosen(tasks, S, shapes_vary=True)] == ["flash"] * 3     # documents: no compile per batch
     assert chosen(tasks, S, training=False) == [("Joined", S, S, "flex")]  # serving, eval: compiled for every shape
     assert sorted(k for *_, k in chosen(tasks, S, kernel="sdpa")) == ["cudnn", "cudnn", "flash"]
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(4, 1), (8, 2), (16, 4), (32, 8), (4, 4), (16, 16)])
-def test_band_backward_on_few_kv_heads_leaves_flex(sm90, heads, kv_heads):
+def test_band_backward_on_few_kv_heads_leaves_flex(sm90, monkeypatch, heads, kv_heads):
     """Note [Band backward on few KV heads]: a wide band of a grouped-query training call with at most
     ``BAND_BWD_KV_HEADS`` (4) KV heads keeps flex for its forward and runs its backward on FA2 (MHA keeps flex: its
     backward won there); the sink window at Ulysses' share of GQA 32/8 (4/1 heads over 8 ranks, 8/2 over 4) is then
@@ -233,6 +258,9 @@ def test_band_backward_on_few_kv_heads_leaves_flex(sm90, heads, kv_heads):
     apart = r._apart(joined, sig, D)
     assert (apart is not None) is few
     direct = r.direct(tasks, (1, S, heads, D), (1, S, kv_heads, D), (1, S, kv_heads, D), BF16, cuda)
+    assert direct is None                                 # few: the backward apart; else the engine (TMA)
+    monkeypatch.setattr(flex_mod, "ENGINE_ROWS", 2 * S)   # without the engine's TMA forward: the direct path
+    direct = r.direct(tasks, (1, S, heads, D), (1, S, kv_heads, D), (1, S, kv_heads, D), BF16, cuda)
     assert (direct is None) is few
     if few:
         assert sorted(t.rows for t in apart) == sorted(t.rows for t in tasks)
@@ -247,9 +275,9 @@ def test_band_backward_on_few_kv_heads_leaves_flex(sm90, heads, kv_heads):
 def test_plain_window_and_windowed_spans_on_sm90(sm90):
     S = 16384
     assert chosen(steps(S, True, window=(4095, 0))[0], S) == [("Band", S, S, "flex")]
-    r = TaskRunner("auto", 0.1, training=True)
+    r = TaskRunner("auto", 0.1, training=True)          # Note [Flex on TMA]: training runs the engine
     assert r.direct(steps(S, True, window=(4095, 0))[0], (1, S, H, D), (1, S, HKV, D), (1, S, HKV, D), BF16,
-                    torch.device("cuda")) is not None
+                    torch.device("cuda")) is None
     assert chosen(steps(S, True, window=(4095, 0))[0], S, training=False) == [("Band", S, S, "flex")]  # no grad
     gemma = masks.spans([(i * 1024 + 64, i * 1024 + 320) for i in range(16)], window=1023)
     assert chosen(steps(S, False, gemma)[0], S) == [("Joined", S, S, "flex")]     # 16 narrow images of 256 join

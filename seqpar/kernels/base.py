@@ -154,6 +154,11 @@ class Kernel(ABC):
         """Whether ``autograd_forward`` serves a whole call with this mask (Note [Direct calls])."""
         return False
 
+    def trains_on_engine(self, mask: Mask, rows: int, arch: int, softcap: float) -> bool:
+        """Whether a training call of ``rows`` query rows with this mask runs faster as the engine's forward and
+        backward than through ``autograd_forward`` (then it takes no direct path)."""
+        return False
+
     def autograd_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask,
                          scale: float, softcap: float = 0.0) -> torch.Tensor:
         """``out (B, S, H, Dv)`` through an aten op that PyTorch's autograd differentiates (Note [Direct calls])."""

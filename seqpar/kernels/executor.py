@@ -340,6 +340,8 @@ class TaskRunner:
             return None                 # the backward runs elsewhere (Note [Band backward on few KV heads])
         if self.softcap and not kern.direct_softcap:
             return None
+        if self.training and kern.trains_on_engine(t.mask, q_shape[1], device_arch(device), self.softcap):
+            return None                 # Note [Flex on TMA]: its forward on TMA, its backward from the final rows
         mask, scale, cap = t.mask, self.scale, self.softcap
         if cap:
             return lambda q, k, v: kern.autograd_forward(q, k, v, mask, scale, cap)

@@ -35,8 +35,8 @@ from ..types import AttnOutput
 from .base import Kernel, KernelCall, device_arch, register
 from .flex_backward import final_rows_backward
 
-__all__ = ["BAND_ARCHS", "BAND_BWD_KV_HEADS", "BAND_MASKS", "BAND_RANK", "MASK_BYTES", "MOD_MASKS", "RECOMPILES",
-           "SPARSE_BLOCK", "STATIC_SHAPES", "TMA_ARCHS", "VARLEN_MASKS", "FlexKernel"]
+__all__ = ["BAND_ARCHS", "BAND_BWD_KV_HEADS", "BAND_MASKS", "BAND_RANK", "ENGINE_ROWS", "MASK_BYTES", "MOD_MASKS",
+           "RECOMPILES", "SPARSE_BLOCK", "STATIC_SHAPES", "TMA_ARCHS", "VARLEN_MASKS", "FlexKernel", "takes_tma"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,11 +59,19 @@ def _options(device: torch.device, rows: int, tma: bool = False) -> dict:
         return {}
     if rows < SPARSE_BLOCK:
         return {"kernel_options": {"BACKEND": "TRITON"}}
-    if tma and device_arch(device) in TMA_ARCHS and _has_tma_option():
+    if tma and _tma_on(device_arch(device)):
         return {"kernel_options": {"USE_TMA": True}}
     return {}
 
 
+def _tma_on(arch: int) -> bool:
+    """Whether forward kernels on a GPU of compute capability ``arch`` run on TMA (Note [Flex on TMA])."""
+    return arch in TMA_ARCHS and _has_tma_option()
+
+
+ENGINE_ROWS = 16384
+"""Query rows from which a training call whose forward takes TMA leaves flex's own autograd for the engine (Note
+[Flex on TMA]; measured at 16K and 128K)."""
 TMA_ARCHS = frozenset({90})
 """Compute capabilities where flex's kernels run with ``USE_TMA`` (Note [Flex on TMA]).
 
@@ -78,7 +86,12 @@ Note [Flex on TMA]
     autograd, 9.30 ms without, 9.53 with (an H200, ``probe_band_bounds.py``; 1.006x at 128K). So only forward
     kernels take it - ``FlexKernel.forward`` (a ring's step, a joined call) and a whole call on flex's own autograd
     (``autograd_forward``) where no backward can follow (no grad, or inputs that need none); a training call on
-    that autograd (one option for both kernels) and the backward from the final rows run without. So does flex
+    that autograd (one option for both kernels) and the backward from the final rows run without. Such a training
+    call of ``ENGINE_ROWS`` rows or more therefore leaves that autograd for the engine (``trains_on_engine``): its
+    forward on TMA, its backward from the final rows (Note [Flex backward from the final rows]). Through
+    ``seqpar.attention`` at W = 1 on an H200 (``probe_direct_vs_engine.py``, the same outputs bitwise): a window of
+    4095 and the sink window, the training forward 0.92-0.94x the direct path's, forward+backward 0.96-0.98x, at
+    16K and 128K (``benchmarks/results/2026-11-28-h200x4-twenty-ninth/``). So does flex
     compiled for every shape (Note [Flex recompiles]): measured only compiled per shape. And only masks where it
     was measured faster take it (``takes_tma``): bands and joined bands without softcap. On a user's ``mask_mod``
     it was slower - at W = 1, 16K, a no-grad forward 1.11x flex without it (against 1.03x off TMA), and on an
@@ -412,6 +425,12 @@ class FlexKernel(Kernel):
 
     def direct(self, mask: Mask) -> bool:
         return True
+
+    def trains_on_engine(self, mask: Mask, rows: int, arch: int, softcap: float) -> bool:
+        """A training call whose forward would take TMA (Note [Flex on TMA]), from ``ENGINE_ROWS`` rows: flex's own
+        autograd runs both kernels without it; the engine runs the forward on TMA and the backward from the final
+        rows."""
+        return not self.dynamic and rows >= ENGINE_ROWS and takes_tma(mask, softcap) and _tma_on(arch)
 
     def autograd_forward(self, q, k, v, mask: Mask, scale: float, softcap: float = 0.0) -> torch.Tensor:
         """The whole call as flex's own autograd op: its backward reuses the forward's lse (no recompute). On TMA
