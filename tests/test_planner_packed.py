@@ -284,3 +284,38 @@ def test_validate_predicts_packed_records_with_their_documents():
     assert predict_record(old).time_ms("fwd") == packed
     dense = predict_record({k: v for k, v in new.items() if k != "packed"} | {"method": "ring/zigzag"})
     assert 0 < packed < dense.time_ms("fwd")
+
+
+def test_ring_critical_path_equal_ranks_is_the_lock_step_sum():
+    """Note [Ring critical path]: ranks doing the same work at every step take the lock-step sum of Note [Step
+    time], hop by hop; with free hops each rank runs its own calls, held only by neighbours not yet at the step."""
+    from seqpar.cost.model import _ring_time
+
+    comps, comms, loss = [[2.0, 1.0, 0.5]] * 4, [1.5, 1.5, 0.0], 0.1
+    want = sum(max(c, m) + loss * min(c, m) for c, m in zip(comps[0], comms))
+    assert _ring_time(comps, comms, (0.0,) * 3, loss) == pytest.approx(want)
+    # free hops: rank r's one heavy step on step r (a sink block per rank) costs each rank once, not every step
+    heavy = [[5.0 if s == r else 1.0 for s in range(4)] for r in range(4)]
+    assert _ring_time(heavy, (0.0,) * 4, (0.0,) * 4, 0.0) < sum(max(col) for col in zip(*heavy))
+    assert _ring_time(heavy, (0.0,) * 4, (0.0,) * 4, 0.0) >= max(sum(row) for row in heavy)
+    # slow hops hold every rank: each step at least its hop
+    assert _ring_time(heavy, (10.0,) * 3 + (0.0,), (0.0,) * 4, 0.0) >= 30.0
+
+
+def test_ring_under_the_sink_window_prices_each_ranks_own_steps():
+    """Note [Ring critical path]: the sink window at 128K over 8 on a contiguous layout gives each rank one 4-key
+    sink step, on a different step for each; the ring's forward is priced at a rank's own calls, not the lock-step
+    sum of every step's busiest call (which charged six sink blocks more), and a dense problem is unchanged."""
+    from seqpar import masks
+    from seqpar.cost.model import rank_steps
+
+    emulated = load_profile("h100-emulated")
+    m = Machine(emulated, Network(get_topology(None, emulated), emulated), emulated.default_kernel)
+    p = Problem(seq_len=131072, heads=32, kv_heads=8, world=8, causal=False, mask=masks.sink_window(4095, 4))
+    per = rank_steps(p, "contiguous", 8, len(steps(p, "contiguous", 8)))
+    assert [sum(b is not None for b in row) for row in per] == [1, 2, 3, 3, 3, 3, 3, 3]   # band, corner, sinks
+    lock = sum(m.kernel_ms(p, b, 32) for b in steps(p, "contiguous", 8))
+    own = max(sum(m.kernel_ms(p, b, 32) for b in row) for row in per)
+    pr = predict(p, Candidate("ring", "contiguous"), m)
+    assert own < 0.75 * lock and pr.fwd_ms < lock
+    assert rank_steps(Problem(seq_len=131072, heads=32, kv_heads=8, world=8), "zigzag", 8, 8) is None

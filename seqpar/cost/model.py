@@ -60,15 +60,15 @@ Note [Packed batches]
 
         w_r        = layouts.work.work(layout, S, rule, cu)[r]           rank r's visible pairs in the pass
         p_r(s)     = M[0, r, src(r, s)], M = block_matrix(...)          rank r's pairs at step s
-        T_comp(s)  = kernel(Block(rows, keys, max_r p_r(s))) (+ merges)  the step waits for its busiest rank
+        T_comp(s)  = kernel(Block(rows, keys, max_r p_r(s))) (+ merges)  lock step: each step at its busiest rank
         imbalance  = max_r w_r / mean_r w_r      lockstep = sum_s max_r p_r(s) / mean_r w_r
 
     ``src(r, s)`` is the rank whose block r holds at step s: ``r - s`` on a ring (pass-KV; pass-Q visits
-    the same pairs), the schedule's own map on a double ring. A step's time is then Note [Step time] with
-    that ``T_comp``: the critical rank's compute scales with its work, and a ring pays ``lockstep`` times
-    the balanced compute. ``rows`` and ``keys`` are the busiest rank's query rows and keys that see anything
-    (``M[1]``, ``M[2]``): what its merges and its dK/dV accumulation touch, and the call size its kernel rate
-    is looked up at. All-gather runs one call per rank against the gathered keys,
+    the same pairs), the schedule's own map on a double ring. Pass-Q, TASP and the double ring price a step by
+    Note [Step time] with that ``T_comp`` - a ring paying ``lockstep`` times the balanced compute; pass-KV times
+    each rank's own calls (Note [Ring critical path]). ``rows`` and ``keys`` are the busiest rank's query rows
+    and keys that see anything (``M[1]``, ``M[2]``): what its merges and its dK/dV accumulation touch, and the
+    call size its kernel rate is looked up at. All-gather runs one call per rank against the gathered keys,
     ``Block(L, S, max_r w_r)``; Ulysses runs the whole sequence on H/U heads on every rank,
     ``Block(S, S, sum_r w_r)`` (balanced by construction). A single document covering the sequence is
     the dense model (``Problem`` drops it). ``M[0, r, k]`` is ``layouts.work.block_work``'s count for the
@@ -102,6 +102,29 @@ Note [Band rates]
     (``Problem.banded``) that is not a plain causal shape (``_is_band``) goes at the profile's ``band_tflops``
     where it has them. Bands narrower than flex's (FA2) are priced the same: not measured apart.
 
+Note [Ring critical path]
+    A pass-KV ring's ranks are not in lock step. Rank r's step s needs the block its left neighbour forwarded at
+    step s - 1 (and its own hop to the right done), and posts its hops at the step's start: a rank with little
+    work runs ahead until a hop holds it. Pricing every step at its busiest rank's call (``packed_steps``, the
+    ``lockstep`` bound of Note [Packed batches]) charged work no rank does: the sink window at 128K over 8 on a
+    contiguous layout has one 4-key sink block per rank, on a different step for each, and the lock-step sum
+    priced six of them on every rank - 1.67x the emulated rank's measured forward and forward+backward
+    (``benchmarks/results/2026-11-28-cpu-planner-band-rates/``). So a shaped problem of at most 64 ranks is timed
+    by ``_ring_time``: with ``c_r(s)`` rank r's call (``rank_steps``), ``m_s`` step s's hop and δ the overlap loss,
+
+        own_r   = start_r(s) + max(c_r(s), m_s) + δ min(c_r(s), m_s)
+        hop_r   = max(start_r(s), start_r+1(s)) + m_s                 (rank r -> r + 1, posted by both ends)
+        start_r(s + 1) = max(own_r, hop_r, hop_r-1),   the pass lasting max_r start_r(n)
+
+    Equal ranks give the lock-step sum exactly (Note [Step time]); with free hops each rank runs its own sum of
+    calls, held only by neighbours that have not reached the step before. The sink window's ring came to 1.09 /
+    1.19x its measured forward / forward+backward (``benchmarks/results/2026-11-28-cpu-ring-critical-path/``). On
+    the committed emulated packed records (8 H100 ranks, ``seqpar.planner.validate``) the ring's predictions moved
+    by -17% to +1% (most on ``balanced_whole``, whose lock-step bound is the largest), 16 of 72 rows within 15% (19
+    before): the lock-step bound had hidden some of the packed calls' under-priced host and per-call costs; auto's
+    picks did not change (11 of 16 within 5% of the best, as before). ``lockstep``
+    stays in the prediction as the bound it is.
+
 Note [Query tiles of packed calls]
     FA2's varlen call runs a document's query rows in tiles of ``TILE_ROWS`` (128), one thread block each per head,
     whatever the rows: a balanced rank's pieces of ~100-400 rows pay whole tiles, and each tile a fixed cost beside
@@ -124,7 +147,7 @@ import bisect
 import functools
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -385,6 +408,21 @@ class Tally:
         self.compute += comp
         return t
 
+    def ring(self, comps: Sequence[Sequence[float]], comms: Sequence[float], pattern: str = "ring",
+             nbytes: Sequence[float] = (), waits: Sequence[float] = ()) -> float:
+        """The steps of a ring whose ranks' work differs step by step (Note [Ring critical path]): ``comps[r][s]``
+        rank r's compute at step s, ``comms[s]`` the hop step s posts, ``waits[s]`` a transfer every rank waits
+        for before step s's compute; returns the pass's device time."""
+        n = len(comms)
+        waits = tuple(waits) or (0.0,) * n
+        t, t0 = _ring_time(comps, comms, waits, self.m.loss(pattern)), _ring_time(comps, (0.0,) * n, (0.0,) * n, 0.0)
+        self.ms += t
+        self.host += self.alpha * n
+        self.exposed += t - t0
+        self.sent += sum(nbytes)
+        self.compute += max(sum(c) for c in comps)
+        return t
+
     def wait(self, comm: float, nbytes: float = 0.0) -> None:
         """A transfer the schedule waits for with nothing to hide it."""
         self.ms += comm
@@ -481,6 +519,38 @@ def packed_steps(p: Problem, layout: str, ranks: int, source: Callable[[int, int
     while trim and len(out) > 1 and out[-1] is None:
         out.pop()
     return tuple(out)
+
+
+def rank_steps(p: Problem, layout: str, ranks: int, n: int) -> tuple[tuple[Block | None, ...], ...] | None:
+    """Every rank's call at each of the first ``n`` steps of a pass-KV ring (rank r against rank ``r - s``'s block;
+    ``block_matrix``), for Note [Ring critical path]; None for a problem of one shape on every rank (the closed
+    form: its busiest rank is every step's) or past ``_sample``'s 64 ranks."""
+    if not p.shaped or ranks > 64:
+        return None
+    blocks = block_matrix(make_layout(layout, ranks, p.documents), p.seq_len, p.rule, p.documents)
+    L = p.seq_len // ranks
+    out = []
+    for r in range(ranks):
+        row = []
+        for s in range(n):
+            pairs, rows, keys, tiles, padded = (int(x) for x in blocks[:, r, (r - s) % ranks])
+            row.append(Block(min(rows, L), min(keys, L), pairs, tiles, padded) if pairs else None)
+        out.append(tuple(row))
+    return tuple(out)
+
+
+def _ring_time(comps: Sequence[Sequence[float]], comms: Sequence[float], waits: Sequence[float], loss: float
+               ) -> float:
+    """Device time of a ring pass (Note [Ring critical path]): each rank's step starts when its previous step is
+    done and the hops it takes part in - from its left neighbour, to its right one, each posted once both ends
+    reached the step - have landed."""
+    W = len(comps)
+    start = [0.0] * W
+    for s, m in enumerate(comms):
+        own = [start[r] + waits[s] + max(comps[r][s], m) + loss * min(comps[r][s], m) for r in range(W)]
+        hop = [max(start[r], start[(r + 1) % W]) + waits[s] + m for r in range(W)]     # rank r -> r + 1
+        start = [max(own[r], hop[r], hop[(r - 1) % W]) for r in range(W)]
+    return max(start)
 
 
 def gather_blocks_of(p: Problem, layout: str) -> tuple[Block, ...]:
@@ -692,36 +762,49 @@ def passkv(p: Problem, m: Machine, layout: str, R: int, heads: float, kv_heads: 
     L = p.seq_len / R
     calls = steps(p, layout, R)
     n = len(calls)
+    per_rank = rank_steps(p, layout, R, n)
     kv, dkv = p.act(L, 2 * kv_heads), p.act(L, 2 * kv_heads, p.grad_bytes)
     t_kv, t_dkv = m.comm_ms(pattern, kv, group), m.comm_ms(pattern, dkv, group)
     f, b = tallies(m, method)
-    for s, blk in enumerate(calls):
-        more = s + 1 < n
-        merge = m.merge_ms(p, blk.rows, heads) if (s and blk is not None) else 0.0
-        f.step(m.kernel_ms(p, blk, heads) + merge, t_kv if more else 0.0, pattern, kv if more else 0.0)
+    more = [s + 1 < n for s in range(n)]
+
+    def run(t: Tally, comp: Callable[[Block | None, int], float], comms: list[float], sent: list[float],
+            waits: Sequence[float] = ()) -> None:
+        """The pass's steps: each at its busiest rank's call, or each rank's own (Note [Ring critical path])."""
+        if per_rank is not None:
+            t.ring([[comp(blk, s) for s, blk in enumerate(row)] for row in per_rank], comms, pattern, sent, waits)
+            return
+        for s, blk in enumerate(calls):
+            if waits and waits[s]:
+                t.wait(waits[s])
+            t.step(comp(blk, s), comms[s], pattern, sent[s])
+
+    def fwd(blk: Block | None, s: int) -> float:
+        return m.kernel_ms(p, blk, heads) + (m.merge_ms(p, blk.rows, heads) if s and blk is not None else 0.0)
+    run(f, fwd, [t_kv if x else 0.0 for x in more], [kv if x else 0.0 for x in more])
     b.local(m.hbm_ms(p.act(L, heads, 2 * p.dtype_bytes)))                 # Delta = rowsum(dO * O)
     home = partials_home(p, L, kv_heads, n)
     if home:                       # partials straight home (Note [Partials home] in seqpar.methods._passkv)
         part = p.act(L, 2 * kv_heads)                                     # exact partials: the inputs' dtype
         t_part = m.comm_ms(pattern, part, group)
-        for s, blk in enumerate(calls):
-            more = s + 1 < n
-            kv_s, part_s = (t_kv if more else 0.0), (t_part if s >= 2 else 0.0)
-            # step s posts the next K/V and step s - 1's partial: one NCCL batch, or two copy-engine lanes side by side
-            comm = max(kv_s, part_s) if pattern == "ring_copy" else kv_s + part_s
-            sent = (kv if more else 0.0) + (part if s >= 2 else 0.0)
-            b.step(m.kernel_ms(p, blk, heads, "bwd"), comm, pattern, sent)
+        kv_s = [t_kv if x else 0.0 for x in more]
+        part_s = [t_part if s >= 2 else 0.0 for s in range(n)]
+        # step s posts the next K/V and step s - 1's partial: one NCCL batch, or two copy-engine lanes side by side
+        comms = [max(a, c) if pattern == "ring_copy" else a + c for a, c in zip(kv_s, part_s)]
+        run(b, lambda blk, s: m.kernel_ms(p, blk, heads, "bwd"), comms,
+            [(kv if more[s] else 0.0) + (part if s >= 2 else 0.0) for s in range(n)])
         if n > 1:
             b.wait(t_part, part)                                          # the last step's partial
             b.local(m.hbm_ms((n + 1) * p.act(L, heads + 2 * kv_heads)))    # each sum, once, at the end
     else:
-        for s, blk in enumerate(calls):
-            more = s + 1 < n
-            if s and PASSKV_EXPOSED_DKV:
-                b.wait(t_dkv)
-            acc = 0.0 if blk is None else m.hbm_ms(p.act(blk.rows, heads, 10) + p.act(blk.cols, 2 * kv_heads, 10))
-            comm = (t_kv if more else 0.0) + (0.0 if PASSKV_EXPOSED_DKV or not s else t_dkv)
-            b.step(m.kernel_ms(p, blk, heads, "bwd") + acc, comm, pattern, (kv + dkv) if more else 0.0)
+        def acc(blk: Block | None, s: int) -> float:
+            if blk is None:
+                return 0.0
+            return m.kernel_ms(p, blk, heads, "bwd") + m.hbm_ms(p.act(blk.rows, heads, 10) +
+                                                                p.act(blk.cols, 2 * kv_heads, 10))
+        run(b, acc, [(t_kv if more[s] else 0.0) + (0.0 if PASSKV_EXPOSED_DKV or not s else t_dkv) for s in range(n)],
+            [(kv + dkv) if x else 0.0 for x in more],
+            [t_dkv if s and PASSKV_EXPOSED_DKV else 0.0 for s in range(n)])
         if n > 1:
             b.wait(t_dkv, dkv)                                            # the last dK/dV hop home
     fwd_base, bwd_base = base_mem(p)
