@@ -234,3 +234,26 @@ def test_seeded_pool_hands_out_random_data():
     assert buf.float().std().item() == pytest.approx(1.0, rel=0.05) and buf.float().abs().max().item() > 3
     del buf
     assert torch.cuda.memory_allocated(dev) == before
+
+
+@pytest.mark.parametrize("case", ["mask_mod", "softcap", "sink_window"])
+@pytest.mark.parametrize("method,layout", [("ring", "zigzag"), ("allgather", "zigzag"), ("ring", "contiguous")])
+def test_flex_blocks_capture_and_replay(method, layout, case, monkeypatch):
+    """Notes [Flex under capture] and [Layouts under capture]: a training call whose blocks run on flex - a
+    ``mask_mod``, softcap, the sink window's joined band (``WIDE_ROWS`` lowered so 1K-row bands count as wide) - is
+    captured and replayed on an emulated rank of 8, its gradient a sum's (expanded): graphs=True raises where a
+    capture fails, as these did before both Notes."""
+    import seqpar.kernels.executor as ex
+    from seqpar import masks
+
+    monkeypatch.setattr(ex, "WIDE_ROWS", 256)
+    L = 1024
+    q, k, v = (torch.randn(1, L, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for h in (16, 8, 8))
+    kw = {"mask_mod": dict(causal=True, mask_mod=lambda b, h, qi, ki: (qi - ki) % 64 < 48),
+          "softcap": dict(causal=True, softcap=30.0),
+          "sink_window": dict(causal=False, mask_mod=masks.sink_window(300, 4))}[case]
+    for _ in range(3):                  # eager, captured, replayed
+        out = seqpar.attention(q, k, v, method=method, layout=layout, check_ranks=False, graphs=True, **kw)
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    torch.cuda.synchronize()
+    assert all(g.shape == t.shape for g, t in zip(grads, (q, k, v)))
