@@ -528,15 +528,13 @@ def rank_steps(p: Problem, layout: str, ranks: int, n: int) -> tuple[tuple[Block
     if not p.shaped or ranks > 64:
         return None
     blocks = block_matrix(make_layout(layout, ranks, p.documents), p.seq_len, p.rule, p.documents)
+    cells = blocks.permute(1, 2, 0).tolist()          # [r][k] -> (pairs, rows, keys, tiles, padded), one host copy
     L = p.seq_len // ranks
-    out = []
-    for r in range(ranks):
-        row = []
-        for s in range(n):
-            pairs, rows, keys, tiles, padded = (int(x) for x in blocks[:, r, (r - s) % ranks])
-            row.append(Block(min(rows, L), min(keys, L), pairs, tiles, padded) if pairs else None)
-        out.append(tuple(row))
-    return tuple(out)
+
+    def call(r: int, s: int) -> Block | None:
+        pairs, rows, keys, tiles, padded = (int(x) for x in cells[r][(r - s) % ranks])
+        return Block(min(rows, L), min(keys, L), pairs, tiles, padded) if pairs else None
+    return tuple(tuple(call(r, s) for s in range(n)) for r in range(ranks))
 
 
 def _ring_time(comps: Sequence[Sequence[float]], comms: Sequence[float], waits: Sequence[float], loss: float
