@@ -373,7 +373,7 @@ def _as_captured(inputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | N
     """``inputs`` laid out as a capture's static copies are (``empty_like``: dense tensors keep their strides, others
     become contiguous), so eager calls and the capture meet the same compiled variants (Note [Layouts under
     capture])."""
-    return [x if x is None or _dense(x) else x.contiguous() for x in inputs]
+    return [x if x is None or x.is_contiguous() or _dense(x) else contiguous(x) for x in inputs]
 
 
 def _dense(t: torch.Tensor) -> bool:
