@@ -86,17 +86,17 @@ Note [Flex on TMA]
     autograd, 9.30 ms without, 9.53 with (an H200, ``probe_band_bounds.py``; 1.006x at 128K). So only forward
     kernels take it - ``FlexKernel.forward`` (a ring's step, a joined call) and a whole call on flex's own autograd
     (``autograd_forward``) where no backward can follow (no grad, or inputs that need none); a training call on
-    that autograd (one option for both kernels) and the backward from the final rows run without. Such a training
-    call of ``ENGINE_ROWS`` rows or more therefore leaves that autograd for the engine (``trains_on_engine``): its
-    forward on TMA, its backward from the final rows (Note [Flex backward from the final rows]). Through
-    ``seqpar.attention`` at W = 1 on an H200 (``probe_direct_vs_engine.py``, the same outputs bitwise): a window of
-    4095 and the sink window, the training forward 0.92-0.94x the direct path's, forward+backward 0.96-0.98x, at
-    16K and 128K (``benchmarks/results/2026-11-28-h200x4-twenty-ninth/``). So does flex
-    compiled for every shape (Note [Flex recompiles]): measured only compiled per shape. And only masks where it
+    that autograd (one option for both kernels) and the backward from the final rows run without, and so does
+    flex compiled for every shape (Note [Flex recompiles]): measured only compiled per shape. Only masks where it
     was measured faster take it (``takes_tma``): bands and joined bands without softcap. On a user's ``mask_mod``
-    it was slower - at W = 1, 16K, a no-grad forward 1.11x flex without it (against 1.03x off TMA), and on an
-    emulated rank of 8 at 2K-4K tokens 1.06-1.16x the forward without it (4 H200s, ``probe_tma_rank.py``,
-    ``benchmarks/results/2026-11-28-h200x4-twenty-ninth/``); softcap moved -3% to +2%. Measured on sm90 only."""
+    it was slower - at W = 1, 16K, a no-grad forward at 1.11x flex with it and 1.03x without, and on an emulated
+    rank of 8 at 2K-4K tokens 1.06-1.16x the forward without it (4 H200s, ``probe_tma_rank.py``); softcap moved
+    -3% to +2%. A training call of ``ENGINE_ROWS`` rows or more whose forward takes it leaves flex's own autograd
+    for the engine (``trains_on_engine``): its forward on TMA, its backward from the final rows (Note [Flex
+    backward from the final rows]). Through ``seqpar.attention`` at W = 1 on an H200 (``probe_direct_vs_engine.py``,
+    the same outputs bitwise): a window of 4095 and the sink window, the training forward 0.92-0.94x the direct
+    path's, forward+backward 0.96-0.98x, at 16K and 128K. Both in ``benchmarks/results/2026-11-28-h200x4-twenty-
+    ninth/``. Measured on sm90 only."""
 
 
 def takes_tma(mask: Mask, softcap: float) -> bool:
