@@ -95,8 +95,8 @@ Note [Flex on TMA]
     for the engine (``trains_on_engine``): its forward on TMA, its backward from the final rows (Note [Flex
     backward from the final rows]). Through ``seqpar.attention`` at W = 1 on an H200 (``probe_direct_vs_engine.py``,
     the same outputs bitwise): a window of 4095 and the sink window, the training forward 0.92-0.94x the direct
-    path's, forward+backward 0.96-0.98x, at 16K and 128K. Both in ``benchmarks/results/2026-11-28-h200x4-twenty-
-    ninth/``. Measured on sm90 only."""
+    path's, forward+backward 0.96-0.98x, at 16K and 128K. Both in
+    ``benchmarks/results/2026-11-28-h200x4-twenty-ninth/``. Measured on sm90 only."""
 
 
 def takes_tma(mask: Mask, softcap: float) -> bool:
