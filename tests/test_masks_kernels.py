@@ -310,7 +310,7 @@ def test_narrow_bands_keep_fa2_and_are_not_joined_on_sm90(sm90, case):
 
 def test_wide_rows_is_the_line_between_fa2_and_flex(sm90):
     """A band of ``WIDE_ROWS`` rows is wide, one row fewer is not; block_causal's 4096-token frames at 128K (bands of
-    4095 rows) stay on FA2, packed; a sink window whose band falls short of the line keeps its three blocks apart."""
+    4095 rows) stay on FA2, packed."""
     n = executor_mod.WIDE_ROWS
     assert chosen(steps(n, True, window=(1023, 0))[0], n) == [("Band", n, n, "flex")]
     assert chosen(steps(n - 1, True, window=(1023, 0))[0], n - 1) == [("Band", n - 1, n - 1, "flash")]
@@ -318,8 +318,26 @@ def test_wide_rows_is_the_line_between_fa2_and_flex(sm90):
     tasks = steps(S, False, masks.block_causal(4096))[0]
     assert {t.rows for t in tasks if t.mask.lo is not None} == {n - 1}
     assert sorted((form, k) for form, *_, k in chosen(tasks, S)) == [("Band", "cudnn"), ("Varlen", "flash")]
-    calls = chosen(steps(n, False, masks.sink_window(1023, 4))[0], n)     # the band has n - 4 rows
-    assert sorted(k for *_, k in calls) == ["cudnn", "cudnn", "flash"]
+
+
+def test_short_steps_join_from_join_rows(sm90):
+    """Note [Short steps join]: in a step of at most ``WIDE_ROWS`` query rows a band of ``JOIN_ROWS`` rows anchors
+    one flex call with the step's thin blocks (the sink window's 2K-token rank: band, causal block, sink columns),
+    forward and backward alike; a band of one row fewer keeps its blocks apart, and so does a long step (the ring's
+    rank 1 at 128K over 8: its neighbour's 4095-row band beside the sink columns of all its 16K rows)."""
+    n, j = executor_mod.WIDE_ROWS, executor_mod.JOIN_ROWS
+    sink = masks.sink_window(511, 4)
+    for S in (n, 2048, j + 4):                                # the band has S - 4 rows
+        assert chosen(steps(S, False, sink)[0], S) == [("Joined", S, S, "flex")], S
+    assert sorted(k for *_, k in chosen(steps(j + 3, False, sink)[0], j + 3)) == ["cudnn", "cudnn", "flash"]
+    assert chosen(steps(n + 1, False, sink)[0], n + 1) != [("Joined", n + 1, n + 1, "flex")]     # no longer short
+    r = TaskRunner("auto", 0.1, training=True)
+    ((joined, _),) = r.kernels(steps(2048, False, sink)[0], (1, 2048, H, D), (1, 2048, HKV, D), BF16, "cuda")
+    assert r._apart(joined, (H, HKV, D, BF16, torch.device("cuda")), D) is None      # its backward stays joined
+    S, sink = 131072, masks.sink_window(4095, 4)
+    from_rank0 = steps(S, False, sink, world=8, rank=1)[1]
+    assert {(b.rows, b.mask.lo is not None) for b in from_rank0} == {(S // 8, False), (4095, True)}
+    assert sorted(k for *_, k in chosen(from_rank0, S // 8)) == ["cudnn", "flash"]
 
 
 def test_takes_delta_asks_narrow_and_wide_blocks(sm90, monkeypatch):

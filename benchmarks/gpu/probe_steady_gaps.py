@@ -1,14 +1,15 @@
 """Where the GPU idles while calls run back to back: rank r of W on a fake group (one GPU, emulated), dense rows.
 
     python3 benchmarks/gpu/probe_steady_gaps.py --out FILE [--world 8] [--rank 1] [--seq 131072] [--kv-heads 8]
-        [--configs tasp/zigzag,ring/zigzag] [--modes fwd,fwd+bwd] [--mask sink_window:4095,4]
+        [--configs tasp/zigzag,ring/zigzag] [--modes fwd,fwd+bwd] [--mask sink_window:4095,4] [--wide-rows 4096,2048]
 
 For each configuration and mode: the median ms of a call timed back to back (10 calls between two synchronizations,
-after 8 warm-up calls), the GPU time of its operations and the GPU's idle time per call from torch.profiler over 3
-back-to-back calls, the largest idle gaps with the operations on either side, and the synchronizations
-``torch.cuda.set_sync_debug_mode`` reports during one call. One JSON line per case (``write_probe``); a summary line
-per case on stdout. ``--mask`` runs every case non-causal under a named mask (``python -m seqpar plan``'s
-``NAME:INTS``). The allocator's pool is seeded as the bench seeds it (Note [Emulated data]).
+after 8 warm-up calls), the GPU time of its operations (in all, and by name: ``ops_us_per_call``) and the GPU's
+idle time per call from torch.profiler over 3 back-to-back calls, the largest idle gaps with the operations on either
+side, and the synchronizations ``torch.cuda.set_sync_debug_mode`` reports during one call. One JSON line per case
+(``write_probe``); a summary line per case on stdout. ``--mask`` runs every case non-causal under a named mask
+(``python -m seqpar plan``'s ``NAME:INTS``). The allocator's pool is seeded as the bench seeds it
+(Note [Emulated data]).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from probe_host import case_fn
 
 from seqpar.bench.report import write_probe
 from seqpar.bench.timing import sync_warnings
+from seqpar.kernels import executor
 from seqpar.planner.cli import _mask
+from seqpar.runtime import call as _call
 
 
 def gaps(fn, calls: int = 3) -> dict:
@@ -51,8 +54,13 @@ def gaps(fn, calls: int = 3) -> dict:
         if end is None or ev.time_range.end > end:
             end, before = ev.time_range.end, ev.name
     found.sort(reverse=True)
+    by_name: dict[str, list[float]] = {}
+    for ev in evs:
+        by_name.setdefault(ev.name[:90], []).append(ev.time_range.elapsed_us())
+    ops = sorted(((round(sum(t) / calls, 1), round(len(t) / calls, 1), name) for name, t in by_name.items()),
+                 reverse=True)
     return {"gpu_op_ms_per_call": round(busy / calls / 1e3, 3), "idle_ms_per_call": round(idle / calls / 1e3, 3),
-            "ops_per_call": len(evs) / calls, "largest_gaps_us": found[:8]}
+            "ops_per_call": len(evs) / calls, "largest_gaps_us": found[:8], "ops_us_per_call": ops[:14]}
 
 
 def syncs(fn) -> list[str]:
@@ -70,32 +78,40 @@ def main() -> None:
     ap.add_argument("--configs", default="tasp/zigzag,ring/zigzag")
     ap.add_argument("--modes", default="fwd,fwd+bwd")
     ap.add_argument("--mask", type=_mask, default=None, help="a named mask, NAME:INTS (non-causal under it)")
+    ap.add_argument("--wide-rows", default=str(executor.WIDE_ROWS),
+                    help="executor.WIDE_ROWS values, comma-separated: each case runs under each (Note [Bands on flex])")
     args = ap.parse_args()
     W, rows = args.world, []
     dist.init_process_group("fake", rank=args.rank, world_size=W, store=FakeStore())
-    for config in args.configs.split(","):
+    cases = [(int(w), c, m) for w in args.wide_rows.split(",") for c in args.configs.split(",")
+             for m in args.modes.split(",")]
+    for wide, config, mode in cases:
+        executor.WIDE_ROWS = wide
+        _call.cache_clear()
         method, layout = config.split("/")
-        for mode in args.modes.split(","):
-            fn = case_fn(method, layout, mode, args.seq, None, W, None, args.kv_heads, args.mask)
-            for _ in range(8):
+        fn = case_fn(method, layout, mode, args.seq, None, W, None, args.kv_heads, args.mask)
+        for _ in range(8):
+            fn()
+        torch.cuda.synchronize()
+        steady = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(10):
                 fn()
             torch.cuda.synchronize()
-            steady = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                for _ in range(10):
-                    fn()
-                torch.cuda.synchronize()
-                steady.append((time.perf_counter() - t0) * 1e2)
-            row = {"config": config, "mode": mode, "mask": repr(args.mask), "world": W, "rank": args.rank,
-                   "seq_len": args.seq,
-                   "kv_heads": args.kv_heads, "steady_ms": round(sorted(steady)[1], 3), **gaps(fn),
-                   "syncs": syncs(fn)}
-            rows.append(row)
-            print({k: row[k] for k in ("config", "mode", "steady_ms", "gpu_op_ms_per_call", "idle_ms_per_call")},
-                  row["largest_gaps_us"][:4], len(row["syncs"]), row["syncs"][:2], flush=True)
-            del fn
-            torch.cuda.empty_cache()
+            steady.append((time.perf_counter() - t0) * 1e2)
+        row = {"config": config, "mode": mode, "mask": repr(args.mask), "world": W, "rank": args.rank,
+               "seq_len": args.seq, "wide_rows": wide,
+               "kv_heads": args.kv_heads, "steady_ms": round(sorted(steady)[1], 3), **gaps(fn),
+               "syncs": syncs(fn)}
+        rows.append(row)
+        keys = ("wide_rows", "config", "mode", "steady_ms", "gpu_op_ms_per_call", "idle_ms_per_call")
+        print({k: row[k] for k in keys},
+              row["largest_gaps_us"][:4], len(row["syncs"]), row["syncs"][:2], flush=True)
+        for op in row["ops_us_per_call"]:
+            print("    op us/call, count/call:", op, flush=True)
+        del fn
+        torch.cuda.empty_cache()
     write_probe(args.out, rows)
 
 

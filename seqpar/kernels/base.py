@@ -67,7 +67,8 @@ class KernelCall:
     training: bool = False      # a block of a planned call a backward follows (``TaskRunner``): a training step,
     #                             whose signature - and, without ``shapes_vary``, block shapes - recur step after step
     wide: bool = False          # the block has at least ``executor.WIDE_ROWS`` query rows (``TaskRunner``): large
-    #                             enough that per-cell speed, not a call's fixed cost, decides (Note [Bands on flex])
+    #                             enough that per-cell speed, not a call's fixed cost, decides (Note [Bands on flex]);
+    #                             ``JOIN_ROWS`` in a short step, whose blocks it joins (Note [Short steps join])
     backward: bool = False      # the block's backward: a kernel may be preferred for one direction only (Note
     #                             [Band backward on few KV heads] in ``seqpar.kernels.executor``)
 

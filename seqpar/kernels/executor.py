@@ -97,6 +97,25 @@ Note [Bands on flex]
     forward went 3.84 -> 3.64 ms but its forward+backward 18.2 -> 22.6 ms (a band apart from its step's other
     blocks is a flex call of its own, whose backward recomputes its forward), so 4096 stays.
 
+Note [Short steps join]
+    At 2K tokens per rank the sink window's all-gather ran its rank's band on FA2, below ``WIDE_ROWS``: one
+    emulated rank of 8 at 16K (rank 3, contiguous, one H200, calls back to back;
+    ``benchmarks/results/2026-11-28-h200-thirtieth/``) spent 518 us in FA2's windowed kernel and 251 us in cuDNN
+    for what flex at W = 1 computes in 346 us per 2K rows. With the band counted wide the step joined - band,
+    local causal block, sink columns - into one flex call of 341 us: the forward went 0.630 -> 0.433 ms and
+    forward+backward 2.395 -> 2.001 ms; on zigzag (1K-row chunks, the line at 1024) 0.530 -> 0.430 and 2.074 ->
+    1.809. The same change at 16K tokens per rank lost: the ring's rank 1 joined its 4095-row neighbour band with
+    the sink columns of all its 16K rows, and forward+backward went 12.04 -> 14.13 ms (flex's backward runs a key
+    tile's dK/dV down every query row of the box: the sink tile's 128 query tiles one after another), where
+    apart the band's backward is FA2's and the sinks' cuDNN's. A band alone in its step (the ring's at 2K)
+    gained nothing (0.507 -> 0.497 ms forward, 1.848 -> 1.859 forward+backward).
+    So a band is wide (``_wide``) with ``WIDE_ROWS`` rows of its own, or with ``JOIN_ROWS`` (1024) rows in a step
+    spanning at most ``WIDE_ROWS`` query rows - where a joined call replaces several launch-bound calls and their
+    merge and no key tile's backward runs down a long box; ``_apart`` asks the same of a joined call's own rows,
+    so its backward stays joined. A band without a block to join keeps its kernel by its own rows (``_join``
+    joins two or more). Spans' images (255 rows) and block_causal's frames (511) stay under ``JOIN_ROWS``: they
+    lost on flex (Note [Bands on flex], 2.) before flex's backward ran from the final rows, unmeasured since.
+
 Note [Band backward on few KV heads]
     Flex's backward of a grouped-query band loses where the KV heads are few: Ulysses hands each rank H / U query
     heads and Hkv / U KV heads, 4 / 1 for GQA 32/8 over 8. The sink window (4095 + 4 sinks) at W = 1 on one H100,
@@ -153,8 +172,8 @@ from . import combine
 from .base import Kernel, KernelCall, device_arch, mask_kind, select
 from .side import beside_largest
 
-__all__ = ["GROUP_AT", "GROUP_ROWS", "HALVES_ROWS", "JOIN_KEYS", "JOIN_PAIRS", "MEMO_SIZE", "VARLEN_BWD_ROWS",
-           "WIDE_ROWS", "TaskRunner", "halves", "row_groups"]
+__all__ = ["GROUP_AT", "GROUP_ROWS", "HALVES_ROWS", "JOIN_KEYS", "JOIN_PAIRS", "JOIN_ROWS", "MEMO_SIZE",
+           "VARLEN_BWD_ROWS", "WIDE_ROWS", "TaskRunner", "halves", "row_groups"]
 
 GROUP_AT = 3
 """Tasks of one step from which ``TaskRunner.prepare`` packs them into varlen calls."""
@@ -174,6 +193,9 @@ WIDE_ROWS = 4096
 """Query rows from which a block is wide (``KernelCall.wide``): a windowed band that wide runs on flex in an sm90
 training call, a narrower one keeps FA2 (Note [Bands on flex]: bands of 255 and 511 rows lost on flex, of 16380
 and more won; ``GROUP_ROWS``, from which a block keeps its own call)."""
+JOIN_ROWS = 1024
+"""Query rows from which a band in a short step (``WIDE_ROWS`` rows or fewer in all) anchors a joined flex call
+(Note [Short steps join])."""
 HALVES_ROWS = 1 << 17
 """Rows from which a square causal block on cuDNN runs its forward as three calls on two streams (Note [Long causal
 calls in halves]: 128K gained 3-7%, 64K nothing)."""
@@ -189,6 +211,12 @@ def _sig(q: torch.Tensor, k: torch.Tensor) -> Sig:
 def _is_band(t: Task) -> bool:
     """A windowed band (mask kind "band"), the block a joining kernel may be preferred for."""
     return isinstance(t.mask, Band) and t.mask.lo is not None
+
+
+def _wide(t: Task, rows: int) -> bool:
+    """Whether band ``t`` is wide in a step - or a joined call - spanning ``rows`` query rows: ``WIDE_ROWS`` rows of
+    its own, or ``JOIN_ROWS`` in a short step (Note [Short steps join])."""
+    return t.rows >= WIDE_ROWS or (rows <= WIDE_ROWS and t.rows >= JOIN_ROWS)
 
 
 def split_band(t: Task) -> bool:
@@ -297,7 +325,7 @@ class TaskRunner:
             parts = tuple(Task(task.q_start + q0, task.q_start + q1, task.k_start + k0, task.k_start + k1, band)
                           for q0, q1, k0, k1, band in m.parts)
             bands = [t for t in parts if _is_band(t)]
-            if all(self._kernel(t, sig, dv, backward=True).joins for t in bands):
+            if all(self._kernel(t, sig, dv, wide=_wide(t, task.rows), backward=True).joins for t in bands):
                 return None
             return parts
         return self._memoized(("apart", task, sig, dv), members)
@@ -387,8 +415,9 @@ class TaskRunner:
         """``tasks`` with the bands a joining kernel serves and the thin blocks (full, causal or a narrow band) as
         one ``Joined`` task first (Note [Bands on flex]), or ``tasks`` itself: a step none of whose bands is on a
         joining kernel (narrow bands, no-grad calls) is not joined."""
+        rows = max(t.q_stop for t in tasks) - min(t.q_start for t in tasks)
         try:
-            anchors = [t for t in tasks if _is_band(t) and self._kernel(t, sig).joins]
+            anchors = [t for t in tasks if _is_band(t) and self._kernel(t, sig, wide=_wide(t, rows)).joins]
         except UnsupportedInputError:
             return tasks
         if not anchors:
