@@ -246,3 +246,59 @@ def test_causal_halves_cover_the_causal_block_once():
     runner.forward = lambda q_, k_, v_, t: called.append(t)
     runner.forward_each((big,), qb, qb, qb)
     assert called == [big]
+
+
+OPEN = [(Band(2, None), 5, 7), (Band(1, None), 6, 6), (Band(0, None), 6, 6), (Band(-3, None), 6, 9),
+        (Band(-2, None), 9, 4), (Band(4, None), 8, 8), (Band(-20, None), 5, 7), (Band(7, None), 5, 7)]
+
+
+@pytest.mark.parametrize("band,m,n", OPEN)
+@pytest.mark.parametrize("dv", [8, 12])
+def test_open_bands_run_backwards_on_the_cpu_flash_kernel(band, m, n, dv):
+    """Note [Open bands backwards]: a band open to the right (a windowed ring's farthest step) on the top-left
+    causal kernel, its rows and keys reversed: out, lse (-inf where a row sees nothing) and the gradients against
+    the dense computation, GQA, a differing value head dim, a strided row slice; cuDNN does the same on a GPU
+    (``tests/test_gpu_kernels.py``)."""
+    torch.manual_seed(3)
+    big = torch.randn(2, m + 3, 4, 8)
+    q = big[:, 1:1 + m]
+    k, v = torch.randn(2, n, 2, 8), torch.randn(2, n, 2, dv)
+    do = torch.randn(2, m, 4, dv)
+    call = KernelCall.of(q, k, band)
+    assert call.mask == "open" and select("auto", call).name == "cpu_flash"
+    kern = KERNELS["cpu_flash"]
+    out, lse = kern.forward(q, k, v, band, 0.4)
+    want_out, want_lse, grads = _dense_band(q, k, v, do, band, 0.4)
+    torch.testing.assert_close(out.double(), want_out, atol=1e-5, rtol=1e-5)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isneginf(lse), ~finite)
+    torch.testing.assert_close(lse.double()[finite], want_lse[finite], atol=1e-5, rtol=1e-5)
+    got = kern.backward(do, q, k, v, out, lse, band, 0.4)
+    for g, w, x in zip(got, grads, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+
+
+def test_open_cut_reads_an_open_band_backwards():
+    from seqpar.kernels.sdpa import open_cut
+
+    assert open_cut(Band(0, None), 4, 4) == (4, 0, 4, Band(None, 0))      # the upper triangle: causal reversed
+    assert open_cut(Band(1, None), 4, 4) == (3, 1, 4, Band(None, 0))      # the last row sees nothing
+    assert open_cut(Band(-2, None), 4, 4) == (4, 0, 4, Band(None, 2))     # full keys [0, 2) + causal, reversed
+    assert open_cut(Band(-3, None), 4, 4) == (4, 0, 4, Band())            # every row sees every key
+    assert open_cut(Band(4, None), 4, 4) is None                          # no row sees a key
+
+
+def test_open_bands_go_to_cudnn_on_a_gpu(monkeypatch):
+    """Windows stay off cuDNN; bands open to the right go to it (auto), FA2 and flex still serve them named."""
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    select.cache_clear()
+    try:
+        for training in (False, True):
+            call = KernelCall("cuda", torch.bfloat16, 128, 32, 8, "open", arch=90, training=training)
+            assert select("auto", call).name == "cudnn"
+            assert select("flash", call).name == "flash" and select("flex", call).name == "flex"
+            band = KernelCall("cuda", torch.bfloat16, 128, 32, 8, "band", arch=90, training=training)
+            assert select("auto", band).name != "cudnn"
+    finally:
+        select.cache_clear()

@@ -290,7 +290,8 @@ def test_plain_window_and_windowed_spans_on_sm90(sm90):
 def test_narrow_bands_keep_fa2_and_are_not_joined_on_sm90(sm90, case):
     """Spans' 256-token images and block_causal's 32 frames at 16K (the bench's masks): their bands are an image's or
     a frame's diagonal piece, 255 and 511 rows, so the training plan is the one before flex: the causal block on
-    cuDNN and the bands packed into one FA2 varlen call, not a joined flex call."""
+    cuDNN and the bands packed into one FA2 varlen call, not a joined flex call. Alone, such a band (an upper
+    triangle, open to the right: Note [Open bands backwards]) goes to cuDNN."""
     S = 16384
     if case == "spans":
         mask, rows, n = masks.spans([(i * (S // 16) + 64, i * (S // 16) + 320) for i in range(16)]), 255, 16
@@ -305,7 +306,7 @@ def test_narrow_bands_keep_fa2_and_are_not_joined_on_sm90(sm90, case):
         assert calls == [("Band", S, S, "cudnn"), ("Varlen", *(span[1] - span[0],) * 2, "flash")], training
     r = TaskRunner("auto", 0.1, training=True)
     assert r.direct(tasks, (1, S, H, D), (1, S, HKV, D), (1, S, HKV, D), BF16, torch.device("cuda")) is None
-    assert [k for _, k in r.kernels(tuple(bands[:1]), (1, S, H, D), (1, S, HKV, D), BF16, "cuda")] == ["flash"]
+    assert [k for _, k in r.kernels(tuple(bands[:1]), (1, S, H, D), (1, S, HKV, D), BF16, "cuda")] == ["cudnn"]
 
 
 def test_wide_rows_is_the_line_between_fa2_and_flex(sm90):
@@ -337,7 +338,7 @@ def test_short_steps_join_from_join_rows(sm90):
     S, sink = 131072, masks.sink_window(4095, 4)
     from_rank0 = steps(S, False, sink, world=8, rank=1)[1]
     assert {(b.rows, b.mask.lo is not None) for b in from_rank0} == {(S // 8, False), (4095, True)}
-    assert sorted(k for *_, k in chosen(from_rank0, S // 8)) == ["cudnn", "flash"]
+    assert sorted(k for *_, k in chosen(from_rank0, S // 8)) == ["cudnn", "cudnn"]     # the band open: backwards
 
 
 def test_takes_delta_asks_narrow_and_wide_blocks(sm90, monkeypatch):

@@ -2,6 +2,7 @@
 
     python3 benchmarks/gpu/probe_steady_gaps.py --out FILE [--world 8] [--rank 1] [--seq 131072] [--kv-heads 8]
         [--configs tasp/zigzag,ring/zigzag] [--modes fwd,fwd+bwd] [--mask sink_window:4095,4] [--wide-rows 4096,2048]
+        [--open-bands cudnn,band]
 
 For each configuration and mode: the median ms of a call timed back to back (10 calls between two synchronizations,
 after 8 warm-up calls), the GPU time of its operations (in all, and by name: ``ops_us_per_call``) and the GPU's
@@ -29,9 +30,12 @@ from probe_host import case_fn
 
 from seqpar.bench.report import write_probe
 from seqpar.bench.timing import sync_warnings
-from seqpar.kernels import executor
+from seqpar.kernels import base as kernels_base
+from seqpar.kernels import executor, select
 from seqpar.planner.cli import _mask
 from seqpar.runtime import call as _call
+
+_KIND = kernels_base.mask_kind
 
 
 def gaps(fn, calls: int = 3) -> dict:
@@ -78,15 +82,21 @@ def main() -> None:
     ap.add_argument("--configs", default="tasp/zigzag,ring/zigzag")
     ap.add_argument("--modes", default="fwd,fwd+bwd")
     ap.add_argument("--mask", type=_mask, default=None, help="a named mask, NAME:INTS (non-causal under it)")
+    ap.add_argument("--open-bands", default="cudnn",
+                    help="cudnn (bands open to the right read backwards: Note [Open bands backwards]), band (as "
+                         "windows, the kernels before it) or both, comma-separated: each case runs under each")
     ap.add_argument("--wide-rows", default=str(executor.WIDE_ROWS),
                     help="executor.WIDE_ROWS values, comma-separated: each case runs under each (Note [Bands on flex])")
     args = ap.parse_args()
     W, rows = args.world, []
     dist.init_process_group("fake", rank=args.rank, world_size=W, store=FakeStore())
-    cases = [(int(w), c, m) for w in args.wide_rows.split(",") for c in args.configs.split(",")
-             for m in args.modes.split(",")]
-    for wide, config, mode in cases:
+    cases = [(o, int(w), c, m) for o in args.open_bands.split(",") for w in args.wide_rows.split(",")
+             for c in args.configs.split(",") for m in args.modes.split(",")]
+    for open_bands, wide, config, mode in cases:
         executor.WIDE_ROWS = wide
+        kind = _KIND if open_bands == "cudnn" else (lambda m: "band" if _KIND(m) == "open" else _KIND(m))
+        kernels_base.mask_kind = executor.mask_kind = kind
+        select.cache_clear()
         _call.cache_clear()
         method, layout = config.split("/")
         fn = case_fn(method, layout, mode, args.seq, None, W, None, args.kv_heads, args.mask)
@@ -101,11 +111,11 @@ def main() -> None:
             torch.cuda.synchronize()
             steady.append((time.perf_counter() - t0) * 1e2)
         row = {"config": config, "mode": mode, "mask": repr(args.mask), "world": W, "rank": args.rank,
-               "seq_len": args.seq, "wide_rows": wide,
+               "seq_len": args.seq, "wide_rows": wide, "open_bands": open_bands,
                "kv_heads": args.kv_heads, "steady_ms": round(sorted(steady)[1], 3), **gaps(fn),
                "syncs": syncs(fn)}
         rows.append(row)
-        keys = ("wide_rows", "config", "mode", "steady_ms", "gpu_op_ms_per_call", "idle_ms_per_call")
+        keys = ("open_bands", "wide_rows", "config", "mode", "steady_ms", "gpu_op_ms_per_call", "idle_ms_per_call")
         print({k: row[k] for k in keys},
               row["largest_gaps_us"][:4], len(row["syncs"]), row["syncs"][:2], flush=True)
         for op in row["ops_us_per_call"]:

@@ -57,7 +57,8 @@ class KernelCall:
     head_dim: int
     heads: int
     kv_heads: int
-    mask: str          # "full" | "causal" (Band with lo unbounded) | "band" | "varlen" | "mod" (Modded) | "joined"
+    mask: str          # "full" | "causal" (Band with lo unbounded) | "band" | "open" (a band with hi unbounded) |
+    #                    "varlen" | "mod" (Modded) | "joined"
     deterministic: bool = False
     single: bool = False        # a 1 x 1 block (one query, one key)
     value_dim: int = 0          # Dv; 0 means equal to head_dim
@@ -102,7 +103,9 @@ def mask_kind(mask: Mask) -> str:
         return "joined"
     if mask.is_full:
         return "full"
-    return "causal" if mask.lo is None else "band"
+    if mask.lo is None:
+        return "causal"
+    return "open" if mask.hi is None else "band"        # open: Note [Open bands backwards] in seqpar.kernels.sdpa
 
 
 class Kernel(ABC):

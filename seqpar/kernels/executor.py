@@ -459,7 +459,7 @@ class TaskRunner:
         """Whether the kernels of every mask kind in ``kinds``, narrow and wide blocks alike (a band's kernel
         depends on its rows: Note [Bands on flex]), take a precomputed Delta (pass-Q's bundle). A joined step whose
         wide band's backward does not join runs its blocks apart (Note [Band backward on few KV heads]): no."""
-        probe = {"full": (1, 1, None, None), "causal": (2, 2, None, 0), "band": (2, 2, 0, 0)}
+        probe = {"full": (1, 1, None, None), "causal": (2, 2, None, 0), "band": (2, 2, 0, 0), "open": (2, 2, 0, None)}
         band = Task(0, 2, 0, 2, Band(0, 0))
         if "joined" in kinds and not self._kernel(band, _sig(q, k), dv, wide=True, backward=True).joins:
             return False

@@ -5,11 +5,11 @@ What each gives from Python (reference/KERNELS.md, probed on H100/H200, torch 2.
 =========  =================================================  ===========================================
 kernel     serves                                             notes
 =========  =================================================  ===========================================
-cudnn      full and causal bands (lo unbounded), GQA native,  fastest at every head dim 64-256 on Hopper
-           Dv != D; head dims <= 256 on compute capability    (1.3-2x FA2, probe below); causal is top-left
-           >= 9.0, <= 128 before                              only: ``Band(None, hi > 0)`` runs as full keys
-                                                              ``[0, hi)`` + top-left causal keys ``[hi, n)``,
-                                                              merged in fp32
+cudnn      full and causal bands (lo unbounded), and bands    fastest at every head dim 64-256 on Hopper
+           open to the right (hi unbounded) read backwards;   (1.3-2x FA2, probe below); causal is top-left
+           GQA native, Dv != D; head dims <= 256 on compute   only: ``Band(None, hi > 0)`` runs as full keys
+           capability >= 9.0, <= 128 before                   ``[0, hi)`` + top-left causal keys ``[hi, n)``,
+                                                              merged in fp32 (Note [Open bands backwards])
 flash      every band (bottom-right windows), varlen, GQA;    FA2; lse ``(B, H, S)``; varlen lse ``(H, T)``;
            head dims <= 256                                   Dv != D by zero-padding the smaller head dim
 efficient  full and causal bands, fp32 only; KV replicated   memory-efficient kernel; lse padded to 32
@@ -35,6 +35,19 @@ Note [Split bands in one pass]
     then the runner hands the kernel such a block as two tasks (Note [Split bands as tasks] in
     ``seqpar.kernels.executor``), so this merge serves only callers that run the kernel on a band directly
     (inference, calibration).
+
+Note [Open bands backwards]
+    A windowed ring's farthest step holds a band open to the right, ``Band(lo, None)``: its rows see the keys from
+    a diagonal to the block's end (the sink window's rank at 2K tokens over 8 against the keys two ranks back: an
+    upper triangle). cuDNN takes top-left causal masks only, so such a block ran on FA2, which computed it as the
+    whole block (200 us forward, 393 us backward for a 2K triangle at GQA 32/8 on an H200, where cuDNN's causal 2K
+    block is about a third of that; ``benchmarks/results/2026-11-28-h200-thirtieth/``). Read backwards - query rows
+    and keys both reversed, row i to m - 1 - i, key j to n - 1 - j - the band is ``Band(None, n - m - lo)``: lo
+    unbounded, which cuDNN serves as full keys and a causal rest (``causal_parts``). ``open_forward`` and
+    ``open_backward`` flip the rows that see any key and the keys they see (``open_cut``), run the kernel on the
+    reversed band and flip the results back; rows that see nothing get 0 and lse -inf, keys no row sees a zero
+    gradient. The flips are copies of the block's inputs and results, a few percent of the call. Mask kind
+    "open" (``seqpar.kernels.base.mask_kind``) lets selection tell these bands from windows.
 """
 
 from __future__ import annotations
@@ -54,7 +67,8 @@ from .base import Kernel, KernelCall, band_of, register
 from .combine import host_table
 
 __all__ = ["CudnnKernel", "EfficientKernel", "FlashKernel", "causal_parts", "cudnn_max_head_dim", "fa2_pieces",
-           "merge_parts", "pad_dim", "pieces_backward", "pieces_forward", "split_backward"]
+           "merge_parts", "open_backward", "open_cut", "open_forward", "pad_dim", "pieces_backward", "pieces_forward",
+           "split_backward"]
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -102,6 +116,59 @@ def causal_parts(band: Band, n: int) -> list[tuple[slice, bool]]:
     if band.hi == 0:
         return [(slice(0, n), True)]
     return [(slice(0, band.hi), False), (slice(band.hi, n), True)]
+
+
+def open_cut(band: Band, m: int, n: int) -> tuple[int, int, int, Band] | None:
+    """An open band (``lo`` bounded, ``hi`` unbounded) on an m x n block read backwards (Note [Open bands
+    backwards]): ``(rows, k0, k1, reversed)`` - query rows ``[0, rows)`` see keys ``[k0, k1)``, and with both
+    reversed the band is ``reversed`` (lo unbounded, top-left aligned on the cut); None when no row sees a key."""
+    cut = _trimmed(Band(None, n - m - band.lo), 0, m, n)
+    if cut is None:
+        return None
+    r0, _, k0, k1, reversed_ = cut
+    if reversed_.hi >= k1 - k0 - 1:                 # its first row sees every key it keeps: all rows do
+        reversed_ = Band()
+    return m - r0, n - k1, n - k0, reversed_
+
+
+def open_forward(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, band: Band) -> AttnOutput:
+    """``band``, open to the right, as ``fn(q, k, v, reversed_band) -> AttnOutput`` on the reversed rows and keys
+    (Note [Open bands backwards]); rows that see nothing at 0 and lse -inf."""
+    B, m, H, _ = q.shape
+    cut = open_cut(band, m, k.shape[1])
+    if cut is not None:
+        rows, k0, k1, rb = cut
+        res = fn(q[:, :rows].flip(1), k[:, k0:k1].flip(1), v[:, k0:k1].flip(1), rb)
+        o, lse = res.out.flip(1), res.lse.flip(-1)
+        if rows == m:
+            return AttnOutput(o, lse)
+    out = q.new_zeros(B, m, H, v.shape[-1])
+    full = torch.full((B, H, m), -_INF, dtype=acc_dtype(q.dtype) if cut is None else lse.dtype, device=q.device)
+    if cut is not None:
+        out[:, :rows], full[:, :, :rows] = o, lse
+    return AttnOutput(out, full)
+
+
+def open_backward(fn, do, q, k, v, out, lse, band: Band) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``open_forward``'s block: ``fn(do, q, k, v, out, lse, reversed_band)`` on the reversed
+    rows and keys, flipped back into place; zero where no row or key takes part."""
+    m, n = q.shape[1], k.shape[1]
+    cut = open_cut(band, m, n)
+    if cut is None:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    rows, k0, k1, rb = cut
+    r = slice(0, rows)
+    g = fn(do[:, r].flip(1), q[:, r].flip(1), k[:, k0:k1].flip(1), v[:, k0:k1].flip(1), out[:, r].flip(1),
+           lse[..., r].flip(-1), rb)
+
+    def placed(x: torch.Tensor, whole: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        x = x.flip(1)
+        if (a, b) == (0, whole.shape[1]):
+            return x
+        z = torch.zeros_like(whole)
+        z[:, a:b] = x
+        return z
+    return placed(g[0], q, 0, rows), placed(g[1], k, k0, k1), placed(g[2], v, k0, k1)
 
 
 def merge_parts(parts: list[AttnOutput]) -> AttnOutput:
@@ -217,7 +284,7 @@ class CudnnKernel(Kernel):
 
     def not_supported_reasons(self, call: KernelCall) -> list[str]:
         r = _gpu_reasons(call, _HALF, cudnn_max_head_dim())
-        if call.mask not in ("full", "causal"):
+        if call.mask not in ("full", "causal", "open"):
             r.append(f"no {call.mask} masks from Python (top-left causal only); use flash or flex")
         if call.deterministic:
             r.append("its backward is not deterministic")
@@ -253,12 +320,17 @@ class CudnnKernel(Kernel):
 
     def forward(self, q, k, v, mask: Mask, scale: float, *, softcap: float = 0.0) -> AttnOutput:
         band = band_of(mask)
+        if band.lo is not None:                                 # Note [Open bands backwards]
+            return open_forward(lambda *a: self.forward(*a, scale), q, k, v, band)
         return merge_parts([self._fwd(q, k[:, ks], v[:, ks], causal, scale)
                              for ks, causal in causal_parts(band, k.shape[1])])
 
     def backward(self, do, q, k, v, out, lse, mask: Mask, scale: float, *, delta=None, softcap=0.0,
                  deterministic=False):
-        return split_backward(lambda *a: self._bwd(*a, scale=scale), do, q, k, v, out, lse, band_of(mask))
+        band = band_of(mask)
+        if band.lo is not None:
+            return open_backward(lambda *a: self.backward(*a, scale), do, q, k, v, out, lse, band)
+        return split_backward(lambda *a: self._bwd(*a, scale=scale), do, q, k, v, out, lse, band)
 
 
 CU_TENSORS = 128
