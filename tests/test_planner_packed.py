@@ -286,6 +286,25 @@ def test_validate_predicts_packed_records_with_their_documents():
     assert 0 < packed < dense.time_ms("fwd")
 
 
+def test_validate_prices_a_mask_by_its_recorded_spec():
+    """A bench row under a named mask is priced with the mask (``mask_spec``); one recorded with the mask's name
+    only (before 2026-11-28) is not modelled - it used to be priced as the unmasked call - and
+    ``benchmarks/planner_masks.py`` fills the spec in from the bench's preset."""
+    from seqpar.bench.presets import PRESETS
+    from seqpar.planner.validate import check, modelled, predict_record
+
+    spec = PRESETS["mask-sink-window-16k"].mask
+    old = {"preset": "mask-sink-window-16k", "method": "ring/contiguous", "world_size": 8, "seq_len": 16384,
+           "heads": 32, "kv_heads": 8, "head_dim": 128, "causal": False, "mask": "sink_window",
+           "gpu": "NVIDIA H200", "mode": "fwd", "time_ms": 0.5, "emulated_world": 8}      # compute, no links
+    new = old | {"mask_spec": list(spec)}                 # as JSON gives it back
+    assert not modelled(old) and modelled(new)
+    (row,), _, _ = check([old])
+    assert row.predicted_ms is None and row.note == "mask: its spec not recorded"
+    unmasked = predict_record({k: v for k, v in old.items() if k != "mask"}).time_ms("fwd")
+    assert 0 < predict_record(new).time_ms("fwd") < 0.6 * unmasked     # a quarter of the pairs, the calls kept
+
+
 def test_ring_critical_path_equal_ranks_is_the_lock_step_sum():
     """Note [Ring critical path]: ranks doing the same work at every step take the lock-step sum of Note [Step
     time], hop by hop; with free hops each rank runs its own calls, held only by neighbours not yet at the step."""

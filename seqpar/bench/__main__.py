@@ -343,7 +343,7 @@ class Bench:
         rec = {"preset": preset.name, "method": label, "mode": mode, "world_size": world,
                "time_ms": t, "limit_ms": limit[mode] / world, "heads": preset.heads, "kv_heads": preset.kv_heads,
                "seq_len": preset.seq_len, "head_dim": preset.head_dim, "causal": preset.causal,
-               "mask": None if preset.mask is None else preset.mask[0],
+               "mask": None if preset.mask is None else preset.mask[0], "mask_spec": preset.mask,
                "dtype": preset.dtype, "target": preset.targets.get(mode), "min_mem_gib": preset.min_mem_gib(world)}
         rec.update(extra or {})
         if t is not None:

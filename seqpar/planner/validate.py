@@ -17,7 +17,9 @@ labelled FIT (its time was used to fit the profile's fixed costs) or CHECK (held
 counts the two sets separately. The auto check groups rows by (file, preset, mode, world size): runs of
 different files are not compared with each other.
 
-Peer rows (``"peer:..."``) are listed as not modelled. Method names follow the benchmark: "ring/zigzag",
+Peer rows (``"peer:..."``) are listed as not modelled, and so are a named mask's rows recorded without its spec
+(``mask_spec``, written since 2026-11-28: before, the mask was dropped and its rows priced as the unmasked call).
+Method names follow the benchmark: "ring/zigzag",
 "usp/u2r2/zigzag", "allgather/zigzag[/stride4]", "ulysses", "tokenring/zigzag", "tasp/direct[/zigzag]",
 "double_ring/n2[/zigzag]".
 """
@@ -40,6 +42,7 @@ from ..cost.profile import Profile, load_profile
 from ..cost.topology import Network, get_topology
 from ..layouts import ALL_LAYOUT_NAMES
 from ..layouts.packing import SEED, packed_row
+from ..masks import from_spec
 from .search import DTYPE_BYTES, predict
 
 __all__ = ["Row", "check", "in_fit_set", "is_auto", "main", "modelled", "parse_method", "predict_record", "profile_for",
@@ -125,7 +128,7 @@ def modelled(rec: dict[str, Any]) -> bool:
     """Whether a record is a seqpar method the cost model predicts (not a peer, not ``auto``, not on a transport
     its method's model does not predict: ``Method.modelled_transports``)."""
     method = str(rec["method"])
-    if method.startswith("peer:") or is_auto(method):
+    if method.startswith("peer:") or is_auto(method) or (rec.get("mask") and not rec.get("mask_spec")):
         return False
     c = parse_method(method, int(rec["world_size"]), bool(rec.get("causal", True)))
     transport, m = c.option("transport"), _methods.get(c.method)
@@ -165,10 +168,17 @@ def _problem(rec: dict[str, Any]) -> Problem:
     """The problem a benchmark record timed (a packed row's with its documents)."""
     if rec.get("packed"):
         rec = PACKED_SUITE_SHAPE | rec
+    spec = rec.get("mask_spec")
     return Problem(seq_len=int(rec["seq_len"]), heads=int(rec["heads"]),
                    kv_heads=int(rec.get("kv_heads", rec["heads"])), head_dim=int(rec.get("head_dim", 128)),
                    batch=int(rec.get("batch", 1)), world=int(rec["world_size"]), causal=bool(rec.get("causal", True)),
-                   dtype_bytes=DTYPE_BYTES[str(rec.get("dtype", "bfloat16"))], documents=packed_documents(rec))
+                   dtype_bytes=DTYPE_BYTES[str(rec.get("dtype", "bfloat16"))], documents=packed_documents(rec),
+                   mask=None if spec is None else from_spec(_tuples(spec)))
+
+
+def _tuples(x: Any) -> Any:
+    """A mask spec read back from JSON: its lists as the tuples ``seqpar.masks.from_spec`` takes."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
 def _predict(rec: dict[str, Any], prof: Profile | None, kernel: str | None, source: str = "",
@@ -179,7 +189,9 @@ def _predict(rec: dict[str, Any], prof: Profile | None, kernel: str | None, sour
     if not modelled(rec):
         return Row(**base, predicted_ms=None, error=None, predicted_gib=None,
                    note="auto: checked below" if is_auto(method) else
-                   "peer: not modelled" if method.startswith("peer:") else "transport not modelled")
+                   "peer: not modelled" if method.startswith("peer:") else
+                   "mask: its spec not recorded" if rec.get("mask") and not rec.get("mask_spec") else
+                   "transport not modelled")
     pred = predict_record(rec, prof, kernel)
     t = pred.time_ms(mode)
     return Row(**base, predicted_ms=t, error=t / base["measured_ms"] - 1, predicted_gib=pred.peak_mem(mode) / 2**30)
