@@ -71,3 +71,31 @@ def test_masks_match_the_oracle(pools, world):
     cases = [c for m in SOFTMAX for c in mask_cases(m, world)]
     assert {c.method for c in cases} == set(SOFTMAX)
     assert_all_ok(run_cases_batched(pools(world), cases))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_open_bands_on_cpu_flash_match_the_oracle(pools, world):
+    """Note [Open bands backwards] through the runtime: ``kernel="auto"`` on CPU runs a band open to the right - a
+    windowed ring's farthest step, a frame's or an image's upper triangle - on the CPU flash kernel with its rows and
+    keys reversed; ring (both layouts) and all-gather against the fp64 oracle, gradients and the lse's included."""
+    import torch
+
+    from seqpar.kernels.executor import TaskRunner
+    from seqpar.layouts import make_layout
+    from seqpar.layouts.blocks import Rule
+    from seqpar.methods._passkv import schedule
+
+    S = 16 * world
+    sink = masks.sink_window(19, 2)                     # the window reaches past the neighbour's 16 rows
+    steps = schedule(make_layout("contiguous", world), world - 1, S, Rule(False, mask=sink), None, None).steps
+    runner = TaskRunner("auto", 0.1, training=True)
+    chosen = [(t.mask, k) for st in steps if st for t, k in runner.kernels(st, (1, 16, 4, 8), (1, 16, 2, 8),
+                                                                          torch.float32, "cpu")]
+    assert any(m.lo is not None and m.hi is None and k == "cpu_flash" for m, k in chosen), chosen
+    cases = [Case(method=method, layout=layout, heads=4, kv_heads=2, head_dim=8, seq_len=S, seed=world,
+                  causal=causal, window=window, mask=mask, kernel="auto", lse_grad=True)
+             for method, layout in (("ring", "contiguous"), ("ring", "zigzag"), ("allgather", "contiguous"))
+             for causal, window, mask in ((False, (-1, -1), sink), (False, (-1, -1), masks.block_causal(5)),
+                                          (False, (-1, -1), masks.spans([(1, 6), (S // 2, S // 2 + 9)])),
+                                          (True, (21, 0), None))]
+    assert_all_ok(run_cases_batched(pools(world), cases))
