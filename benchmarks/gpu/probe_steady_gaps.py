@@ -7,7 +7,8 @@
 For each configuration and mode: the median ms of a call timed back to back (10 calls between two synchronizations,
 after 8 warm-up calls), the GPU time of its operations (in all, and by name: ``ops_us_per_call``) and the GPU's
 idle time per call from torch.profiler over 3 back-to-back calls, the largest idle gaps with the operations on either
-side, and the synchronizations ``torch.cuda.set_sync_debug_mode`` reports during one call. One JSON line per case
+side, the synchronizations ``torch.cuda.set_sync_debug_mode`` reports during one call, and (``seqpar.runtime``'s
+log) whether auto graphed each kind of call. One JSON line per case
 (``write_probe``); a summary line per case on stdout. ``--mask`` runs every case non-causal under a named mask
 (``python -m seqpar plan``'s ``NAME:INTS``). The allocator's pool is seeded as the bench seeds it
 (Note [Emulated data]).
@@ -16,6 +17,7 @@ side, and the synchronizations ``torch.cuda.set_sync_debug_mode`` reports during
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from pathlib import Path
@@ -88,6 +90,8 @@ def main() -> None:
     ap.add_argument("--wide-rows", default=str(executor.WIDE_ROWS),
                     help="executor.WIDE_ROWS values, comma-separated: each case runs under each (Note [Bands on flex])")
     args = ap.parse_args()
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("seqpar.runtime").setLevel(logging.INFO)      # each call kind's graph decision, printed
     W, rows = args.world, []
     dist.init_process_group("fake", rank=args.rank, world_size=W, store=FakeStore())
     cases = [(o, int(w), c, m) for o in args.open_bands.split(",") for w in args.wide_rows.split(",")
