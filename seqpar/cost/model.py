@@ -93,14 +93,17 @@ Note [Masked problems]
     ``PLANNED_PIECES`` pieces (8x that for same-piece masks) is ranked without it too.
 
 Note [Band rates]
-    A windowed band runs on flex (sm90, Note [Bands on flex] in ``seqpar.kernels.executor``) or FA2, never on cuDNN,
+    A windowed band runs on flex (sm90, Note [Bands on flex] in ``seqpar.kernels.executor``) or FA2, not on cuDNN,
     and flex's band ran at 391-401 TFLOP/s forward and 338-352 backward on an H100 and an H200 (a causal window of
     4095, GQA 32/8, D 128, 16K and 128K; ``benchmarks/results/2026-11-28-flex-bounds-tma/``), where cuDNN's causal
     curve reads 555-639 and 521-539: priced at the default kernel's causal rate, the window's W = 1 call and the
     emulated all-gather's rank over 8 came out 1.4-2.1x faster than they ran
     (``benchmarks/results/2026-11-28-cpu-planner-band-rates/``). So a masked call of a banded problem
     (``Problem.banded``) that is not a plain causal shape (``_is_band``) goes at the profile's ``band_tflops``
-    where it has them. Bands narrower than flex's (FA2) are priced the same: not measured apart.
+    where it has them. Bands narrower than flex's (FA2) are priced the same: not measured apart. A band open to
+    the right runs on cuDNN since 2026-11-28 (Note [Open bands backwards] in ``seqpar.kernels.sdpa``): a square
+    one is a causal square to ``_is_band`` and keeps the causal rate; a trimmed open band of another shape is
+    still priced at the band rate, which over-prices it.
 
 Note [Ring critical path]
     A pass-KV ring's ranks are not in lock step. Rank r's step s needs the block its left neighbour forwarded at

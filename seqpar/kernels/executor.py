@@ -41,7 +41,8 @@ Note [Bands on flex]
     3.62 ms sink window (16K tokens, window 4095 + 4 sinks, GQA 32/8, D 128, bf16), where compiled flex ran the
     whole mask - band and sink columns - in 2.61 ms (forward+backward 11.2 ms against seqpar's 14.2 ms;
     ``benchmarks/results/2026-11-25-h100-hardening``, run2). So, with no FlashAttention-3 to ask:
-    1. Flex ranks above both FA2s for a wide windowed band - mask kind "band" (``lo`` bounded) with at least
+    1. Flex ranks above both FA2s for a wide windowed band - mask kind "band" (``lo`` and ``hi`` bounded; a band
+       open to the right, kind "open", goes to cuDNN read backwards: Note [Open bands backwards]) with at least
        ``WIDE_ROWS`` query rows (``KernelCall.wide``) - on ``BAND_ARCHS`` (sm90) when the block belongs to a
        training call with fixed shapes (``KernelCall.training``: a planned call a backward follows, and not
        ``shapes_vary``) or to a call without a backward (5.). Flex compiles once per block shape for training
@@ -209,7 +210,8 @@ def _sig(q: torch.Tensor, k: torch.Tensor) -> Sig:
 
 
 def _is_band(t: Task) -> bool:
-    """A windowed band (mask kind "band"), the block a joining kernel may be preferred for."""
+    """A windowed band (mask kind "band", or "open" when ``hi`` is unbounded), the block a joining kernel may be
+    preferred for."""
     return isinstance(t.mask, Band) and t.mask.lo is not None
 
 
