@@ -6,7 +6,7 @@
 # holds them all.
 #   JOB0="python3 -m pytest -m gpu ..." JOB1='python3 benchmarks/gpu/masks_1gpu.py --out $JOBOUT ...' \
 #     TIMEOUT=540 bash benchmarks/gpu/jobs_per_gpu.sh
-# Timings from jobs run side by side share the host's CPUs: compare within a job, not across jobs.
+# ONLY="0 3" runs just those jobs. Timings from jobs run side by side share the host's CPUs: compare within a job, not across jobs.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD
@@ -19,6 +19,7 @@ NGPU=$(nvidia-smi -L | wc -l)
 for d in $(seq 0 $((NGPU - 1))); do
   ( for g in $(seq "$d" "$NGPU" 7); do
       var=JOB$g; [ -n "${!var:-}" ] || continue
+      [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $g "* ]] || continue
       mkdir -p "$OUT/job$g"; echo "GPU $d: ${!var}" >> "$OUT/commands.txt"
       export CUDA_VISIBLE_DEVICES=$d JOBOUT=$OUT/job$g
       timeout "${TIMEOUT:-540}" bash -c "${!var}" > "$OUT/job$g.log" 2>&1; echo "== job $g rc=$?" >> "$OUT/job$g.log"
