@@ -2,7 +2,7 @@
 
     python3 benchmarks/gpu/probe_steady_gaps.py --out FILE [--world 8] [--rank 1] [--seq 131072] [--kv-heads 8]
         [--configs tasp/zigzag,ring/zigzag] [--modes fwd,fwd+bwd] [--mask sink_window:4095,4] [--wide-rows 4096,2048]
-        [--open-bands cudnn,band] [--runner bench --preset mask-block-causal-16k] [--keep-plans]
+        [--open-bands cudnn,band] [--stack on,off] [--runner bench --preset mask-block-causal-16k] [--keep-plans]
 
 For each configuration and mode: the median ms of a call timed back to back (10 calls between two synchronizations,
 after 8 warm-up calls), the GPU time of its operations (in all, and by name: ``ops_us_per_call``) and the GPU's
@@ -105,6 +105,10 @@ def main() -> None:
     ap.add_argument("--open-bands", default="cudnn",
                     help="cudnn (bands open to the right read backwards: Note [Open bands backwards]), band (as "
                          "windows, the kernels before it) or both, comma-separated: each case runs under each")
+    ap.add_argument("--stack", default="on",
+                    help="on (equal blocks in a row as one batched call: Note [Equal blocks as a batch]) or off "
+                         "(one call per block, the runner before it), comma-separated, repeats allowed: each case "
+                         "under each")
     ap.add_argument("--runner", default="probe", choices=("probe", "bench"),
                     help="probe: shards of a full random tensor (probe_host.case_fn); bench: the bench's own runner "
                          "(seqpar.bench.runners.ours_runner on the --preset)")
@@ -118,10 +122,12 @@ def main() -> None:
     logging.getLogger("seqpar.runtime").setLevel(logging.INFO)      # each call kind's graph decision, printed
     W, rows = args.world, []
     dist.init_process_group("fake", rank=args.rank, world_size=W, store=FakeStore())
-    cases = [(o, int(w), c, m) for o in args.open_bands.split(",") for w in args.wide_rows.split(",")
-             for c in args.configs.split(",") for m in args.modes.split(",")]
-    for open_bands, wide, config, mode in cases:
+    cases = [(st, o, int(w), c, m) for st in args.stack.split(",") for o in args.open_bands.split(",")
+             for w in args.wide_rows.split(",") for c in args.configs.split(",") for m in args.modes.split(",")]
+    stack = executor.stacked
+    for st, open_bands, wide, config, mode in cases:
         executor.WIDE_ROWS = wide
+        executor.stacked = stack if st == "on" else (lambda tasks: tasks)
         kind = _KIND if open_bands == "cudnn" else (lambda m: "band" if _KIND(m) == "open" else _KIND(m))
         kernels_base.mask_kind = executor.mask_kind = kind
         if not args.keep_plans:
@@ -146,11 +152,12 @@ def main() -> None:
             steady.append((time.perf_counter() - t0) * 1e2)
         row = {"config": config, "mode": mode, "mask": repr(args.mask), "runner": args.runner, "preset": args.preset,
                "world": W, "rank": args.rank,
-               "seq_len": args.seq, "wide_rows": wide, "open_bands": open_bands,
+               "seq_len": args.seq, "wide_rows": wide, "open_bands": open_bands, "stack": st,
                "kv_heads": args.kv_heads, "steady_ms": round(sorted(steady)[1], 3), **gaps(fn),
                "syncs": syncs(fn)}
         rows.append(row)
-        keys = ("open_bands", "wide_rows", "config", "mode", "steady_ms", "gpu_op_ms_per_call", "idle_ms_per_call")
+        keys = ("stack", "open_bands", "wide_rows", "config", "mode", "steady_ms", "gpu_op_ms_per_call",
+                "idle_ms_per_call")
         print({k: row[k] for k in keys},
               row["largest_gaps_us"][:4], len(row["syncs"]), row["syncs"][:2], flush=True)
         for op in row["ops_us_per_call"]:

@@ -40,7 +40,7 @@ from typing import ClassVar
 import torch
 
 from ..errors import UnsupportedInputError, rank_suffix
-from ..masks.forms import Band, Joined, Mask, Modded, Varlen
+from ..masks.forms import Band, Joined, Mask, Modded, Stacked, Varlen
 from ..types import AttnOutput
 
 __all__ = ["KERNELS", "Kernel", "KernelCall", "available_kernels", "device_arch", "register", "select"]
@@ -101,6 +101,8 @@ def mask_kind(mask: Mask) -> str:
         return "mod"
     if isinstance(mask, Joined):
         return "joined"
+    if isinstance(mask, Stacked):                       # one call of its band's kernel, the blocks as its batch
+        return mask_kind(mask.band)
     if mask.is_full:
         return "full"
     if mask.lo is None:

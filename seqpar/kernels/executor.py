@@ -155,6 +155,25 @@ Note [Long causal calls in halves]
     ``HALVES_ROWS`` rows or more whose kernel is cuDNN runs its forward in halves (``TaskRunner.forward_each``):
     Ulysses' forward at 128K, emulated W = 8 and 4, went from 0.89-0.96 to 0.98-1.05 of the one-GPU call's share.
     The three partials hold 1.5x the block's output until the call's one merge (Note [One merge per call]).
+
+Note [Equal blocks as a batch]
+    Llama 4's chunks make Ulysses' whole-sequence call a row of equal causal blocks on the diagonal: two of 8K at 16K
+    tokens, sixteen at 128K, each on H / U heads - 4 / 1 over 8 for GQA 32/8, so one 8K causal call fills 256 of an
+    H200's tiles, under two waves. They ran one cuDNN call each (blocks of ``GROUP_ROWS`` rows or more stay out of
+    varlen packing, and cuDNN has no varlen from Python), and at 2K tokens per rank over 8 (emulated, one H200,
+    ``benchmarks/results/2026-11-28-h200-thirtieth/4-short-steps``) Ulysses' forward+backward under the chunks held
+    the GPU 1.45 ms against 1.77 ms for causal, which has twice the pairs. The blocks are independent and equal, so
+    they are one call with the blocks as its batch: rows ``a + i n`` to ``a + (i + 1) n`` of ``(1, c n, h, d)`` are
+    the view ``(c, n, h, d)`` (a copy only for a batch of several sequences over part of their rows), the output
+    comes back as a view, and the lse ``(c, h, n)`` is one small copy into ``(1, h, c n)`` (the backward's lse and
+    Delta the other way). ``stacked`` finds the runs - two or more full or top-left causal blocks of the same shape,
+    each one's rows and keys starting where the last one's stop - after ``prepare`` (documents already packed into
+    varlen calls keep them), and the runner serves a ``Stacked`` task with the kernel its block would get alone
+    (``_kernel``), forward (``forward_each``) and backward (``backward_all``): Ulysses', USP's inner call and the
+    ring's own step at one rank. Equal packed documents (fixed-length samples) and bidirectional chunks take it
+    too. The other schedules call ``prepare`` and keep one call per block. Not measured yet:
+    ``benchmarks/gpu/stacked_blocks.sh`` times it against one call per block in one process (the session that wrote
+    it had no device time left).
 """
 
 from __future__ import annotations
@@ -166,7 +185,7 @@ import torch
 
 from ..errors import UnsupportedInputError
 from ..layouts.blocks import Task, group_varlen
-from ..masks.forms import Band, Joined, Modded, Varlen
+from ..masks.forms import Band, Joined, Modded, Stacked, Varlen
 from ..numerics import GradRows, acc_dtype
 from ..types import AttnOutput
 from . import combine
@@ -174,7 +193,7 @@ from .base import Kernel, KernelCall, device_arch, mask_kind, select
 from .side import beside_largest
 
 __all__ = ["GROUP_AT", "GROUP_ROWS", "HALVES_ROWS", "JOIN_KEYS", "JOIN_PAIRS", "JOIN_ROWS", "MEMO_SIZE",
-           "VARLEN_BWD_ROWS", "WIDE_ROWS", "TaskRunner", "halves", "row_groups"]
+           "VARLEN_BWD_ROWS", "WIDE_ROWS", "TaskRunner", "halves", "row_groups", "stacked"]
 
 GROUP_AT = 3
 """Tasks of one step from which ``TaskRunner.prepare`` packs them into varlen calls."""
@@ -237,6 +256,64 @@ def halves(t: Task) -> tuple[Task, ...]:
     q, k, h = t.q_start, t.k_start, t.rows // 2
     return (Task(q, q + h, k, k + h, m), Task(q + h, t.q_stop, k, k + h, Band()),
             Task(q + h, t.q_stop, k + h, t.k_stop, m))
+
+
+def _stackable(t: Task) -> bool:
+    """A full or top-left causal block of two rows or more: what ``stacked`` may batch."""
+    return type(t.mask) is Band and t.mask.lo is None and t.mask.hi in (None, 0) and t.rows >= 2
+
+
+def stacked(tasks: tuple[Task, ...]) -> tuple[Task, ...]:
+    """``tasks`` with every run of two or more equal blocks one after another on a diagonal (the same full or causal
+    band and shape, each block's rows and keys starting where the previous one's stop) as one ``Stacked`` task
+    (Note [Equal blocks as a batch]); ``tasks`` itself when no run has two."""
+    out: list[Task] = []
+    run: list[Task] = []
+
+    def flush() -> None:
+        if len(run) > 1:
+            a, b = run[0], run[-1]
+            out.append(Task(a.q_start, b.q_stop, a.k_start, b.k_stop, Stacked(len(run), a.mask)))
+        else:
+            out.extend(run)
+        run.clear()
+
+    for t in sorted(tasks, key=lambda t: (t.q_start, t.k_start)):
+        if not _stackable(t):
+            flush()
+            out.append(t)
+            continue
+        last = run[-1] if run else None
+        if last is not None and not (t.mask == last.mask and (t.rows, t.cols) == (last.rows, last.cols)
+                                     and t.q_start == last.q_stop and t.k_start == last.k_stop):
+            flush()
+        run.append(t)
+    flush()
+    return tuple(out) if len(out) < len(tasks) else tasks
+
+
+def _batch(x: torch.Tensor, rows: slice, count: int) -> torch.Tensor:
+    """Rows ``rows`` of ``x (B, L, h, d)`` as ``(B * count, L' / count, h, d)``: a view where the strides allow it
+    (one batch, or every row), else a copy."""
+    xs = x[:, rows]
+    return xs.reshape(xs.shape[0] * count, xs.shape[1] // count, *xs.shape[2:])
+
+
+def _unbatch(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """``_batch``'s inverse on a result ``(B * count, n, h, d) -> (B, count * n, h, d)``."""
+    return x.reshape(batch, -1, *x.shape[2:])
+
+
+def _lse_batch(lse: torch.Tensor, count: int) -> torch.Tensor:
+    """Row statistics ``(B, h, count * n) -> (B * count, h, n)`` (a copy: the rows move next to the batch)."""
+    B, h, L = lse.shape
+    return lse.reshape(B, h, count, L // count).transpose(1, 2).reshape(B * count, h, L // count)
+
+
+def _lse_unbatch(lse: torch.Tensor, batch: int) -> torch.Tensor:
+    """``_lse_batch``'s inverse: ``(B * count, h, n) -> (B, h, count * n)``."""
+    Bc, h, n = lse.shape
+    return lse.reshape(batch, Bc // batch, h, n).transpose(1, 2).reshape(batch, h, -1)
 
 
 def row_groups(task: Task, most: int) -> tuple[Task, ...]:
@@ -303,6 +380,9 @@ class TaskRunner:
                 backward: bool = False) -> Kernel:
         """The kernel of ``task``'s kind of block; ``wide`` (default: from its rows, ``WIDE_ROWS``) overrides the
         block's size class (``takes_delta`` asks for both); ``backward``: the kernel of its backward pass."""
+        if isinstance(task.mask, Stacked):          # one call of its band's kernel on a block's shape
+            c = task.mask.count
+            task = Task(0, task.rows // c, 0, task.cols // c, task.mask.band)
         single = task.rows == 1 and task.cols == 1
         wide = task.rows >= WIDE_ROWS if wide is None else wide
         kind = mask_kind(task.mask)
@@ -331,6 +411,12 @@ class TaskRunner:
                 return None
             return parts
         return self._memoized(("apart", task, sig, dv), members)
+
+    def _stacked(self, tasks: tuple[Task, ...]) -> tuple[Task, ...]:
+        """``stacked(tasks)``, once per task tuple (Note [Runner memos])."""
+        if len(tasks) < 2:
+            return tasks
+        return self._memoized(("stacked", tasks), lambda: stacked(tasks))
 
     def grads_in_input_dtype(self, q: torch.Tensor, k: torch.Tensor, task: Task, dv: int | None = None) -> bool:
         """Whether ``backward`` returns ``task``'s gradients in the inputs' dtype (``Kernel.grads_in_input_dtype``);
@@ -480,16 +566,43 @@ class TaskRunner:
         return True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, task: Task) -> AttnOutput:
+        if isinstance(task.mask, Stacked):
+            return self._forward_stacked(q, k, v, task)
         qs = q if task.q_start == 0 and task.q_stop == q.shape[1] else q[:, task.q]   # no view when whole
         ks, vs = (k, v) if task.k_start == 0 and task.k_stop == k.shape[1] else (k[:, task.k], v[:, task.k])
         return self.kernel_for(qs, ks, task, v.shape[-1]).forward(qs, ks, vs, task.mask, self.scale,
                                                                    softcap=self.softcap)
 
+    def _forward_stacked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, task: Task) -> AttnOutput:
+        """A ``Stacked`` task as one call of its band's kernel, its blocks as the batch (Note [Equal blocks as a
+        batch])."""
+        c, B = task.mask.count, q.shape[0]
+        qs, ks, vs = _batch(q, task.q, c), _batch(k, task.k, c), _batch(v, task.k, c)
+        res = self.kernel_for(qs, ks, task, v.shape[-1]).forward(qs, ks, vs, task.mask.band, self.scale,
+                                                                  softcap=self.softcap)
+        return AttnOutput(_unbatch(res.out, B), _lse_unbatch(res.lse, B))
+
+    def _backward_stacked(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          lse: torch.Tensor, task: Task) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The gradients of ``_forward_stacked``'s call, from the final rows."""
+        c, B, sq = task.mask.count, q.shape[0], task.q
+        qs, ks, vs = _batch(q, sq, c), _batch(k, task.k, c), _batch(v, task.k, c)
+        kern = self.kernel_for(qs, ks, task, v.shape[-1], backward=True)
+        if kern.takes_delta:
+            do, out, delta = _batch(rows.do, sq, c), None, _lse_batch(rows.delta[:, :, sq], c)
+        else:
+            do_f, out_f = rows.folded
+            do, out, delta = _batch(do_f, sq, c), _batch(out_f, sq, c), None
+        g = kern.backward(do, qs, ks, vs, out, _lse_batch(lse[:, :, sq], c), task.mask.band, self.scale,
+                          delta=delta, softcap=self.softcap, deterministic=self.deterministic)
+        return tuple(_unbatch(x, B) for x in g)
+
     def forward_each(self, tasks: tuple[Task, ...], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                      ) -> list[tuple[Task, AttnOutput]]:
-        """Every call of ``tasks`` (``prepare``) with its partial; a lone square causal block of ``HALVES_ROWS`` rows
-        or more on cuDNN runs as three calls on two streams (Note [Long causal calls in halves])."""
-        tasks = self.prepare(tasks, q, k)
+        """Every call of ``tasks`` (``prepare``; equal blocks in a row as one batched call: Note [Equal blocks as a
+        batch]) with its partial; a lone square causal block of ``HALVES_ROWS`` rows or more on cuDNN runs as three
+        calls on two streams (Note [Long causal calls in halves])."""
+        tasks = self._stacked(self.prepare(tasks, q, k))
         if len(tasks) == 1 and q.device.type == "cuda" and tasks[0].rows >= HALVES_ROWS:
             t = tasks[0]
             cut = self._memoized(("halves", t), lambda: halves(t))
@@ -500,6 +613,8 @@ class TaskRunner:
     def backward(self, rows: GradRows, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lse: torch.Tensor,
                  task: Task) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One task's (dq, dk, dv) from the final rows ``rows`` (full local rows; sliced here)."""
+        if isinstance(task.mask, Stacked):
+            return self._backward_stacked(rows, q, k, v, lse, task)
         apart = self._apart(task, _sig(q, k), v.shape[-1])
         if apart is not None:
             return self._backward_apart(rows, q, k, v, lse, task, apart)
@@ -530,7 +645,7 @@ class TaskRunner:
                      tasks: tuple[Task, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every task's gradients summed over the whole q, k, v (fp32, fp64 for fp64 inputs); one task that
         covers everything returns the kernel's own gradients, with no sums and no copies."""
-        tasks = self.prepare(tasks, q, k)
+        tasks = self._stacked(self.prepare(tasks, q, k))
         if len(tasks) == 1 and tasks[0].rows == q.shape[1] and tasks[0].cols == k.shape[1]:
             t = tasks[0]
             if isinstance(t.mask, Varlen) and q.shape[0] * t.rows > VARLEN_BWD_ROWS:

@@ -41,6 +41,17 @@ the reference kernel serve it::
     x x . x x x . .      row 5 sees two intervals of keys: [0, 1] and [3, 5]
     x x . . x x x .
     x x . . . x x x
+
+``Stacked(count, band)``: ``count`` equal blocks one after another on the diagonal of the call, each
+``rows / count`` query rows against ``cols / count`` key rows under ``band`` (full or causal): Llama 4's chunks,
+equal documents. The runner serves it as ONE call of any kernel that serves ``band``, the blocks as its batch
+(Note [Equal blocks as a batch] in ``seqpar.kernels.executor``)::
+
+    Stacked(2, Band(None, 0)) on 4 x 4
+    x . . .
+    x x . .
+    . . x .
+    . . x x
 """
 
 from __future__ import annotations
@@ -51,7 +62,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["Band", "Joined", "Mask", "Modded", "Varlen", "bottom_right_window", "dense", "fa2_exact", "run_positions"]
+__all__ = ["Band", "Joined", "Mask", "Modded", "Stacked", "Varlen", "bottom_right_window", "dense", "fa2_exact",
+           "run_positions"]
 
 
 @dataclass(frozen=True)
@@ -138,7 +150,20 @@ class Joined:
         return out.to(torch.int32)
 
 
-Mask = Band | Varlen | Modded | Joined
+@dataclass(frozen=True)
+class Stacked:
+    """``count`` equal blocks on the call's diagonal, each under ``band`` (full or causal), served as one batch."""
+
+    count: int
+    band: Band
+
+    @property
+    def is_full(self) -> bool:
+        """Never: the blocks hide the cells between them."""
+        return False
+
+
+Mask = Band | Varlen | Modded | Joined | Stacked
 
 
 def run_positions(runs: tuple[tuple[int, int], ...], stride: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -172,6 +197,12 @@ def dense(mask: Mask, m: int, n: int, device: torch.device | str = "cpu") -> tor
         vis = torch.zeros(m, n, dtype=torch.bool, device=device)
         for q0, q1, k0, k1, band in mask.parts:
             vis[q0:q1, k0:k1] |= dense(band, q1 - q0, k1 - k0, device)
+        return vis
+    if isinstance(mask, Stacked):
+        vis = torch.zeros(m, n, dtype=torch.bool, device=device)
+        r, c = m // mask.count, n // mask.count
+        for i in range(mask.count):
+            vis[i * r:(i + 1) * r, i * c:(i + 1) * c] = dense(mask.band, r, c, device)
         return vis
     qp, kp = mask.positions(device)
     zero = torch.zeros((), dtype=torch.long, device=device)
