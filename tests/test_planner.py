@@ -400,6 +400,40 @@ def test_windowed_bands_go_at_the_profile_band_rate():
         assert limit(prof, **kw) == limit(bare, **kw)
 
 
+def test_few_kv_heads_band_backward_and_dense_masked_calls():
+    """Note [Band rates]: a grouped-query band's backward on at most ``FEW_KV_HEADS`` KV heads per rank (Ulysses'
+    share of GQA 32/8 over 4 or 8) goes at ``FEW_KV_BAND_BWD`` of the band backward rate - the kernel flex hands it
+    to (``seqpar.kernels.flex.BAND_BWD_KV_HEADS``) - and its forward as before; Note [Query tiles of packed calls]:
+    a named mask's blocks are dense calls and pay no query tiles, a packed row's do."""
+    from dataclasses import replace
+
+    from seqpar import masks
+    from seqpar.cost import model
+    from seqpar.cost.work import Block
+    from seqpar.kernels.flex import BAND_BWD_KV_HEADS
+
+    assert model.FEW_KV_HEADS == BAND_BWD_KV_HEADS
+    prof = load_profile("h200-nvswitch")
+    sink = masks.sink_window(4095, 4)
+    gqa = Problem(seq_len=16384, heads=32, kv_heads=8, world=8, causal=False, mask=sink)
+    mha = Problem(seq_len=16384, heads=32, kv_heads=32, world=8, causal=False, mask=sink)
+    m = model.Machine(prof, model.Network(get_topology("nvswitch", prof), prof), prof.default_kernel)
+    band = Block(16384, 16384, 16384 * 4096 - 4095 * 4096 // 2)
+    assert model._is_band(band)
+    for p, few in ((gqa, True), (mha, False)):
+        for heads, per_rank_few in ((4, few), (32, False)):         # Ulysses over 8 (4 / 1), one rank's 32 / 8
+            fwd = m.kernel_ms(p, band, heads)
+            bwd = m.kernel_ms(p, band, heads, "bwd")
+            plain = m.kernel_ms(replace(p, kv_heads=p.heads), band, heads, "bwd")   # MHA: never few KV heads
+            launch = prof.launch_us * 1e-3
+            assert (bwd - launch) == pytest.approx((plain - launch) / (model.FEW_KV_BAND_BWD if per_rank_few else 1))
+            assert fwd == m.kernel_ms(replace(p, kv_heads=p.heads), band, heads)
+    tiled = Block(2048, 4, 8192, tiles=16, padded=8192)
+    assert m.kernel_ms(gqa, tiled, 32) == m.kernel_ms(gqa, Block(2048, 4, 8192), 32)          # no documents
+    packed = replace(gqa, mask=None, causal=True, documents=(0, 8192, 16384))
+    assert m.kernel_ms(packed, tiled, 32) > m.kernel_ms(packed, Block(2048, 4, 8192), 32)     # a packed row's
+
+
 # --- CLI, simulator, validate -------------------------------------------------------------------------
 def test_plan_cli(capsys, tmp_path):
     assert plan_main(["--gpus", "4", "--seq-len", "16k", "--kv-heads", "8"]) == 0

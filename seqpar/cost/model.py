@@ -103,7 +103,12 @@ Note [Band rates]
     where it has them. Bands narrower than flex's (FA2) are priced the same: not measured apart. A band open to
     the right runs on cuDNN since 2026-11-28 (Note [Open bands backwards] in ``seqpar.kernels.sdpa``): a square
     one is a causal square to ``_is_band`` and keeps the causal rate; a trimmed open band of another shape is
-    still priced at the band rate, which over-prices it.
+    still priced at the band rate, which over-prices it, and neither pays for its flips (copies in and out).
+    A grouped-query band's backward on at most ``FEW_KV_HEADS`` KV heads per rank - Ulysses' share of GQA 32/8 over
+    4 or 8 - runs on FA2 (Note [Band backward on few KV heads] in ``seqpar.kernels.executor``): at the band rate the
+    sink window's Ulysses forward+backward came out 32-44% faster than it ran (emulated, one H200, 16K over 4 and
+    8, four records of ``benchmarks/results/2026-11-28-h200-thirtieth`` and ``-thirty-first``). It goes at
+    ``FEW_KV_BAND_BWD`` (0.5, fitted on those four rows: -8% to +14% after) of the band backward rate.
 
 Note [Ring critical path]
     A pass-KV ring's ranks are not in lock step. Rank r's step s needs the block its left neighbour forwarded at
@@ -137,7 +142,10 @@ Note [Query tiles of packed calls]
     ``tiles``) is charged its pairs on whole tiles (``padded``: each run pair's pairs times its rows rounded up to
     tiles, over its rows) at the kernel's rate, plus ``Profile.tile_cost_us`` per query tile and head. A run pair
     counts its own tiles (a run seeing key runs of two ranks in one call counts twice: a bound); all-gather and
-    Ulysses count each query run once (its keys are one range in global order). Dense calls keep the dense model.
+    Ulysses count each query run once (its keys are one range in global order). Dense calls keep the dense model,
+    a named mask's blocks included (a problem without documents pays no tiles): charged tiles, the ring's steps
+    under spans, prefix LM, block-causal and chunks came out 17-55% slower than they ran at 2K tokens per rank over 8
+    (emulated, one H200), and within -17% to +7% without (``benchmarks/results/2026-11-28-cpu-planner-tiles/``).
 
 Memory (``base_mem``, ``temps`` and each method's buffers) counts what one rank holds at the peak of the
 pass: inputs, outputs, the tensors autograd saves, and the method's buffers (ALGORITHMS.md §12.2 "Memory");
@@ -354,14 +362,18 @@ class Machine:
         if blk is None or blk.pairs == 0:
             return 0.0
         parts = causal_corner(blk) or (blk,)
-        tiles = self.profile.tile_cost_us(direction) * 1e-3 * blk.tiles * heads * p.batch
+        tiles = 0.0
+        if p.documents is not None:                  # Note [Query tiles of packed calls]: packed calls only
+            tiles = self.profile.tile_cost_us(direction) * 1e-3 * blk.tiles * heads * p.batch
         return sum(self._flops_ms(p, b, heads, direction) for b in parts) + self.profile.launch_us * 1e-3 + tiles
 
     def _flops_ms(self, p: Problem, blk: Block, heads: float, direction: str) -> float:
         mask = "causal" if blk.masked else "full"
         band = self.profile.band_rate(direction, blk.tokens) if p.banded and _is_band(blk) else None
+        if band is not None and direction == "bwd" and _few_kv_heads(p, heads):
+            band *= FEW_KV_BAND_BWD                         # Note [Band rates]: FA2's backward, few KV heads
         rate = band if band is not None else self.profile.rate_tflops(self.kernel, mask, direction, blk.tokens)
-        pairs = blk.padded or blk.pairs
+        pairs = (blk.padded or blk.pairs) if p.documents is not None else blk.pairs
         flops = 4.0 * p.batch * pairs * heads * p.head_dim * (BWD_FLOPS if direction == "bwd" else 1.0)
         return flops / (rate * 1e12) * 1e3
 
@@ -497,6 +509,18 @@ def steps(p: Problem, layout: str, ranks: int) -> tuple[Block | None, ...]:
     if not p.shaped:
         return ring_steps(layout, ranks, p.seq_len, p.causal, p.window)
     return packed_steps(p, layout, ranks, lambda r, s: (r - s) % ranks, ranks)
+
+
+FEW_KV_BAND_BWD = 0.5
+"""A grouped-query band's backward on at most ``FEW_KV_HEADS`` KV heads per rank, over the profile's band backward
+rate (Note [Band rates])."""
+FEW_KV_HEADS = 4
+"""``seqpar.kernels.flex.BAND_BWD_KV_HEADS``: at most this many KV heads, flex declines a band's backward (FA2's)."""
+
+
+def _few_kv_heads(p: Problem, heads: float) -> bool:
+    """Whether a call on ``heads`` query heads per rank holds at most ``FEW_KV_HEADS`` KV heads under GQA."""
+    return p.kv_heads < p.heads and heads * p.kv_heads / p.heads <= FEW_KV_HEADS
 
 
 def _is_band(blk: Block) -> bool:
