@@ -4,6 +4,7 @@
   suite's tolerance (2x a single-device bf16 computation);
 * a generic ``mask_mod`` runs its partly visible blocks on flex, the whole-call (direct) path and the engine path
   (lse returned) alike; softcap's direct path equals its engine path;
+* equal chunks run as one batched cuDNN call (Note [Equal blocks as a batch]) and match the oracle;
 * flex's forward on TMA (Note [Flex on TMA]) captured as a CUDA graph gives the eager call's results;
 * windowed bands on ``auto`` (the sink window, windowed spans, a plain ``window_size=``) in a training call: on sm90
   flex, a step's band and thin blocks joined into one call (Note [Bands on flex]), direct and engine paths; the
@@ -58,6 +59,25 @@ NAMED = [(True, masks.chunked(256)), (False, masks.spans([(10, 200), (600, 700)]
 def test_named_masks_run_on_dense_kernels(causal, mask):
     q, k, v = _inputs()          # kernel="sdpa" (cuDNN, FA2, efficient) would refuse any block needing flex
     out = seqpar.attention(q, k, v, causal=causal, mask_mod=mask, layout="contiguous", kernel="sdpa")
+    _check(out, q, k, v, causal, mask)
+
+
+@pytest.mark.parametrize("causal,mask", [(True, masks.chunked(256)), (False, masks.chunked(512))],
+                         ids=["chunks-causal", "chunks-full"])
+def test_equal_chunks_as_one_batched_call(causal, mask):
+    """Note [Equal blocks as a batch] on a GPU: Ulysses on one rank runs its whole-sequence call on the engine (no
+    direct path for several blocks), the equal chunks as ONE batched cuDNN call forward and backward."""
+    from seqpar.kernels import executor
+
+    calls = []
+    real = executor.TaskRunner._forward_stacked
+    executor.TaskRunner._forward_stacked = lambda self, *a: calls.append(a[3].mask) or real(self, *a)
+    try:
+        q, k, v = _inputs(2)
+        out = seqpar.attention(q, k, v, method="ulysses", causal=causal, mask_mod=mask, kernel="cudnn")
+    finally:
+        executor.TaskRunner._forward_stacked = real
+    assert [m.count for m in calls] == [S // mask.size], calls
     _check(out, q, k, v, causal, mask)
 
 

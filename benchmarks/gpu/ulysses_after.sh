@@ -6,7 +6,7 @@ export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/seqpar-out}
 for m in ring/contiguous,ulysses allgather/contiguous,ulysses; do
   echo "### $m"
-  timeout 140 python3 benchmarks/gpu/probe_bench_steady.py --emulate-world 8 --preset mask-spans-16k --methods "$m" \
+  timeout 280 python3 benchmarks/gpu/probe_bench_steady.py --emulate-world 8 --preset mask-spans-16k --methods "$m" \
     --warmup 6 --iters 7 --out "$OUT/$(echo "$m" | tr / _)" 2>&1 | grep -v "Warn\|warn(" | grep "steady\|API\|] #" \
     | cut -c1-230
 done
