@@ -113,3 +113,49 @@ def _cases(world: int) -> list[Case]:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_stacked_blocks_through_the_methods_match_the_oracle(pools, world):
     assert_all_ok(run_cases_batched(pools(world), _cases(world)))
+
+
+def _fuzz_cases(world: int, n: int, seed: int) -> list[Case]:
+    """``n`` random Ulysses / USP calls whose whole-sequence call holds equal blocks in a row: chunks dividing the
+    length, or equal documents; with padding, windows, dtypes, GQA, a value dim, sinks, softcap, the lse gradient."""
+    import math
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        method = rng.choice(["ulysses", "usp"])
+        kv = rng.choice([1, 2, world, 2 * world])
+        heads = math.lcm(kv, world) * rng.choice([1, 2])
+        count, size = rng.randint(2, 5), world * rng.choice([2, 4, 6])
+        S = count * size
+        valid = S - rng.randint(1, size - 1) if rng.random() < 0.2 else None
+        docs = None if rng.random() < 0.6 else (*range(0, S - size + 1, size), valid or S)   # the last cut short
+        kernel = rng.choice(["reference", "auto"])
+        softcap = rng.choice([0.0, 0.0, 5.0]) if kernel == "reference" else 0.0
+        out.append(Case(method=method, layout="contiguous" if method == "ulysses" else rng.choice(["contiguous",
+                                                                                                       "zigzag"]),
+                        ulysses=world if method == "usp" else None, heads=heads, kv_heads=kv,
+                        head_dim=rng.choice([4, 8, 16]), seq_len=S, batch=rng.choice([1, 2]),
+                        causal=rng.random() < 0.7, mask=masks.chunked(size) if docs is None else None,
+                        cu_seqlens=docs, valid_len=valid, kernel=kernel, softcap=softcap,
+                        dtype=rng.choice(["float32", "float64", "bfloat16", "float16"]),
+                        window=rng.choice([(-1, -1), (-1, -1), (size // 2, 0)]),
+                        value_dim=rng.choice([None, None, 12]), sinks=rng.random() < 0.3,
+                        lse_grad=rng.random() < 0.5, seed=rng.randint(0, 2**16)))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_stacked_blocks_fuzz_long(pools, world):
+    """The long run (``-m slow``): ``SEQPAR_FUZZ_EXAMPLES`` (default 60) random calls per world size, seeded by
+    ``SEQPAR_FUZZ_SEED`` (default: fresh), against the fp64 oracle."""
+    import os
+    import random
+
+    n = int(os.environ.get("SEQPAR_FUZZ_EXAMPLES", "60"))
+    seed = int(os.environ.get("SEQPAR_FUZZ_SEED", str(random.randrange(2**31))))
+    reports = run_cases_batched(pools(world), _fuzz_cases(world, n, seed + world))
+    bad = [str(r) for r in reports if not r.ok]
+    assert not bad, f"seed {seed}: {len(bad)} of {len(reports)} failed:\n" + "\n".join(bad)
