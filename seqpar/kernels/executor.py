@@ -412,11 +412,12 @@ class TaskRunner:
             return parts
         return self._memoized(("apart", task, sig, dv), members)
 
-    def _stacked(self, tasks: tuple[Task, ...]) -> tuple[Task, ...]:
-        """``stacked(tasks)``, once per task tuple (Note [Runner memos])."""
+    def _calls(self, tasks: tuple[Task, ...], q: torch.Tensor, k: torch.Tensor) -> tuple[Task, ...]:
+        """``prepare(tasks)`` with its equal blocks in a row as one call each (``stacked``: Note [Equal blocks as a
+        batch]), once per task tuple and kind of tensors - one memo lookup a call, as ``prepare``'s own."""
         if len(tasks) < 2:
-            return tasks
-        return self._memoized(("stacked", tasks), lambda: stacked(tasks))
+            return self.prepare(tasks, q, k)
+        return self._memoized(("calls", tasks, _sig(q, k)), lambda: stacked(self.prepare(tasks, q, k)))
 
     def grads_in_input_dtype(self, q: torch.Tensor, k: torch.Tensor, task: Task, dv: int | None = None) -> bool:
         """Whether ``backward`` returns ``task``'s gradients in the inputs' dtype (``Kernel.grads_in_input_dtype``);
@@ -602,7 +603,7 @@ class TaskRunner:
         """Every call of ``tasks`` (``prepare``; equal blocks in a row as one batched call: Note [Equal blocks as a
         batch]) with its partial; a lone square causal block of ``HALVES_ROWS`` rows or more on cuDNN runs as three
         calls on two streams (Note [Long causal calls in halves])."""
-        tasks = self._stacked(self.prepare(tasks, q, k))
+        tasks = self._calls(tasks, q, k)
         if len(tasks) == 1 and q.device.type == "cuda" and tasks[0].rows >= HALVES_ROWS:
             t = tasks[0]
             cut = self._memoized(("halves", t), lambda: halves(t))
@@ -645,7 +646,7 @@ class TaskRunner:
                      tasks: tuple[Task, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every task's gradients summed over the whole q, k, v (fp32, fp64 for fp64 inputs); one task that
         covers everything returns the kernel's own gradients, with no sums and no copies."""
-        tasks = self._stacked(self.prepare(tasks, q, k))
+        tasks = self._calls(tasks, q, k)
         if len(tasks) == 1 and tasks[0].rows == q.shape[1] and tasks[0].cols == k.shape[1]:
             t = tasks[0]
             if isinstance(t.mask, Varlen) and q.shape[0] * t.rows > VARLEN_BWD_ROWS:
